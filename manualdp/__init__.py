@@ -1,0 +1,16 @@
+"""manualdp: data-parallel training by hand, on PyTorch.
+
+Read in this order: split -> replicate -> allreduce -> train_batch -> train.
+"""
+from .allreduce import allreduce
+from .devices import cpu_devices, try_all_gpus, try_gpu
+from .replicate import broadcast, replicate, replicate_params
+from .split import split_batch
+from .train import History, allreduce_gradients, evaluate, train, train_batch
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "allreduce", "allreduce_gradients", "broadcast", "cpu_devices", "evaluate", "History",
+    "replicate", "replicate_params", "split_batch", "train", "train_batch", "try_all_gpus", "try_gpu",
+]

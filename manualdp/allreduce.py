@@ -1,0 +1,87 @@
+"""Allreduce across a list of per-device tensors, in one process (the single controller)."""
+from __future__ import annotations
+
+import torch
+
+from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
+
+__all__ = ["allreduce", "run_schedule", "check_tensors"]
+
+
+def allreduce(tensors: list[torch.Tensor], algorithm: str = "naive") -> None:
+    """Sum `tensors` (one per device) in place, so that every device holds the sum.
+
+    `naive` is the textbook's: add every tensor into device 0, then copy the sum back.
+    Other algorithms (`ring`, `tree`) run their schedule from `manualdp.schedule`.
+    Afterwards the tensors are bitwise identical.
+    """
+    check_tensors(tensors)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    with torch.no_grad():
+        if algorithm == "naive":
+            for i in range(1, len(tensors)):
+                tensors[0].add_(tensors[i].to(tensors[0].device))
+            for i in range(1, len(tensors)):
+                tensors[i].copy_(tensors[0])  # in place: `tensors[i] = ...` would only rebind the name
+        else:
+            run_schedule(get_schedule(algorithm, len(tensors)), tensors)
+
+
+def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
+    """Execute `schedule` on `tensors`, in place: the executor for every algorithm."""
+    if len(tensors) != schedule.num_devices:
+        raise ValueError(f"schedule is for {schedule.num_devices} devices, got {len(tensors)} tensors")
+    flats = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone() for t in tensors]
+    bounds = chunk_bounds(flats[0].numel(), schedule.num_chunks)
+    for rnd in schedule.rounds:
+        # A round's transfers are simultaneous; check_schedule guarantees no chunk is both
+        # read and written on one device within a round, so applying them in order is safe.
+        for src, dst, chunk, reduce in rnd:
+            lo, hi = bounds[chunk]
+            if lo == hi:
+                continue
+            incoming = flats[src][lo:hi].to(flats[dst].device)
+            if reduce:
+                flats[dst][lo:hi].add_(incoming)
+            else:
+                flats[dst][lo:hi].copy_(incoming)
+    for t, flat in zip(tensors, flats):
+        if not t.is_contiguous():
+            t.copy_(flat.view_as(t))
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Byte range of `t` inside its storage."""
+    if t.numel() == 0:
+        return (0, 0)
+    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    start = t.storage_offset() * t.element_size()
+    return (start, start + extent * t.element_size())
+
+
+def check_tensors(tensors, name: str = "tensors") -> None:
+    """Raise unless `tensors` is a non-empty list of same-shape, same-dtype, non-aliasing tensors."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors (one per device), got {type(tensors).__name__}")
+    if not tensors:
+        raise ValueError(f"{name} must not be empty, got {tensors!r}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype == torch.bool or t.is_complex():
+            raise TypeError(f"{name}[{i}] has dtype {t.dtype}; allreduce sums real numbers")
+        if t.shape != tensors[0].shape:
+            raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, but {name}[0] has {tuple(tensors[0].shape)}")
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(f"{name}[{i}] has dtype {t.dtype}, but {name}[0] has {tensors[0].dtype}")
+    spans = []
+    for i, t in enumerate(tensors):
+        if t.numel() == 0:
+            continue
+        key = (t.device, t.untyped_storage().data_ptr())
+        lo, hi = _span(t)
+        for j, (k, jlo, jhi) in spans:
+            if k == key and lo < jhi and jlo < hi:
+                raise ValueError(f"{name}[{i}] and {name}[{j}] share memory; every device needs its own copy")
+        spans.append((i, (key, lo, hi)))

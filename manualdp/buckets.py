@@ -1,0 +1,54 @@
+"""Gradient buckets: fuse many small gradients into a few flat buffers, and back."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "assign_buckets", "flatten", "unflatten_"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
+
+
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None) -> list[list[int]]:
+    """Group parameter indices into buckets of at most `bucket_cap_mb` MiB, in reverse order.
+
+    Reverse order, as DDP: backward produces the last layers' gradients first, so the first
+    bucket fills first. A parameter larger than the cap gets a bucket of its own; a change
+    of dtype or device starts a new bucket (a flat buffer has one of each).
+    `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop).
+    """
+    if bucket_cap_mb is not None and (
+        isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
+    ):
+        raise ValueError(f"bucket_cap_mb must be a positive number or None, got {bucket_cap_mb!r}")
+    order = list(range(len(params)))[::-1]
+    if bucket_cap_mb is None:
+        return [[i] for i in order]
+    cap = bucket_cap_mb * 2**20
+    buckets: list[list[int]] = []
+    size = 0
+    for i in order:
+        p = params[i]
+        nbytes = p.numel() * p.element_size()
+        first = params[buckets[-1][0]] if buckets else None
+        if first is None or size + nbytes > cap or p.dtype != first.dtype or p.device != first.device:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(i)
+        size += nbytes
+    return [b for b in buckets if b]
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate `tensors` into one new flat tensor."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def unflatten_(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of `flat` back into `tensors`, in place."""
+    total = sum(t.numel() for t in tensors)
+    if flat.numel() != total:
+        raise ValueError(f"flat has {flat.numel()} elements, tensors hold {total}")
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
