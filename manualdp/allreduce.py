@@ -16,7 +16,7 @@ def allreduce(tensors: list[torch.Tensor], algorithm: str = "naive") -> None:
     Afterwards the tensors are bitwise identical.
     """
     check_tensors(tensors)
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     with torch.no_grad():
         if algorithm == "naive":
@@ -52,11 +52,11 @@ def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
-    """Byte range of `t` inside its storage."""
+    """Address range of `t`'s bytes; absolute, since two storages can share memory (e.g. `torch.from_numpy`)."""
     if t.numel() == 0:
         return (0, 0)
     extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
-    start = t.storage_offset() * t.element_size()
+    start = t.data_ptr()
     return (start, start + extent * t.element_size())
 
 
@@ -75,11 +75,14 @@ def check_tensors(tensors, name: str = "tensors") -> None:
             raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, but {name}[0] has {tuple(tensors[0].shape)}")
         if t.dtype != tensors[0].dtype:
             raise TypeError(f"{name}[{i}] has dtype {t.dtype}, but {name}[0] has {tensors[0].dtype}")
+        if any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride())):
+            # An expanded tensor cannot be written in place; torch would fail half-way through.
+            raise ValueError(f"{name}[{i}] has stride 0 (an expanded view); pass a tensor that owns its elements")
     spans = []
     for i, t in enumerate(tensors):
         if t.numel() == 0:
             continue
-        key = (t.device, t.untyped_storage().data_ptr())
+        key = t.device
         lo, hi = _span(t)
         for j, (k, jlo, jhi) in spans:
             if k == key and lo < jhi and jlo < hi:

@@ -148,7 +148,7 @@ ALGORITHMS = {"naive": naive, "ring": ring, "tree": tree}
 
 def get_schedule(algorithm: str, n: int) -> Schedule:
     """The schedule of `algorithm` (one of `ALGORITHMS`) for `n` devices."""
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
     return _cached(algorithm, _check_n(n))
 
@@ -164,13 +164,20 @@ def _cached(algorithm: str, n: int) -> Schedule:
 
 
 def check_schedule(schedule: Schedule) -> None:
-    """Raise `ValueError` unless every transfer is in range and no device sends a chunk it receives in the same round."""
+    """Raise `ValueError` unless transfers are in range, no device sends a chunk it receives in the same round,
+    and a chunk that is overwritten in a round is written only once in it (so applying them in order is safe).
+    """
     n, k = schedule.num_devices, schedule.num_chunks
     for r, rnd in enumerate(schedule.rounds):
-        written, read = set(), set()
+        written, read, overwritten = set(), set(), set()
         for t in rnd:
             if not (0 <= t.src < n and 0 <= t.dst < n and t.src != t.dst and 0 <= t.chunk < k):
                 raise ValueError(f"round {r}: bad transfer {t} for {n} devices and {k} chunks")
+            # Several adds into one chunk commute; an overwrite next to any other write does not.
+            if (t.dst, t.chunk) in overwritten or (not t.reduce and (t.dst, t.chunk) in written):
+                raise ValueError(f"round {r}: chunk {t.chunk} of device {t.dst} is overwritten and written again")
+            if not t.reduce:
+                overwritten.add((t.dst, t.chunk))
             written.add((t.dst, t.chunk))
             read.add((t.src, t.chunk))
         if written & read:
@@ -209,7 +216,7 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     beta per byte it sends or receives (whichever is more), gamma per byte it adds.
     """
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        if not isinstance(v, (int, float)) or v < 0:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
             raise ValueError(f"{name} must be a non-negative number, got {v!r}")
     total = 0.0
     for rnd in schedule.rounds:
