@@ -1,0 +1,133 @@
+"""Command line: `manualdp train | explain | bench`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+__all__ = ["main", "build_parser"]
+
+DEFAULT_LR = {"lenet": 0.9, "mlp": 0.5, "resnet18": 0.1}
+BENCHMARKS = {
+    "allreduce": "manualdp.benchmarks.allreduce",
+    "ddp": "manualdp.benchmarks.ddp",
+    "overhead": "manualdp.benchmarks.overhead",
+}
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    return parse
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.")
+    sub = parser.add_subparsers(dest="command", metavar="{train,explain,bench}")
+    sub.required = True
+
+    t = sub.add_parser("train", help="train a model on several (simulated) devices",
+                       description="Train with single-controller data parallelism; under torchrun, one process per device.")
+    t.add_argument("--devices", type=_positive(int), default=2, help="number of devices (default: 2)")
+    t.add_argument("--cpu", action="store_true", help="simulate the devices on the CPU even when GPUs exist")
+    t.add_argument("--model", choices=sorted(DEFAULT_LR), default="lenet", help="network (default: lenet)")
+    t.add_argument("--dataset", choices=["synthetic", "fashion-mnist"], default="synthetic",
+                   help="data set (default: synthetic, needs no download)")
+    t.add_argument("--data-dir", default="data", help="where Fashion-MNIST lives (default: ./data)")
+    t.add_argument("--download", action="store_true", help="download Fashion-MNIST if it is missing")
+    t.add_argument("--epochs", type=_positive(int), default=None, help="epochs (default: data set's)")
+    t.add_argument("--batch-size", type=_positive(int), default=256, help="global batch size (default: 256)")
+    t.add_argument("--lr", type=_positive(float), default=None, help="learning rate (default: per model)")
+    t.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
+    t.add_argument("--algorithm", choices=["naive", "ring", "tree"], default=None,
+                   help="allreduce algorithm (default: naive in one process, ring under torchrun)")
+    t.add_argument("--bucket-mb", type=_positive(float), default=None,
+                   help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
+    t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
+    t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
+    t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
+    e.add_argument("rest", nargs=argparse.REMAINDER)
+    b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS), add_help=False)
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # explain and bench hand their arguments to the module that owns them.
+    if argv and argv[0] == "explain":
+        from .explain import main as explain_main
+        return explain_main(argv[1:]) or 0
+    if argv and argv[0] == "bench":
+        if len(argv) < 2 or argv[1] not in BENCHMARKS:
+            build_parser().error(f"bench needs one of {', '.join(BENCHMARKS)}, got {argv[1:2] or 'nothing'}")
+        import importlib
+        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:]) or 0
+    args = build_parser().parse_args(argv)
+    return run_train(args)
+
+
+def run_train(args) -> int:
+    import torch
+
+    from . import data, models
+    from .devices import cpu_devices, try_all_gpus
+    from .train import train
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
+    torch.manual_seed(args.seed)
+    try:
+        train_iter, test_iter = data.load_data(args.dataset, args.batch_size, data_dir=args.data_dir,
+                                               seed=args.seed, download=args.download)
+    except (FileNotFoundError, OSError, RuntimeError, ValueError) as e:
+        print(f"manualdp train: error: {e}", file=sys.stderr)
+        return 2
+    epochs = args.epochs if args.epochs is not None else data.DEFAULT_EPOCHS.get(args.dataset, 1)
+    net = models.get_model(args.model)
+    progress = not args.no_progress
+
+    if world_size > 1:
+        from .spmd import init_from_env, train_spmd
+        init_from_env()
+        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "ring",
+                             bucket_cap_mb=args.bucket_mb or 25.0, progress=progress)
+        where = f"{world_size} processes"
+        if history is None:  # ranks other than 0 print nothing
+            return 0
+    else:
+        gpus = [] if args.cpu else [d for d in try_all_gpus() if d.type == "cuda"]
+        devices = gpus[:args.devices] if len(gpus) >= args.devices else cpu_devices(args.devices)
+        history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
+                        bucket_cap_mb=args.bucket_mb, progress=progress)
+        kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
+        where = f"{len(devices)} {kind}"
+    seconds = sum(history.epoch_seconds) / len(history.epoch_seconds)
+    print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
+          f"test acc {history.test_acc[-1]:.3f}")
+    print(f"test acc: {history.test_acc[-1]:.2f}, {seconds:.1f} sec/epoch on {where}")
+    if args.json:
+        history.to_json(args.json)
+        print(f"wrote {args.json}")
+    if args.plot:
+        history.plot(args.plot)
+        print(f"wrote {args.plot}")
+    return 0

@@ -1,0 +1,53 @@
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from manualdp import cpu_devices, split_batch
+from manualdp.split import shard_sizes
+
+
+@given(n=st.integers(1, 8), extra=st.integers(0, 40), features=st.integers(1, 4),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_shards_concatenate_back_and_are_balanced(n, extra, features, dtype):
+    batch = n + extra
+    X = torch.randn(batch, features, dtype=dtype)
+    y = torch.arange(batch)
+    devices = cpu_devices(n)
+    X_shards, y_shards = split_batch(X, y, devices)
+    assert len(X_shards) == len(y_shards) == n
+    assert torch.equal(torch.cat(X_shards), X)
+    assert torch.equal(torch.cat(y_shards), y)
+    sizes = [len(s) for s in X_shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert sizes == [len(s) for s in y_shards] == shard_sizes(batch, n)
+    for shard, device in zip(X_shards + y_shards, devices + devices):
+        assert shard.device == device
+
+
+def test_shards_do_not_share_memory_with_the_batch():
+    X, y = torch.zeros(6, 2), torch.zeros(6)
+    X_shards, _ = split_batch(X, y, cpu_devices(3))
+    X_shards[0].fill_(1.0)
+    assert X.sum() == 0  # writing a shard must not touch the caller's batch
+
+
+@pytest.mark.parametrize("n, batch", [(4, 3), (8, 1), (2, 0)])
+def test_batch_smaller_than_device_count_is_an_error(n, batch):
+    with pytest.raises(ValueError, match=f"batch of {batch} is smaller than the {n} devices"):
+        split_batch(torch.zeros(batch, 2), torch.zeros(batch), cpu_devices(n))
+
+
+def test_mismatched_lengths_are_an_error():
+    with pytest.raises(ValueError, match=r"len\(X\)=5 and len\(y\)=4"):
+        split_batch(torch.zeros(5, 2), torch.zeros(4), cpu_devices(2))
+
+
+@pytest.mark.parametrize("devices, error", [([], ValueError), ("cpu", TypeError), (["nonsense"], TypeError)])
+def test_bad_devices_are_an_error(devices, error):
+    with pytest.raises(error, match="devices"):
+        split_batch(torch.zeros(4, 2), torch.zeros(4), devices)
+
+
+def test_non_tensor_input_is_an_error():
+    with pytest.raises(TypeError, match="X must be a torch.Tensor, got list"):
+        split_batch([1, 2], torch.zeros(2), cpu_devices(1))
