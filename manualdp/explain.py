@@ -1,0 +1,188 @@
+"""Print an allreduce schedule round by round, so it can be followed by hand.
+
+    manualdp explain ring --devices 4 --size 1048576
+
+Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is chunk 0 of
+`a` plus chunk 0 of `b`, and `sum0` is chunk 0 summed over every device (the result).
+"""
+from __future__ import annotations
+
+import argparse
+import string
+from collections import Counter
+
+from .schedule import ALGORITHMS, Schedule, chunk_sizes, cost, get_schedule, traffic
+
+__all__ = ["DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
+
+# Typical numbers for GPUs in one machine linked by PCIe 4.0 x16 (NCCL measures ~20-25 GB/s):
+DEFAULT_ALPHA = 5e-6         # seconds per message: a few microseconds of launch and link latency
+DEFAULT_BETA = 1 / 20e9      # seconds per byte sent or received: a 20 GB/s link
+DEFAULT_GAMMA = 1 / 200e9    # seconds per byte added: reading two chunks and writing one from ~600 GB/s memory
+DEFAULT_SIZE = 1 << 20       # 1 MiB, i.e. 262144 float32 values
+STATE_MAX_DEVICES = 8        # wider tables stop being readable
+
+
+def trace(schedule: Schedule) -> list[list[list[Counter]]]:
+    """Run `schedule` on symbols: `states[r][dev][chunk]` counts, per device, the contributions after round r.
+
+    `states[0]` is the start (device d holds only its own values); a correct allreduce ends
+    with every device holding every device's contribution to every chunk exactly once.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    n, k = schedule.num_devices, schedule.num_chunks
+    state = [[Counter({d: 1}) for _ in range(k)] for d in range(n)]
+    states = [state]
+    for rnd in schedule.rounds:
+        # The transfers of a round are simultaneous: they all read the state before the round.
+        new = [[Counter(c) for c in dev] for dev in state]
+        for t in rnd:
+            if t.reduce:
+                new[t.dst][t.chunk] += state[t.src][t.chunk]
+            else:
+                new[t.dst][t.chunk] = Counter(state[t.src][t.chunk])
+        state = new
+        states.append(state)
+    return states
+
+
+def _symbol(contributions: Counter, chunk: int, n: int) -> str:
+    if contributions == Counter(range(n)):
+        return f"sum{chunk}"
+    names = string.ascii_lowercase if n <= 26 else [f"d{d}_" for d in range(n)]
+    return "+".join(f"{names[d]}{chunk}" for d in sorted(contributions.elements()))
+
+
+def _state_table(state: list[list[Counter]], indent: str = "    ") -> list[str]:
+    n, k = len(state), len(state[0])
+    cells = [[_symbol(state[d][c], c, n) for c in range(k)] for d in range(n)]
+    width = max(len(f"chunk {k - 1}"), *(len(cell) for row in cells for cell in row))
+    lines = [indent + "      " + "  ".join(f"chunk {c}".ljust(width) for c in range(k))]
+    for d, row in enumerate(cells):
+        lines.append(indent + f"dev{d}".ljust(6) + "  ".join(cell.ljust(width) for cell in row))
+    return [line.rstrip() for line in lines]
+
+
+def _textbook(algorithm: str, n: int, size: int) -> str:
+    if algorithm == "naive":
+        return f"textbook: dev0 sends and receives (n-1)*S = {(n - 1) * size} bytes, the others S = {size if n > 1 else 0}"
+    if algorithm == "ring":
+        return f"textbook: every device sends and receives 2(n-1)/n * S = {2 * (n - 1) * size / n:.0f} bytes"
+    p = 1 << (n.bit_length() - 1)
+    line = f"textbook: p = {p}; {_devs(0, p - 1)} send and receive 2(p-1)/p * S = {2 * (p - 1) * size / p:.0f} bytes"
+    if n > p:
+        line += f", plus S = {size} for {_devs(0, n - p - 1)}; {_devs(p, n - 1)} send and receive S"
+    return line
+
+
+def _devs(first: int, last: int) -> str:
+    return f"dev{first}" if first == last else f"dev{first}..dev{last}"
+
+
+def _rate(seconds_per_byte: float) -> str:
+    return f" ({1 / seconds_per_byte / 1e9:.3g} GB/s)" if seconds_per_byte else ""
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:.1f} us"
+
+
+def explain(
+    algorithm: str,
+    num_devices: int,
+    size_bytes: int = DEFAULT_SIZE,
+    alpha: float = DEFAULT_ALPHA,
+    beta: float = DEFAULT_BETA,
+    gamma: float = DEFAULT_GAMMA,
+    element_size: int = 4,
+    show_state: bool | None = None,
+) -> str:
+    """The schedule of `algorithm` on `num_devices`, round by round, then bytes per device and estimated time.
+
+    Args:
+        size_bytes: the buffer being allreduced (S); cut into chunks of whole elements of `element_size` bytes.
+        alpha, beta, gamma: seconds per message, per byte sent or received, per byte added.
+        show_state: print what every device holds after each round; default only up to 8 devices.
+    """
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
+    if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size < 1:
+        raise ValueError(f"element_size must be a positive int, got {element_size!r}")
+    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0 or size_bytes % element_size:
+        raise ValueError(f"size_bytes must be a non-negative multiple of element_size={element_size}, got {size_bytes!r}")
+    if show_state is None:
+        show_state = num_devices <= STATE_MAX_DEVICES
+    schedule = get_schedule(algorithm, num_devices)
+    cost(schedule, size_bytes, alpha, beta, gamma, element_size)  # checks alpha, beta, gamma before printing anything
+    n, k = num_devices, schedule.num_chunks
+    sizes = [s * element_size for s in chunk_sizes(size_bytes // element_size, k)]
+
+    out = [
+        f"{algorithm} allreduce on {n} device{'s' * (n != 1)}: {len(schedule.rounds)} rounds, {k} chunks of a buffer of S = {size_bytes} bytes",
+        "chunk sizes (bytes): " + " ".join(str(s) for s in sizes),
+        "dev0 starts with a, dev1 with b, ...; 'a0+b0' is chunk 0 of a plus chunk 0 of b; 'sum0' is chunk 0 of the result.",
+    ]
+    states = trace(schedule)
+    if show_state:
+        out += ["", "start:"] + _state_table(states[0])
+    for r, (rnd, phase) in enumerate(zip(schedule.rounds, schedule.phases), start=1):
+        one = Schedule(algorithm, n, k, (rnd,), (phase,))
+        out += ["", f"round {r} ({phase}): {len(rnd)} transfers, estimated {_us(cost(one, size_bytes, alpha, beta, gamma, element_size))}"]
+        for t in rnd:
+            op = "add" if t.reduce else "copy"
+            out.append(f"  dev{t.src} -> dev{t.dst}  chunk {t.chunk}  {op}  ({sizes[t.chunk]} bytes)")
+        if show_state:
+            out += ["  afterwards:"] + _state_table(states[r])
+    if not schedule.rounds:
+        out += ["", "one device: nothing to send, it already holds the sum."]
+
+    t = traffic(schedule, size_bytes, element_size)
+    row = "  {:<8}{:>12}{:>12}{:>12}{:>15}".format
+    out += ["", "bytes per device:", row("device", "sent", "received", "reduced", "messages sent")]
+    for d in range(n):
+        out.append(row(f"dev{d}", t["sent"][d], t["received"][d], t["reduced"][d], t["messages"][d]))
+    out.append(row("total", *(sum(t[key]) for key in ("sent", "received", "reduced", "messages"))))
+    out.append("  " + _textbook(algorithm, n, size_bytes))
+    total = cost(schedule, size_bytes, alpha, beta, gamma, element_size)
+    out += [
+        "",
+        f"estimated time: {_us(total)}",
+        f"  model: each round lasts as long as its busiest device; alpha = {alpha:.3g} s per message, "
+        f"beta = {beta:.3g} s per byte sent or received{_rate(beta)}, gamma = {gamma:.3g} s per byte added{_rate(gamma)}",
+    ]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`manualdp explain ALGORITHM --devices N [--size BYTES]`: print the schedule step by step."""
+    parser = argparse.ArgumentParser(
+        prog="manualdp explain",
+        description="Print an allreduce schedule round by round, the bytes each device moves, and an estimated time.",
+    )
+    parser.add_argument("algorithm", choices=sorted(ALGORITHMS))
+    parser.add_argument("--devices", type=int, default=4, help="number of devices (default 4)")
+    parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help=f"buffer size in bytes (default {DEFAULT_SIZE})")
+    parser.add_argument("--element-size", type=int, default=4, help="bytes per element; chunks hold whole elements (default 4)")
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help=f"seconds per message (default {DEFAULT_ALPHA:g})")
+    parser.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
+    parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
+    state = parser.add_mutually_exclusive_group()
+    state.add_argument("--state", dest="show_state", action="store_true", default=None, help="always print the chunk tables")
+    state.add_argument("--no-state", dest="show_state", action="store_false", help="never print the chunk tables")
+    args = parser.parse_args(argv)
+    try:
+        text = explain(
+            args.algorithm, args.devices, args.size, args.alpha, args.beta, args.gamma,
+            element_size=args.element_size, show_state=args.show_state,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
