@@ -1,0 +1,141 @@
+"""The single-controller allreduce: every device ends with the sum, bitwise identical; bad input is refused."""
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from manualdp.allreduce import allreduce
+from manualdp.schedule import ALGORITHMS
+
+ALGS = sorted(ALGORITHMS)
+INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
+FLOAT_DTYPES = [torch.float32, torch.float64]
+
+
+def make_tensors(n, shape, dtype, seed):
+    """`n` independent tensors with small values, so that integer sums do not overflow."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype.is_floating_point:
+        return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]
+    return [torch.randint(0, 10, shape, generator=g).to(dtype) for _ in range(n)]
+
+
+def allreduce_and_check(fn, tensors, algorithm):
+    """Call `fn` the way training does (a fresh list of the caller's tensors); then check the caller's tensors.
+
+    The check reads the tensor objects the caller holds, never the list passed in: an
+    allreduce that rebinds `data[i] = ...` puts the sum in that list but not in the caller's tensors.
+    """
+    expected = torch.stack(tensors).sum(0).to(tensors[0].dtype)
+    held = list(tensors)
+    fn(list(tensors), algorithm)
+    for i, t in enumerate(held):
+        if t.dtype.is_floating_point:
+            torch.testing.assert_close(t, expected, msg=lambda m, i=i: f"device {i}: {m}")
+        else:
+            assert torch.equal(t, expected), f"device {i} does not hold the sum"
+        assert torch.equal(t, held[0]), f"device {i} is not bitwise identical to device 0"
+
+
+@settings(deadline=None, max_examples=80)
+@given(
+    algorithm=st.sampled_from(ALGS),
+    n=st.integers(1, 8),
+    numel=st.one_of(st.integers(0, 20), st.integers(0, 10**5)),
+    dtype=st.sampled_from(FLOAT_DTYPES + INT_DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_every_device_holds_the_sum(algorithm, n, numel, dtype, seed):
+    allreduce_and_check(allreduce, make_tensors(n, (numel,), dtype, seed), algorithm)
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    algorithm=st.sampled_from(ALGS),
+    n=st.integers(1, 8),
+    shape=st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
+    dtype=st.sampled_from(FLOAT_DTYPES + INT_DTYPES),
+    transpose=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_any_shape_and_non_contiguous_tensors(algorithm, n, shape, dtype, transpose, seed):
+    tensors = make_tensors(n, shape, dtype, seed)
+    if transpose and len(shape) >= 2:
+        tensors = [t.transpose(0, 1) for t in tensors]  # views: the sum must reach the viewed storage
+    allreduce_and_check(allreduce, tensors, algorithm)
+
+
+def test_sum_order_does_not_break_bitwise_identity():
+    # Values of very different magnitudes make float addition order-dependent; the devices must agree anyway.
+    for algorithm in ALGS:
+        tensors = [torch.tensor([1e16, 1.0, -1e16, 3.0] * 5, dtype=torch.float64) * (i + 1) for i in range(7)]
+        allreduce(tensors, algorithm)
+        assert all(torch.equal(t, tensors[0]) for t in tensors)
+
+
+def rebinding_naive(data, algorithm="naive"):
+    """The classic bug: sums into device 0, then rebinds the list slots instead of writing in place."""
+    for i in range(1, len(data)):
+        data[0].add_(data[i])
+    for i in range(1, len(data)):
+        data[i] = data[0].clone()
+
+
+def test_the_check_catches_the_rebinding_bug():
+    with pytest.raises(AssertionError, match="device 1"):
+        allreduce_and_check(rebinding_naive, make_tensors(4, (10,), torch.float32, 0), "naive")
+    # The buggy variant does fill the list it was given: only a check of the caller's tensors sees the bug.
+    data = make_tensors(4, (10,), torch.float32, 0)
+    expected = torch.stack(data).sum(0)
+    rebinding_naive(data)
+    assert all(torch.equal(t, expected) for t in data)
+    for algorithm in ALGS:
+        allreduce_and_check(allreduce, make_tensors(4, (10,), torch.float32, 0), algorithm)
+
+
+def test_parameters_gradients_are_reduced_in_place():
+    grads = [torch.nn.Parameter(torch.full((3,), float(i))) for i in range(3)]
+    allreduce(grads, "ring")
+    assert all(torch.equal(g.detach(), torch.full((3,), 3.0)) for g in grads)
+
+
+def bad_inputs():
+    """(name, tensors, algorithm, error type, message pattern); the tensors are checked unchanged afterwards."""
+    a, b = torch.arange(6.0), torch.arange(6.0) + 10
+    base = torch.arange(12.0)
+    shared = np.arange(8, dtype=np.float32)
+    return [
+        ("empty list", [], "naive", ValueError, "must not be empty"),
+        ("a tensor, not a list", a, "naive", TypeError, "list of tensors"),
+        ("not a tensor", [a, [1.0] * 6], "naive", TypeError, r"tensors\[1\]"),
+        ("shapes", [a, torch.zeros(2, 3)], "ring", ValueError, r"tensors\[1\] has shape"),
+        ("dtypes", [a, torch.zeros(6, dtype=torch.float64)], "ring", TypeError, r"tensors\[1\] has dtype"),
+        ("bool", [torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.bool)], "naive", TypeError, "bool"),
+        ("complex", [torch.ones(3, dtype=torch.complex64), torch.ones(3, dtype=torch.complex64)], "naive", TypeError, "complex"),
+        ("same tensor twice", [a, b, a], "naive", ValueError, r"tensors\[2\] and tensors\[0\] share memory"),
+        ("overlapping views", [base[0:6], base[4:10]], "ring", ValueError, "share memory"),
+        ("a view of another", [base.view(3, 4)[1], base[4:8]], "tree", ValueError, "share memory"),
+        ("two storages, one memory", [torch.from_numpy(shared[0:4]), torch.from_numpy(shared[2:6])], "ring", ValueError, "share memory"),
+        ("expanded", [torch.ones(4), torch.zeros(1).expand(4)], "ring", ValueError, "stride 0"),
+        ("unknown algorithm", [a, b], "butterfly", ValueError, "butterfly"),
+        ("algorithm not a string", [a, b], ["ring"], ValueError, "algorithm"),
+    ]
+
+
+@pytest.mark.parametrize("name, tensors, algorithm, error, match", bad_inputs(), ids=[case[0] for case in bad_inputs()])
+def test_bad_input_is_refused_and_leaves_tensors_unchanged(name, tensors, algorithm, error, match):
+    held = [t for t in (tensors if isinstance(tensors, list) else [tensors]) if isinstance(t, torch.Tensor)]
+    before = [t.clone() for t in held]
+    with pytest.raises(error, match=match):
+        allreduce(tensors, algorithm)
+    for t, t0 in zip(held, before):
+        assert torch.equal(t, t0), f"{name}: a tensor changed before the error"
+
+
+def test_disjoint_views_of_one_buffer_are_allowed():
+    base = torch.arange(12.0)
+    views = [base[0:4], base[4:8], base[8:12]]
+    expected = torch.stack([v.clone() for v in views]).sum(0)
+    allreduce(views, "ring")
+    assert all(torch.equal(v, expected) for v in views)
