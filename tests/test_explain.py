@@ -1,0 +1,93 @@
+"""`manualdp explain`: the printed schedule is the schedule, and the printed bytes and time are its accounting."""
+import re
+from collections import Counter
+
+import pytest
+
+from manualdp.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, explain, main
+from manualdp.schedule import chunk_sizes, cost, get_schedule, traffic
+
+ROUND = re.compile(r"^round (\d+) \((.+)\): (\d+) transfers, estimated ([\d.]+) us$")
+TRANSFER = re.compile(r"^  dev(\d+) -> dev(\d+)  chunk (\d+)  (add|copy)  \((\d+) bytes\)$")
+BYTES = re.compile(r"^  dev(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)$")
+STATE = re.compile(r"^    dev(\d+)  (.*)$")
+
+
+def parse(text):
+    rounds, table, states = [], {}, []
+    for line in text.splitlines():
+        if m := ROUND.match(line):
+            rounds.append({"number": int(m[1]), "phase": m[2], "count": int(m[3]), "us": float(m[4]), "transfers": []})
+        elif m := TRANSFER.match(line):
+            rounds[-1]["transfers"].append((int(m[1]), int(m[2]), int(m[3]), m[4] == "add", int(m[5])))
+        elif m := BYTES.match(line):
+            table[int(m[1])] = [int(x) for x in m.group(2, 3, 4, 5)]
+        elif m := STATE.match(line):
+            states.append((int(m[1]), m[2].split()))
+    return rounds, table, states
+
+
+@pytest.mark.parametrize("algorithm, n, size", [("ring", 4, 4000), ("tree", 3, 1200), ("tree", 6, 4096), ("naive", 3, 44)])
+def test_explain_prints_the_schedule_and_its_accounting(algorithm, n, size):
+    schedule = get_schedule(algorithm, n)
+    text = explain(algorithm, n, size_bytes=size)
+    rounds, table, states = parse(text)
+
+    assert [r["number"] for r in rounds] == list(range(1, len(schedule.rounds) + 1))
+    assert [r["phase"] for r in rounds] == list(schedule.phases)
+    sizes = [s * 4 for s in chunk_sizes(size // 4, schedule.num_chunks)]
+    for printed, rnd in zip(rounds, schedule.rounds):
+        assert printed["count"] == len(rnd)
+        assert Counter(printed["transfers"]) == Counter((t.src, t.dst, t.chunk, t.reduce, sizes[t.chunk]) for t in rnd)
+        one = type(schedule)(algorithm, n, schedule.num_chunks, (rnd,), ("",))
+        assert printed["us"] == pytest.approx(cost(one, size, DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, 4) * 1e6, abs=0.05)
+
+    t = traffic(schedule, size, 4)
+    assert table == {d: [t["sent"][d], t["received"][d], t["reduced"][d], t["messages"][d]] for d in range(n)}
+    total = float(re.search(r"^estimated time: ([\d.]+) us$", text, re.M)[1])
+    assert total == pytest.approx(cost(schedule, size, DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, 4) * 1e6, abs=0.05)
+
+    # One table at the start and one after each round; the last shows the result everywhere.
+    assert len(states) == n * (len(schedule.rounds) + 1)
+    assert states[:n] == [(d, [f"{'abcdefgh'[d]}{c}" for c in range(schedule.num_chunks)]) for d in range(n)]
+    assert states[-n:] == [(d, [f"sum{c}" for c in range(schedule.num_chunks)]) for d in range(n)]
+
+
+def test_ring_state_shows_partial_sums():
+    text = explain("ring", 3, 12)
+    # After round 1 device 1 holds chunk 0 of a plus its own, as the ring passes chunk i-s to i+1.
+    after_round_1 = text.split("round 2")[0].split("afterwards:")[1]
+    assert re.search(r"dev1\s+a0\+b0\s", after_round_1)
+
+
+def test_main_prints_what_explain_returns(capsys):
+    assert main(["tree", "--devices", "5", "--size", "4000", "--no-state"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == explain("tree", 5, size_bytes=4000, show_state=False)
+    assert "afterwards" not in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["butterfly"], "invalid choice"),
+    (["ring", "--devices", "0"], "num_devices"),
+    (["ring", "--size", "7"], "size_bytes"),
+    (["ring", "--alpha", "-1"], "alpha"),
+])
+def test_main_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr()
+    assert message in err.err and err.out == ""
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"algorithm": "butterfly", "num_devices": 4}, "algorithm"),
+    ({"algorithm": "ring", "num_devices": 2.5}, "num_devices"),
+    ({"algorithm": "ring", "num_devices": 4, "size_bytes": -4}, "size_bytes"),
+    ({"algorithm": "ring", "num_devices": 4, "element_size": 0}, "element_size"),
+    ({"algorithm": "ring", "num_devices": 4, "gamma": float("nan")}, "gamma"),
+])
+def test_explain_rejects_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        explain(**kwargs)
