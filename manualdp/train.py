@@ -6,18 +6,21 @@ import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .allreduce import allreduce
+from .checkpoint import load_latest, loader_generator, rng_state, save_checkpoint, set_rng_state
 from .buckets import assign_buckets, flatten, unflatten_
 from .devices import check_devices
 from .replicate import broadcast_buffers, copy_params_, replicate
 from .schedule import ALGORITHMS
 from .split import split_batch
 
-__all__ = ["History", "summed_loss", "allreduce_gradients", "train_batch", "evaluate", "train"]
+__all__ = ["History", "NonFiniteGradientError", "StepResult", "summed_loss", "allreduce_gradients", "train_batch",
+           "evaluate", "train"]
 
 
 @dataclass
@@ -102,11 +105,34 @@ def _count_correct(out: torch.Tensor, y: torch.Tensor) -> int:
     return 0
 
 
-def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm="naive", bucket_cap_mb=None):
-    """One synchronous data-parallel step; returns (summed loss, number correct) over the global batch.
+class NonFiniteGradientError(FloatingPointError):
+    """A gradient held NaN or Inf after the allreduce."""
+
+
+class StepResult(NamedTuple):
+    loss: float    # summed loss over the global batch
+    correct: int   # correctly classified examples in the global batch
+    skipped: bool  # True when a non-finite gradient made the step be skipped
+
+
+NONFINITE = (None, "raise", "skip")
+
+
+def first_nonfinite(module: nn.Module) -> str | None:
+    """Name of the first parameter whose gradient holds NaN or Inf, or None."""
+    for name, p in module.named_parameters():
+        if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+            return name
+    return None
+
+
+def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm="naive", bucket_cap_mb=None,
+                nonfinite=None, step=None) -> StepResult:
+    """One synchronous data-parallel step over the global batch `X`, `y`.
 
     1. split the batch, 2. forward and backward on every replica, 3. allreduce the gradients,
     4. every replica takes the same optimizer step, 5. broadcast buffers from replica 0.
+    `nonfinite="raise"` stops on a NaN/Inf gradient, `"skip"` skips the update instead.
     """
     devices = check_devices(devices)
     if len(replicas) != len(devices) or len(optimizers) != len(devices):
@@ -114,6 +140,8 @@ def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm=
             f"need one replica and one optimizer per device: {len(devices)} devices, "
             f"{len(replicas)} replicas, {len(optimizers)} optimizers"
         )
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
     loss_fn = summed_loss(loss_fn)
     X_shards, y_shards = split_batch(X, y, devices)
     total_loss, correct = 0.0, 0
@@ -125,10 +153,20 @@ def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm=
         total_loss += loss.item() * len(X)
         correct += _count_correct(out.detach(), ys)
     allreduce_gradients(replicas, algorithm, bucket_cap_mb)
+    if nonfinite is not None:
+        # Replicas are bitwise identical after the allreduce, so checking one decides for all.
+        bad = first_nonfinite(replicas[0])
+        if bad is not None:
+            where = f" at step {step}" if step is not None else ""
+            if nonfinite == "raise":
+                raise NonFiniteGradientError(f"non-finite gradient in parameter {bad!r}{where}")
+            for opt in optimizers:
+                opt.zero_grad(set_to_none=True)
+            return StepResult(total_loss, correct, True)
     for opt in optimizers:
         opt.step()
     broadcast_buffers(replicas)
-    return total_loss, correct
+    return StepResult(total_loss, correct, False)
 
 
 @torch.no_grad()
@@ -165,10 +203,19 @@ def train(
     bucket_cap_mb: float | None = None,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
+    nonfinite: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
     progress: bool = True,
     log=print,
 ) -> History:
-    """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters."""
+    """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters.
+
+    With `checkpoint_dir`, a checkpoint is written after every epoch and every
+    `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
+    result is bitwise what an uninterrupted run gives (same seed, CPU).
+    """
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
     devices = check_devices(devices)
@@ -176,8 +223,15 @@ def train(
         raise ValueError(f"num_epochs must be a positive int, got {num_epochs!r}")
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
         raise ValueError(f"lr must be a positive number, got {lr!r}")
-    if algorithm not in ALGORITHMS:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+    if checkpoint_every is not None and (
+            isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1):
+        raise ValueError(f"checkpoint_every must be a positive int or None, got {checkpoint_every!r}")
+    if (checkpoint_every is not None or resume) and checkpoint_dir is None:
+        raise ValueError("checkpoint_every and resume need checkpoint_dir")
     assign_buckets([], bucket_cap_mb)  # validates bucket_cap_mb before any work
     loss_fn = summed_loss(loss_fn)
 
@@ -187,30 +241,130 @@ def train(
         "devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
         "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
     })
-    for epoch in range(num_epochs):
+    loop = _Loop(train_iter, checkpoint_dir)
+    if resume:
+        state = loop.resume(replicas, optimizers, history)
+        if state is not None and log:
+            log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})")
+    for epoch in range(loop.epoch, num_epochs):
         for r in replicas:
             r.train()
         start = time.perf_counter()
-        loss_sum = correct = seen = 0
-        batches = _progress(train_iter, progress, f"epoch {epoch + 1}/{num_epochs}")
+        batches = _progress(loop.batches(epoch), progress, f"epoch {epoch + 1}/{num_epochs}")
         for X, y in batches:
-            loss, ok = train_batch(X, y, replicas, optimizers, devices, loss_fn,
-                                   algorithm=algorithm, bucket_cap_mb=bucket_cap_mb)
-            loss_sum, correct, seen = loss_sum + loss, correct + ok, seen + len(X)
+            result = train_batch(X, y, replicas, optimizers, devices, loss_fn, algorithm=algorithm,
+                                 bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite, step=loop.global_step)
+            loop.record(result, len(X))
+            if result.skipped and log:
+                log(f"step {loop.global_step - 1}: non-finite gradient, update skipped")
             if hasattr(batches, "set_postfix"):
-                batches.set_postfix(loss=f"{loss_sum / seen:.3f}", acc=f"{correct / seen:.3f}", refresh=False)
-        seconds = time.perf_counter() - start
+                batches.set_postfix(loss=f"{loop.loss_sum / loop.seen:.3f}", acc=f"{loop.correct / loop.seen:.3f}",
+                                    refresh=False)
+            if checkpoint_every and loop.global_step % checkpoint_every == 0:
+                loop.save(replicas, optimizers, history)
+        seconds = loop.seconds + time.perf_counter() - start
         test_acc = evaluate(replicas[0], test_iter, devices[0])
-        history.train_loss.append(loss_sum / max(seen, 1))
-        history.train_acc.append(correct / max(seen, 1))
+        seen = max(loop.seen, 1)
+        history.train_loss.append(loop.loss_sum / seen)
+        history.train_acc.append(loop.correct / seen)
         history.test_acc.append(test_acc)
         history.epoch_seconds.append(seconds)
-        history.samples_per_second.append(seen / seconds if seconds > 0 else float("nan"))
+        history.samples_per_second.append(loop.seen / seconds if seconds > 0 else float("nan"))
         if log:
             log(f"epoch {epoch + 1}: loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
                 f"test acc {test_acc:.3f}, {seconds:.1f} sec/epoch, {history.samples_per_second[-1]:.0f} samples/s")
+        loop.end_epoch()
+        if checkpoint_dir is not None:
+            loop.save(replicas, optimizers, history)
     copy_params_(net, replicas[0])
     return history
+
+
+class _Loop:
+    """Where training is: epoch, step and the epoch's running sums, and how to save and restore them."""
+
+    def __init__(self, train_iter, checkpoint_dir):
+        self.train_iter = train_iter
+        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints
+        self.generator = loader_generator(train_iter)  # the loader's shuffling RNG, if it has its own
+        self.epoch = 0            # current epoch
+        self.step_in_epoch = 0    # batches of this epoch already trained
+        self.global_step = 0      # batches trained since the start
+        self.loss_sum = self.correct = self.seen = 0
+        self.seconds = 0.0        # training time of this epoch before a resume
+        self.epoch_rng = None     # RNG states at the start of this epoch: they decide its batches
+        self.skip = 0             # batches to skip after a resume
+        self._start = time.perf_counter()
+
+    def batches(self, epoch):
+        if self.skip:  # resuming mid-epoch: replay the epoch's shuffling, then the RNG as it was
+            self._set_epoch_rng(self.epoch_rng)
+            it = iter(self.train_iter)
+            for _ in range(self.skip):
+                next(it)
+            set_rng_state(self.resume_rng)
+            self.skip = 0
+        else:
+            self.epoch = epoch
+            self.epoch_rng = self._epoch_rng()
+            it = iter(self.train_iter)
+        self._start = time.perf_counter()
+        yield from it
+
+    def record(self, result, n):
+        self.loss_sum += result.loss
+        self.correct += result.correct
+        self.seen += n
+        self.step_in_epoch += 1
+        self.global_step += 1
+
+    def end_epoch(self):
+        self.epoch += 1
+        self.step_in_epoch = 0
+        self.loss_sum = self.correct = self.seen = 0
+        self.seconds = 0.0
+
+    def _epoch_rng(self):
+        return {"rng": rng_state(), "loader": self.generator.get_state() if self.generator is not None else None}
+
+    def _set_epoch_rng(self, state):
+        set_rng_state(state["rng"])
+        if self.generator is not None and state["loader"] is not None:
+            self.generator.set_state(state["loader"])
+
+    def save(self, replicas, optimizers, history):
+        state = {
+            "model": replicas[0].state_dict(), "optimizer": optimizers[0].state_dict(),
+            "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+            "sums": (self.loss_sum, self.correct, self.seen),
+            "seconds": self.seconds + (time.perf_counter() - self._start if self.step_in_epoch else 0.0),
+            "epoch_rng": self.epoch_rng, "rng": rng_state(),
+            "loader_rng": self.generator.get_state() if self.generator is not None else None,
+            "history": asdict(history),
+        }
+        save_checkpoint(self.checkpoint_dir, self.global_step, state)
+
+    def resume(self, replicas, optimizers, history):
+        state = load_latest(self.checkpoint_dir)
+        if state is None:
+            return None
+        for r, opt in zip(replicas, optimizers):
+            r.load_state_dict(state["model"])
+            # deepcopy: load_state_dict keeps the very tensors it is given (momentum buffers) when
+            # device and dtype match, and replicas must never share storage.
+            opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+        for key, value in state["history"].items():
+            setattr(history, key, value)
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.loss_sum, self.correct, self.seen = state["sums"]
+        self.seconds = state["seconds"]
+        if self.step_in_epoch:
+            self.epoch_rng, self.resume_rng, self.skip = state["epoch_rng"], state["rng"], self.step_in_epoch
+        else:  # saved at an epoch boundary: the RNG is exactly where the next epoch starts from
+            set_rng_state(state["rng"])
+            if self.generator is not None and state["loader_rng"] is not None:
+                self.generator.set_state(state["loader_rng"])
+        return state
 
 
 def _progress(iterable, enabled: bool, desc: str):

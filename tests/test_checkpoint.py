@@ -1,0 +1,158 @@
+import os
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from manualdp import cpu_devices, train
+from manualdp.checkpoint import load_latest, save_checkpoint
+from manualdp.train import NonFiniteGradientError
+
+
+def _net():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Dropout(0.2), nn.Linear(12, 3))
+
+
+def _loader(seed=0):
+    g = torch.Generator().manual_seed(123)
+    data = TensorDataset(torch.randn(70, 5, generator=g), torch.randint(0, 3, (70,), generator=g))
+    return DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashingLoss(nn.CrossEntropyLoss):
+    """A loss that raises on its `at`-th call: a run killed in the middle of training."""
+
+    def __init__(self, at):
+        super().__init__(reduction="sum")
+        self.calls, self.at = 0, at
+
+    def forward(self, out, y):
+        self.calls += 1
+        if self.calls == self.at:
+            raise Crash()
+        return super().forward(out, y)
+
+
+def _run(tmp_path, n, **kw):
+    torch.manual_seed(42)  # dropout draws from the global RNG: resume must restore it
+    net = _net()
+    history = train(net, _loader(), _loader(1), cpu_devices(n), num_epochs=3, lr=0.1, momentum=0.9,
+                    progress=False, log=None, **kw)
+    return net, history
+
+
+@pytest.mark.parametrize("n, crash_step", [(1, 7), (3, 11), (2, 5)])  # 5 batches per epoch
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, n, crash_step):
+    ref, ref_hist = _run(tmp_path, n)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(Crash):
+        _run(tmp_path, n, checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=CrashingLoss(crash_step * n + 1))
+    # the newest checkpoint: every 3 steps, and at each epoch end (5 batches per epoch)
+    assert load_latest(ckpt)["global_step"] == max(crash_step // 3 * 3, crash_step // 5 * 5)
+    net, hist = _run(tmp_path, n, checkpoint_dir=ckpt, checkpoint_every=3, resume=True)
+    for p, q in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(p, q)
+    assert hist.train_loss == ref_hist.train_loss
+    assert hist.test_acc == ref_hist.test_acc
+
+
+def test_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    ref, _ = _run(tmp_path, 2)
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(Crash):
+        _run(tmp_path, 2, checkpoint_dir=ckpt, checkpoint_every=2, loss_fn=CrashingLoss(9 * 2 + 1))
+    newest = sorted(os.listdir(ckpt))[-1]
+    with open(os.path.join(ckpt, newest), "r+b") as f:  # a kill in the middle of writing it
+        f.truncate(100)
+    with pytest.warns(UserWarning, match="skipping unreadable checkpoint"):
+        net, _ = _run(tmp_path, 2, checkpoint_dir=ckpt, checkpoint_every=2, resume=True)
+    for p, q in zip(ref.parameters(), net.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(str(tmp_path), 1, {"x": torch.ones(3)})
+
+    def dying_save(obj, f):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", dying_save)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(str(tmp_path), 2, {"x": torch.zeros(3)})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000001.pt"]
+    assert torch.equal(load_latest(str(tmp_path))["x"], torch.ones(3))
+
+
+def test_only_the_newest_checkpoints_are_kept(tmp_path):
+    for step in range(5):
+        save_checkpoint(str(tmp_path), step, {"step": step}, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000003.pt", "ckpt-00000004.pt"]
+    assert load_latest(str(tmp_path))["step"] == 4
+
+
+class PoisonAt(nn.Module):
+    """Identity, except that on call `at` it makes the gradient of `weight` NaN."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(5))
+        self.calls, self.at = 0, at
+
+    def forward(self, x):
+        self.calls += 1
+        scale = torch.tensor(float("nan")) if self.calls == self.at else torch.tensor(1.0)
+        return x * (self.weight * scale)
+
+
+def _poisoned(at):
+    torch.manual_seed(0)
+    return nn.Sequential(PoisonAt(at), nn.Linear(5, 3))
+
+
+def test_nonfinite_gradient_raise_names_parameter_and_step(tmp_path):
+    # replica 1 of 2 is poisoned on its 4th forward: step 3 (counting from 0)
+    net = _poisoned(at=10**9)
+    net_b = _poisoned(at=4)
+    from manualdp import replicate, train_batch
+    devices = cpu_devices(2)
+    replicas = [replicate(net, devices[:1])[0], replicate(net_b, devices[:1])[0]]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
+    X, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    before = None
+    with pytest.raises(NonFiniteGradientError, match=r"parameter '0.weight' at step 3"):
+        for step in range(6):
+            before = [p.detach().clone() for p in replicas[0].parameters()]
+            train_batch(X, y, replicas, opts, devices, nonfinite="raise", step=step)
+    for p, b in zip(replicas[0].parameters(), before):  # the bad step changed nothing
+        assert torch.equal(p, b)
+
+
+def test_nonfinite_gradient_skip_skips_the_update_on_every_replica(tmp_path):
+    from manualdp import replicate, train_batch
+    devices = cpu_devices(2)
+    replicas = [replicate(_poisoned(10**9), devices[:1])[0], replicate(_poisoned(2), devices[:1])[0]]
+    opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
+    X, y = torch.randn(8, 5), torch.randint(0, 3, (8,))
+    skipped = []
+    for step in range(3):
+        before = [[p.detach().clone() for p in r.parameters()] for r in replicas]
+        result = train_batch(X, y, replicas, opts, devices, nonfinite="skip", step=step)
+        skipped.append(result.skipped)
+        changed = [any(not torch.equal(p, b) for p, b in zip(r.parameters(), bs)) for r, bs in zip(replicas, before)]
+        assert changed == [not result.skipped] * 2
+    assert skipped == [False, True, False]
+    for p, q in zip(replicas[0].parameters(), replicas[1].parameters()):
+        assert torch.equal(p, q) and torch.isfinite(p).all()
+
+
+def test_checkpoint_options_need_a_directory():
+    with pytest.raises(ValueError, match="need checkpoint_dir"):
+        train(_net(), [], [], cpu_devices(1), 1, 0.1, resume=True, progress=False, log=None)
+    with pytest.raises(ValueError, match="checkpoint_every must be a positive int or None, got 0"):
+        train(_net(), [], [], cpu_devices(1), 1, 0.1, checkpoint_dir="x", checkpoint_every=0, progress=False, log=None)
