@@ -61,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
+    t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
+                   help="on a NaN/Inf gradient after the allreduce: stop (default), skip the step, or do not check")
+    t.add_argument("--checkpoint-dir", metavar="DIR", help="save a checkpoint here after every epoch")
+    t.add_argument("--checkpoint-every", type=_positive(int), metavar="STEPS",
+                   help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
+    t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
+    t.add_argument("--timeout", type=_positive(float), default=None, metavar="SECONDS",
+                   help="under torchrun: give up on a silent peer after SECONDS (default: 300)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
@@ -81,7 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             build_parser().error(f"bench needs one of {', '.join(BENCHMARKS)}, got {argv[1:2] or 'nothing'}")
         import importlib
         return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:]) or 0
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+        parser.exit(2, "manualdp train: error: --checkpoint-every and --resume need --checkpoint-dir\n")
+    for option in ("json", "plot"):
+        path = getattr(args, option)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            parser.exit(2, f"manualdp train: error: --{option}: the directory of {path!r} does not exist\n")
     return run_train(args)
 
 
@@ -104,6 +119,7 @@ def run_train(args) -> int:
     epochs = args.epochs if args.epochs is not None else data.DEFAULT_EPOCHS.get(args.dataset, 1)
     net = models.get_model(args.model)
     progress = not args.no_progress
+    nonfinite = None if args.nonfinite == "off" else args.nonfinite
 
     if world_size > 1:
         from .spmd import init_from_env, train_spmd
@@ -117,7 +133,8 @@ def run_train(args) -> int:
         gpus = [] if args.cpu else [d for d in try_all_gpus() if d.type == "cuda"]
         devices = gpus[:args.devices] if len(gpus) >= args.devices else cpu_devices(args.devices)
         history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
-                        bucket_cap_mb=args.bucket_mb, progress=progress)
+                        bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
+                        checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress)
         kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
         where = f"{len(devices)} {kind}"
     seconds = sum(history.epoch_seconds) / len(history.epoch_seconds)
