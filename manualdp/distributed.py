@@ -1,0 +1,403 @@
+"""SPMD data parallelism: one process per device, talking through `torch.distributed`.
+
+The multi-process twins of two single-controller pieces:
+
+- `allreduce(tensor)` runs a schedule of `manualdp.schedule` on this rank only: of every
+  round it keeps the transfers where this rank is `src` or `dst`, and turns them into
+  `isend`/`irecv` messages (`plan`).
+- `DistributedDataParallel(module)` fills gradient buckets from hooks during backward and
+  allreduces each bucket on a background thread as soon as it is full, as torch's DDP does.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
+from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
+
+__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "plan", "allreduce", "Bucket", "DistributedDataParallel"]
+
+DEFAULT_SEGMENT_BYTES = 1 << 20
+_WINDOW = 4  # segments in flight per message: enough to keep the link busy while we add
+
+
+class Message(NamedTuple):
+    peer: int     # group rank of the other side
+    lo: int       # first element of the slice of the flat buffer
+    hi: int       # one past its last element
+    send: bool    # True: send flat[lo:hi] to peer; False: receive flat[lo:hi] from peer
+    reduce: bool  # for a receive: add into flat[lo:hi] (True) or overwrite it (False)
+
+
+def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> list[list[list[Message]]]:
+    """Rank `rank`'s share of `schedule`: for every round, a list of batches of messages.
+
+    In a round, consecutive chunks between the same two ranks merge into one message, and
+    messages are cut into segments of at most `segment_numel` elements; batch `k` holds
+    segment `k` of every message, so the receiver adds segment `k` while `k + 1` is in
+    flight. Both sides derive their lists from the same transfers in the same order, so
+    every send meets its receive, in order. Empty chunks send nothing, on both sides.
+    """
+    bounds = chunk_bounds(numel, schedule.num_chunks)
+    rounds = []
+    for rnd in schedule.rounds:
+        messages: list[Message] = []
+        last: dict[tuple[int, bool, bool], int] = {}  # (peer, send, reduce) -> index of its latest message
+        for t in rnd:
+            if rank not in (t.src, t.dst):
+                continue
+            lo, hi = bounds[t.chunk]
+            if lo == hi:
+                continue
+            send = t.src == rank
+            key = (t.dst if send else t.src, send, t.reduce)
+            j = last.get(key)
+            if j is not None and messages[j].hi == lo:
+                messages[j] = messages[j]._replace(hi=hi)
+            else:
+                last[key] = len(messages)
+                messages.append(Message(key[0], lo, hi, send, t.reduce))
+        batches: list[list[Message]] = []
+        for m in messages:
+            for k, start in enumerate(range(m.lo, m.hi, segment_numel)):
+                if k == len(batches):
+                    batches.append([])
+                batches[k].append(m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
+        rounds.append(batches)
+    return rounds
+
+
+def _wait(works) -> None:
+    """Wait for `works` to finish: the one place where a timeout would go."""
+    for w in works:
+        w.wait()
+
+
+def _run_round(flat: torch.Tensor, batches: list[list[Message]], peers: list[int], group) -> None:
+    """Post the batches of one round, at most `_WINDOW` ahead, and add each received segment."""
+    if not batches:
+        return
+    width = max(sum(m.hi - m.lo for m in b if m.reduce and not m.send) for b in batches)
+    # Reductions land in scratch space on flat's device (NCCL receives into GPU memory);
+    # overwrites land in place. Slot k % _WINDOW is reused once batch k has been added.
+    scratch = flat.new_empty(_WINDOW * width) if width else None
+    posted: dict[int, tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+    def post(k: int) -> None:
+        ops, adds, at = [], [], (k % _WINDOW) * width
+        for m in batches[k]:
+            target = flat[m.lo:m.hi]
+            if m.send:
+                ops.append(dist.P2POp(dist.isend, target, peers[m.peer], group))
+            elif m.reduce:
+                buf = scratch[at:at + m.hi - m.lo]
+                at += m.hi - m.lo
+                ops.append(dist.P2POp(dist.irecv, buf, peers[m.peer], group))
+                adds.append((target, buf))
+            else:
+                ops.append(dist.P2POp(dist.irecv, target, peers[m.peer], group))
+        posted[k] = (dist.batch_isend_irecv(ops), adds)
+
+    for k in range(min(_WINDOW, len(batches))):
+        post(k)
+    for k in range(len(batches)):
+        works, adds = posted.pop(k)
+        _wait(works)
+        for target, buf in adds:  # in schedule order, so the sum is the single controller's, bit for bit
+            target.add_(buf)
+        if k + _WINDOW < len(batches):
+            post(k + _WINDOW)
+
+
+def _group_ranks(group) -> tuple[int, list[int]]:
+    """This process's rank in `group` and the global rank of every member."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
+                           "(or manualdp.spmd.init_from_env) first")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
+    n = dist.get_world_size(group)
+    if group is None or group is dist.group.WORLD:
+        return rank, list(range(n))
+    return rank, [dist.get_global_rank(group, r) for r in range(n)]
+
+
+def _check_algorithm(algorithm) -> str:
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    return algorithm
+
+
+def _check_segment_bytes(segment_bytes) -> int:
+    if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 1:
+        raise ValueError(f"segment_bytes must be a positive int, got {segment_bytes!r}")
+    return segment_bytes
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+    """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
+
+    Every rank must call it with a tensor of the same shape and dtype, as with
+    `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype == torch.bool or tensor.is_complex():
+        raise TypeError(f"tensor has dtype {tensor.dtype}; allreduce sums real numbers")
+    if tensor.is_sparse:
+        raise TypeError("tensor must be dense, got a sparse tensor")
+    if any(st == 0 and s > 1 for s, st in zip(tensor.shape, tensor.stride())):
+        raise ValueError("tensor has stride 0 (an expanded view); pass a tensor that owns its elements")
+    _check_algorithm(algorithm)
+    _check_segment_bytes(segment_bytes)
+    rank, peers = _group_ranks(group)
+    if len(peers) == 1 or tensor.numel() == 0:
+        return
+    schedule = get_schedule(algorithm, len(peers))
+    segment_numel = max(1, segment_bytes // tensor.element_size())
+    with torch.no_grad():
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        for batches in plan(schedule, rank, flat.numel(), segment_numel):
+            _run_round(flat, batches, peers, group)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view_as(tensor))
+
+
+class Bucket:
+    """Gradients of a few parameters, flattened into one buffer and allreduced together."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params  # parameters whose gradients live here, in the order they sit in `flat`
+        self.offsets = [0]  # where each parameter's gradient starts in `flat` (one extra entry: the end)
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.flat = torch.zeros(self.offsets[-1], dtype=params[0].dtype, device=params[0].device)  # the gradients, then their sum
+        self.arrived = [False] * len(params)  # whose gradient this backward pass has copied into `flat`
+        self.pending = len(params)  # gradients still to arrive before the bucket can be sent
+        self.future: concurrent.futures.Future | None = None  # the running allreduce, or None
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s slice of `flat`, shaped like the parameter."""
+        return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.params[i].shape)
+
+    def reset(self) -> None:
+        """Forget this backward pass: no gradient has arrived, nothing is running."""
+        self.arrived = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.future = None
+
+
+class DistributedDataParallel(nn.Module):
+    """A drop-in for `torch.nn.parallel.DistributedDataParallel`, allreducing with manualdp's schedules.
+
+    Args:
+        module: the model, with all its parameters on one device (this rank's).
+        bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
+            parameter order; `None` gives one bucket per parameter.
+        algorithm: `naive`, `ring` or `tree` (see `manualdp.schedule`).
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
+            before each forward pass, as DDP does.
+        process_group: the group to average over (default: all ranks).
+        device_ids: `None`, or `[device]`, the module's device; inputs are moved there.
+        output_device: accepted for compatibility; outputs stay on the module's device.
+        find_unused_parameters: accepted for compatibility; unused parameters always work.
+        segment_bytes: messages are cut into segments of this size, see `allreduce`.
+
+    Limitations: dense gradients only; every rank must run backward through at least one
+    parameter in every synchronised step (else its peers wait for it); a parameter that
+    no rank used gets a zero gradient where DDP leaves it untouched.
+    """
+
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+                 algorithm: str = "ring", broadcast_buffers: bool = True, process_group=None,
+                 device_ids=None, output_device=None, find_unused_parameters: bool = False,
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
+        assign_buckets([], bucket_cap_mb)  # validates bucket_cap_mb
+        _check_algorithm(algorithm)
+        _check_segment_bytes(segment_bytes)
+        if not isinstance(broadcast_buffers, bool):
+            raise TypeError(f"broadcast_buffers must be a bool, got {broadcast_buffers!r}")
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("module has no parameters that require grad: nothing to synchronise")
+        devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
+        if len(devices) != 1:
+            raise ValueError(f"module must live on one device, its parameters and buffers are on {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        if device_ids is not None:
+            if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
+                raise ValueError(f"device_ids must be None or a list of one device, got {device_ids!r}")
+            wanted = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else torch.device("cuda", device_ids[0])
+            if wanted != self.device:
+                raise ValueError(f"device_ids={device_ids!r}, but the module is on {self.device}")
+        self.rank, self._peers = _group_ranks(process_group)
+
+        self.module = module
+        self.process_group = process_group
+        self.world_size = len(self._peers)
+        self.algorithm = algorithm
+        self.broadcast_buffers = broadcast_buffers
+        self.bucket_cap_mb = bucket_cap_mb
+        self.segment_bytes = segment_bytes
+        self.move_inputs = device_ids is not None
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
+        self._sync_this_backward = True  # decided by the forward pass, as in DDP
+
+        self._check_same_model()
+        self._broadcast(list(module.parameters()) + list(module.buffers()))
+
+        self._buckets = [Bucket([params[i] for i in b]) for b in assign_buckets(params, bucket_cap_mb)]
+        self._where = {}  # id(param) -> (bucket index, index in the bucket)
+        for b, bucket in enumerate(self._buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (b, i)
+        self._next_launch = 0  # buckets launch strictly in order, the same on every rank
+        self._in_backward = False
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="manualdp-allreduce")
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+
+    # ---------------------------------------------------------------- construction
+
+    def _check_same_model(self) -> None:
+        """Raise on every rank unless every rank has the same parameter and buffer names, shapes and dtypes."""
+        mine = [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)
+                for kind, named in (("parameter", self.module.named_parameters()), ("buffer", self.module.named_buffers()))
+                for name, t in named]
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        for r, theirs in enumerate(everyone):
+            if theirs == everyone[0]:
+                continue
+            if len(theirs) != len(everyone[0]):
+                detail = f"rank 0 has {len(everyone[0])} parameters and buffers, rank {r} has {len(theirs)}"
+            else:
+                i = next(i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b)
+                detail = f"entry {i} is {everyone[0][i]} on rank 0 but {theirs[i]} on rank {r}"
+            raise ValueError(f"DistributedDataParallel: the model differs across ranks ({detail}); "
+                             "every rank must build the same model")
+
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Overwrite `tensors` with rank 0's, one flat message per dtype."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for dtype in sorted({t.dtype for t in tensors}, key=str):
+                same = [t for t in tensors if t.dtype == dtype and t.numel()]
+                if not same:
+                    continue
+                flat = flatten(same)
+                dist.broadcast(flat, src=self._peers[0], group=self.process_group)
+                unflatten_(flat, same)
+
+    # ---------------------------------------------------------------- training
+
+    def forward(self, *inputs, **kwargs):
+        if self.require_forward_param_sync and self.broadcast_buffers:
+            self._broadcast(list(self.module.buffers()))
+        if self.move_inputs:
+            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+        self._sync_this_backward = self.require_backward_grad_sync
+        out = self.module(*inputs, **kwargs)
+        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally: backward passes of forwards run inside skip the allreduce."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def _grad_ready(self, param: nn.Parameter) -> None:
+        """Hook: `param.grad` is final for this backward pass; copy it into its bucket."""
+        if not self._sync_this_backward:
+            return
+        if param.grad is not None and param.grad.is_sparse:
+            raise RuntimeError("manualdp.DistributedDataParallel supports dense gradients only")
+        if not self._in_backward:
+            self._in_backward = True
+            # Runs when the whole backward pass is done, also when some hooks never fire.
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        b, i = self._where[id(param)]
+        bucket = self._buckets[b]
+        if bucket.arrived[i]:
+            raise RuntimeError("a gradient arrived twice in one backward pass (reentrant backward?), "
+                               "which manualdp.DistributedDataParallel does not support")
+        bucket.view(i).copy_(param.grad)
+        bucket.arrived[i] = True
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the allreduce of every full bucket, in bucket order (every rank must send them in the same order)."""
+        while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
+            bucket = self._buckets[self._next_launch]
+            bucket.future = self._executor.submit(allreduce, bucket.flat, self.algorithm, self.process_group,
+                                                  segment_bytes=self.segment_bytes)
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
+        try:
+            for bucket in self._buckets[self._next_launch:]:
+                for i, arrived in enumerate(bucket.arrived):
+                    if not arrived:  # unused here: contributes zero, but the bucket must still go out
+                        bucket.view(i).zero_()
+                bucket.pending = 0
+            self._launch_ready()
+            error = None
+            for bucket in self._buckets:
+                try:
+                    bucket.future.result()
+                except Exception as e:  # keep waiting: leave no allreduce running behind us
+                    error = error or e
+                    continue
+                if error is None:
+                    self._write_grads(bucket)
+            if error is not None:
+                raise error
+        finally:
+            for bucket in self._buckets:
+                bucket.reset()
+            self._next_launch = 0
+            self._in_backward = False
+
+    def _write_grads(self, bucket: Bucket) -> None:
+        with torch.no_grad():
+            for i, p in enumerate(bucket.params):
+                if p.grad is None:
+                    p.grad = bucket.view(i) / self.world_size
+                else:
+                    torch.div(bucket.view(i), self.world_size, out=p.grad)
+
+    def __del__(self) -> None:
+        executor = self.__dict__.get("_executor")
+        if executor is not None:
+            executor.shutdown(wait=False)
+
+
+def _to_device(obj, device: torch.device):
+    """`obj` with every tensor inside (lists, tuples, dicts) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
