@@ -12,6 +12,7 @@ BENCHMARKS = {
     "allreduce": "manualdp.benchmarks.allreduce",
     "ddp": "manualdp.benchmarks.ddp",
     "overhead": "manualdp.benchmarks.overhead",
+    "soak": "manualdp.benchmarks.soak",
 }
 
 

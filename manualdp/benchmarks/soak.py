@@ -1,0 +1,148 @@
+"""Soak test: train for thousands of steps and watch resident memory.
+
+    python bench/soak.py --mode single --steps 3000
+    python bench/soak.py --mode spmd --world-size 2 --steps 3000
+
+Resident set size (RSS) is sampled every `--interval` steps. Growth is measured from the
+first sample after `--warmup` steps to the last; the target is at most 5%.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch import nn
+
+__all__ = ["main", "rss_mib"]
+
+
+def rss_mib() -> float:
+    """Current resident set size of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("VmRSS not found in /proc/self/status")
+
+
+def _data(batch_size: int, step: int):
+    g = torch.Generator().manual_seed(step % 50)  # a fixed pool of batches, no growing data set
+    return torch.randn(batch_size, 1, 28, 28, generator=g), torch.randint(0, 10, (batch_size,), generator=g)
+
+
+def _soak_single(args) -> list[tuple[int, float]]:
+    from .. import cpu_devices, replicate, train_batch
+    from ..models import get_model
+    torch.manual_seed(0)
+    devices = cpu_devices(args.devices)
+    replicas = replicate(get_model(args.model), devices)
+    opts = [torch.optim.SGD(r.parameters(), lr=0.05, momentum=0.9) for r in replicas]
+    samples = []
+    for step in _progress(args.steps, True):
+        X, y = _data(args.batch_size, step)
+        train_batch(X, y, replicas, opts, devices, algorithm=args.algorithm, bucket_cap_mb=args.bucket_mb,
+                    nonfinite="raise", step=step)
+        if step % args.interval == 0 or step == args.steps - 1:
+            samples.append((step, rss_mib()))
+    return samples
+
+
+def _soak_rank(rank: int, args, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from ..distributed import DistributedDataParallel
+    from ..models import get_model
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
+    try:
+        torch.manual_seed(0)
+        model = DistributedDataParallel(get_model(args.model), algorithm=args.algorithm,
+                                        bucket_cap_mb=args.bucket_mb or 25.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        loss_fn = nn.CrossEntropyLoss()
+        samples = []
+        for step in _progress(args.steps, rank == 0):
+            X, y = _data(args.batch_size, step)
+            X, y = X[rank::args.world_size], y[rank::args.world_size]
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model(X), y).backward()
+            opt.step()
+            if step % args.interval == 0 or step == args.steps - 1:
+                samples.append((step, rss_mib()))
+        queue.put((rank, samples))
+    finally:
+        dist.destroy_process_group()
+
+
+def _soak_spmd(args) -> list[tuple[int, float]]:
+    import torch.multiprocessing as mp
+
+    from .ddp import free_port
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_soak_rank, args=(r, args, port, queue)) for r in range(args.world_size)]
+    for p in procs:
+        p.start()
+    results = dict(queue.get(timeout=args.timeout) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        if p.exitcode != 0:
+            raise RuntimeError(f"rank process exited with {p.exitcode}")
+    # the worst rank decides
+    return max(results.values(), key=lambda s: _growth(s, args.warmup))
+
+
+def _progress(n: int, enabled: bool):
+    from tqdm.auto import tqdm
+    return tqdm(range(n), desc="steps", leave=False, disable=not enabled, mininterval=1.0)
+
+
+def _growth(samples, warmup: int) -> float:
+    after = [rss for step, rss in samples if step >= warmup]
+    return (after[-1] - after[0]) / after[0]
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="manualdp bench soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--mode", choices=["single", "spmd"], default="single")
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--warmup", type=int, default=300, help="steps before the baseline sample")
+    p.add_argument("--interval", type=int, default=250, help="steps between RSS samples")
+    p.add_argument("--model", default="lenet", choices=["lenet", "mlp", "resnet18"])
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--devices", type=int, default=2, help="simulated devices (single mode)")
+    p.add_argument("--world-size", type=int, default=2, help="processes (spmd mode)")
+    p.add_argument("--algorithm", default="ring", choices=["naive", "ring", "tree"])
+    p.add_argument("--bucket-mb", type=float, default=None)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the ranks (spmd mode)")
+    p.add_argument("--json", metavar="PATH")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    for name in ("steps", "interval", "batch_size", "devices", "world_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup must be in [0, --steps), got {args.warmup}")
+    samples = _soak_single(args) if args.mode == "single" else _soak_spmd(args)
+    growth = _growth(samples, args.warmup)
+    print(f"{args.mode} mode, {args.model}, batch {args.batch_size}, {args.steps} steps, allreduce {args.algorithm}")
+    print(f"{'step':>7} {'RSS MiB':>9}")
+    for step, rss in samples:
+        print(f"{step:7d} {rss:9.1f}{'  (warm-up)' if step < args.warmup else ''}")
+    verdict = "OK" if growth <= 0.05 else "FAIL"
+    print(f"growth after warm-up: {100 * growth:+.2f}% (target <= +5%): {verdict}")
+    if args.json:
+        from ..train import write_json_atomic
+        write_json_atomic(args.json, {"args": vars(args), "samples": samples, "growth": growth})
+    return 0 if growth <= 0.05 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
