@@ -1,0 +1,78 @@
+"""The allreduce benchmark on tiny sizes: structure of its rows, its JSON and its plot; no timing assertions."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from manualdp.benchmarks.allreduce import fit_cost, main, memory_bytes, serial_features, time_in_process
+from manualdp.schedule import ALGORITHMS, get_schedule, traffic
+
+
+@pytest.mark.parametrize("devices", [3, 4])
+def test_rows_json_and_plot(tmp_path, capsys, devices):
+    out_json, out_png = tmp_path / "ar.json", tmp_path / "ar.png"
+    argv = ["--devices", str(devices), "--min-bytes", "64", "--max-bytes", "1024", "--factor", "4",
+            "--iters", "2", "--warmup", "1", "--no-progress", "--json", str(out_json), "--plot", str(out_png)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out_json.read_text())
+    rows = result["rows"]
+    sizes = [64, 256, 1024]
+    assert [(r["algorithm"], r["size"]) for r in rows] == [(a, s) for s in sizes for a in sorted(ALGORITHMS)]
+    for r in rows:
+        assert r["wrong"] == 0
+        assert r["count"] == r["size"] // 4 and r["type"] == "float32"
+        assert r["busbw"] == pytest.approx(r["algbw"] * 2 * (devices - 1) / devices)
+        assert r["algbw"] == pytest.approx(r["size"] / r["time_us"] / 1e3)
+        assert r["time_us"] == pytest.approx(float(np.median(r["times_us"]))) and len(r["times_us"]) == 2
+        schedule = get_schedule(r["algorithm"], devices)
+        assert r["effbw"] == pytest.approx(memory_bytes(schedule, r["size"], 4) / r["time_us"] / 1e3)
+        assert r["eff_ratio"] == pytest.approx(r["effbw"] / r["memcpy"])
+        assert f"{r['time_us']:.1f}" in printed
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave no temporary file behind
+
+
+def test_memory_bytes_is_three_per_reduced_byte_and_two_per_copied_byte():
+    for algorithm in ALGORITHMS:
+        for n in range(1, 9):
+            schedule = get_schedule(algorithm, n)
+            t = traffic(schedule, 4096 * 4, 4)
+            reduced, moved = sum(t["reduced"]), sum(t["received"])
+            assert memory_bytes(schedule, 4096 * 4, 4) == 3 * reduced + 2 * (moved - reduced)
+            transfers, f_moved, f_reduced = serial_features(schedule, 4096 * 4, 4)
+            assert (f_moved, f_reduced) == (moved, reduced)
+            assert transfers == sum(len(rnd) for rnd in schedule.rounds)
+
+
+def test_the_timer_finds_wrong_results(monkeypatch):
+    import manualdp.benchmarks.allreduce as bench
+
+    assert time_in_process("ring", 100, torch.float32, 3, iters=2, warmup=0).wrong == 0
+    monkeypatch.setattr(bench, "allreduce", lambda tensors, algorithm: tensors[0].add_(tensors[1]))
+    assert time_in_process("ring", 100, torch.float64, 3, iters=2, warmup=0).wrong > 0
+
+
+def test_fit_cost_recovers_non_negative_coefficients():
+    rng = np.random.default_rng(0)
+    features = rng.uniform(1, 100, size=(30, 3))
+    for truth in ([2.0, 0.5, 0.0], [0.0, 1.0, 3.0], [1.0, 1.0, 1.0]):
+        assert fit_cost(features, features @ np.array(truth)) == pytest.approx(truth, abs=1e-9)
+    # A negative true coefficient is clipped to 0, never returned.
+    assert np.all(fit_cost(features, features @ np.array([1.0, -0.5, 2.0]) + 100) >= 0)
+    with pytest.raises(ValueError, match="seconds"):
+        fit_cost(features, np.zeros(30))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--devices", "0"], "--devices"),
+    (["--min-bytes", "2048", "--max-bytes", "1024"], "--min-bytes"),
+    (["--min-bytes", "6"], "multiple of 4"),
+    (["--factor", "1"], "--factor"),
+    (["--iters", "0"], "--iters"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv + ["--no-progress"])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
