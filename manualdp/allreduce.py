@@ -34,18 +34,19 @@ def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
         raise ValueError(f"schedule is for {schedule.num_devices} devices, got {len(tensors)} tensors")
     flats = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone() for t in tensors]
     bounds = chunk_bounds(flats[0].numel(), schedule.num_chunks)
+    # Slice once per device and chunk: slicing in every transfer costs as much as adding a small chunk.
+    chunks = [[flat[lo:hi] for lo, hi in bounds] for flat in flats]
     for rnd in schedule.rounds:
         # A round's transfers are simultaneous; check_schedule guarantees no chunk is both
         # read and written on one device within a round, so applying them in order is safe.
         for src, dst, chunk, reduce in rnd:
-            lo, hi = bounds[chunk]
-            if lo == hi:
+            if bounds[chunk][0] == bounds[chunk][1]:
                 continue
-            incoming = flats[src][lo:hi].to(flats[dst].device)
+            incoming = chunks[src][chunk].to(flats[dst].device)
             if reduce:
-                flats[dst][lo:hi].add_(incoming)
+                chunks[dst][chunk].add_(incoming)
             else:
-                flats[dst][lo:hi].copy_(incoming)
+                chunks[dst][chunk].copy_(incoming)
     for t, flat in zip(tensors, flats):
         if not t.is_contiguous():
             t.copy_(flat.view_as(t))
