@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 from typing import NamedTuple
 
 import torch
@@ -35,7 +36,8 @@ class Message(NamedTuple):
     reduce: bool  # for a receive: add into flat[lo:hi] (True) or overwrite it (False)
 
 
-def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> list[list[list[Message]]]:
+@functools.lru_cache(maxsize=256)  # training calls it with the same few bucket sizes every step
+def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple[tuple[tuple[Message, ...], ...], ...]:
     """Rank `rank`'s share of `schedule`: for every round, a list of batches of messages.
 
     In a round, consecutive chunks between the same two ranks merge into one message, and
@@ -69,8 +71,8 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> list[
                 if k == len(batches):
                     batches.append([])
                 batches[k].append(m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
-        rounds.append(batches)
-    return rounds
+        rounds.append(tuple(map(tuple, batches)))
+    return tuple(rounds)
 
 
 def _wait(works) -> None:
@@ -79,7 +81,7 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _run_round(flat: torch.Tensor, batches: list[list[Message]], peers: list[int], group) -> None:
+def _run_round(flat: torch.Tensor, batches, peers: list[int], group) -> None:
     """Post the batches of one round, at most `_WINDOW` ahead, and add each received segment."""
     if not batches:
         return
