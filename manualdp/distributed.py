@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import threading
 from typing import NamedTuple
 
 import torch
@@ -81,6 +82,23 @@ def _wait(works) -> None:
         w.wait()
 
 
+_SCRATCH = threading.local()  # per thread: DDP's allreduce thread and the main thread must not share it
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """`numel` elements of reusable space on `like`'s device and dtype.
+
+    Kept between calls: a fresh multi-MiB buffer every round costs page faults (the CPU
+    allocator gives large blocks back to the system), more than the additions themselves.
+    """
+    cache = _SCRATCH.__dict__.setdefault("buffers", {})
+    key = (like.device, like.dtype)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = like.new_empty(numel)
+    return buf[:numel]
+
+
 def _run_round(flat: torch.Tensor, batches, peers: list[int], group) -> None:
     """Post the batches of one round, at most `_WINDOW` ahead, and add each received segment."""
     if not batches:
@@ -88,7 +106,7 @@ def _run_round(flat: torch.Tensor, batches, peers: list[int], group) -> None:
     width = max(sum(m.hi - m.lo for m in b if m.reduce and not m.send) for b in batches)
     # Reductions land in scratch space on flat's device (NCCL receives into GPU memory);
     # overwrites land in place. Slot k % _WINDOW is reused once batch k has been added.
-    scratch = flat.new_empty(_WINDOW * width) if width else None
+    scratch = _scratch(min(_WINDOW, len(batches)) * width, flat) if width else None
     posted: dict[int, tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def post(k: int) -> None:

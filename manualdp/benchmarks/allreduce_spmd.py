@@ -1,0 +1,194 @@
+"""Allreduce across processes: manualdp's schedules over isend/irecv against gloo's own all_reduce.
+
+    python -m manualdp.benchmarks.allreduce_spmd --world-size 4 --json spmd.json --plot spmd.png
+    manualdp bench allreduce --spmd --world-size 2
+
+Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
+row per algorithm and one for `torch.distributed.all_reduce`, with the columns nccl-tests
+prints: time (median over runs of the slowest rank's time), algbw = S / time, busbw =
+algbw * 2(n-1)/n, #wrong (inputs are small integers, so every order of summation is exact
+and #wrong must be 0), and busbw / gloo's busbw at the same size. The implementations run
+in turns, run by run, after a barrier each, so that machine noise hits all of them alike.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import ALGORITHMS
+from ..train import write_json_atomic
+
+__all__ = ["main", "run", "format_table", "plot"]
+
+MiB = 1 << 20
+GLOO = "gloo all_reduce"
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "int32": torch.int32, "int64": torch.int64}
+
+
+def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(rank * 7919 + numel)
+    return torch.randint(-8, 8, (numel,), generator=g).to(dtype)  # small integers: every summation order is exact
+
+
+def _rank_main(config: dict) -> dict:
+    """One rank: time every implementation at every size; return per-run times and wrong counts."""
+    from ..distributed import allreduce
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dtype = DTYPES[config["dtype"]]
+    element_size = torch.empty((), dtype=dtype).element_size()
+    impls = {a: (lambda x, a=a: allreduce(x, a, segment_bytes=config["segment_bytes"])) for a in config["algorithms"]}
+    impls[GLOO] = dist.all_reduce
+    names = list(impls)
+    out = {}
+    for size in config["sizes"]:
+        numel = size // element_size
+        pristine = _input(rank, numel, dtype)
+        expected = sum(_input(r, numel, dtype) for r in range(n))
+        work = pristine.clone()
+        times = {name: [] for name in names}
+        wrong = dict.fromkeys(names, 0)
+        for i in range(config["warmup"] + config["iters"]):
+            order = names[i % len(names):] + names[:i % len(names)]  # rotate who goes first
+            for name in order:
+                work.copy_(pristine)
+                dist.barrier()
+                start = time.perf_counter()
+                impls[name](work)
+                seconds = time.perf_counter() - start
+                if i >= config["warmup"]:
+                    times[name].append(seconds)
+                    wrong[name] = max(wrong[name], int((work != expected).sum()))
+        out[size] = {"times": times, "wrong": wrong}
+    return out
+
+
+def run(config: dict) -> dict:
+    """Spawn the ranks and build the rows: nccl-tests columns plus the ratio to gloo."""
+    from ..spmd import launch
+
+    per_rank = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"])
+    n = config["world_size"]
+    element_size = torch.empty((), dtype=DTYPES[config["dtype"]]).element_size()
+    rows = []
+    for size in config["sizes"]:
+        names = list(per_rank[0][size]["times"])
+        block = []
+        for name in names:
+            slowest = [max(ts) for ts in zip(*(r[size]["times"][name] for r in per_rank))]  # the collective ends with its last rank
+            t = statistics.median(slowest)
+            algbw = size / t / 1e9
+            block.append({"algorithm": name, "size": size, "count": size // element_size, "type": config["dtype"],
+                          "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
+                          "wrong": sum(r[size]["wrong"][name] for r in per_rank), "times_us": [x * 1e6 for x in slowest]})
+        gloo = next(r for r in block if r["algorithm"] == GLOO)["busbw"]
+        for r in block:
+            r["vs_gloo"] = r["busbw"] / gloo
+        rows += block
+    ring_big = [r["vs_gloo"] for r in rows if r["algorithm"] == "ring" and r["size"] >= 4 * MiB]
+    return {"config": dict(config, torch=torch.__version__), "rows": rows,
+            "target": {"ring_vs_gloo_min_4MiB": min(ring_big) if ring_big else None}}
+
+
+def format_table(result: dict) -> str:
+    """The rows as text, one block per size."""
+    c = result["config"]
+    fmt = "{:>10} {:>9} {:>7} {:>16} {:>10} {:>11} {:>11} {:>6} {:>10}".format
+    lines = [f"allreduce across {c['world_size']} processes (gloo, 127.0.0.1, {c['threads']} thread(s) each), "
+             f"{c['dtype']}, median of {c['iters']} runs after {c['warmup']} warm-up, segments of {c['segment_bytes']} B, "
+             f"torch {c['torch']}",
+             fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw/gloo")]
+    for r in result["rows"]:
+        lines.append(fmt(r["size"], r["count"], r["type"], r["algorithm"], f"{r['time_us']:.1f}", f"{r['algbw']:.3f}",
+                         f"{r['busbw']:.3f}", r["wrong"], f"{r['vs_gloo']:.2f}"))
+    worst = result["target"]["ring_vs_gloo_min_4MiB"]
+    if worst is not None:
+        lines.append(f"target ring busbw >= 0.9 x gloo for sizes >= 4 MiB: worst {worst:.2f} -> "
+                     f"{'met' if worst >= 0.9 else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """busbw against size, one line per implementation, to a PNG at `path` (atomically)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for name in dict.fromkeys(r["algorithm"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["algorithm"] == name]
+        ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o", label=name,
+                linestyle="--" if name == GLOO else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("size per rank (bytes)")
+    ax.set_ylabel("busbw (GB/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    c = result["config"]
+    ax.set_title(f"allreduce across {c['world_size']} processes, gloo, {c['dtype']}")
+    fig.tight_layout()
+    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
+    try:
+        fig.savefig(tmp, format="png", dpi=120)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`manualdp bench allreduce --spmd`: the table; optionally JSON and a PNG."""
+    parser = argparse.ArgumentParser(prog="manualdp bench allreduce --spmd", description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
+    parser.add_argument("--min-bytes", type=int, default=4096, help="smallest size per rank (default 4 KiB)")
+    parser.add_argument("--max-bytes", type=int, default=64 * MiB, help="largest size per rank (default 64 MiB)")
+    parser.add_argument("--factor", type=int, default=4, help="ratio between consecutive sizes (default 4)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--algorithms", nargs="+", choices=sorted(ALGORITHMS), default=sorted(ALGORITHMS))
+    parser.add_argument("--iters", type=int, default=10, help="timed runs per point (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
+    parser.add_argument("--segment-bytes", type=int, default=1 << 20, help="manualdp's message segments (default 1 MiB)")
+    parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / world size)")
+    parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="PATH", help="plot busbw against size to a PNG")
+    args = parser.parse_args(argv)
+    element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
+    checks = [
+        (args.world_size >= 2, f"--world-size must be >= 2, got {args.world_size}"),
+        (args.iters >= 1 and args.warmup >= 0, f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"),
+        (args.factor >= 2, f"--factor must be >= 2, got {args.factor}"),
+        (args.segment_bytes >= 1, f"--segment-bytes must be >= 1, got {args.segment_bytes}"),
+        (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
+        (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}"),
+        (0 < args.min_bytes <= args.max_bytes, f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}"),
+        (args.min_bytes % element_size == 0, f"--min-bytes must be a multiple of {element_size} ({args.dtype}), got {args.min_bytes}"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            parser.error(message)
+    sizes = [args.min_bytes]
+    while sizes[-1] * args.factor <= args.max_bytes:
+        sizes.append(sizes[-1] * args.factor)
+    config = {"world_size": args.world_size, "sizes": sizes, "dtype": args.dtype, "algorithms": args.algorithms,
+              "iters": args.iters, "warmup": args.warmup, "segment_bytes": args.segment_bytes, "timeout": args.timeout,
+              "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size)}
+    result = run(config)
+    print(format_table(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+    return 1 if any(r["wrong"] for r in result["rows"]) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
