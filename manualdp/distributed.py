@@ -23,10 +23,9 @@ from torch import nn
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
 from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "plan", "allreduce", "Bucket", "DistributedDataParallel"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "Bucket", "DistributedDataParallel"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
-_WINDOW = 4  # segments in flight per message: enough to keep the link busy while we add
 
 
 class Message(NamedTuple):
@@ -37,18 +36,26 @@ class Message(NamedTuple):
     reduce: bool  # for a receive: add into flat[lo:hi] (True) or overwrite it (False)
 
 
+class Round(NamedTuple):
+    sends: tuple[Message, ...]  # segments this rank sends, in posting order
+    recvs: tuple[Message, ...]  # segments it receives, in posting order, which is also the order of the additions
+    early: bool                 # its receives touch nothing the previous round touches: post them during that round
+    scratch: int                # elements of scratch space its reducing receives land in
+
+
 @functools.lru_cache(maxsize=256)  # training calls it with the same few bucket sizes every step
-def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple[tuple[tuple[Message, ...], ...], ...]:
-    """Rank `rank`'s share of `schedule`: for every round, a list of batches of messages.
+def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple[Round, ...]:
+    """Rank `rank`'s share of `schedule`: per round, the segments it sends and receives.
 
     In a round, consecutive chunks between the same two ranks merge into one message, and
-    messages are cut into segments of at most `segment_numel` elements; batch `k` holds
-    segment `k` of every message, so the receiver adds segment `k` while `k + 1` is in
-    flight. Both sides derive their lists from the same transfers in the same order, so
+    messages are cut into segments of at most `segment_numel` elements, ordered segment 0 of
+    every message, then segment 1, ..., so the receiver adds one segment while the next is
+    in flight. Both sides derive their lists from the same transfers in the same order, so
     every send meets its receive, in order. Empty chunks send nothing, on both sides.
     """
     bounds = chunk_bounds(numel, schedule.num_chunks)
-    rounds = []
+    rounds: list[Round] = []
+    previous: list[Message] = []  # the messages of the previous round
     for rnd in schedule.rounds:
         messages: list[Message] = []
         last: dict[tuple[int, bool, bool], int] = {}  # (peer, send, reduce) -> index of its latest message
@@ -66,13 +73,19 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
             else:
                 last[key] = len(messages)
                 messages.append(Message(key[0], lo, hi, send, t.reduce))
-        batches: list[list[Message]] = []
-        for m in messages:
-            for k, start in enumerate(range(m.lo, m.hi, segment_numel)):
-                if k == len(batches):
-                    batches.append([])
-                batches[k].append(m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
-        rounds.append(tuple(map(tuple, batches)))
+        segments = sorted(
+            ((k, i, m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
+             for i, m in enumerate(messages) for k, start in enumerate(range(m.lo, m.hi, segment_numel))),
+            key=lambda x: x[:2])
+        sends = tuple(m for _, _, m in segments if m.send)
+        recvs = tuple(m for _, _, m in segments if not m.send)
+        # Reductions land in scratch space, so only overwrites can collide with the previous round;
+        # a range sent to the very peer that will overwrite it is safe: that peer sends only
+        # after it has received everything of the previous round.
+        early = all(m.reduce or x.hi <= m.lo or m.hi <= x.lo or (x.send and x.peer == m.peer)
+                    for m in recvs for x in previous)
+        rounds.append(Round(sends, recvs, early, sum(m.hi - m.lo for m in recvs if m.reduce)))
+        previous = messages
     return tuple(rounds)
 
 
@@ -99,40 +112,56 @@ def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _run_round(flat: torch.Tensor, batches, peers: list[int], group) -> None:
-    """Post the batches of one round, at most `_WINDOW` ahead, and add each received segment."""
-    if not batches:
-        return
-    width = max(sum(m.hi - m.lo for m in b if m.reduce and not m.send) for b in batches)
-    # Reductions land in scratch space on flat's device (NCCL receives into GPU memory);
-    # overwrites land in place. Slot k % _WINDOW is reused once batch k has been added.
-    scratch = _scratch(min(_WINDOW, len(batches)) * width, flat) if width else None
-    posted: dict[int, tuple[list, list[tuple[torch.Tensor, torch.Tensor]]]] = {}
+def _targets(flat: torch.Tensor, rnd: Round, scratch: torch.Tensor) -> list[torch.Tensor]:
+    """Where each receive of `rnd` lands: scratch space for reductions (on flat's device), flat itself for overwrites."""
+    out, at = [], 0
+    for m in rnd.recvs:
+        if m.reduce:
+            out.append(scratch[at:at + m.hi - m.lo])
+            at += m.hi - m.lo
+        else:
+            out.append(flat[m.lo:m.hi])
+    return out
 
-    def post(k: int) -> None:
-        ops, adds, at = [], [], (k % _WINDOW) * width
-        for m in batches[k]:
-            target = flat[m.lo:m.hi]
-            if m.send:
-                ops.append(dist.P2POp(dist.isend, target, peers[m.peer], group))
-            elif m.reduce:
-                buf = scratch[at:at + m.hi - m.lo]
-                at += m.hi - m.lo
-                ops.append(dist.P2POp(dist.irecv, buf, peers[m.peer], group))
-                adds.append((target, buf))
-            else:
-                ops.append(dist.P2POp(dist.irecv, target, peers[m.peer], group))
-        posted[k] = (dist.batch_isend_irecv(ops), adds)
 
-    for k in range(min(_WINDOW, len(batches))):
-        post(k)
-    for k in range(len(batches)):
-        works, adds = posted.pop(k)
-        _wait(works)
-        for target, buf in adds:  # in schedule order, so the sum is the single controller's, bit for bit
-            target.add_(buf)
-        if k + _WINDOW < len(batches):
-            post(k + _WINDOW)
+def _add(flat: torch.Tensor, m: Message, buf: torch.Tensor) -> None:
+    if m.reduce:  # in schedule order, so the sum is the single controller's, bit for bit
+        flat[m.lo:m.hi].add_(buf)
+
+
+def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch) -> None:
+    """Gloo: post each round's receives while the previous round runs.
+
+    Gloo sends a message at once only to a receiver that has already said it is ready;
+    otherwise the two sides exchange notifications first, a round trip through both
+    processes' network threads. Receives posted one round ahead avoid that wait.
+    """
+    def post(i: int) -> list:
+        bufs = _targets(flat, rounds[i], scratch[i % 2])
+        return [(m, b, dist.irecv(b, peers[m.peer], group)) for m, b in zip(rounds[i].recvs, bufs)]
+
+    pending = post(0) if rounds else []
+    for i, rnd in enumerate(rounds):
+        sends = [dist.isend(flat[m.lo:m.hi], peers[m.peer], group) for m in rnd.sends]
+        ahead = i + 1 < len(rounds) and rounds[i + 1].early
+        following = post(i + 1) if ahead else None
+        for m, buf, work in pending:
+            _wait([work])
+            _add(flat, m, buf)
+        _wait(sends)
+        pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
+
+
+def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch) -> None:
+    """NCCL and others: each round's sends and receives as one group, so that two ranks exchanging never deadlock."""
+    for i, rnd in enumerate(rounds):
+        bufs = _targets(flat, rnd, scratch[i % 2])
+        ops = [dist.P2POp(dist.isend, flat[m.lo:m.hi], peers[m.peer], group) for m in rnd.sends]
+        ops += [dist.P2POp(dist.irecv, b, peers[m.peer], group) for m, b in zip(rnd.recvs, bufs)]
+        if ops:
+            _wait(dist.batch_isend_irecv(ops))
+        for m, buf in zip(rnd.recvs, bufs):
+            _add(flat, m, buf)
 
 
 def _group_ranks(group) -> tuple[int, list[int]]:
@@ -181,12 +210,18 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
     rank, peers = _group_ranks(group)
     if len(peers) == 1 or tensor.numel() == 0:
         return
-    schedule = get_schedule(algorithm, len(peers))
-    segment_numel = max(1, segment_bytes // tensor.element_size())
+    _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo")
+
+
+def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,
+               early: bool) -> None:
+    rounds = plan(get_schedule(algorithm, len(peers)), rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
+    width = max((r.scratch for r in rounds), default=0)
+    space = _scratch(2 * width, tensor)
+    scratch = (space[:width], space[width:])  # rounds alternate halves: a round's receives may be posted early
     with torch.no_grad():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        for batches in plan(schedule, rank, flat.numel(), segment_numel):
-            _run_round(flat, batches, peers, group)
+        (_run_early if early else _run_grouped)(flat, rounds, peers, group, scratch)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
 

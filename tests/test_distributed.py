@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.allreduce import run_schedule
-from manualdp.distributed import DistributedDataParallel, allreduce, plan
+from manualdp.distributed import DistributedDataParallel, _allreduce, allreduce, plan
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch, shard
 from manualdp.split import split_batch
@@ -38,22 +38,18 @@ def test_plan_messages_match_and_compute_the_single_controller_sum(algorithm, n,
     for rnd in range(len(schedule.rounds)):
         sent = {}  # (src, dst) -> the slices src sends, in order
         for r in range(n):
-            for batch in plans[r][rnd]:
-                for m in batch:
-                    assert 0 < m.hi - m.lo <= segment
-                    if m.send:
-                        sent.setdefault((r, m.peer), []).append((m.lo, m.hi, flats[r][m.lo:m.hi].clone()))
+            for m in plans[r][rnd].sends:
+                assert 0 < m.hi - m.lo <= segment
+                sent.setdefault((r, m.peer), []).append((m.lo, m.hi, flats[r][m.lo:m.hi].clone()))
         for r in range(n):
-            for batch in plans[r][rnd]:
-                for m in batch:
-                    if m.send:
-                        continue
-                    lo, hi, data = sent[(m.peer, r)].pop(0)  # FIFO per direction, as isend/irecv match
-                    assert (lo, hi) == (m.lo, m.hi)
-                    if m.reduce:
-                        flats[r][lo:hi].add_(data)
-                    else:
-                        flats[r][lo:hi].copy_(data)
+            assert plans[r][rnd].scratch == sum(m.hi - m.lo for m in plans[r][rnd].recvs if m.reduce)
+            for m in plans[r][rnd].recvs:
+                lo, hi, data = sent[(m.peer, r)].pop(0)  # FIFO per direction, as isend/irecv match
+                assert (lo, hi) == (m.lo, m.hi)
+                if m.reduce:
+                    flats[r][lo:hi].add_(data)
+                else:
+                    flats[r][lo:hi].copy_(data)
         assert all(not rest for rest in sent.values()), "a send without its receive"
     expected = [x.clone() for x in inputs]
     run_schedule(schedule, expected)
@@ -127,6 +123,10 @@ def _allreduce_checks():
                 kw = {"segment_bytes": segment_bytes} if segment_bytes else {}
                 allreduce(x, algorithm, **kw)
                 out[(algorithm, size, dtype)] = (x, ref)
+        # The executor NCCL would use (one group per round), run here on gloo.
+        x = _input(rank, 1001, torch.float64)
+        _allreduce(x, algorithm, None, rank, list(range(n)), segment_bytes=800, early=False)
+        out[(algorithm, "grouped")] = x
         x = _input(rank, 35, torch.float32).view(7, 5).t()  # not contiguous
         ref = x.contiguous()
         dist.all_reduce(ref)
@@ -312,6 +312,10 @@ def test_spmd_allreduce_equals_all_reduce_and_the_single_controller(n):
         for r in range(n):
             got, ref = results[r]["allreduce"][(algorithm, "transposed")]
             torch.testing.assert_close(got, ref)
+        inputs = [_input(r, 1001, torch.float64) for r in range(n)]
+        run_schedule(get_schedule(algorithm, n), inputs)
+        for r in range(n):
+            assert torch.equal(results[r]["allreduce"][(algorithm, "grouped")], inputs[r]), "grouped executor"
 
 
 @pytest.mark.parametrize("n", [3, 4])
