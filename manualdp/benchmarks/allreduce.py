@@ -294,6 +294,10 @@ def _sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     """`manualdp bench allreduce`: the sweep, printed as a table; optionally JSON and a PNG."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--spmd" in argv:  # one process per device: its own module and options
+        from .allreduce_spmd import main as spmd_main
+        return spmd_main([a for a in argv if a != "--spmd"])
     parser = argparse.ArgumentParser(prog="manualdp bench allreduce", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=4, help="simulated devices (default 4)")
     parser.add_argument("--min-bytes", type=int, default=4096, help="smallest size per device (default 4 KiB)")
@@ -307,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw and effective bandwidth against size to a PNG")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--spmd", action="store_true",
+                        help="across processes over torch.distributed instead, against gloo's all_reduce "
+                             "(options: manualdp bench allreduce --spmd --help)")
     args = parser.parse_args(argv)
 
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
