@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import functools
 import threading
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -320,8 +321,12 @@ class DistributedDataParallel(nn.Module):
                 self._where[id(p)] = (b, i)
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
         self._in_backward = False
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="manualdp-allreduce")
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in params]
+        # One thread runs the buckets' allreduces in launch order while backward goes on; on a
+        # GPU it must talk to this rank's device (the current device is per thread).
+        device = self.device
+        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, "manualdp-allreduce", initializer=init)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in params]
 
     # ---------------------------------------------------------------- construction
 
@@ -442,9 +447,22 @@ class DistributedDataParallel(nn.Module):
                     torch.div(bucket.view(i), self.world_size, out=p.grad)
 
     def __del__(self) -> None:
+        for handle in self.__dict__.get("_hooks", ()):
+            handle.remove()  # the module may outlive its wrapper: its backward must stop syncing
         executor = self.__dict__.get("_executor")
         if executor is not None:
             executor.shutdown(wait=False)
+
+
+def _weak_hook(wrapper: DistributedDataParallel):
+    """A gradient hook that calls `wrapper` without keeping it alive."""
+    ref = weakref.ref(wrapper)
+
+    def hook(param: nn.Parameter) -> None:
+        live = ref()
+        if live is not None:
+            live._grad_ready(param)
+    return hook
 
 
 def _to_device(obj, device: torch.device):

@@ -275,6 +275,19 @@ def _mismatch():
     return messages
 
 
+def _after_wrapper_is_gone():
+    """A module whose wrapper was deleted trains locally again: its hooks went with the wrapper."""
+    import gc
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    module = _mlp()
+    DistributedDataParallel(module)
+    gc.collect()
+    X, y = _batches(1, seed=rank)[0]
+    nn.functional.cross_entropy(module(X), y).backward()
+    return _flat(p.grad for p in module.parameters())
+
+
 def _job(n):
     out = {"allreduce": _allreduce_checks()}
     algorithm = {2: "ring", 3: "tree", 4: "naive"}[n]
@@ -285,6 +298,7 @@ def _job(n):
         out["unused"] = _unused()
         out["buffers"] = _buffers()
         out["mismatch"] = _mismatch()
+        out["gone"] = _after_wrapper_is_gone()
     return out
 
 
@@ -382,3 +396,8 @@ def test_a_model_that_differs_across_ranks_fails_on_every_rank():
         assert shape_msg is not None and "differs across ranks" in shape_msg and "(5, 6)" in shape_msg
         assert count_msg is not None and "differs across ranks" in count_msg and "rank 1 has" in count_msg
         assert torch.equal(after, torch.full((3,), 3.0))
+
+
+def test_deleting_the_wrapper_removes_its_hooks():
+    local = [r["gone"] for r in _results(2)]
+    assert not torch.allclose(local[0], local[1]), "gradients were still averaged after the wrapper was deleted"
