@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import http.client
 import math
 import os
 import tempfile
@@ -213,12 +214,14 @@ def download_fashion_mnist(root, *, mirrors=FASHION_MNIST_MIRRORS, timeout: floa
             try:
                 _fetch(url, path, md5, timeout)
                 break
-            except (OSError, ValueError) as e:  # URLError and socket timeouts are OSErrors
+            # URLError, HTTPError and socket timeouts are OSErrors; IncompleteRead is an HTTPException
+            except (OSError, http.client.HTTPException, ValueError) as e:
                 errors.append(f"{url}: {e}")
         else:
             raise DownloadError(
                 f"could not download {name}; tried:\n  " + "\n  ".join(errors)
-                + f"\nWithout network access, copy the four Fashion-MNIST .gz files into {root} by hand, or use --dataset synthetic."
+                + f"\nWithout network access, copy the four Fashion-MNIST .gz files into {root} by hand"
+                + " or use the synthetic data set."
             )
     return root
 
@@ -226,7 +229,8 @@ def download_fashion_mnist(root, *, mirrors=FASHION_MNIST_MIRRORS, timeout: floa
 def _fetch(url: str, path: str, md5: str, timeout: float) -> None:
     """Download `url` to `path` if its MD5 is `md5`; otherwise leave `path` untouched."""
     h = hashlib.md5()
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".", suffix=".part")
+    folder, name = os.path.split(path)
+    fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=name + ".", suffix=".part")
     try:
         with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
             for block in iter(lambda: response.read(1 << 20), b""):

@@ -98,7 +98,8 @@ def test_read_idx_rejects_corrupt_files(tmp_path, payload, gz, message):
 
 def test_read_idx_rejects_corrupt_gzip(tmp_path):
     packed = gzip.compress(GOOD)
-    for name, payload in (("cut.gz", packed[:-6]), ("flipped.gz", packed[:12] + bytes([packed[12] ^ 0xFF]) + packed[13:])):
+    flipped = packed[:12] + bytes([packed[12] ^ 0xFF]) + packed[13:]
+    for name, payload in (("cut.gz", packed[:-6]), ("flipped.gz", flipped)):
         path = tmp_path / name
         path.write_bytes(payload)
         with pytest.raises(ValueError, match=f"{name}.*gzip|{name}"):
