@@ -7,7 +7,8 @@ import sys
 
 __all__ = ["main", "build_parser"]
 
-DEFAULT_LR = {"lenet": 0.9, "mlp": 0.5, "resnet18": 0.1}
+DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
+DEFAULT_EPOCHS = {"synthetic": 2, "fashion-mnist": 10}
 BENCHMARKS = {
     "allreduce": "manualdp.benchmarks.allreduce",
     "ddp": "manualdp.benchmarks.ddp",
@@ -50,8 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", choices=sorted(DEFAULT_LR), default="lenet", help="network (default: lenet)")
     t.add_argument("--dataset", choices=["synthetic", "fashion-mnist"], default="synthetic",
                    help="data set (default: synthetic, needs no download)")
-    t.add_argument("--data-dir", default="data", help="where Fashion-MNIST lives (default: ./data)")
+    t.add_argument("--data-dir", default=None, help="where Fashion-MNIST lives (default: ~/.cache/manualdp/fashion-mnist)")
     t.add_argument("--download", action="store_true", help="download Fashion-MNIST if it is missing")
+    t.add_argument("--num-train", type=_positive(int), default=None, metavar="N",
+                   help="use the first N training examples (default: all; synthetic has 10000)")
+    t.add_argument("--num-test", type=_positive(int), default=None, metavar="N",
+                   help="use the first N test examples (default: all; synthetic has 2000)")
     t.add_argument("--epochs", type=_positive(int), default=None, help="epochs (default: data set's)")
     t.add_argument("--batch-size", type=_positive(int), default=256, help="global batch size (default: 256)")
     t.add_argument("--lr", type=_positive(float), default=None, help="learning rate (default: per model)")
@@ -113,11 +118,13 @@ def run_train(args) -> int:
     torch.manual_seed(args.seed)
     try:
         train_iter, test_iter = data.load_data(args.dataset, args.batch_size, data_dir=args.data_dir,
-                                               seed=args.seed, download=args.download)
-    except (FileNotFoundError, OSError, RuntimeError, ValueError) as e:
-        print(f"manualdp train: error: {e}", file=sys.stderr)
+                                               seed=args.seed, download=args.download,
+                                               num_train=args.num_train, num_test=args.num_test)
+    except (OSError, RuntimeError, ValueError) as e:
+        hint = " (or pass --download)" if isinstance(e, FileNotFoundError) and not args.download else ""
+        print(f"manualdp train: error: {e}{hint}", file=sys.stderr)
         return 2
-    epochs = args.epochs if args.epochs is not None else data.DEFAULT_EPOCHS.get(args.dataset, 1)
+    epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
     net = models.get_model(args.model)
     progress = not args.no_progress
     nonfinite = None if args.nonfinite == "off" else args.nonfinite

@@ -1,0 +1,56 @@
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["--no-progress", "--num-train", "2048", "--num-test", "512", "--batch-size", "64"]
+
+
+def _manualdp(*args, timeout=300):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "manualdp", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_train_end_to_end(tmp_path):
+    out = _manualdp("train", *SMALL, "--epochs", "2", "--devices", "3", "--algorithm", "ring", "--bucket-mb", "0.1",
+                    "--json", str(tmp_path / "h.json"), "--plot", str(tmp_path / "h.png"))
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"^test acc: \d\.\d\d, [\d.]+ sec/epoch on 3 simulated CPU devices$", out.stdout, re.M)
+    assert len(re.findall(r"^epoch \d: loss [\d.]+, train acc [\d.]+, test acc [\d.]+, .* samples/s$",
+                          out.stdout, re.M)) == 2
+    history = json.loads((tmp_path / "h.json").read_text())
+    assert len(history["test_acc"]) == 2
+    assert history["test_acc"][-1] > 0.5  # 10 classes: chance is 0.1
+    assert history["config"]["algorithm"] == "ring" and history["config"]["devices"] == ["cpu"] * 3
+    assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_through_the_cli_equals_one_run(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = _manualdp("train", *SMALL, "--epochs", "2", "--json", str(tmp_path / "a.json"))
+    first = _manualdp("train", *SMALL, "--epochs", "1", "--checkpoint-dir", ckpt, "--checkpoint-every", "5")
+    second = _manualdp("train", *SMALL, "--epochs", "2", "--checkpoint-dir", ckpt, "--resume",
+                       "--json", str(tmp_path / "b.json"))
+    for out in (straight, first, second):
+        assert out.returncode == 0, out.stderr
+    assert "resumed from" in second.stdout
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert a["train_loss"] == b["train_loss"] and a["test_acc"] == b["test_acc"]
+
+
+def test_missing_fashion_mnist_is_a_one_line_error(tmp_path):
+    out = _manualdp("train", "--dataset", "fashion-mnist", "--data-dir", str(tmp_path))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.startswith("manualdp train: error:") and str(tmp_path) in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["explain", "tree", "--devices", "5", "--size", "40"]])
+def test_explain_is_reachable_from_the_cli(argv):
+    out = _manualdp(*argv)
+    assert out.returncode == 0, out.stderr
+    assert "fold-in" in out.stdout and "fold-out" in out.stdout  # 5 is not a power of two
