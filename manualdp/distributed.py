@@ -40,7 +40,7 @@ class Message(NamedTuple):
 class Round(NamedTuple):
     sends: tuple[Message, ...]  # segments this rank sends, in posting order
     recvs: tuple[Message, ...]  # segments it receives, in posting order, which is also the order of the additions
-    early: bool                 # its receives touch nothing the previous round touches: post them during that round
+    early: bool                 # its receives may be posted while the previous round runs (they cannot clobber it)
     scratch: int                # elements of scratch space its reducing receives land in
 
 
@@ -54,6 +54,13 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
     in flight. Both sides derive their lists from the same transfers in the same order, so
     every send meets its receive, in order. Empty chunks send nothing, on both sides.
     """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    for name, value, low, high in (("rank", rank, 0, schedule.num_devices - 1), ("numel", numel, 0, None),
+                                   ("segment_numel", segment_numel, 1, None)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+            bound = f" and <= {high}" if high is not None else ""
+            raise ValueError(f"{name} must be an int >= {low}{bound}, got {value!r}")
     bounds = chunk_bounds(numel, schedule.num_chunks)
     rounds: list[Round] = []
     previous: list[Message] = []  # the messages of the previous round
