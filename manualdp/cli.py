@@ -8,7 +8,7 @@ import sys
 __all__ = ["main", "build_parser"]
 
 DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
-DEFAULT_EPOCHS = {"synthetic": 2, "fashion-mnist": 10}
+DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
 BENCHMARKS = {
     "allreduce": "manualdp.benchmarks.allreduce",
     "ddp": "manualdp.benchmarks.ddp",
