@@ -7,6 +7,9 @@ The multi-process twins of two single-controller pieces:
   `isend`/`irecv` messages (`plan`).
 - `DistributedDataParallel(module)` fills gradient buckets from hooks during backward and
   allreduces each bucket on a background thread as soon as it is full, as torch's DDP does.
+
+Every wait has a deadline (`timeout`, default: the process group's): a peer that dies or
+hangs ends in a `manualdp.peers.PeerError` naming it, never in a hang.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
+from .peers import SerialWorker, check_timeout, group_timeout, wait
 from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "Bucket", "DistributedDataParallel"]
@@ -97,12 +101,6 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
     return tuple(rounds)
 
 
-def _wait(works) -> None:
-    """Wait for `works` to finish: the one place where a timeout would go."""
-    for w in works:
-        w.wait()
-
-
 _SCRATCH = threading.local()  # per thread: DDP's allreduce thread and the main thread must not share it
 
 
@@ -137,7 +135,8 @@ def _add(flat: torch.Tensor, m: Message, buf: torch.Tensor) -> None:
         flat[m.lo:m.hi].add_(buf)
 
 
-def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch) -> None:
+def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch,
+               timeout: float | None) -> None:
     """Gloo: post each round's receives while the previous round runs.
 
     Gloo sends a message at once only to a receiver that has already said it is ready;
@@ -150,24 +149,29 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], 
 
     pending = post(0) if rounds else []
     for i, rnd in enumerate(rounds):
-        sends = [dist.isend(flat[m.lo:m.hi], peers[m.peer], group) for m in rnd.sends]
+        sends = [(peers[m.peer], dist.isend(flat[m.lo:m.hi], peers[m.peer], group)) for m in rnd.sends]
         ahead = i + 1 < len(rounds) and rounds[i + 1].early
         following = post(i + 1) if ahead else None
         for m, buf, work in pending:
-            _wait([work])
+            wait(work, peers[m.peer], timeout)
             _add(flat, m, buf)
-        _wait(sends)
+        for peer, work in sends:
+            wait(work, peer, timeout)
         pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
 
 
-def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch) -> None:
+def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch,
+                 timeout: float | None) -> None:
     """NCCL and others: each round's sends and receives as one group, so that two ranks exchanging never deadlock."""
     for i, rnd in enumerate(rounds):
         bufs = _targets(flat, rnd, scratch[i % 2])
         ops = [dist.P2POp(dist.isend, flat[m.lo:m.hi], peers[m.peer], group) for m in rnd.sends]
         ops += [dist.P2POp(dist.irecv, b, peers[m.peer], group) for m, b in zip(rnd.recvs, bufs)]
         if ops:
-            _wait(dist.batch_isend_irecv(ops))
+            others = {peers[m.peer] for m in rnd.sends + rnd.recvs}
+            peer = next(iter(others)) if len(others) == 1 else None  # NCCL returns one work for the whole group
+            for work in dist.batch_isend_irecv(ops):
+                wait(work, peer, timeout)
         for m, buf in zip(rnd.recvs, bufs):
             _add(flat, m, buf)
 
@@ -199,11 +203,12 @@ def _check_segment_bytes(segment_bytes) -> int:
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
     """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
 
     Every rank must call it with a tensor of the same shape and dtype, as with
-    `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums.
+    `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
+    silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -215,21 +220,24 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
         raise ValueError("tensor has stride 0 (an expanded view); pass a tensor that owns its elements")
     _check_algorithm(algorithm)
     _check_segment_bytes(segment_bytes)
+    timeout = check_timeout(timeout)
     rank, peers = _group_ranks(group)
     if len(peers) == 1 or tensor.numel() == 0:
         return
-    _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo")
+    timeout = timeout if timeout is not None else group_timeout(group)
+    _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
+               timeout=timeout)
 
 
 def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,
-               early: bool) -> None:
+               early: bool, timeout: float | None = None) -> None:
     rounds = plan(get_schedule(algorithm, len(peers)), rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
     width = max((r.scratch for r in rounds), default=0)
     space = _scratch(2 * width, tensor)
     scratch = (space[:width], space[width:])  # rounds alternate halves: a round's receives may be posted early
     with torch.no_grad():
         flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
-        (_run_early if early else _run_grouped)(flat, rounds, peers, group, scratch)
+        (_run_early if early else _run_grouped)(flat, rounds, peers, group, scratch, timeout)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
 
@@ -273,6 +281,8 @@ class DistributedDataParallel(nn.Module):
         output_device: accepted for compatibility; outputs stay on the module's device.
         find_unused_parameters: accepted for compatibility; unused parameters always work.
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
+        timeout: seconds to wait for a silent peer before raising `PeerError` (default: the
+            process group's timeout).
 
     Limitations: dense gradients only; every rank must run backward through at least one
     parameter in every synchronised step (else its peers wait for it); a parameter that
@@ -282,13 +292,14 @@ class DistributedDataParallel(nn.Module):
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
                  algorithm: str = "ring", broadcast_buffers: bool = True, process_group=None,
                  device_ids=None, output_device=None, find_unused_parameters: bool = False,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> None:
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
         assign_buckets([], bucket_cap_mb)  # validates bucket_cap_mb
         _check_algorithm(algorithm)
         _check_segment_bytes(segment_bytes)
+        check_timeout(timeout)
         if not isinstance(broadcast_buffers, bool):
             raise TypeError(f"broadcast_buffers must be a bool, got {broadcast_buffers!r}")
         params = [p for p in module.parameters() if p.requires_grad]
@@ -313,6 +324,7 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb
         self.segment_bytes = segment_bytes
+        self.timeout = float(timeout) if timeout is not None else group_timeout(process_group)
         self.move_inputs = device_ids is not None
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
@@ -332,7 +344,7 @@ class DistributedDataParallel(nn.Module):
         # GPU it must talk to this rank's device (the current device is per thread).
         device = self.device
         init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, "manualdp-allreduce", initializer=init)
+        self._executor = SerialWorker("manualdp-allreduce", initializer=init)
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in params]
 
     # ---------------------------------------------------------------- construction
@@ -365,7 +377,9 @@ class DistributedDataParallel(nn.Module):
                 if not same:
                     continue
                 flat = flatten(same)
-                dist.broadcast(flat, src=self._peers[0], group=self.process_group)
+                root = self._peers[0]
+                work = dist.broadcast(flat, src=root, group=self.process_group, async_op=True)
+                wait(work, root if self.rank != 0 else None, self.timeout)
                 unflatten_(flat, same)
 
     # ---------------------------------------------------------------- training
@@ -416,7 +430,7 @@ class DistributedDataParallel(nn.Module):
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
             bucket.future = self._executor.submit(allreduce, bucket.flat, self.algorithm, self.process_group,
-                                                  segment_bytes=self.segment_bytes)
+                                                  segment_bytes=self.segment_bytes, timeout=self.timeout)
             self._next_launch += 1
 
     def _finish_backward(self) -> None:
@@ -458,7 +472,7 @@ class DistributedDataParallel(nn.Module):
             handle.remove()  # the module may outlive its wrapper: its backward must stop syncing
         executor = self.__dict__.get("_executor")
         if executor is not None:
-            executor.shutdown(wait=False)
+            executor.shutdown()
 
 
 def _weak_hook(wrapper: DistributedDataParallel):

@@ -332,7 +332,7 @@ class _Loop:
         if self.generator is not None and state["loader"] is not None:
             self.generator.set_state(state["loader"])
 
-    def save(self, replicas, optimizers, history):
+    def save(self, replicas, optimizers, history, **extra):
         state = {
             "model": replicas[0].state_dict(), "optimizer": optimizers[0].state_dict(),
             "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
@@ -340,14 +340,18 @@ class _Loop:
             "seconds": self.seconds + (time.perf_counter() - self._start if self.step_in_epoch else 0.0),
             "epoch_rng": self.epoch_rng, "rng": rng_state(),
             "loader_rng": self.generator.get_state() if self.generator is not None else None,
-            "history": asdict(history),
+            "history": asdict(history), **extra,
         }
         save_checkpoint(self.checkpoint_dir, self.global_step, state)
 
     def resume(self, replicas, optimizers, history):
         state = load_latest(self.checkpoint_dir)
-        if state is None:
-            return None
+        if state is not None:
+            self.restore(state, replicas, optimizers, history)
+        return state
+
+    def restore(self, state, replicas, optimizers, history):
+        """Continue from `state`, a checkpoint `save` wrote."""
         for r, opt in zip(replicas, optimizers):
             r.load_state_dict(state["model"])
             # deepcopy: load_state_dict keeps the very tensors it is given (momentum buffers) when
@@ -364,7 +368,6 @@ class _Loop:
             set_rng_state(state["rng"])
             if self.generator is not None and state["loader_rng"] is not None:
                 self.generator.set_state(state["loader_rng"])
-        return state
 
 
 def _progress(iterable, enabled: bool, desc: str):

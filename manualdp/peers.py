@@ -1,0 +1,145 @@
+"""Waiting on other ranks without hanging: a deadline on every wait, an error that names the peer.
+
+When a rank dies, gloo usually notices at once ("Connection closed by peer"); when it hangs,
+only a deadline helps. Either way the wait ends in a `PeerError` that names this rank, the
+peer it was waiting for and (added by the training loop) the step. The allreduce thread of
+the DDP wrapper is a daemon (`SerialWorker`), so it never holds a failing process back at exit.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import datetime
+import queue
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEFAULT_TIMEOUT", "PeerError", "check_timeout", "group_timeout", "wait", "SerialWorker"]
+
+DEFAULT_TIMEOUT = 300.0  # seconds; gloo's own default is 30 minutes of silence
+
+
+def check_timeout(timeout, name: str = "timeout") -> float | None:
+    """`timeout` as float seconds; None stays None."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+        raise ValueError(f"{name} must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def group_timeout(group=None) -> float | None:
+    """The timeout `group` was created with, in seconds; None where torch does not say."""
+    pg = group if group is not None else dist.group.WORLD
+    # torch has no public getter; the backend's options hold what init_process_group/new_group got.
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except Exception:
+            continue
+    return None
+
+
+class PeerError(RuntimeError):
+    """A peer did not answer in time, or its connection broke: it has died or hangs.
+
+    Afterwards the process group is unusable (messages may be half-exchanged): exit, and let
+    torchrun (or the other ranks' own timeouts) stop the rest.
+    """
+
+    def __init__(self, rank: int, peer: int | None, timeout: float | None, detail: str = "", where: str = "") -> None:
+        self.rank = rank          # this process's global rank
+        self.peer = peer          # global rank it was waiting for; None: several ranks
+        self.timeout = timeout    # seconds it waited; None: the connection broke first
+        self.detail = detail      # the backend's own words
+        self.where = where        # e.g. "step 12", filled in by the training loop
+        who = f"rank {peer}" if peer is not None else "the other ranks"
+        prefix = f"rank {rank}: " + (f"{where}: " if where else "")
+        if timeout is not None:
+            text = f"no answer from {who} within {timeout:g} s (it may have died or hung)"
+        else:
+            text = f"no answer from {who}: the connection was closed (it may have died)"
+        super().__init__(prefix + text + (f" [{detail}]" if detail else ""))
+
+    def __reduce__(self):
+        return PeerError, (self.rank, self.peer, self.timeout, self.detail, self.where)
+
+    def at(self, where: str) -> "PeerError":
+        """The same error, saying where in training it happened."""
+        return PeerError(self.rank, self.peer, self.timeout, self.detail, where)
+
+
+def _timed_out(error: BaseException) -> bool:
+    timeout_error = getattr(dist, "DistTimeoutError", ())
+    return isinstance(error, timeout_error) or "timed out" in str(error).lower()
+
+
+def _first_line(error: BaseException) -> str:
+    """The backend's message without its source location (gloo: "[.../pair.cc:553] Connection closed ...")."""
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:200]
+
+
+def wait(work, peer: int | None, timeout: float | None) -> None:
+    """Wait for `work` (a send, receive or collective); `PeerError` if `peer` is silent for `timeout` s or gone."""
+    try:
+        if timeout is None:
+            work.wait()  # the process group's own timeout applies
+        else:
+            work.wait(datetime.timedelta(seconds=timeout))
+    except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise PeerError(rank, peer, timeout if _timed_out(e) else None, _first_line(e)) from e
+
+
+class SerialWorker:
+    """One daemon thread that runs submitted calls in order and hands back futures.
+
+    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, so a rank whose main
+    thread fails while an allreduce waits for a silent peer would hang there for the whole
+    timeout. After a call fails, every later one fails at once with the same error: the ranks
+    are out of step for good, and waiting a timeout per queued bucket would only delay the exit.
+    """
+
+    def __init__(self, name: str, initializer=None) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        # The thread gets the queue, not self: the owner can be collected while the thread waits.
+        self._thread = threading.Thread(target=_serve, args=(self._jobs, initializer), name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._jobs.put((future, fn, args, kwargs))
+        return future
+
+    def shutdown(self) -> None:
+        """Let the thread end once the calls already submitted are done."""
+        self._jobs.put(None)
+
+
+def _serve(jobs: queue.SimpleQueue, initializer) -> None:
+    if initializer is not None:
+        initializer()
+    failed: BaseException | None = None
+    while (job := jobs.get()) is not None:
+        failed = _run(job, failed)
+        job = None  # do not keep the last bucket alive while idle
+
+
+def _run(job, failed: BaseException | None) -> BaseException | None:
+    """Run one submitted call unless an earlier one failed; return the first failure so far."""
+    future, fn, args, kwargs = job
+    if not future.set_running_or_notify_cancel():
+        return failed
+    if failed is not None:
+        future.set_exception(failed)
+        return failed
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except BaseException as e:  # handed to whoever waits on the future
+        future.set_exception(e)
+        return e
+    return None
