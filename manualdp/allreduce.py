@@ -30,6 +30,9 @@ def allreduce(tensors: list[torch.Tensor], algorithm: str = "naive") -> None:
 
 def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     """Execute `schedule` on `tensors`, in place: the executor for every algorithm."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a manualdp.schedule.Schedule, got {type(schedule).__name__}")
+    check_tensors(tensors)
     if len(tensors) != schedule.num_devices:
         raise ValueError(f"schedule is for {schedule.num_devices} devices, got {len(tensors)} tensors")
     flats = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone() for t in tensors]
@@ -62,7 +65,11 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def check_tensors(tensors, name: str = "tensors") -> None:
-    """Raise unless `tensors` is a non-empty list of same-shape, same-dtype, non-aliasing tensors."""
+    """Raise unless `tensors` is a non-empty list of same-shape, same-dtype, non-aliasing tensors.
+
+    The overlap test compares address ranges, so two interleaved views of one buffer (the
+    columns of a matrix) count as sharing memory even where no element is shared.
+    """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise TypeError(f"{name} must be a list of tensors (one per device), got {type(tensors).__name__}")
     if not tensors:
@@ -70,6 +77,8 @@ def check_tensors(tensors, name: str = "tensors") -> None:
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.layout != torch.strided:
+            raise TypeError(f"{name}[{i}] has layout {t.layout}; allreduce sums dense tensors only")
         if t.dtype == torch.bool or t.is_complex():
             raise TypeError(f"{name}[{i}] has dtype {t.dtype}; allreduce sums real numbers")
         if t.shape != tensors[0].shape:

@@ -10,7 +10,7 @@ import warnings
 import numpy as np
 import torch
 
-__all__ = ["save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
+__all__ = ["check_checkpoint_dir", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
 
 _NAME = re.compile(r"ckpt-(\d{8})\.pt$")
 
@@ -41,9 +41,22 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2) -> st
         if os.path.exists(tmp):
             os.remove(tmp)
     _fsync_dir(directory)
-    for old in _checkpoints(directory)[keep:]:
+    # Only older steps than the one just written go: never delete what we just saved.
+    older = [p for p in _checkpoints(directory) if int(_NAME.search(p).group(1)) < step]
+    for old in older[keep - 1:]:
         os.remove(old)
     return path
+
+
+def check_checkpoint_dir(directory, resume: bool) -> None:
+    """Refuse a path that is a file, and, unless resuming, a folder that holds another run's checkpoints."""
+    if not isinstance(directory, (str, os.PathLike)):
+        raise TypeError(f"checkpoint_dir must be a path, got {type(directory).__name__}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} exists and is not a folder")
+    if not resume and os.path.isdir(directory) and _checkpoints(directory):
+        raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} already holds checkpoints; "
+                         "resume from them (resume=True, --resume) or use another folder")
 
 
 def _fsync_dir(directory: str) -> None:

@@ -97,13 +97,38 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:]) or 0
     parser = build_parser()
     args = parser.parse_args(argv)
+    problem = check_train_args(args)
+    if problem:
+        parser.exit(2, f"manualdp train: error: {problem}\n")
+    return run_train(args)
+
+
+def check_train_args(args) -> str | None:
+    """What is wrong with `manualdp train`'s arguments, found before any training; None if nothing."""
+    from .checkpoint import check_checkpoint_dir
+
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
-        parser.exit(2, "manualdp train: error: --checkpoint-every and --resume need --checkpoint-dir\n")
+        return "--checkpoint-every and --resume need --checkpoint-dir"
     for option in ("json", "plot"):
         path = getattr(args, option)
-        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            parser.exit(2, f"manualdp train: error: --{option}: the directory of {path!r} does not exist\n")
-    return run_train(args)
+        if not path:
+            continue
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            return f"--{option}: the directory of {path!r} does not exist"
+        if os.path.isdir(path):
+            return f"--{option}: {path!r} is a directory"
+    if args.plot and not args.plot.lower().endswith(".png"):
+        return f"--plot: {args.plot!r} must end in .png"
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = world_size if world_size > 1 else args.devices
+    if args.batch_size < ranks:
+        return f"--batch-size {args.batch_size} is smaller than the {ranks} devices: every device needs an example"
+    if args.checkpoint_dir:
+        try:
+            check_checkpoint_dir(args.checkpoint_dir, args.resume)
+        except ValueError as e:
+            return f"--checkpoint-dir: {e}"
+    return None
 
 
 def run_train(args) -> int:
@@ -140,6 +165,8 @@ def run_train(args) -> int:
     else:
         gpus = [] if args.cpu else [d for d in try_all_gpus() if d.type == "cuda"]
         devices = gpus[:args.devices] if len(gpus) >= args.devices else cpu_devices(args.devices)
+        if gpus and devices[0].type == "cpu":
+            print(f"note: {len(gpus)} GPU(s) for {args.devices} devices; simulating them on the CPU instead")
         history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
                         bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
                         checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress)

@@ -39,9 +39,16 @@ def check_devices(devices, name: str = "devices") -> list[torch.device]:
     out = []
     for d in devices:
         try:
-            out.append(torch.device(d))
+            device = torch.device(d)
         except (TypeError, RuntimeError) as e:
             raise TypeError(f"{name} contains {d!r}, which is not a device") from e
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (device.index or 0) >= count:
+                raise ValueError(f"{name} contains {str(device)!r}, but this machine has {count} GPU(s)")
+        elif device.type != "cpu":
+            raise ValueError(f"{name} contains {str(device)!r}; manualdp runs on 'cpu' and 'cuda' devices")
+        out.append(device)
     if not out:
         raise ValueError(f"{name} must not be empty, got {devices!r}")
     return out

@@ -34,8 +34,15 @@ def replicate(module: nn.Module, devices) -> list[nn.Module]:
 
 def broadcast(tensors: list[torch.Tensor], src: int = 0) -> None:
     """Copy `tensors[src]` into every other tensor of the list, in place."""
-    if not 0 <= src < len(tensors):
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"tensors must be a list of tensors, got {type(tensors).__name__}")
+    if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < len(tensors):
         raise ValueError(f"src must index tensors (0..{len(tensors) - 1}), got {src!r}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if t.shape != tensors[src].shape:
+            raise ValueError(f"tensors[{i}] has shape {tuple(t.shape)}, but tensors[{src}] has {tuple(tensors[src].shape)}")
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if i != src:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .allreduce import allreduce
-from .checkpoint import load_latest, loader_generator, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import check_checkpoint_dir, load_latest, loader_generator, rng_state, save_checkpoint, set_rng_state
 from .buckets import assign_buckets, flatten, unflatten_
 from .devices import check_devices
 from .replicate import broadcast_buffers, copy_params_, replicate
@@ -74,18 +74,49 @@ def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
         return nn.CrossEntropyLoss(reduction="sum")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if getattr(loss_fn, "reduction", "sum") != "sum":
+    if not hasattr(loss_fn, "reduction"):
+        return _PerExample(loss_fn)
+    if loss_fn.reduction != "sum":
         loss_fn = copy.copy(loss_fn)
-        loss_fn.reduction = "sum"  # a "mean" or "none" loss gets summed here; sum(dim) below covers "none"
+        loss_fn.reduction = "sum"  # a "mean" or "none" loss gets summed here
     return loss_fn
+
+
+class _PerExample:
+    """A plain loss function: it must return one loss per example, which we sum.
+
+    A scalar could be a mean or a sum and we cannot tell which, so it is refused:
+    a mean would silently break the N-device = one-device equivalence.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, out, y):
+        loss = self.fn(out, y)
+        if not isinstance(loss, torch.Tensor) or loss.dim() == 0 or len(loss) != len(y):
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise ValueError(
+                f"loss_fn must return one loss per example (shape ({len(y)},)), got {shape}; pass e.g. "
+                "functools.partial(F.cross_entropy, reduction='none') or an nn loss module")
+        return loss.sum()
 
 
 def allreduce_gradients(replicas: list[nn.Module], algorithm: str = "naive", bucket_cap_mb: float | None = None) -> None:
     """Sum the gradients of all replicas, in place, parameter by parameter or bucket by bucket."""
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    assign_buckets([], bucket_cap_mb)  # validates bucket_cap_mb
+    if isinstance(replicas, nn.Module) or not replicas or not all(isinstance(r, nn.Module) for r in replicas):
+        raise TypeError(f"replicas must be a non-empty list of nn.Module, got {replicas!r:.80}")
     per_replica = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+    # A parameter no replica used keeps grad None, as in plain PyTorch (an optimizer then
+    # leaves it alone); one that only some replicas used gets zeros on the others.
+    used = [any(params[i].grad is not None for params in per_replica) for i in range(len(per_replica[0]))]
+    per_replica = [[p for p, u in zip(params, used) if u] for params in per_replica]
     for params in per_replica:
         for p in params:
-            if p.grad is None:  # a parameter this step did not use: its gradient is zero
+            if p.grad is None:
                 p.grad = torch.zeros_like(p)
     if len(replicas) == 1:
         return
@@ -99,10 +130,15 @@ def allreduce_gradients(replicas: list[nn.Module], algorithm: str = "naive", buc
             unflatten_(flat, [params[i].grad for i in bucket])
 
 
-def _count_correct(out: torch.Tensor, y: torch.Tensor) -> int:
+def _correct(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Correct predictions as a 0-d tensor on `out`'s device (reading it would wait for the device)."""
     if out.dim() == 2 and not y.is_floating_point() and y.dim() == 1:
-        return int((out.argmax(dim=1) == y).sum())
-    return 0
+        return (out.argmax(dim=1) == y).sum()
+    return torch.zeros((), dtype=torch.long, device=out.device)
+
+
+def _count_correct(out: torch.Tensor, y: torch.Tensor) -> int:
+    return int(_correct(out, y))
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -144,15 +180,20 @@ def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm=
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
     loss_fn = summed_loss(loss_fn)
     X_shards, y_shards = split_batch(X, y, devices)
-    total_loss, correct = 0.0, 0
+    # A skipped step must not keep what the bad forward pass wrote into BatchNorm statistics.
+    saved_buffers = [b.detach().clone() for b in replicas[0].buffers()] if nonfinite == "skip" else None
+    losses, corrects = [], []
     for net, opt, Xs, ys in zip(replicas, optimizers, X_shards, y_shards):
         opt.zero_grad(set_to_none=True)
         out = net(Xs)
-        loss = loss_fn(out, ys).sum() / len(X)
+        loss = loss_fn(out, ys) / len(X)
         loss.backward()
-        total_loss += loss.item() * len(X)
-        correct += _count_correct(out.detach(), ys)
+        # Kept as tensors: reading them here would make each device wait before the next starts.
+        losses.append(loss.detach())
+        corrects.append(_correct(out.detach(), ys))
     allreduce_gradients(replicas, algorithm, bucket_cap_mb)
+    total_loss = sum(v.item() for v in losses) * len(X)
+    correct = sum(int(c) for c in corrects)
     if nonfinite is not None:
         # Replicas are bitwise identical after the allreduce, so checking one decides for all.
         bad = first_nonfinite(replicas[0])
@@ -162,6 +203,9 @@ def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm=
                 raise NonFiniteGradientError(f"non-finite gradient in parameter {bad!r}{where}")
             for opt in optimizers:
                 opt.zero_grad(set_to_none=True)
+            for r in replicas:
+                for b, saved in zip(r.buffers(), saved_buffers):
+                    b.copy_(saved)
             return StepResult(total_loss, correct, True)
     for opt in optimizers:
         opt.step()
@@ -232,6 +276,13 @@ def train(
         raise ValueError(f"checkpoint_every must be a positive int or None, got {checkpoint_every!r}")
     if (checkpoint_every is not None or resume) and checkpoint_dir is None:
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
+    if checkpoint_dir is not None:
+        check_checkpoint_dir(checkpoint_dir, resume)
+    for name, it in (("train_iter", train_iter), ("test_iter", test_iter)):
+        if not hasattr(it, "__iter__"):
+            raise TypeError(f"{name} must be iterable (e.g. a DataLoader), got {type(it).__name__}")
+    if log is not None and not callable(log):
+        raise TypeError(f"log must be callable or None, got {log!r}")
     assign_buckets([], bucket_cap_mb)  # validates bucket_cap_mb before any work
     loss_fn = summed_loss(loss_fn)
 
@@ -250,8 +301,12 @@ def train(
         for r in replicas:
             r.train()
         start = time.perf_counter()
-        batches = _progress(loop.batches(epoch), progress, f"epoch {epoch + 1}/{num_epochs}")
+        batches = _progress(loop.batches(epoch), progress, f"epoch {epoch + 1}/{num_epochs}", _len(train_iter))
         for X, y in batches:
+            if len(X) < len(devices):  # typically the last batch of an epoch; drop_last=True avoids it
+                if log:
+                    log(f"epoch {epoch + 1}: skipped a batch of {len(X)}, fewer examples than the {len(devices)} devices")
+                continue
             result = train_batch(X, y, replicas, optimizers, devices, loss_fn, algorithm=algorithm,
                                  bucket_cap_mb=bucket_cap_mb, nonfinite=nonfinite, step=loop.global_step)
             loop.record(result, len(X))
@@ -262,6 +317,8 @@ def train(
                                     refresh=False)
             if checkpoint_every and loop.global_step % checkpoint_every == 0:
                 loop.save(replicas, optimizers, history)
+        if loop.seen == 0:
+            raise ValueError(f"train_iter gave no usable batch in epoch {epoch + 1}")
         seconds = loop.seconds + time.perf_counter() - start
         test_acc = evaluate(replicas[0], test_iter, devices[0])
         seen = max(loop.seen, 1)
@@ -370,8 +427,15 @@ class _Loop:
                 self.generator.set_state(state["loader_rng"])
 
 
-def _progress(iterable, enabled: bool, desc: str):
+def _len(iterable) -> int | None:
+    try:
+        return len(iterable)
+    except TypeError:
+        return None
+
+
+def _progress(iterable, enabled: bool, desc: str, total: int | None = None):
     if not enabled:
         return iterable
     from tqdm.auto import tqdm
-    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+    return tqdm(iterable, desc=desc, total=total, leave=False, dynamic_ncols=True)
