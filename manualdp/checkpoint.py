@@ -10,6 +10,8 @@ import warnings
 import numpy as np
 import torch
 
+from .files import atomic_write
+
 __all__ = ["check_checkpoint_dir", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
 
 _NAME = re.compile(r"ckpt-(\d{8})\.pt$")
@@ -30,16 +32,8 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2) -> st
         raise ValueError(f"keep must be a positive int, got {keep!r}")
     os.makedirs(directory, exist_ok=True)
     path = checkpoint_path(directory, step)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)  # atomic: a reader sees the old file set or the new one
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(path) as f:
+        torch.save(state, f)
     _fsync_dir(directory)
     # Only older steps than the one just written go: never delete what we just saved.
     older = [p for p in _checkpoints(directory) if int(_NAME.search(p).group(1)) < step]

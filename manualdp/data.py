@@ -6,13 +6,14 @@ import hashlib
 import http.client
 import math
 import os
-import tempfile
 import urllib.request
 import zlib
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
+
+from .files import atomic_write
 
 __all__ = [
     "DATASETS", "DEFAULT_DATA_DIR", "FASHION_MNIST_FILES", "FASHION_MNIST_MIRRORS", "DownloadError",
@@ -229,19 +230,12 @@ def download_fashion_mnist(root, *, mirrors=FASHION_MNIST_MIRRORS, timeout: floa
 def _fetch(url: str, path: str, md5: str, timeout: float) -> None:
     """Download `url` to `path` if its MD5 is `md5`; otherwise leave `path` untouched."""
     h = hashlib.md5()
-    folder, name = os.path.split(path)
-    fd, tmp = tempfile.mkstemp(dir=folder or ".", prefix=name + ".", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
-            for block in iter(lambda: response.read(1 << 20), b""):
-                h.update(block)
-                out.write(block)
-        if h.hexdigest() != md5:
+    with atomic_write(path) as out, urllib.request.urlopen(url, timeout=timeout) as response:
+        for block in iter(lambda: response.read(1 << 20), b""):
+            h.update(block)
+            out.write(block)
+        if h.hexdigest() != md5:  # raised inside the block: `path` is left untouched
             raise ValueError(f"checksum mismatch: MD5 {h.hexdigest()}, expected {md5}")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 # ---------------------------------------------------------------- data loaders

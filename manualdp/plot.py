@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from .files import atomic_write
 
 __all__ = ["plot_history"]
 
@@ -64,11 +65,5 @@ def plot_history(history, path) -> None:
         ax.xaxis.get_major_locator().set_params(integer=True)
 
     # Save next to the target and rename: a crash leaves the old file or the new one, never half of one.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with atomic_write(path) as f:
+        fig.savefig(f, format="png", dpi=100)

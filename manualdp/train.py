@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from .allreduce import allreduce
+from .files import write_json_atomic
 from .checkpoint import check_checkpoint_dir, load_latest, loader_generator, rng_state, save_checkpoint, set_rng_state
 from .buckets import assign_buckets, flatten, unflatten_
 from .devices import check_devices
@@ -47,21 +47,6 @@ class History:
         """Plot loss and accuracies against epochs into a PNG at `path`."""
         from .plot import plot_history
         plot_history(self, path)
-
-
-def write_json_atomic(path: str, obj) -> None:
-    """Write `obj` as JSON to `path` so a crash leaves the old file or the new one, never half of one."""
-    path = os.fspath(path)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def summed_loss(loss_fn: nn.Module | None) -> nn.Module:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import statistics
 import sys
 import time
@@ -42,7 +41,7 @@ import torch
 
 from ..allreduce import allreduce
 from ..schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
-from ..train import write_json_atomic
+from ..files import atomic_write, write_json_atomic
 
 __all__ = [
     "DTYPES", "Measurement", "time_in_process", "memory_bytes", "serial_features", "fit_cost",
@@ -275,14 +274,11 @@ def plot(result: dict, path: str) -> None:
         ax.legend()
     fig.suptitle(f"allreduce, {c['devices']} simulated devices, {c['dtype']}")
     fig.tight_layout()
-    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
     try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, path)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=120)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:

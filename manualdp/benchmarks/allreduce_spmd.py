@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import ALGORITHMS
-from ..train import write_json_atomic
+from ..files import atomic_write, write_json_atomic
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -132,14 +132,11 @@ def plot(result: dict, path: str) -> None:
     c = result["config"]
     ax.set_title(f"allreduce across {c['world_size']} processes, gloo, {c['dtype']}")
     fig.tight_layout()
-    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
     try:
-        fig.savefig(tmp, format="png", dpi=120)
-        os.replace(tmp, path)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=120)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def main(argv: list[str] | None = None) -> int:

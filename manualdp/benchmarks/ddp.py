@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..train import write_json_atomic
+from ..files import atomic_write, write_json_atomic
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -147,14 +147,11 @@ def plot(result: dict, path: str) -> None:
     fig.suptitle(f"{c['model']}, world size {c['world_size']}, batch {c['batch_size']}: "
                  f"manualdp/DDP = {result['ratio']:.3f}")
     fig.tight_layout()
-    tmp = f"{os.fspath(path)}.tmp.{os.getpid()}"
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        with atomic_write(path) as f:
+            fig.savefig(f, format="png", dpi=110)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)
 
 
 def _positive(kind):

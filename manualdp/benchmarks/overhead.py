@@ -12,7 +12,6 @@ from just before building the model to the end of the steps).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
