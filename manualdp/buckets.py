@@ -35,7 +35,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None) -> l
             size = 0
         buckets[-1].append(i)
         size += nbytes
-    return [b for b in buckets if b]
+    return buckets
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

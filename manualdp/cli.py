@@ -40,6 +40,7 @@ def _non_negative_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `manualdp` argument parser; `explain` and `bench` parse their own arguments."""
     parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.")
     sub = parser.add_subparsers(dest="command", metavar="{train,explain,bench}")
     sub.required = True
@@ -85,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `manualdp ARGV`; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
     # explain and bench hand their arguments to the module that owns them.
     if argv and argv[0] == "explain":
@@ -132,6 +134,7 @@ def check_train_args(args) -> str | None:
 
 
 def run_train(args) -> int:
+    """`manualdp train`: one process driving simulated or real devices, or one rank under torchrun."""
     import torch
 
     from . import data, models

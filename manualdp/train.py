@@ -40,6 +40,7 @@ class History:
 
     @classmethod
     def from_json(cls, path: str) -> "History":
+        """Read a history that `to_json` wrote."""
         with open(path) as f:
             return cls(**json.load(f))
 
@@ -147,8 +148,19 @@ def first_nonfinite(module: nn.Module) -> str | None:
     return None
 
 
-def train_batch(X, y, replicas, optimizers, devices, loss_fn=None, *, algorithm="naive", bucket_cap_mb=None,
-                nonfinite=None, step=None) -> StepResult:
+def train_batch(
+    X: torch.Tensor,
+    y: torch.Tensor,
+    replicas: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    devices: list[torch.device],
+    loss_fn=None,
+    *,
+    algorithm: str = "naive",
+    bucket_cap_mb: float | None = None,
+    nonfinite: str | None = None,
+    step: int | None = None,
+) -> StepResult:
     """One synchronous data-parallel step over the global batch `X`, `y`.
 
     1. split the batch, 2. forward and backward on every replica, 3. allreduce the gradients,
@@ -203,8 +215,13 @@ def evaluate(net: nn.Module, data_iter, device=None) -> float:
     """Classification accuracy of `net` on `data_iter`, computed on `device`."""
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be an nn.Module, got {type(net).__name__}")
+    if not hasattr(data_iter, "__iter__"):
+        raise TypeError(f"data_iter must be iterable (e.g. a DataLoader), got {type(data_iter).__name__}")
     if device is None:
-        device = next(net.parameters()).device
+        first = next(iter(net.parameters()), None)
+        if first is None:
+            raise ValueError("net has no parameters to take a device from: pass device")
+        device = first.device
     device = check_devices([device], "device")[0]
     was_training = net.training
     net.eval()

@@ -203,13 +203,6 @@ def _targets(rows: list[dict]) -> dict:
     }
 
 
-def _size(nbytes: int) -> str:
-    for unit, scale in (("MiB", MiB), ("KiB", 1024)):
-        if nbytes >= scale and nbytes % scale == 0:
-            return f"{nbytes // scale} {unit}"
-    return f"{nbytes} B"
-
-
 def format_table(result: dict) -> str:
     """The result as text: one block per algorithm, one row per size."""
     c, m, k = result["config"], result["model"], result["constant_model"]
