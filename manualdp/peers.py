@@ -7,6 +7,7 @@ the DDP wrapper is a daemon (`SerialWorker`), so it never holds a failing proces
 """
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import datetime
 import queue
@@ -48,26 +49,29 @@ class PeerError(RuntimeError):
     torchrun (or the other ranks' own timeouts) stop the rest.
     """
 
-    def __init__(self, rank: int, peer: int | None, timeout: float | None, detail: str = "", where: str = "") -> None:
-        self.rank = rank          # this process's global rank
-        self.peer = peer          # global rank it was waiting for; None: several ranks
-        self.timeout = timeout    # seconds it waited; None: the connection broke first
-        self.detail = detail      # the backend's own words
-        self.where = where        # e.g. "step 12", filled in by the training loop
+    def __init__(self, rank: int, peer: int | None, timed_out: bool, timeout: float | None, detail: str = "",
+                 where: str = "") -> None:
+        self.rank = rank            # this process's global rank
+        self.peer = peer            # global rank it was waiting for; None: several ranks
+        self.timed_out = timed_out  # True: silence for `timeout` s; False: the connection broke
+        self.timeout = timeout      # the deadline in seconds; None: the process group's, unknown here
+        self.detail = detail        # the backend's own words
+        self.where = where          # e.g. "step 12", filled in by the training loop
         who = f"rank {peer}" if peer is not None else "the other ranks"
         prefix = f"rank {rank}: " + (f"{where}: " if where else "")
-        if timeout is not None:
-            text = f"no answer from {who} within {timeout:g} s (it may have died or hung)"
+        if timed_out:
+            within = f"{timeout:g} s" if timeout is not None else "the process group's timeout"
+            text = f"no answer from {who} within {within} (it may have died or hung)"
         else:
             text = f"no answer from {who}: the connection was closed (it may have died)"
         super().__init__(prefix + text + (f" [{detail}]" if detail else ""))
 
     def __reduce__(self):
-        return PeerError, (self.rank, self.peer, self.timeout, self.detail, self.where)
+        return PeerError, (self.rank, self.peer, self.timed_out, self.timeout, self.detail, self.where)
 
     def at(self, where: str) -> "PeerError":
         """The same error, saying where in training it happened."""
-        return PeerError(self.rank, self.peer, self.timeout, self.detail, where)
+        return PeerError(self.rank, self.peer, self.timed_out, self.timeout, self.detail, where)
 
 
 def _timed_out(error: BaseException) -> bool:
@@ -80,7 +84,7 @@ def _first_line(error: BaseException) -> str:
     text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     if text.startswith("[") and "] " in text:
         text = text.split("] ", 1)[1]
-    return text[:200]
+    return text.split(". This is typically", 1)[0][:200]  # gloo's advice to read the peer's log adds nothing here
 
 
 def wait(work, peer: int | None, timeout: float | None) -> None:
@@ -92,16 +96,19 @@ def wait(work, peer: int | None, timeout: float | None) -> None:
             work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
         rank = dist.get_rank() if dist.is_initialized() else -1
-        raise PeerError(rank, peer, timeout if _timed_out(e) else None, _first_line(e)) from e
+        raise PeerError(rank, peer, _timed_out(e), timeout, _first_line(e)) from e
 
 
 class SerialWorker:
     """One daemon thread that runs submitted calls in order and hands back futures.
 
-    Not a ThreadPoolExecutor: its threads are joined at interpreter exit, so a rank whose main
-    thread fails while an allreduce waits for a silent peer would hang there for the whole
-    timeout. After a call fails, every later one fails at once with the same error: the ranks
-    are out of step for good, and waiting a timeout per queued bucket would only delay the exit.
+    Why not a ThreadPoolExecutor: its threads are joined at interpreter exit, so a rank whose
+    main thread fails while an allreduce waits for a silent peer would hang there for the
+    whole timeout (gloo's waits cannot be interrupted). A daemon thread does not hold the exit
+    back; but one that comes back from C++ while Python finalizes aborts the process
+    ("terminate called without an active exception"), so at exit `_drain` lets running calls
+    finish for up to `EXIT_GRACE` seconds and starts no new ones. After a call fails, every
+    later one fails at once with the same error: the ranks are out of step for good.
     """
 
     def __init__(self, name: str, initializer=None) -> None:
@@ -120,6 +127,20 @@ class SerialWorker:
         self._jobs.put(None)
 
 
+EXIT_GRACE = 2.0  # seconds the interpreter's exit waits for running calls (a healthy peer answers in far less)
+_state = threading.Condition()  # guards the two below
+_running = 0  # calls running on SerialWorker threads now
+_exiting = False  # the interpreter is exiting: start no call
+
+
+@atexit.register
+def _drain() -> None:
+    global _exiting
+    with _state:
+        _exiting = True
+        _state.wait_for(lambda: _running == 0, timeout=EXIT_GRACE)
+
+
 def _serve(jobs: queue.SimpleQueue, initializer) -> None:
     if initializer is not None:
         initializer()
@@ -131,9 +152,15 @@ def _serve(jobs: queue.SimpleQueue, initializer) -> None:
 
 def _run(job, failed: BaseException | None) -> BaseException | None:
     """Run one submitted call unless an earlier one failed; return the first failure so far."""
+    global _running
     future, fn, args, kwargs = job
     if not future.set_running_or_notify_cancel():
         return failed
+    with _state:
+        if failed is None and _exiting:
+            failed = RuntimeError("not started: the interpreter is exiting")
+        if failed is None:
+            _running += 1
     if failed is not None:
         future.set_exception(failed)
         return failed
@@ -142,4 +169,8 @@ def _run(job, failed: BaseException | None) -> BaseException | None:
     except BaseException as e:  # handed to whoever waits on the future
         future.set_exception(e)
         return e
+    finally:
+        with _state:
+            _running -= 1
+            _state.notify_all()
     return None

@@ -1,0 +1,248 @@
+"""SPMD reliability: dead and hung ranks end every rank in time, exact resume, non-finite gradients.
+
+The ranks run as real processes (`python -c`, gloo on 127.0.0.1, one thread each), so what
+is checked includes their exit: a rank must not hang at interpreter exit. Faults are
+injected through the loss function or the model, on one rank only.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+EPOCHS, STEPS_PER_EPOCH = 3, 4  # 60 examples in batches of 16
+
+
+# ---------------------------------------------------------------- what every rank runs
+
+class FaultyLoss(nn.CrossEntropyLoss):
+    """Cross-entropy that, on one rank at one step, makes the process exit, hang or return NaN."""
+
+    def __init__(self, fault, rank, at, stamp):
+        super().__init__(reduction="sum")
+        self.fault, self.rank, self.at, self.stamp, self.calls = fault, rank, at, stamp, 0
+
+    def forward(self, out, y):
+        step, self.calls = self.calls, self.calls + 1
+        if self.fault is not None and step == self.at and int(os.environ["RANK"]) == self.rank:
+            with open(self.stamp, "w") as f:
+                f.write(repr(time.time()))
+            if self.fault == "exit":
+                os._exit(17)
+            if self.fault == "hang":
+                time.sleep(3600)
+            if self.fault == "nan":
+                return super().forward(out, y) * float("nan")
+        return super().forward(out, y)
+
+
+class _Raise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("injected failure in backward")
+
+
+class RaiseInBackward(nn.Module):
+    """Identity whose backward raises on rank `rank` at call `at`: after later layers' buckets have gone out."""
+
+    def __init__(self, rank, at):
+        super().__init__()
+        self.rank, self.at, self.calls = rank, at, 0
+
+    def forward(self, x):
+        if not self.training:  # rank 0 also evaluates
+            return x
+        step, self.calls = self.calls, self.calls + 1
+        if step == self.at and int(os.environ["RANK"]) == self.rank:
+            return _Raise.apply(x)
+        return x
+
+
+def _net(raise_at=None):
+    torch.manual_seed(0)
+    fault = RaiseInBackward(0, raise_at) if raise_at is not None else nn.Identity()
+    return nn.Sequential(nn.Linear(6, 16), fault, nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.2),
+                         nn.Linear(16, 4)).double()
+
+
+def _loaders():
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(80, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (80,), generator=g)
+    train_iter = DataLoader(TensorDataset(X[:60], y[:60]), batch_size=16, shuffle=True,
+                            generator=torch.Generator().manual_seed(4))
+    return train_iter, DataLoader(TensorDataset(X[60:], y[60:]), batch_size=10)
+
+
+def _rank_main(config: dict) -> None:
+    """One rank: train with `config`'s options and faults, then save the parameters."""
+    from manualdp.spmd import init_from_env, train_spmd
+    torch.set_num_threads(1)
+    init_from_env(timeout=config["timeout"])
+    net = _net(config.get("raise_at"))
+    torch.manual_seed(42 + int(os.environ["RANK"]))  # dropout differs per rank: each rank's RNG must be restored
+    loss = FaultyLoss(config.get("fault"), config.get("fault_rank", 1), config.get("at"), config["stamp"])
+    logs = []
+    train_spmd(net, *_loaders(), EPOCHS, 0.2, momentum=0.9, bucket_cap_mb=0.0002, loss_fn=loss, progress=False,
+               log=logs.append, nonfinite=config.get("nonfinite"), checkpoint_dir=config.get("checkpoint_dir"),
+               checkpoint_every=config.get("checkpoint_every"), resume=config.get("resume", False))
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "logs": logs},
+               config["out"] + f".rank{os.environ['RANK']}")
+    torch.distributed.destroy_process_group()
+
+
+# ---------------------------------------------------------------- starting ranks and watching them end
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(tmp, config, world_size=2, limit=60.0, hung=()):
+    """Start `world_size` ranks; wait until every rank not in `hung` has exited; kill the rest.
+
+    Returns, per rank: exit code (None: killed), the time.time() it was seen to exit, its stderr.
+    """
+    os.makedirs(tmp, exist_ok=True)
+    config = {"stamp": os.path.join(tmp, "fault-time"), "out": os.path.join(tmp, "result"), **config}
+    code = f"import sys; sys.path[:0] = {[ROOT, HERE]!r}; import test_spmd_faults as t; t._rank_main({config!r})"
+    port = _free_port()
+    procs = []
+    for r in range(world_size):
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        err = open(os.path.join(tmp, f"stderr{r}"), "w+")
+        procs.append((subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err), err))
+    ended = [None] * world_size
+    deadline = time.monotonic() + limit
+    try:
+        while time.monotonic() < deadline and any(ended[r] is None for r in range(world_size) if r not in hung):
+            for r, (p, _) in enumerate(procs):
+                if ended[r] is None and p.poll() is not None:
+                    ended[r] = time.time()
+            time.sleep(0.02)
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    results = []
+    for r, (p, err) in enumerate(procs):
+        err.seek(0)
+        results.append({"code": p.returncode if ended[r] is not None else None, "ended": ended[r], "stderr": err.read()})
+        err.close()
+    return results
+
+
+def _fault_time(tmp):
+    with open(os.path.join(tmp, "fault-time")) as f:
+        return float(f.read())
+
+
+def _params(tmp, rank):
+    return torch.load(os.path.join(tmp, f"result.rank{rank}"), weights_only=False)
+
+
+def _last_error(result):
+    lines = [line for line in result["stderr"].splitlines() if "Error" in line]
+    return lines[-1] if lines else result["stderr"][-500:]
+
+
+# ---------------------------------------------------------------- a dead rank, a hung rank
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """Three epochs without faults: the reference parameters."""
+    tmp = str(tmp_path_factory.mktemp("straight"))
+    results = _run_ranks(tmp, {"timeout": 30})
+    assert [r["code"] for r in results] == [0, 0], [r["stderr"] for r in results]
+    return [_params(tmp, r)["params"] for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def crashed(tmp_path_factory):
+    """Rank 1 dies (os._exit) before its backward of step 7; checkpoints every 3 steps and at epoch ends (4, 8)."""
+    tmp = str(tmp_path_factory.mktemp("crashed"))
+    results = _run_ranks(tmp, {"timeout": 30, "fault": "exit", "at": 7, "checkpoint_dir": os.path.join(tmp, "ckpt"),
+                               "checkpoint_every": 3})
+    return tmp, results
+
+
+def test_when_a_rank_dies_the_other_exits_at_once_naming_step_and_peer(crashed):
+    tmp, results = crashed
+    assert results[1]["code"] == 17, "the injected exit"
+    assert results[0]["code"] not in (None, 0)
+    assert "rank 0: step 7: no answer from rank 1: the connection was closed" in _last_error(results[0])
+    # The timeout is 30 s; gloo sees the closed connection at once.
+    seconds = results[0]["ended"] - _fault_time(tmp)
+    print(f"rank 0 exited {seconds:.2f} s after rank 1 died (timeout 30 s)")
+    assert seconds < 10
+
+
+def test_when_a_rank_hangs_the_other_exits_after_the_timeout(tmp_path):
+    results = _run_ranks(str(tmp_path), {"timeout": 4, "fault": "hang", "at": 5}, hung=(1,))
+    assert results[0]["code"] not in (None, 0)
+    assert results[1]["code"] is None, "rank 1 hangs until killed"
+    assert "rank 0: step 5: no answer from rank 1 within 4 s" in _last_error(results[0])
+    seconds = results[0]["ended"] - _fault_time(str(tmp_path))
+    print(f"rank 0 exited {seconds:.2f} s after rank 1 hung (timeout 4 s)")
+    assert 3 < seconds < 4 + 6
+
+
+def test_a_rank_that_fails_while_its_allreduce_thread_waits_still_exits(tmp_path):
+    # Rank 1 hangs before its backward of step 5; rank 0 raises in the middle of that backward,
+    # after its last layers' buckets went out: its allreduce thread waits for rank 1 (60 s).
+    results = _run_ranks(str(tmp_path), {"timeout": 60, "fault": "hang", "at": 5, "raise_at": 5}, hung=(1,))
+    assert results[0]["code"] == 1, results[0]["stderr"][-2000:]
+    assert "injected failure in backward" in results[0]["stderr"]
+    assert "terminate called" not in results[0]["stderr"]
+    seconds = results[0]["ended"] - _fault_time(str(tmp_path))
+    print(f"rank 0 exited {seconds:.2f} s after raising (timeout 60 s)")
+    assert seconds < 10
+
+
+# ---------------------------------------------------------------- resume
+
+def _resume(tmp_path, crashed, damage=None):
+    ckpt = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(crashed[0], "ckpt"), ckpt)
+    if damage:
+        damage(ckpt)
+    results = _run_ranks(str(tmp_path), {"timeout": 30, "checkpoint_dir": ckpt, "checkpoint_every": 3, "resume": True})
+    assert [r["code"] for r in results] == [0, 0], [r["stderr"][-2000:] for r in results]
+    return [_params(str(tmp_path), r) for r in range(2)]
+
+
+def test_resumed_after_a_crash_equals_one_straight_run(tmp_path, crashed, straight):
+    for name in ("rank0", "rank1"):
+        assert sorted(os.listdir(os.path.join(crashed[0], "ckpt", name))) == ["ckpt-00000004.pt", "ckpt-00000006.pt"]
+    got = _resume(tmp_path, crashed)
+    assert any("ckpt-00000006.pt (epoch 2, step 6)" in line for line in got[0]["logs"]), got[0]["logs"]
+    for r in range(2):
+        for p, q in zip(got[r]["params"], straight[r]):
+            assert torch.equal(p, q), f"rank {r} differs from the straight run"
+    assert not torch.equal(straight[0][0], _net()[0].weight.detach())
+
+
+def test_a_truncated_checkpoint_on_one_rank_makes_all_ranks_resume_from_the_previous(tmp_path, crashed, straight):
+    def truncate(ckpt):
+        with open(os.path.join(ckpt, "rank1", "ckpt-00000006.pt"), "r+b") as f:
+            f.truncate(100)
+    got = _resume(tmp_path, crashed, truncate)
+    assert any("ckpt-00000004.pt (epoch 2, step 4)" in line for line in got[0]["logs"]), got[0]["logs"]
+    for r in range(2):
+        for p, q in zip(got[r]["params"], straight[r]):
+            assert torch.equal(p, q), f"rank {r} differs from the straight run"
