@@ -133,6 +133,32 @@ def check_train_args(args) -> str | None:
     return None
 
 
+def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress):
+    """This rank's part of `manualdp train` under torchrun: rank 0's History, or an exit status."""
+    import torch.distributed as dist
+
+    from .peers import PeerError
+    from .spmd import init_from_env, train_spmd
+    from .train import NonFiniteGradientError
+
+    try:
+        init_from_env(timeout=args.timeout)  # default: 300 s, not gloo's 30 minutes
+    except (RuntimeError, ValueError) as e:
+        print(f"manualdp train: error: could not join the other ranks: {e}", file=sys.stderr)
+        return 1
+    try:
+        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "ring",
+                             bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,
+                             checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                             resume=args.resume, progress=progress)
+    except (PeerError, NonFiniteGradientError, ValueError) as e:
+        # No destroy_process_group here: a dead peer could make it wait; exiting closes everything.
+        print(f"manualdp train: error: {e}", file=sys.stderr)
+        return 1
+    dist.destroy_process_group()
+    return history if history is not None else 0
+
+
 def run_train(args) -> int:
     """`manualdp train`: one process driving simulated or real devices, or one rank under torchrun."""
     import torch
@@ -158,13 +184,10 @@ def run_train(args) -> int:
     nonfinite = None if args.nonfinite == "off" else args.nonfinite
 
     if world_size > 1:
-        from .spmd import init_from_env, train_spmd
-        init_from_env()
-        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "ring",
-                             bucket_cap_mb=args.bucket_mb or 25.0, progress=progress)
+        history = _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
+        if isinstance(history, int):  # an exit status: it failed, or this is a rank other than 0 (they print nothing)
+            return history
         where = f"{world_size} processes"
-        if history is None:  # ranks other than 0 print nothing
-            return 0
     else:
         gpus = [] if args.cpu else [d for d in try_all_gpus() if d.type == "cuda"]
         devices = gpus[:args.devices] if len(gpus) >= args.devices else cpu_devices(args.devices)

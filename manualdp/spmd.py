@@ -28,11 +28,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from .checkpoint import checkpoint_path, load_latest
+from .checkpoint import check_checkpoint_dir, checkpoint_path, load_latest
 from .distributed import DistributedDataParallel, _check_algorithm, allreduce
 from .peers import DEFAULT_TIMEOUT, PeerError, check_timeout
 from .split import shard_sizes
-from .train import (NONFINITE, History, NonFiniteGradientError, StepResult, _count_correct, _Loop, _progress,
+from .train import (NONFINITE, History, NonFiniteGradientError, StepResult, _count_correct, _len, _Loop, _progress,
                     evaluate, first_nonfinite, summed_loss)
 
 __all__ = ["DEFAULT_TIMEOUT", "PeerError", "init_from_env", "rank_device", "shard", "train_spmd", "launch"]
@@ -116,8 +116,6 @@ def train_spmd(
     assign_buckets([], bucket_cap_mb)
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
-    if checkpoint_dir is not None and not isinstance(checkpoint_dir, (str, os.PathLike)):
-        raise TypeError(f"checkpoint_dir must be a path or None, got {type(checkpoint_dir).__name__}")
     if checkpoint_every is not None and (
             isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1):
         raise ValueError(f"checkpoint_every must be a positive int or None, got {checkpoint_every!r}")
@@ -126,10 +124,18 @@ def train_spmd(
     if (checkpoint_every is not None or resume) and checkpoint_dir is None:
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
     timeout = check_timeout(timeout)
+    for name, it in (("train_iter", train_iter), ("test_iter", test_iter)):
+        if not hasattr(it, "__iter__"):
+            raise TypeError(f"{name} must be iterable (e.g. a DataLoader), got {type(it).__name__}")
+    if log is not None and not callable(log):
+        raise TypeError(f"log must be callable or None, got {log!r}")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call manualdp.spmd.init_from_env() first")
     loss_fn = summed_loss(loss_fn)
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    if checkpoint_dir is not None:
+        check_checkpoint_dir(checkpoint_dir, resume)  # also refuses a single-controller run's folder
+        check_checkpoint_dir(os.path.join(checkpoint_dir, f"rank{rank}"), resume)
     device = torch.device(device) if device is not None else rank_device()
     is_main = rank == 0
 
@@ -150,8 +156,12 @@ def train_spmd(
     for epoch in range(loop.epoch, num_epochs):
         model.train()
         start = time.perf_counter()
-        batches = _progress(loop.batches(epoch), progress and is_main, f"epoch {epoch + 1}/{num_epochs}")
+        batches = _progress(loop.batches(epoch), progress and is_main, f"epoch {epoch + 1}/{num_epochs}", _len(train_iter))
         for X, y in batches:
+            if len(X) < world_size:  # every rank sees the same batch, so every rank skips it
+                if log and is_main:
+                    log(f"epoch {epoch + 1}: skipped a batch of {len(X)}, fewer examples than the {world_size} ranks")
+                continue
             try:
                 result = _step(model, optimizer, loss_fn, X, y, device, nonfinite, loop.global_step)
             except PeerError as e:
@@ -163,6 +173,8 @@ def train_spmd(
                 batches.set_postfix(shard_loss=f"{loop.loss_sum * world_size / loop.seen:.3f}", refresh=False)
             if checkpoint_every and loop.global_step % checkpoint_every == 0:
                 loop.save([net], [optimizer], history, world_size=world_size)
+        if loop.seen == 0:
+            raise ValueError(f"train_iter gave no usable batch in epoch {epoch + 1}")
         seconds = loop.seconds + time.perf_counter() - start
         totals = torch.tensor([loop.loss_sum, loop.correct], dtype=torch.float64, device=device)
         try:
@@ -192,9 +204,11 @@ def _step(model: DistributedDataParallel, optimizer, loss_fn, X, y, device, nonf
     rank, world_size = model.rank, model.world_size
     Xs, ys = shard(X, y, rank, world_size)
     Xs, ys = Xs.to(device), ys.to(device)
+    # A skipped step must not keep what the bad forward pass wrote into BatchNorm statistics.
+    saved_buffers = [b.detach().clone() for b in model.module.buffers()] if nonfinite == "skip" else None
     optimizer.zero_grad(set_to_none=True)
     out = model(Xs)
-    loss = loss_fn(out, ys).sum() / len(X) * world_size
+    loss = loss_fn(out, ys) / len(X) * world_size
     loss.backward()
     result = StepResult(loss.item() * len(X) / world_size, _count_correct(out.detach(), ys), False)
     if nonfinite is not None:
@@ -205,6 +219,9 @@ def _step(model: DistributedDataParallel, optimizer, loss_fn, X, y, device, nonf
             if nonfinite == "raise":
                 raise NonFiniteGradientError(f"rank {rank}: non-finite gradient in parameter {bad!r} at step {step}")
             optimizer.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                for b, saved in zip(model.module.buffers(), saved_buffers):
+                    b.copy_(saved)
             return result._replace(skipped=True)
     optimizer.step()
     return result

@@ -52,6 +52,7 @@ class _Raise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        time.sleep(0.5)  # the buckets of the later layers are on their way by now
         raise RuntimeError("injected failure in backward")
 
 
@@ -246,3 +247,167 @@ def test_a_truncated_checkpoint_on_one_rank_makes_all_ranks_resume_from_the_prev
     for r in range(2):
         for p, q in zip(got[r]["params"], straight[r]):
             assert torch.equal(p, q), f"rank {r} differs from the straight run"
+
+
+# ---------------------------------------------------------------- non-finite gradients, resume mismatch
+
+def _nonfinite_job(tmp):
+    """On 3 ranks, with a NaN loss on rank 2 only at step 5: raise, skip, no check; then a rank without checkpoints."""
+    from manualdp.spmd import train_spmd
+    from manualdp.train import NonFiniteGradientError
+    rank = torch.distributed.get_rank()
+    out = {}
+
+    def run(nonfinite, epochs=EPOCHS, **kw):
+        net = _net()
+        logs = []
+        train_spmd(net, *_loaders(), epochs, 0.2, loss_fn=FaultyLoss(kw.pop("fault", "nan"), 2, 5, os.path.join(tmp, "t")),
+                   nonfinite=nonfinite, progress=False, log=logs.append, timeout=20, bucket_cap_mb=0.0002, **kw)
+        return {"params": [p.detach().clone() for p in net.parameters()], "logs": logs,
+                "buffers": [b.detach().clone() for b in net.buffers()]}
+
+    try:
+        run("raise")
+        out["raise"] = None
+    except NonFiniteGradientError as e:
+        out["raise"] = str(e)
+    out["skip"] = run("skip")
+    out["off"] = run(None)
+    ckpt = os.path.join(tmp, "ckpt")
+    run(None, epochs=1, fault=None, checkpoint_dir=ckpt)
+    torch.distributed.barrier()
+    if rank == 2:
+        shutil.rmtree(os.path.join(ckpt, "rank2"))
+    torch.distributed.barrier()
+    try:
+        run(None, fault=None, checkpoint_dir=ckpt, resume=True)
+        out["mismatch"] = None
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def nonfinite(tmp_path_factory):
+    from manualdp.spmd import launch
+    return launch(_nonfinite_job, 3, (str(tmp_path_factory.mktemp("nonfinite")),), timeout=120)
+
+
+def test_a_nan_on_one_rank_stops_every_rank_naming_parameter_and_step(nonfinite):
+    for r in range(3):
+        assert nonfinite[r]["raise"] == f"rank {r}: non-finite gradient in parameter '0.weight' at step 5"
+
+
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(nonfinite):
+    skip, off = nonfinite[0]["skip"], nonfinite[0]["off"]
+    assert "step 5: non-finite gradient, update skipped on every rank" in skip["logs"]
+    assert sum("skipped" in line for line in skip["logs"]) == 1
+    for r in range(1, 3):  # had one rank stepped with the NaN, or not skipped, the ranks would differ
+        for p, q in zip(nonfinite[r]["skip"]["params"], skip["params"]):
+            assert torch.equal(p, q)
+    assert all(torch.isfinite(p).all() for p in skip["params"])
+    assert all(torch.isfinite(b.double()).all() for b in skip["buffers"]), "the bad step's BatchNorm statistics stayed"
+    # Without the check, rank 2's NaN reaches every rank's parameters: the skip was needed on all.
+    for r in range(3):
+        assert all(torch.isnan(p).any() for p in nonfinite[r]["off"]["params"])
+
+
+def test_resume_refuses_when_one_rank_has_no_checkpoint(nonfinite):
+    for r in range(3):
+        message = nonfinite[r]["mismatch"]
+        assert message is not None and "rank(s) [2] have no readable checkpoint" in message
+
+
+# ---------------------------------------------------------------- bad input, in one process
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of"),
+    ({"checkpoint_every": 0, "checkpoint_dir": "x"}, ValueError, "checkpoint_every must be a positive int or None, got 0"),
+    ({"checkpoint_every": 2}, ValueError, "need checkpoint_dir"),
+    ({"resume": True}, ValueError, "need checkpoint_dir"),
+    ({"resume": "yes", "checkpoint_dir": "x"}, TypeError, "resume must be a bool, got 'yes'"),
+    ({"timeout": 0}, ValueError, "timeout must be a positive number of seconds or None, got 0"),
+    ({"timeout": float("inf")}, ValueError, "timeout must be a positive number"),
+    ({"timeout": "10"}, ValueError, "got '10'"),
+    ({"log": "print"}, TypeError, "log must be callable"),
+])
+def test_train_spmd_rejects_bad_new_arguments(kwargs, error, words):
+    from manualdp.spmd import train_spmd
+    with pytest.raises(error, match=words):
+        train_spmd(nn.Linear(2, 2), [], [], 1, 0.1, progress=False, **kwargs)
+
+
+@pytest.mark.parametrize("timeout", [0, -1.5, True, "5", float("nan")])
+def test_timeouts_are_checked_before_any_communication(timeout):
+    from manualdp.distributed import DistributedDataParallel, allreduce
+    x = torch.arange(3.0)
+    with pytest.raises(ValueError, match="timeout must be a positive number of seconds or None"):
+        allreduce(x, timeout=timeout)
+    with pytest.raises(ValueError, match="timeout"):
+        DistributedDataParallel(nn.Linear(2, 2), timeout=timeout)
+    assert torch.equal(x, torch.arange(3.0))
+
+
+def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
+    import pickle
+
+    from manualdp.peers import PeerError
+    silent = PeerError(0, 1, True, 10.0, "Timed out waiting 10000ms").at("step 12")
+    assert str(silent) == "rank 0: step 12: no answer from rank 1 within 10 s (it may have died or hung) [Timed out waiting 10000ms]"
+    gone = PeerError(2, None, False, 10.0)
+    assert str(gone) == "rank 2: no answer from the other ranks: the connection was closed (it may have died)"
+    assert str(pickle.loads(pickle.dumps(silent))) == str(silent)
+
+
+def test_after_one_failed_call_the_worker_fails_the_queued_ones_without_running_them():
+    from manualdp.peers import SerialWorker
+    worker, ran = SerialWorker("test"), []
+
+    def fail():
+        time.sleep(0.1)  # the calls below are queued meanwhile
+        raise OSError("boom")
+    futures = [worker.submit(fail)] + [worker.submit(ran.append, i) for i in range(3)]
+    for f in futures:
+        with pytest.raises(OSError, match="boom"):
+            f.result(timeout=10)
+    assert ran == []
+    worker.shutdown()
+    worker._thread.join(timeout=10)
+    assert not worker._thread.is_alive()
+
+
+# ---------------------------------------------------------------- through the command line, under torchrun
+
+CLI = ["--no-progress", "--num-train", "256", "--num-test", "128", "--batch-size", "32", "--timeout", "30"]
+
+
+def _torchrun(*args, timeout=120):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "manualdp", "train", *CLI, *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=ROOT)
+
+
+def test_resume_under_torchrun_equals_one_run(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    straight = _torchrun("--epochs", "2", "--json", str(tmp_path / "a.json"))
+    first = _torchrun("--epochs", "1", "--checkpoint-dir", ckpt, "--checkpoint-every", "3")
+    second = _torchrun("--epochs", "2", "--checkpoint-dir", ckpt, "--resume", "--json", str(tmp_path / "b.json"))
+    for out in (straight, first, second):
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(os.listdir(ckpt)) == ["rank0", "rank1"]
+    assert "resumed from" in second.stdout and "(epoch 2, step 8)" in second.stdout
+    a, b = (json.loads((tmp_path / f).read_text()) for f in ("a.json", "b.json"))
+    assert a["train_loss"] == b["train_loss"] and a["test_acc"] == b["test_acc"]
+    assert a["train_loss"][0] != a["train_loss"][1]
+
+
+def test_a_rank_whose_peers_never_come_gives_up_after_timeout_with_one_line(tmp_path):
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()), OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "manualdp", "train", *CLI[:-1], "3", "--epochs", "1"],
+                         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
+    assert out.returncode == 1
+    assert out.stderr.startswith("manualdp train: error: could not join the other ranks") and "Traceback" not in out.stderr
+    assert time.monotonic() - start < 3 + 15
