@@ -47,34 +47,35 @@ class FaultyLoss(nn.CrossEntropyLoss):
 
 class _Raise(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, delay):
+        ctx.delay = delay
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.5)  # the buckets of the later layers are on their way by now
+        time.sleep(ctx.delay)
         raise RuntimeError("injected failure in backward")
 
 
 class RaiseInBackward(nn.Module):
     """Identity whose backward raises on rank `rank` at call `at`: after later layers' buckets have gone out."""
 
-    def __init__(self, rank, at):
+    def __init__(self, rank, at, delay):
         super().__init__()
-        self.rank, self.at, self.calls = rank, at, 0
+        self.rank, self.at, self.delay, self.calls = rank, at, delay, 0
 
     def forward(self, x):
         if not self.training:  # rank 0 also evaluates
             return x
         step, self.calls = self.calls, self.calls + 1
         if step == self.at and int(os.environ["RANK"]) == self.rank:
-            return _Raise.apply(x)
+            return _Raise.apply(x, self.delay)
         return x
 
 
-def _net(raise_at=None):
+def _net(raise_at=None, delay=0.0):
     torch.manual_seed(0)
-    fault = RaiseInBackward(0, raise_at) if raise_at is not None else nn.Identity()
+    fault = RaiseInBackward(0, raise_at, delay) if raise_at is not None else nn.Identity()
     return nn.Sequential(nn.Linear(6, 16), fault, nn.BatchNorm1d(16), nn.Tanh(), nn.Dropout(0.2),
                          nn.Linear(16, 4)).double()
 
@@ -92,7 +93,7 @@ def _rank_main(config: dict) -> None:
     from manualdp.spmd import init_from_env, train_spmd
     torch.set_num_threads(1)
     init_from_env(timeout=config["timeout"])
-    net = _net(config.get("raise_at"))
+    net = _net(config.get("raise_at"), config.get("raise_delay", 0.0))
     torch.manual_seed(42 + int(os.environ["RANK"]))  # dropout differs per rank: each rank's RNG must be restored
     loss = FaultyLoss(config.get("fault"), config.get("fault_rank", 1), config.get("at"), config["stamp"])
     logs = []
@@ -206,13 +207,24 @@ def test_when_a_rank_hangs_the_other_exits_after_the_timeout(tmp_path):
 def test_a_rank_that_fails_while_its_allreduce_thread_waits_still_exits(tmp_path):
     # Rank 1 hangs before its backward of step 5; rank 0 raises in the middle of that backward,
     # after its last layers' buckets went out: its allreduce thread waits for rank 1 (60 s).
-    results = _run_ranks(str(tmp_path), {"timeout": 60, "fault": "hang", "at": 5, "raise_at": 5}, hung=(1,))
+    results = _run_ranks(str(tmp_path), {"timeout": 60, "fault": "hang", "at": 5, "raise_at": 5, "raise_delay": 0.5},
+                         hung=(1,))
     assert results[0]["code"] == 1, results[0]["stderr"][-2000:]
     assert "injected failure in backward" in results[0]["stderr"]
     assert "terminate called" not in results[0]["stderr"]
     seconds = results[0]["ended"] - _fault_time(str(tmp_path))
     print(f"rank 0 exited {seconds:.2f} s after raising (timeout 60 s)")
     assert seconds < 10
+
+
+def test_a_rank_that_fails_while_its_allreduce_thread_finishes_exits_cleanly(tmp_path):
+    # Rank 1 is healthy: rank 0's allreduce thread gets its answer while rank 0 is exiting.
+    # A daemon thread that comes back into Python during finalization would abort the process.
+    results = _run_ranks(str(tmp_path), {"timeout": 30, "raise_at": 5})
+    assert results[0]["code"] == 1, results[0]["stderr"][-2000:]
+    assert "terminate called" not in results[0]["stderr"]
+    assert results[1]["code"] == 1
+    assert "rank 1: step 5: no answer from rank 0: the connection was closed" in _last_error(results[1])
 
 
 # ---------------------------------------------------------------- resume

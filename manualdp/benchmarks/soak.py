@@ -13,7 +13,6 @@ import os
 import sys
 
 import torch
-from torch import nn
 
 __all__ = ["main", "rss_mib"]
 
@@ -49,50 +48,33 @@ def _soak_single(args) -> list[tuple[int, float]]:
     return samples
 
 
-def _soak_rank(rank: int, args, port: int, queue) -> None:
+def _soak_rank(args) -> list[tuple[int, float]]:
+    """One rank (started by `spmd.launch`): the steps `train_spmd` takes, with the non-finite check."""
     import torch.distributed as dist
 
     from ..distributed import DistributedDataParallel
     from ..models import get_model
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world_size)
-    try:
-        torch.manual_seed(0)
-        model = DistributedDataParallel(get_model(args.model), algorithm=args.algorithm,
-                                        bucket_cap_mb=args.bucket_mb or 25.0)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        loss_fn = nn.CrossEntropyLoss()
-        samples = []
-        for step in _progress(args.steps, rank == 0):
-            X, y = _data(args.batch_size, step)
-            X, y = X[rank::args.world_size], y[rank::args.world_size]
-            opt.zero_grad(set_to_none=True)
-            loss_fn(model(X), y).backward()
-            opt.step()
-            if step % args.interval == 0 or step == args.steps - 1:
-                samples.append((step, rss_mib()))
-        queue.put((rank, samples))
-    finally:
-        dist.destroy_process_group()
+    from ..spmd import _step
+    from ..train import summed_loss
+    torch.manual_seed(0)
+    model = DistributedDataParallel(get_model(args.model), algorithm=args.algorithm,
+                                    bucket_cap_mb=args.bucket_mb or 25.0, timeout=60)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = summed_loss(None)
+    samples = []
+    for step in _progress(args.steps, dist.get_rank() == 0):
+        X, y = _data(args.batch_size, step)
+        _step(model, opt, loss_fn, X, y, torch.device("cpu"), "raise", step)
+        if step % args.interval == 0 or step == args.steps - 1:
+            samples.append((step, rss_mib()))
+    return samples
 
 
 def _soak_spmd(args) -> list[tuple[int, float]]:
-    import torch.multiprocessing as mp
-
-    from .ddp import free_port
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_soak_rank, args=(r, args, port, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = dict(queue.get(timeout=args.timeout) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        if p.exitcode != 0:
-            raise RuntimeError(f"rank process exited with {p.exitcode}")
-    # the worst rank decides
-    return max(results.values(), key=lambda s: _growth(s, args.warmup))
+    from ..spmd import launch
+    threads = max(1, (os.cpu_count() or 1) // args.world_size)
+    results = launch(_soak_rank, args.world_size, (args,), timeout=args.timeout, threads=threads)
+    return max(results, key=lambda s: _growth(s, args.warmup))  # the worst rank decides
 
 
 def _progress(n: int, enabled: bool):
