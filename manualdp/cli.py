@@ -165,7 +165,7 @@ def run_train(args) -> int:
 
     from . import data, models
     from .devices import cpu_devices, try_all_gpus
-    from .train import train
+    from .train import NonFiniteGradientError, train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
@@ -193,9 +193,13 @@ def run_train(args) -> int:
         devices = gpus[:args.devices] if len(gpus) >= args.devices else cpu_devices(args.devices)
         if gpus and devices[0].type == "cpu":
             print(f"note: {len(gpus)} GPU(s) for {args.devices} devices; simulating them on the CPU instead")
-        history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
-                        bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
-                        checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress)
+        try:
+            history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
+                            bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
+                            checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress)
+        except NonFiniteGradientError as e:
+            print(f"manualdp train: error: {e} (--nonfinite skip skips such steps)", file=sys.stderr)
+            return 1
         kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
         where = f"{len(devices)} {kind}"
     seconds = sum(history.epoch_seconds) / len(history.epoch_seconds)

@@ -54,3 +54,11 @@ def test_explain_is_reachable_from_the_cli(argv):
     out = _manualdp(*argv)
     assert out.returncode == 0, out.stderr
     assert "fold-in" in out.stdout and "fold-out" in out.stdout  # 5 is not a power of two
+
+
+def test_nonfinite_gradient_stops_with_a_one_line_error():
+    out = _manualdp("train", *SMALL, "--epochs", "1", "--lr", "1e30")  # diverges within a few steps
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert re.match(r"manualdp train: error: non-finite gradient in parameter '[\w.]+' at step \d+", last)
