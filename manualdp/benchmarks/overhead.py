@@ -109,6 +109,8 @@ def _parser():
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (the median is reported)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: steadier timings on a shared machine; 0 keeps torch's default)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     p.add_argument("--json", metavar="PATH", help="write the table as JSON")
     return p
@@ -121,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
             _parser().error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(n < 1 or n > args.batch_size for n in args.devices):
         _parser().error(f"--devices must be between 1 and --batch-size, got {args.devices}")
+    if args.threads < 0:
+        _parser().error(f"--threads must be >= 0, got {args.threads}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from tqdm.auto import tqdm
 
     X, y = _batch(args.batch_size)
