@@ -23,10 +23,21 @@ def atomic_write(path, mode: str = "wb"):
             yield f
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _permissions(path))  # mkstemp makes 0600 files; give the usual mode instead
         os.replace(tmp, path)  # atomic on POSIX: readers see the old file or the new one
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _permissions(path) -> int:
+    """The mode a plain `open(path, "w")` would give: the old file's, or 0o666 less the umask."""
+    try:
+        return os.stat(path).st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def write_json_atomic(path, obj) -> None:
