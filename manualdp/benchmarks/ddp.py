@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..cli import _positive
 from ..files import atomic_write, write_json_atomic
 
 __all__ = ["main", "run", "format_table", "plot"]
@@ -152,18 +153,6 @@ def plot(result: dict, path: str) -> None:
             fig.savefig(f, format="png", dpi=110)
     finally:
         plt.close(fig)
-
-
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-    return parse
 
 
 def main(argv: list[str] | None = None) -> int:
