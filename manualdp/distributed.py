@@ -250,7 +250,9 @@ class Bucket:
         self.offsets = [0]  # where each parameter's gradient starts in `flat` (one extra entry: the end)
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.flat = torch.zeros(self.offsets[-1], dtype=params[0].dtype, device=params[0].device)  # the gradients, then their sum
+        # the gradients, then one "used here" flag per parameter; after the allreduce their sums
+        self.flat = torch.zeros(self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.used = self.flat[self.offsets[-1]:]  # flag i: 1 where this rank's backward produced gradient i
         self.arrived = [False] * len(params)  # whose gradient this backward pass has copied into `flat`
         self.pending = len(params)  # gradients still to arrive before the bucket can be sent
         self.future: concurrent.futures.Future | None = None  # the running allreduce, or None
@@ -261,6 +263,7 @@ class Bucket:
 
     def reset(self) -> None:
         """Forget this backward pass: no gradient has arrived, nothing is running."""
+        self.used.zero_()
         self.arrived = [False] * len(self.params)
         self.pending = len(self.params)
         self.future = None
@@ -285,8 +288,9 @@ class DistributedDataParallel(nn.Module):
             process group's timeout).
 
     Limitations: dense gradients only; every rank must run backward through at least one
-    parameter in every synchronised step (else its peers wait for it); a parameter that
-    no rank used gets a zero gradient where DDP leaves it untouched.
+    parameter in every synchronised step (else its peers wait for it). A parameter that
+    no rank used keeps its `.grad` untouched (None after `zero_grad()`), as with DDP; one
+    that only some ranks used gets their average, the others counting as zero.
     """
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
@@ -420,6 +424,7 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("a gradient arrived twice in one backward pass (reentrant backward?), "
                                "which manualdp.DistributedDataParallel does not support")
         bucket.view(i).copy_(param.grad)
+        bucket.used[i] = 1
         bucket.arrived[i] = True
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -461,7 +466,10 @@ class DistributedDataParallel(nn.Module):
 
     def _write_grads(self, bucket: Bucket) -> None:
         with torch.no_grad():
+            used = bucket.used.tolist()
             for i, p in enumerate(bucket.params):
+                if used[i] == 0:  # no rank used it: leave .grad alone, as DDP does, so optimizers skip it
+                    continue
                 if p.grad is None:
                     p.grad = bucket.view(i) / self.world_size
                 else:

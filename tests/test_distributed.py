@@ -240,6 +240,7 @@ def _unused():
             opt.step()
         out[key] = _flat(model.parameters())
         out[key + "_never_grad"] = model.module.never.weight.grad
+        out[key + "_b_grad"] = model.module.b.weight.grad  # used on rank 0 only
     return out
 
 
@@ -377,11 +378,15 @@ def test_no_sync_accumulates_like_torch_ddp():
     assert not torch.allclose(results[0]["local"][0], results[1]["local"][0])
 
 
-def test_unused_parameters_count_as_zero_like_torch_ddp():
+def test_unused_parameters_behave_like_torch_ddp():
     results = [r["unused"] for r in _results(2)]
     for r in range(2):
         torch.testing.assert_close(results[r]["ours"], results[r]["theirs"], rtol=0, atol=1e-12)
-        assert torch.equal(results[r]["ours_never_grad"], torch.zeros(4, 8, dtype=torch.float64))
+        # used by no rank: no gradient at all, so SGD leaves it alone (DDP: the same)
+        assert results[r]["ours_never_grad"] is None and results[r]["theirs_never_grad"] is None
+        # used by rank 0 only: both ranks get the average, rank 1 counting as zero
+        torch.testing.assert_close(results[r]["ours_b_grad"], results[r]["theirs_b_grad"], rtol=0, atol=1e-12)
+        assert results[r]["ours_b_grad"].abs().sum() > 0
     assert torch.equal(results[0]["ours"], results[1]["ours"])
 
 
