@@ -286,7 +286,8 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if init:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        # A file rendezvous in our own folder: no race for a port that another process may take.
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(*args)
