@@ -2,7 +2,7 @@
 
 Read in this order: split -> replicate -> allreduce -> train_batch -> train.
 """
-from . import distributed, schedule  # manualdp.distributed.DistributedDataParallel, manualdp.schedule.ring
+from . import distributed, schedule  # noqa: F401  (manualdp.distributed.DistributedDataParallel, manualdp.schedule.ring)
 from .allreduce import allreduce
 from .data import load_data
 from .devices import cpu_devices, try_all_gpus, try_gpu

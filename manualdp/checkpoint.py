@@ -1,18 +1,21 @@
 """Checkpoints that survive a kill: atomic writes, the newest readable one wins on resume."""
 from __future__ import annotations
 
+import copy
 import glob
 import os
 import random
 import re
+import time
 import warnings
+from dataclasses import asdict
 
 import numpy as np
 import torch
 
 from .files import atomic_write
 
-__all__ = ["check_checkpoint_dir", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
+__all__ = ["TrainingState", "check_checkpoint_dir", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
 
 _NAME = re.compile(r"ckpt-(\d{8})\.pt$")
 
@@ -108,3 +111,98 @@ def loader_generator(loader) -> torch.Generator | None:
     if gen is None:
         gen = getattr(getattr(loader, "sampler", None), "generator", None)
     return gen if isinstance(gen, torch.Generator) else None
+
+
+class TrainingState:
+    """Where a training loop is (epoch, step, the epoch's running sums, RNG), and how to save and restore it.
+
+    `train` and `train_spmd` share it; a resumed run replays the interrupted epoch's shuffle
+    from the saved RNG states and skips the batches already trained, so it ends bitwise equal
+    to an uninterrupted run.
+    """
+
+    def __init__(self, train_iter, checkpoint_dir):
+        self.train_iter = train_iter
+        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints
+        self.generator = loader_generator(train_iter)  # the loader's shuffling RNG, if it has its own
+        self.epoch = 0            # current epoch
+        self.step_in_epoch = 0    # batches of this epoch already trained
+        self.global_step = 0      # batches trained since the start
+        self.loss_sum = self.correct = self.seen = 0
+        self.seconds = 0.0        # training time of this epoch before a resume
+        self.epoch_rng = None     # RNG states at the start of this epoch: they decide its batches
+        self.skip = 0             # batches to skip after a resume
+        self._start = time.perf_counter()
+
+    def batches(self, epoch):
+        if self.skip:  # resuming mid-epoch: replay the epoch's shuffling, then the RNG as it was
+            self._set_epoch_rng(self.epoch_rng)
+            it = iter(self.train_iter)
+            for _ in range(self.skip):
+                next(it)
+            set_rng_state(self.resume_rng)
+            self.skip = 0
+        else:
+            self.epoch = epoch
+            self.epoch_rng = self._epoch_rng()
+            it = iter(self.train_iter)
+        self._start = time.perf_counter()
+        yield from it
+
+    def record(self, result, n):
+        self.loss_sum += result.loss
+        self.correct += result.correct
+        self.seen += n
+        self.step_in_epoch += 1
+        self.global_step += 1
+
+    def end_epoch(self):
+        self.epoch += 1
+        self.step_in_epoch = 0
+        self.loss_sum = self.correct = self.seen = 0
+        self.seconds = 0.0
+
+    def _epoch_rng(self):
+        return {"rng": rng_state(), "loader": self.generator.get_state() if self.generator is not None else None}
+
+    def _set_epoch_rng(self, state):
+        set_rng_state(state["rng"])
+        if self.generator is not None and state["loader"] is not None:
+            self.generator.set_state(state["loader"])
+
+    def save(self, replicas, optimizers, history, **extra):
+        state = {
+            "model": replicas[0].state_dict(), "optimizer": optimizers[0].state_dict(),
+            "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
+            "sums": (self.loss_sum, self.correct, self.seen),
+            "seconds": self.seconds + (time.perf_counter() - self._start if self.step_in_epoch else 0.0),
+            "epoch_rng": self.epoch_rng, "rng": rng_state(),
+            "loader_rng": self.generator.get_state() if self.generator is not None else None,
+            "history": asdict(history), **extra,
+        }
+        save_checkpoint(self.checkpoint_dir, self.global_step, state)
+
+    def resume(self, replicas, optimizers, history):
+        state = load_latest(self.checkpoint_dir)
+        if state is not None:
+            self.restore(state, replicas, optimizers, history)
+        return state
+
+    def restore(self, state, replicas, optimizers, history):
+        """Continue from `state`, a checkpoint `save` wrote."""
+        for r, opt in zip(replicas, optimizers):
+            r.load_state_dict(state["model"])
+            # deepcopy: load_state_dict keeps the very tensors it is given (momentum buffers) when
+            # device and dtype match, and replicas must never share storage.
+            opt.load_state_dict(copy.deepcopy(state["optimizer"]))
+        for key, value in state["history"].items():
+            setattr(history, key, value)
+        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
+        self.loss_sum, self.correct, self.seen = state["sums"]
+        self.seconds = state["seconds"]
+        if self.step_in_epoch:
+            self.epoch_rng, self.resume_rng, self.skip = state["epoch_rng"], state["rng"], self.step_in_epoch
+        else:  # saved at an epoch boundary: the RNG is exactly where the next epoch starts from
+            set_rng_state(state["rng"])
+            if self.generator is not None and state["loader_rng"] is not None:
+                self.generator.set_state(state["loader_rng"])

@@ -32,7 +32,9 @@ from .checkpoint import check_checkpoint_dir, checkpoint_path, load_latest
 from .distributed import DistributedDataParallel, _check_algorithm, allreduce
 from .peers import DEFAULT_TIMEOUT, PeerError, check_timeout
 from .split import shard_sizes
-from .train import (NONFINITE, History, NonFiniteGradientError, StepResult, _count_correct, _len, _Loop, _progress,
+from .checkpoint import TrainingState
+from .history import History
+from .train import (NONFINITE, NonFiniteGradientError, StepResult, _count_correct, _len, _progress,
                     evaluate, first_nonfinite, summed_loss)
 
 __all__ = ["DEFAULT_TIMEOUT", "PeerError", "init_from_env", "rank_device", "shard", "train_spmd", "launch"]
@@ -145,7 +147,7 @@ def train_spmd(
         "world_size": world_size, "backend": dist.get_backend(), "device": str(device), "num_epochs": num_epochs,
         "lr": lr, "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
     })
-    loop = _Loop(train_iter, os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None)
+    loop = TrainingState(train_iter, os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None)
     if resume:
         state = _agree_on_checkpoint(loop.checkpoint_dir, device, algorithm, timeout)
         if state is not None:

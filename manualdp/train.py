@@ -2,52 +2,23 @@
 from __future__ import annotations
 
 import copy
-import json
 import time
-from dataclasses import asdict, dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from .allreduce import allreduce
-from .files import write_json_atomic
-from .checkpoint import check_checkpoint_dir, load_latest, loader_generator, rng_state, save_checkpoint, set_rng_state
 from .buckets import assign_buckets, flatten, unflatten_
+from .checkpoint import TrainingState, check_checkpoint_dir
 from .devices import check_devices
+from .history import History
 from .replicate import broadcast_buffers, copy_params_, replicate
 from .schedule import ALGORITHMS
 from .split import split_batch
 
 __all__ = ["History", "NonFiniteGradientError", "StepResult", "summed_loss", "allreduce_gradients", "train_batch",
            "evaluate", "train"]
-
-
-@dataclass
-class History:
-    """Per-epoch results of `train`; `to_json` / `plot` write them out."""
-
-    train_loss: list[float] = field(default_factory=list)
-    train_acc: list[float] = field(default_factory=list)
-    test_acc: list[float] = field(default_factory=list)
-    epoch_seconds: list[float] = field(default_factory=list)
-    samples_per_second: list[float] = field(default_factory=list)
-    config: dict = field(default_factory=dict)
-
-    def to_json(self, path: str) -> None:
-        """Write the history as JSON, atomically (a temporary file renamed into place)."""
-        write_json_atomic(path, asdict(self))
-
-    @classmethod
-    def from_json(cls, path: str) -> "History":
-        """Read a history that `to_json` wrote."""
-        with open(path) as f:
-            return cls(**json.load(f))
-
-    def plot(self, path: str) -> None:
-        """Plot loss and accuracies against epochs into a PNG at `path`."""
-        from .plot import plot_history
-        plot_history(self, path)
 
 
 def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
@@ -294,7 +265,7 @@ def train(
         "devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
         "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
     })
-    loop = _Loop(train_iter, checkpoint_dir)
+    loop = TrainingState(train_iter, checkpoint_dir)
     if resume:
         state = loop.resume(replicas, optimizers, history)
         if state is not None and log:
@@ -337,96 +308,6 @@ def train(
             loop.save(replicas, optimizers, history)
     copy_params_(net, replicas[0])
     return history
-
-
-class _Loop:
-    """Where training is: epoch, step and the epoch's running sums, and how to save and restore them."""
-
-    def __init__(self, train_iter, checkpoint_dir):
-        self.train_iter = train_iter
-        self.checkpoint_dir = checkpoint_dir  # None: no checkpoints
-        self.generator = loader_generator(train_iter)  # the loader's shuffling RNG, if it has its own
-        self.epoch = 0            # current epoch
-        self.step_in_epoch = 0    # batches of this epoch already trained
-        self.global_step = 0      # batches trained since the start
-        self.loss_sum = self.correct = self.seen = 0
-        self.seconds = 0.0        # training time of this epoch before a resume
-        self.epoch_rng = None     # RNG states at the start of this epoch: they decide its batches
-        self.skip = 0             # batches to skip after a resume
-        self._start = time.perf_counter()
-
-    def batches(self, epoch):
-        if self.skip:  # resuming mid-epoch: replay the epoch's shuffling, then the RNG as it was
-            self._set_epoch_rng(self.epoch_rng)
-            it = iter(self.train_iter)
-            for _ in range(self.skip):
-                next(it)
-            set_rng_state(self.resume_rng)
-            self.skip = 0
-        else:
-            self.epoch = epoch
-            self.epoch_rng = self._epoch_rng()
-            it = iter(self.train_iter)
-        self._start = time.perf_counter()
-        yield from it
-
-    def record(self, result, n):
-        self.loss_sum += result.loss
-        self.correct += result.correct
-        self.seen += n
-        self.step_in_epoch += 1
-        self.global_step += 1
-
-    def end_epoch(self):
-        self.epoch += 1
-        self.step_in_epoch = 0
-        self.loss_sum = self.correct = self.seen = 0
-        self.seconds = 0.0
-
-    def _epoch_rng(self):
-        return {"rng": rng_state(), "loader": self.generator.get_state() if self.generator is not None else None}
-
-    def _set_epoch_rng(self, state):
-        set_rng_state(state["rng"])
-        if self.generator is not None and state["loader"] is not None:
-            self.generator.set_state(state["loader"])
-
-    def save(self, replicas, optimizers, history, **extra):
-        state = {
-            "model": replicas[0].state_dict(), "optimizer": optimizers[0].state_dict(),
-            "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
-            "sums": (self.loss_sum, self.correct, self.seen),
-            "seconds": self.seconds + (time.perf_counter() - self._start if self.step_in_epoch else 0.0),
-            "epoch_rng": self.epoch_rng, "rng": rng_state(),
-            "loader_rng": self.generator.get_state() if self.generator is not None else None,
-            "history": asdict(history), **extra,
-        }
-        save_checkpoint(self.checkpoint_dir, self.global_step, state)
-
-    def resume(self, replicas, optimizers, history):
-        state = load_latest(self.checkpoint_dir)
-        if state is not None:
-            self.restore(state, replicas, optimizers, history)
-        return state
-
-    def restore(self, state, replicas, optimizers, history):
-        """Continue from `state`, a checkpoint `save` wrote."""
-        for r, opt in zip(replicas, optimizers):
-            r.load_state_dict(state["model"])
-            # deepcopy: load_state_dict keeps the very tensors it is given (momentum buffers) when
-            # device and dtype match, and replicas must never share storage.
-            opt.load_state_dict(copy.deepcopy(state["optimizer"]))
-        for key, value in state["history"].items():
-            setattr(history, key, value)
-        self.epoch, self.step_in_epoch, self.global_step = state["epoch"], state["step_in_epoch"], state["global_step"]
-        self.loss_sum, self.correct, self.seen = state["sums"]
-        self.seconds = state["seconds"]
-        if self.step_in_epoch:
-            self.epoch_rng, self.resume_rng, self.skip = state["epoch_rng"], state["rng"], self.step_in_epoch
-        else:  # saved at an epoch boundary: the RNG is exactly where the next epoch starts from
-            set_rng_state(state["rng"])
-            if self.generator is not None and state["loader_rng"] is not None:
-                self.generator.set_state(state["loader_rng"])
 
 
 def _len(iterable) -> int | None:

@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32} {row['ms_per_step']:9.2f} {row['p90_ms']:8.2f} {row['samples_per_s']:10.0f} "
               f"{row['ratio_vs_plain']:7.3f} {mem}")
     if args.json:
-        from ..train import write_json_atomic
+        from ..files import write_json_atomic
         write_json_atomic(args.json, {"args": vars(args), "rows": rows})
         print(f"wrote {args.json}")
     return 0

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "OK" if growth <= 0.05 else "FAIL"
     print(f"growth after warm-up: {100 * growth:+.2f}% (target <= +5%): {verdict}")
     if args.json:
-        from ..train import write_json_atomic
+        from ..files import write_json_atomic
         write_json_atomic(args.json, {"args": vars(args), "samples": samples, "growth": growth})
     return 0 if growth <= 0.05 else 1
 
