@@ -76,3 +76,17 @@ def test_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv + ["--no-progress"])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bench, argv, words", [
+    ("allreduce", ["--plot", "out.pdf"], "must end in .png"),
+    ("ddp", ["--json", "."], "is a directory"),
+    ("overhead", ["--json", "/no/such/dir/x.json"], "does not exist"),
+    ("soak", ["--json", "."], "is a directory"),
+])
+def test_benchmarks_refuse_output_paths_before_running(bench, argv, words, capsys):
+    from manualdp.cli import main as cli_main
+    with pytest.raises(SystemExit) as info:
+        cli_main(["bench", bench, *argv])
+    assert info.value.code == 2
+    assert words in capsys.readouterr().err

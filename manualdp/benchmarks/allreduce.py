@@ -41,7 +41,8 @@ import torch
 
 from ..allreduce import allreduce
 from ..schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
-from ..files import atomic_write, write_json_atomic
+from . import check_output_paths, save_outputs
+from ..files import atomic_write
 
 __all__ = [
     "DTYPES", "Measurement", "time_in_process", "memory_bytes", "serial_features", "fit_cost",
@@ -304,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="across processes over torch.distributed instead, against gloo's all_reduce "
                              "(options: manualdp bench allreduce --spmd --help)")
     args = parser.parse_args(argv)
+    check_output_paths(parser, args)
 
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     checks = [
@@ -327,12 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         torch.set_num_threads(threads)
     print(format_table(result))
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    save_outputs(result, args.json, args.plot, plot)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0
 
 

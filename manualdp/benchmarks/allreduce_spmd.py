@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import ALGORITHMS
-from ..files import atomic_write, write_json_atomic
+from . import check_output_paths, save_outputs
+from ..files import atomic_write
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw against size to a PNG")
     args = parser.parse_args(argv)
+    check_output_paths(parser, args)
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     checks = [
         (args.world_size >= 2, f"--world-size must be >= 2, got {args.world_size}"),
@@ -178,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
               "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size)}
     result = run(config)
     print(format_table(result))
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    save_outputs(result, args.json, args.plot, plot)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0
 
 

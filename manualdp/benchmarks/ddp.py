@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..cli import _positive
-from ..files import atomic_write, write_json_atomic
+from . import check_output_paths, save_outputs
+from ..files import atomic_write
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -177,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s per round and step times to a PNG")
     args = parser.parse_args(argv)
+    check_output_paths(parser, args)
     batch = args.batch_size or DEFAULT_BATCH[args.model]
     if batch < args.world_size:
         parser.error(f"--batch-size {batch} is smaller than --world-size {args.world_size}")
@@ -188,10 +190,5 @@ def main(argv: list[str] | None = None) -> int:
     }
     result = run(config)
     print(format_table(result))
-    if args.json:
-        write_json_atomic(args.json, result)
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot(result, args.plot)
-        print(f"wrote {args.plot}")
+    save_outputs(result, args.json, args.plot, plot)
     return 0

@@ -20,6 +20,8 @@ import time
 import torch
 from torch import nn
 
+from . import check_output_paths
+
 __all__ = ["main"]
 
 
@@ -118,6 +120,7 @@ def _parser():
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    check_output_paths(_parser(), args)
     for name in ("batch_size", "warmup", "steps", "rounds"):
         if getattr(args, name) < 1:
             _parser().error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

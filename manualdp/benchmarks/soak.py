@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from . import check_output_paths
+
 __all__ = ["main", "rss_mib"]
 
 
@@ -107,6 +109,7 @@ def _parser():
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    check_output_paths(parser, args)
     for name in ("steps", "interval", "batch_size", "devices", "world_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
