@@ -15,17 +15,27 @@ import torch
 
 from .files import atomic_write
 
-__all__ = ["TrainingState", "check_checkpoint_dir", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
+__all__ = ["TrainingState", "check_checkpoint_dir", "check_layout", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
 
-_NAME = re.compile(r"ckpt-(\d{8})\.pt$")
-
-
-def checkpoint_path(directory: str, step: int) -> str:
-    """The file name of the checkpoint taken after global step `step`."""
-    return os.path.join(directory, f"ckpt-{step:08d}.pt")
+_NAME = re.compile(r"ckpt-(\d{8})(-epoch)?\.pt$")
 
 
-def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2) -> str:
+def checkpoint_path(directory: str, step: int, end_of_epoch: bool = False) -> str:
+    """The file of the checkpoint taken after global step `step`, mid-epoch or at the end of an epoch.
+
+    Both can exist for one step (the step that ends an epoch, when it is also a multiple of
+    `checkpoint_every`); they differ (the end-of-epoch one has been evaluated and starts the
+    next epoch), so they get different names and the end-of-epoch one counts as newer.
+    """
+    return os.path.join(directory, f"ckpt-{step:08d}{'-epoch' if end_of_epoch else ''}.pt")
+
+
+def _order(path: str) -> tuple[int, bool]:
+    m = _NAME.search(path)
+    return int(m.group(1)), m.group(2) is not None
+
+
+def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2, end_of_epoch: bool = False) -> str:
     """Write `state` atomically (temporary file, flush, fsync, rename) and keep the newest `keep` files."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path, got {type(directory).__name__}")
@@ -34,12 +44,12 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2) -> st
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise ValueError(f"keep must be a positive int, got {keep!r}")
     os.makedirs(directory, exist_ok=True)
-    path = checkpoint_path(directory, step)
+    path = checkpoint_path(directory, step, end_of_epoch)
     with atomic_write(path) as f:
         torch.save(state, f)
     _fsync_dir(directory)
-    # Only older steps than the one just written go: never delete what we just saved.
-    older = [p for p in _checkpoints(directory) if int(_NAME.search(p).group(1)) < step]
+    # Only checkpoints older than the one just written go: never delete what we just saved.
+    older = [p for p in _checkpoints(directory) if _order(p) < (step, end_of_epoch)]
     for old in older[keep - 1:]:
         os.remove(old)
     return path
@@ -56,6 +66,19 @@ def check_checkpoint_dir(directory, resume: bool) -> None:
                          "resume from them (resume=True, --resume) or use another folder")
 
 
+def check_layout(directory, per_rank: bool) -> None:
+    """Refuse to resume one mode from the other's checkpoints: torchrun keeps them in rank<r>/ folders."""
+    if not os.path.isdir(directory):
+        return
+    ranks = glob.glob(os.path.join(directory, "rank[0-9]*"))
+    if per_rank and _checkpoints(directory):
+        raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} holds single-process checkpoints; "
+                         "a torchrun run keeps its own in rank<r>/ folders: use another folder")
+    if not per_rank and ranks:
+        raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} holds torchrun checkpoints (rank<r>/ folders); "
+                         "resume them under torchrun with the same number of ranks, or use another folder")
+
+
 def _fsync_dir(directory: str) -> None:
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -70,7 +93,7 @@ def _fsync_dir(directory: str) -> None:
 def _checkpoints(directory: str) -> list[str]:
     """Checkpoint files in `directory`, newest first."""
     paths = [p for p in glob.glob(os.path.join(directory, "ckpt-*.pt")) if _NAME.search(p)]
-    return sorted(paths, key=lambda p: int(_NAME.search(p).group(1)), reverse=True)
+    return sorted(paths, key=_order, reverse=True)
 
 
 def load_latest(directory: str) -> dict | None:
@@ -180,7 +203,7 @@ class TrainingState:
             "loader_rng": self.generator.get_state() if self.generator is not None else None,
             "history": asdict(history), **extra,
         }
-        save_checkpoint(self.checkpoint_dir, self.global_step, state)
+        save_checkpoint(self.checkpoint_dir, self.global_step, state, end_of_epoch=self.step_in_epoch == 0)
 
     def resume(self, replicas, optimizers, history):
         state = load_latest(self.checkpoint_dir)

@@ -12,6 +12,7 @@ import concurrent.futures
 import datetime
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -115,6 +116,8 @@ class SerialWorker:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         # The thread gets the queue, not self: the owner can be collected while the thread waits.
         self._thread = threading.Thread(target=_serve, args=(self._jobs, initializer), name=name, daemon=True)
+        with _state:
+            _threads[self._thread] = self._jobs
         self._thread.start()
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
@@ -131,23 +134,40 @@ EXIT_GRACE = 2.0  # seconds the interpreter's exit waits for running calls (a he
 _state = threading.Condition()  # guards the two below
 _running = 0  # calls running on SerialWorker threads now
 _exiting = False  # the interpreter is exiting: start no call
+_threads: dict = {}  # live SerialWorker threads -> their job queues
 
 
 @atexit.register
 def _drain() -> None:
+    """At exit: let running calls finish (up to EXIT_GRACE), then end the idle threads and join them.
+
+    An idle thread left to the interpreter's finalization can wake up there (its owner's
+    shutdown() from a late __del__) and abort the process, so it is ended here, while
+    threads still work; a thread stuck in a wait on a dead peer is left behind, as a daemon.
+    """
     global _exiting
+    deadline = time.monotonic() + EXIT_GRACE
     with _state:
         _exiting = True
         _state.wait_for(lambda: _running == 0, timeout=EXIT_GRACE)
+        threads = list(_threads.items())
+    for thread, jobs in threads:
+        jobs.put(None)
+    for thread, _ in threads:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _serve(jobs: queue.SimpleQueue, initializer) -> None:
-    if initializer is not None:
-        initializer()
-    failed: BaseException | None = None
-    while (job := jobs.get()) is not None:
-        failed = _run(job, failed)
-        job = None  # do not keep the last bucket alive while idle
+    try:
+        if initializer is not None:
+            initializer()
+        failed: BaseException | None = None
+        while (job := jobs.get()) is not None:
+            failed = _run(job, failed)
+            job = None  # do not keep the last bucket alive while idle
+    finally:
+        with _state:
+            _threads.pop(threading.current_thread(), None)
 
 
 def _run(job, failed: BaseException | None) -> BaseException | None:

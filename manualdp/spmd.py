@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from .checkpoint import check_checkpoint_dir, checkpoint_path, load_latest
+from .checkpoint import check_checkpoint_dir, check_layout, checkpoint_path, load_latest
 from .distributed import DistributedDataParallel, _check_algorithm, allreduce
 from .peers import DEFAULT_TIMEOUT, PeerError, check_timeout
 from .split import shard_sizes
@@ -147,9 +147,13 @@ def train_spmd(
         "world_size": world_size, "backend": dist.get_backend(), "device": str(device), "num_epochs": num_epochs,
         "lr": lr, "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
     })
+    if checkpoint_dir is not None:
+        check_layout(checkpoint_dir, per_rank=True)
     loop = TrainingState(train_iter, os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None)
     if resume:
         state = _agree_on_checkpoint(loop.checkpoint_dir, device, algorithm, timeout)
+        if state is None and log and is_main:
+            log(f"no checkpoint in {checkpoint_dir}: starting from the beginning")
         if state is not None:
             loop.restore(state, [net], [optimizer], history)
             if log and is_main:
@@ -237,8 +241,14 @@ def _exchange(value: int, device, algorithm: str, timeout: float | None) -> list
     return [v - 1 for v in everyone.tolist()]
 
 
-def _load_step(directory: str, step: int) -> dict | None:
-    path = checkpoint_path(directory, step)
+def _position(state: dict) -> int:
+    """Where a checkpoint sits in the run: after step s mid-epoch is 2s, after step s at the end of an epoch 2s + 1."""
+    return 2 * state["global_step"] + (state["step_in_epoch"] == 0)
+
+
+def _load_step(directory: str, position: int) -> dict | None:
+    step, end_of_epoch = divmod(position, 2)
+    path = checkpoint_path(directory, step, bool(end_of_epoch))
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
     except Exception:  # missing, truncated or corrupt: the caller tells every rank
@@ -253,20 +263,23 @@ def _agree_on_checkpoint(directory: str, device, algorithm: str, timeout: float 
     Every rank sees the same exchanged steps, so all of them return, or all raise the same error.
     """
     state = load_latest(directory)  # warns about, and skips, files a kill left unreadable
-    newest = _exchange(-1 if state is None else state["global_step"], device, algorithm, timeout)
+    # Positions, not steps: a rank killed while rank 0 evaluates holds step s mid-epoch, its
+    # peers may already hold step s at the end of the epoch, and those two states differ.
+    newest = _exchange(-1 if state is None else _position(state), device, algorithm, timeout)
     parent = os.path.dirname(directory)
     if max(newest) < 0:
         return None
     if min(newest) < 0:
         missing = [r for r, s in enumerate(newest) if s < 0]
         raise ValueError(f"cannot resume from {parent}: rank(s) {missing} have no readable checkpoint in "
-                         f"their rank<r>/ folder while others do (newest steps per rank: {newest}); "
+                         f"their rank<r>/ folder while others do (newest steps per rank: {[max(s, -1) // 2 if s >= 0 else None for s in newest]}); "
                          "were they written with another number of ranks?")
-    step = min(newest)
-    if state["global_step"] != step:
-        state = _load_step(directory, step)
-    loaded = _exchange(step if state is not None else -1, device, algorithm, timeout)
+    position = min(newest)
+    if _position(state) != position:
+        state = _load_step(directory, position)
+    loaded = _exchange(position if state is not None else -1, device, algorithm, timeout)
     if min(loaded) < 0:
+        step = position // 2
         raise ValueError(f"cannot resume from {parent}: step {step} is the newest that every rank saved, but rank(s) "
                          f"{[r for r, s in enumerate(loaded) if s < 0]} cannot read it")
     if state.get("world_size") != dist.get_world_size():

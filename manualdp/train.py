@@ -10,7 +10,7 @@ from torch import nn
 
 from .allreduce import allreduce
 from .buckets import assign_buckets, flatten, unflatten_
-from .checkpoint import TrainingState, check_checkpoint_dir
+from .checkpoint import TrainingState, check_checkpoint_dir, check_layout
 from .devices import check_devices
 from .history import History
 from .replicate import broadcast_buffers, copy_params_, replicate
@@ -251,6 +251,7 @@ def train(
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
     if checkpoint_dir is not None:
         check_checkpoint_dir(checkpoint_dir, resume)
+        check_layout(checkpoint_dir, per_rank=False)
     for name, it in (("train_iter", train_iter), ("test_iter", test_iter)):
         if not hasattr(it, "__iter__"):
             raise TypeError(f"{name} must be iterable (e.g. a DataLoader), got {type(it).__name__}")
@@ -268,8 +269,9 @@ def train(
     loop = TrainingState(train_iter, checkpoint_dir)
     if resume:
         state = loop.resume(replicas, optimizers, history)
-        if state is not None and log:
-            log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})")
+        if log:
+            log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
+                if state is not None else f"no checkpoint in {checkpoint_dir}: starting from the beginning")
     for epoch in range(loop.epoch, num_epochs):
         for r in replicas:
             r.train()

@@ -34,7 +34,7 @@ class CrashingLoss(nn.CrossEntropyLoss):
 
     def forward(self, out, y):
         self.calls += 1
-        if self.calls == self.at:
+        if self.at is not None and self.calls == self.at:
             raise Crash()
         return super().forward(out, y)
 
@@ -55,11 +55,15 @@ def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, n, crash_step):
         _run(tmp_path, n, checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=CrashingLoss(crash_step * n + 1))
     # the newest checkpoint: every 3 steps, and at each epoch end (5 batches per epoch)
     assert load_latest(ckpt)["global_step"] == max(crash_step // 3 * 3, crash_step // 5 * 5)
-    net, hist = _run(tmp_path, n, checkpoint_dir=ckpt, checkpoint_every=3, resume=True)
+    counting = CrashingLoss(at=None)
+    net, hist = _run(tmp_path, n, checkpoint_dir=ckpt, checkpoint_every=3, resume=True, loss_fn=counting)
     for p, q in zip(ref.parameters(), net.parameters()):
         assert torch.equal(p, q)
     assert hist.train_loss == ref_hist.train_loss
     assert hist.test_acc == ref_hist.test_acc
+    # it continued: only the steps after the checkpoint ran again (3 epochs of 5 batches, n shards each)
+    resumed_at = max(crash_step // 3 * 3, crash_step // 5 * 5)
+    assert counting.calls == (15 - resumed_at) * n
 
 
 def test_truncated_checkpoint_falls_back_to_the_previous_one(tmp_path):
@@ -156,3 +160,28 @@ def test_checkpoint_options_need_a_directory():
         train(_net(), [], [], cpu_devices(1), 1, 0.1, resume=True, progress=False, log=None)
     with pytest.raises(ValueError, match="checkpoint_every must be a positive int or None, got 0"):
         train(_net(), [], [], cpu_devices(1), 1, 0.1, checkpoint_dir="x", checkpoint_every=0, progress=False, log=None)
+
+
+def test_mid_epoch_and_end_of_epoch_checkpoints_of_one_step_are_both_kept(tmp_path):
+    # step 4 ends an epoch and is a multiple of checkpoint_every: two different states
+    save_checkpoint(str(tmp_path), 4, {"which": "mid"})
+    save_checkpoint(str(tmp_path), 4, {"which": "end"}, end_of_epoch=True)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004-epoch.pt", "ckpt-00000004.pt"]
+    assert load_latest(str(tmp_path))["which"] == "end"
+    save_checkpoint(str(tmp_path), 6, {"which": "later"})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt-00000004-epoch.pt", "ckpt-00000006.pt"]
+
+
+def test_resume_with_no_checkpoint_says_so(tmp_path):
+    logs = []
+    torch.manual_seed(42)
+    train(_net(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path / "none"),
+          resume=True, progress=False, log=logs.append)
+    assert logs[0].startswith("no checkpoint in") and "starting from the beginning" in logs[0]
+
+
+def test_torchrun_checkpoints_are_not_resumed_by_a_single_process(tmp_path):
+    os.makedirs(tmp_path / "rank0")
+    with pytest.raises(ValueError, match="holds torchrun checkpoints"):
+        train(_net(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), resume=True,
+              progress=False, log=None)

@@ -241,9 +241,12 @@ def _resume(tmp_path, crashed, damage=None):
 
 def test_resumed_after_a_crash_equals_one_straight_run(tmp_path, crashed, straight):
     for name in ("rank0", "rank1"):
-        assert sorted(os.listdir(os.path.join(crashed[0], "ckpt", name))) == ["ckpt-00000004.pt", "ckpt-00000006.pt"]
+        assert sorted(os.listdir(os.path.join(crashed[0], "ckpt", name))) == ["ckpt-00000004-epoch.pt",
+                                                                               "ckpt-00000006.pt"]
     got = _resume(tmp_path, crashed)
     assert any("ckpt-00000006.pt (epoch 2, step 6)" in line for line in got[0]["logs"]), got[0]["logs"]
+    # it continued rather than retrained: epoch 1 was done before the crash and is not run again
+    assert not any(line.startswith("epoch 1:") for line in got[0]["logs"]), got[0]["logs"]
     for r in range(2):
         for p, q in zip(got[r]["params"], straight[r]):
             assert torch.equal(p, q), f"rank {r} differs from the straight run"
@@ -255,7 +258,8 @@ def test_a_truncated_checkpoint_on_one_rank_makes_all_ranks_resume_from_the_prev
         with open(os.path.join(ckpt, "rank1", "ckpt-00000006.pt"), "r+b") as f:
             f.truncate(100)
     got = _resume(tmp_path, crashed, truncate)
-    assert any("ckpt-00000004.pt (epoch 2, step 4)" in line for line in got[0]["logs"]), got[0]["logs"]
+    assert any("ckpt-00000004-epoch.pt (epoch 2, step 4)" in line for line in got[0]["logs"]), got[0]["logs"]
+    assert not any(line.startswith("epoch 1:") for line in got[0]["logs"]), got[0]["logs"]
     for r in range(2):
         for p, q in zip(got[r]["params"], straight[r]):
             assert torch.equal(p, q), f"rank {r} differs from the straight run"
