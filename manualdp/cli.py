@@ -155,6 +155,10 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
         # No destroy_process_group here: a dead peer could make it wait; exiting closes everything.
         print(f"manualdp train: error: {e}", file=sys.stderr)
         return 1
+    except RuntimeError as e:  # anything else torch.distributed raised: one line, with the rank
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        print(f"manualdp train: error: rank {dist.get_rank()}: {first}", file=sys.stderr)
+        return 1
     dist.destroy_process_group()
     return history if history is not None else 0
 

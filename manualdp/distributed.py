@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
-from .peers import SerialWorker, check_timeout, group_timeout, wait
+from .peers import SerialWorker, check_timeout, group_timeout, talking_to, wait
 from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "Bucket", "DistributedDataParallel"]
@@ -143,13 +143,21 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], 
     otherwise the two sides exchange notifications first, a round trip through both
     processes' network threads. Receives posted one round ahead avoid that wait.
     """
+    def recv(buf, peer):
+        with talking_to(peer, timeout):
+            return dist.irecv(buf, peer, group)
+
+    def send(m):
+        with talking_to(peers[m.peer], timeout):
+            return dist.isend(flat[m.lo:m.hi], peers[m.peer], group)
+
     def post(i: int) -> list:
         bufs = _targets(flat, rounds[i], scratch[i % 2])
-        return [(m, b, dist.irecv(b, peers[m.peer], group)) for m, b in zip(rounds[i].recvs, bufs)]
+        return [(m, b, recv(b, peers[m.peer])) for m, b in zip(rounds[i].recvs, bufs)]
 
     pending = post(0) if rounds else []
     for i, rnd in enumerate(rounds):
-        sends = [(peers[m.peer], dist.isend(flat[m.lo:m.hi], peers[m.peer], group)) for m in rnd.sends]
+        sends = [(peers[m.peer], send(m)) for m in rnd.sends]
         ahead = i + 1 < len(rounds) and rounds[i + 1].early
         following = post(i + 1) if ahead else None
         for m, buf, work in pending:
@@ -170,7 +178,9 @@ def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int]
         if ops:
             others = {peers[m.peer] for m in rnd.sends + rnd.recvs}
             peer = next(iter(others)) if len(others) == 1 else None  # NCCL returns one work for the whole group
-            for work in dist.batch_isend_irecv(ops):
+            with talking_to(peer, timeout):
+                works = dist.batch_isend_irecv(ops)
+            for work in works:
                 wait(work, peer, timeout)
         for m, buf in zip(rnd.recvs, bufs):
             _add(flat, m, buf)
@@ -382,8 +392,10 @@ class DistributedDataParallel(nn.Module):
                     continue
                 flat = flatten(same)
                 root = self._peers[0]
-                work = dist.broadcast(flat, src=root, group=self.process_group, async_op=True)
-                wait(work, root if self.rank != 0 else None, self.timeout)
+                peer = root if self.rank != 0 else None
+                with talking_to(peer, self.timeout):
+                    work = dist.broadcast(flat, src=root, group=self.process_group, async_op=True)
+                wait(work, peer, self.timeout)
                 unflatten_(flat, same)
 
     # ---------------------------------------------------------------- training

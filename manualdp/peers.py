@@ -8,6 +8,7 @@ the DDP wrapper is a daemon (`SerialWorker`), so it never holds a failing proces
 from __future__ import annotations
 
 import atexit
+import contextlib
 import concurrent.futures
 import datetime
 import queue
@@ -88,16 +89,29 @@ def _first_line(error: BaseException) -> str:
     return text.split(". This is typically", 1)[0][:200]  # gloo's advice to read the peer's log adds nothing here
 
 
+@contextlib.contextmanager
+def talking_to(peer: int | None, timeout: float | None):
+    """Turn the errors of a send, receive or wait involving `peer` into `PeerError`.
+
+    Gloo reports a peer that is gone from whichever call comes next: the wait, or already
+    the posting of the next message, so both go through here.
+    """
+    try:
+        yield
+    except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
+        if isinstance(e, PeerError):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise PeerError(rank, peer, _timed_out(e), timeout, _first_line(e)) from e
+
+
 def wait(work, peer: int | None, timeout: float | None) -> None:
     """Wait for `work` (a send, receive or collective); `PeerError` if `peer` is silent for `timeout` s or gone."""
-    try:
+    with talking_to(peer, timeout):
         if timeout is None:
             work.wait()  # the process group's own timeout applies
         else:
             work.wait(datetime.timedelta(seconds=timeout))
-    except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
-        rank = dist.get_rank() if dist.is_initialized() else -1
-        raise PeerError(rank, peer, _timed_out(e), timeout, _first_line(e)) from e
 
 
 class SerialWorker:
