@@ -401,6 +401,15 @@ class DistributedDataParallel(nn.Module):
     # ---------------------------------------------------------------- training
 
     def forward(self, *inputs, **kwargs):
+        if self._in_backward:
+            # The end-of-backward callback never ran: the last backward raised part-way, some
+            # buckets may have gone out and others not, so this rank is out of step with its peers.
+            for bucket in self._buckets:
+                bucket.reset()
+            self._next_launch = 0
+            self._in_backward = False
+            raise RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after some "
+                               "gradient buckets were sent; the ranks are out of step, so training cannot go on")
         if self.require_forward_param_sync and self.broadcast_buffers:
             self._broadcast(list(self.module.buffers()))
         if self.move_inputs:

@@ -410,3 +410,35 @@ def test_a_model_that_differs_across_ranks_fails_on_every_rank():
 def test_deleting_the_wrapper_removes_its_hooks():
     local = [r["gone"] for r in _results(2)]
     assert not torch.allclose(local[0], local[1]), "gradients were still averaged after the wrapper was deleted"
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("injected")
+
+
+def _failed_backward():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = DistributedDataParallel(net, bucket_cap_mb=None, timeout=10)
+    x = torch.randn(3, 4)
+    try:  # layer 1's gradients arrive (its bucket goes out), then backward raises
+        net[1](_Boom.apply(net[0](x))).sum().backward()
+    except RuntimeError as e:
+        first = str(e)
+    try:
+        model(x)
+        return first, "no error"
+    except RuntimeError as e:
+        return first, str(e)
+
+
+def test_after_a_failed_backward_the_next_forward_says_the_ranks_are_out_of_step():
+    for first, second in launch(_failed_backward, 2, timeout=JOB_TIMEOUT):
+        assert first == "injected"
+        assert "previous backward pass failed part-way" in second
