@@ -25,7 +25,7 @@ def allreduce(tensors: list[torch.Tensor], algorithm: str = "naive") -> None:
             for i in range(1, len(tensors)):
                 tensors[i].copy_(tensors[0])  # in place: `tensors[i] = ...` would only rebind the name
         else:
-            run_schedule(get_schedule(algorithm, len(tensors)), tensors)
+            _execute(get_schedule(algorithm, len(tensors)), tensors)  # tensors already checked above
 
 
 def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
@@ -35,6 +35,11 @@ def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     check_tensors(tensors)
     if len(tensors) != schedule.num_devices:
         raise ValueError(f"schedule is for {schedule.num_devices} devices, got {len(tensors)} tensors")
+    _execute(schedule, tensors)
+
+
+def _execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
+    """`run_schedule` without the checks, for callers that made them."""
     flats = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone() for t in tensors]
     bounds = chunk_bounds(flats[0].numel(), schedule.num_chunks)
     # Slice once per device and chunk: slicing in every transfer costs as much as adding a small chunk.
