@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from .validate import positive_number
+
 __all__ = ["DEFAULT_BUCKET_CAP_MB", "assign_buckets", "flatten", "unflatten_"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
@@ -16,10 +18,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None) -> l
     of dtype or device starts a new bucket (a flat buffer has one of each).
     `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop).
     """
-    if bucket_cap_mb is not None and (
-        isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0
-    ):
-        raise ValueError(f"bucket_cap_mb must be a positive number or None, got {bucket_cap_mb!r}")
+    positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
     order = list(range(len(params)))[::-1]
     if bucket_cap_mb is None:
         return [[i] for i in order]

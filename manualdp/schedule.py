@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .validate import non_negative_int, non_negative_number, one_of, positive_int
+
 __all__ = [
     "Transfer", "Schedule", "naive", "ring", "tree", "get_schedule", "ALGORITHMS",
     "chunk_sizes", "chunk_bounds", "check_schedule", "traffic", "cost",
@@ -54,9 +56,7 @@ def chunk_bounds(numel: int, num_chunks: int) -> list[tuple[int, int]]:
 
 
 def _check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n (number of devices) must be a positive int, got {n!r}")
-    return n
+    return positive_int("n (number of devices)", n)
 
 
 def naive(n: int) -> Schedule:
@@ -148,8 +148,7 @@ ALGORITHMS = {"naive": naive, "ring": ring, "tree": tree}
 
 def get_schedule(algorithm: str, n: int) -> Schedule:
     """The schedule of `algorithm` (one of `ALGORITHMS`) for `n` devices."""
-    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
+    one_of("algorithm", algorithm, ALGORITHMS)
     return _cached(algorithm, _check_n(n))
 
 
@@ -189,10 +188,8 @@ def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str,
 
     Chunks are cut in whole elements of `element_size` bytes, as the executors cut them.
     """
-    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-    if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size < 1:
-        raise ValueError(f"element_size must be a positive int, got {element_size!r}")
+    non_negative_int("nbytes", nbytes)
+    positive_int("element_size", element_size)
     if nbytes % element_size:
         raise ValueError(f"nbytes={nbytes} is not a multiple of element_size={element_size}")
     sizes = [s * element_size for s in chunk_sizes(nbytes // element_size, schedule.num_chunks)]
@@ -216,8 +213,7 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     beta per byte it sends or receives (whichever is more), gamma per byte it adds.
     """
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
-            raise ValueError(f"{name} must be a non-negative number, got {v!r}")
+        non_negative_number(name, v)
     total = 0.0
     for rnd in schedule.rounds:
         one = Schedule(schedule.algorithm, schedule.num_devices, schedule.num_chunks, (rnd,), ("",))

@@ -85,7 +85,7 @@ def test_bad_arguments(argv, message, capsys):
     ("soak", ["--json", "."], "is a directory"),
 ])
 def test_benchmarks_refuse_output_paths_before_running(bench, argv, words, capsys):
-    from manualdp.cli import main as cli_main
+    from manualdp.runners.cli import main as cli_main
     with pytest.raises(SystemExit) as info:
         cli_main(["bench", bench, *argv])
     assert info.value.code == 2

@@ -6,8 +6,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manualdp import cpu_devices, train
-from manualdp.checkpoint import load_latest, save_checkpoint
-from manualdp.train import NonFiniteGradientError
+from manualdp.support.checkpoint import load_latest, save_checkpoint
+from manualdp.guard import NonFiniteGradientError
 
 
 def _net():

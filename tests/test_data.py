@@ -11,8 +11,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from manualdp import data
-from manualdp.data import (
+from manualdp.support import data
+from manualdp.support.data import (
     DownloadError, download_fashion_mnist, file_md5, load_data, load_fashion_mnist, read_idx, synthetic_data,
 )
 

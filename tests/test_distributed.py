@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.allreduce import run_schedule
-from manualdp.distributed import DistributedDataParallel, _allreduce, allreduce, plan
+from manualdp.distributed import DistributedDataParallel, allreduce, plan
+from manualdp.spmd.p2p import _allreduce
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch, shard
 from manualdp.split import split_batch

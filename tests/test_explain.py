@@ -4,7 +4,7 @@ from collections import Counter
 
 import pytest
 
-from manualdp.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, explain, main
+from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, explain, main
 from manualdp.schedule import chunk_sizes, cost, get_schedule, traffic
 
 ROUND = re.compile(r"^round (\d+) \((.+)\): (\d+) transfers, estimated ([\d.]+) us$")

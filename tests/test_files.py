@@ -4,7 +4,7 @@ import stat
 
 import pytest
 
-from manualdp.files import atomic_write, write_json_atomic
+from manualdp.support.files import atomic_write, write_json_atomic
 
 
 def test_written_file_gets_the_mode_a_plain_open_gives(tmp_path):

@@ -3,7 +3,7 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from manualdp.models import MODELS, get_model, lenet, mlp, resnet18
+from manualdp.support.models import MODELS, get_model, lenet, mlp, resnet18
 
 
 def conv(c_in, c_out, k):

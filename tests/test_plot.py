@@ -5,8 +5,8 @@ import struct
 import pytest
 from matplotlib.figure import Figure
 
-from manualdp.plot import plot_history
-from manualdp.train import History
+from manualdp.support.plot import plot_history
+from manualdp import History
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

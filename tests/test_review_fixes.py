@@ -10,8 +10,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from manualdp import allreduce, broadcast, cpu_devices, replicate, train, train_batch
 from manualdp.allreduce import run_schedule
-from manualdp.checkpoint import load_latest, save_checkpoint
-from manualdp.cli import main
+from manualdp.support.checkpoint import load_latest, save_checkpoint
+from manualdp.runners.cli import main
 from manualdp.schedule import ring
 
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from manualdp.explain import trace
+from manualdp.runners.explain import trace
 from manualdp.schedule import (
     ALGORITHMS, Schedule, Transfer, check_schedule, chunk_bounds, chunk_sizes, cost, get_schedule, ring, traffic,
 )

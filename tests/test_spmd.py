@@ -5,7 +5,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manualdp import cpu_devices, train
-from manualdp.spmd import init_from_env, launch, train_spmd
+from manualdp.runners.loop import train_spmd
+from manualdp.spmd import init_from_env, launch
 
 EPOCHS, LR, MOMENTUM = 2, 0.2, 0.9
 

@@ -90,7 +90,8 @@ def _loaders():
 
 def _rank_main(config: dict) -> None:
     """One rank: train with `config`'s options and faults, then save the parameters."""
-    from manualdp.spmd import init_from_env, train_spmd
+    from manualdp.runners.loop import train_spmd
+    from manualdp.spmd import init_from_env
     torch.set_num_threads(1)
     init_from_env(timeout=config["timeout"])
     net = _net(config.get("raise_at"), config.get("raise_delay", 0.0))
@@ -269,8 +270,8 @@ def test_a_truncated_checkpoint_on_one_rank_makes_all_ranks_resume_from_the_prev
 
 def _nonfinite_job(tmp):
     """On 3 ranks, with a NaN loss on rank 2 only at step 5: raise, skip, no check; then a rank without checkpoints."""
-    from manualdp.spmd import train_spmd
-    from manualdp.train import NonFiniteGradientError
+    from manualdp.runners.loop import train_spmd
+    from manualdp.guard import NonFiniteGradientError
     rank = torch.distributed.get_rank()
     out = {}
 
@@ -348,7 +349,7 @@ def test_resume_refuses_when_one_rank_has_no_checkpoint(nonfinite):
     ({"log": "print"}, TypeError, "log must be callable"),
 ])
 def test_train_spmd_rejects_bad_new_arguments(kwargs, error, words):
-    from manualdp.spmd import train_spmd
+    from manualdp.runners.loop import train_spmd
     with pytest.raises(error, match=words):
         train_spmd(nn.Linear(2, 2), [], [], 1, 0.1, progress=False, **kwargs)
 
@@ -367,7 +368,7 @@ def test_timeouts_are_checked_before_any_communication(timeout):
 def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
     import pickle
 
-    from manualdp.peers import PeerError
+    from manualdp.spmd.peers import PeerError
     silent = PeerError(0, 1, True, 10.0, "Timed out waiting 10000ms").at("step 12")
     assert str(silent) == "rank 0: step 12: no answer from rank 1 within 10 s (it may have died or hung) [Timed out waiting 10000ms]"
     gone = PeerError(2, None, False, 10.0)
@@ -376,7 +377,7 @@ def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
 
 
 def test_after_one_failed_call_the_worker_fails_the_queued_ones_without_running_them():
-    from manualdp.peers import SerialWorker
+    from manualdp.spmd.peers import SerialWorker
     worker, ran = SerialWorker("test"), []
 
     def fail():

@@ -22,7 +22,7 @@ def check_output_paths(parser, args) -> None:
 
 def save_outputs(result: dict, json_path: str | None, plot_path: str | None, plot=None) -> None:
     """Write `result` as JSON and draw it with `plot(result, path)`, for each path given."""
-    from ..files import write_json_atomic
+    from ..support.files import write_json_atomic
 
     if json_path:
         write_json_atomic(json_path, result)

@@ -42,7 +42,7 @@ import torch
 from ..allreduce import allreduce
 from ..schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
 from . import check_output_paths, save_outputs
-from ..files import atomic_write
+from ..support.files import atomic_write
 
 __all__ = [
     "DTYPES", "Measurement", "time_in_process", "memory_bytes", "serial_features", "fit_cost",

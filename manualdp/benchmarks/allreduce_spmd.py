@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..schedule import ALGORITHMS
 from . import check_output_paths, save_outputs
-from ..files import atomic_write
+from ..support.files import atomic_write
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -38,7 +38,7 @@ def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _rank_main(config: dict) -> dict:
     """One rank: time every implementation at every size; return per-run times and wrong counts."""
-    from ..distributed import allreduce
+    from ..spmd import allreduce
 
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[config["dtype"]]

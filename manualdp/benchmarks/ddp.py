@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..cli import _positive
+from ..runners.cli import _positive
 from . import check_output_paths, save_outputs
-from ..files import atomic_write
+from ..support.files import atomic_write
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -40,8 +40,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _rank_main(config: dict) -> dict | None:
     """One rank: build both wrappers, warm up, run the interleaved rounds; rank 0 returns the measurements."""
-    from ..distributed import DistributedDataParallel
-    from ..models import get_model
+    from ..spmd import DistributedDataParallel
+    from ..support.models import get_model
     from ..spmd import shard
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -158,7 +158,7 @@ def plot(result: dict, path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`manualdp bench ddp`: print the comparison; optionally write JSON and a PNG."""
-    from ..models import MODELS
+    from ..support.models import MODELS
     from ..schedule import ALGORITHMS
 
     parser = argparse.ArgumentParser(prog="manualdp bench ddp", description=__doc__.split("\n")[0])

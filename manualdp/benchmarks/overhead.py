@@ -31,7 +31,7 @@ def _batch(batch_size: int, seed: int = 0):
 
 
 def _make_plain(model: str, lr: float):
-    from ..models import get_model
+    from ..support.models import get_model
     torch.manual_seed(0)
     net = get_model(model)
     opt = torch.optim.SGD(net.parameters(), lr=lr)
@@ -46,7 +46,7 @@ def _make_plain(model: str, lr: float):
 
 def _make_manualdp(model: str, lr: float, n: int, algorithm: str):
     from .. import cpu_devices, replicate, train_batch
-    from ..models import get_model
+    from ..support.models import get_model
     torch.manual_seed(0)
     devices = cpu_devices(n)
     replicas = replicate(get_model(model), devices)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:32} {row['ms_per_step']:9.2f} {row['p90_ms']:8.2f} {row['samples_per_s']:10.0f} "
               f"{row['ratio_vs_plain']:7.3f} {mem}")
     if args.json:
-        from ..files import write_json_atomic
+        from ..support.files import write_json_atomic
         write_json_atomic(args.json, {"args": vars(args), "rows": rows})
         print(f"wrote {args.json}")
     return 0

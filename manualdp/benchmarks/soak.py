@@ -35,7 +35,7 @@ def _data(batch_size: int, step: int):
 
 def _soak_single(args) -> list[tuple[int, float]]:
     from .. import cpu_devices, replicate, train_batch
-    from ..models import get_model
+    from ..support.models import get_model
     torch.manual_seed(0)
     devices = cpu_devices(args.devices)
     replicas = replicate(get_model(args.model), devices)
@@ -54,19 +54,19 @@ def _soak_rank(args) -> list[tuple[int, float]]:
     """One rank (started by `spmd.launch`): the steps `train_spmd` takes, with the non-finite check."""
     import torch.distributed as dist
 
-    from ..distributed import DistributedDataParallel
-    from ..models import get_model
-    from ..spmd import _step
+    from ..runners.loop import OneRank
+    from ..spmd import DistributedDataParallel
+    from ..support.models import get_model
     from ..train import summed_loss
     torch.manual_seed(0)
     model = DistributedDataParallel(get_model(args.model), algorithm=args.algorithm,
                                     bucket_cap_mb=args.bucket_mb or 25.0, timeout=60)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    loss_fn = summed_loss(None)
+    rank = OneRank(model, opt, summed_loss(None), "raise", torch.device("cpu"), args.algorithm, 60, test_iter=[])
     samples = []
     for step in _progress(args.steps, dist.get_rank() == 0):
         X, y = _data(args.batch_size, step)
-        _step(model, opt, loss_fn, X, y, torch.device("cpu"), "raise", step)
+        rank.step(X, y, step)
         if step % args.interval == 0 or step == args.steps - 1:
             samples.append((step, rss_mib()))
     return samples
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     verdict = "OK" if growth <= 0.05 else "FAIL"
     print(f"growth after warm-up: {100 * growth:+.2f}% (target <= +5%): {verdict}")
     if args.json:
-        from ..files import write_json_atomic
+        from ..support.files import write_json_atomic
         write_json_atomic(args.json, {"args": vars(args), "samples": samples, "growth": growth})
     return 0 if growth <= 0.05 else 1
 

@@ -3,7 +3,8 @@
 When a rank dies, gloo usually notices at once ("Connection closed by peer"); when it hangs,
 only a deadline helps. Either way the wait ends in a `PeerError` that names this rank, the
 peer it was waiting for and (added by the training loop) the step. The allreduce thread of
-the DDP wrapper is a daemon (`SerialWorker`), so it never holds a failing process back at exit.
+the DDP wrapper is a daemon (`SerialWorker`): at exit a failing process waits at most
+`EXIT_GRACE` (2 s) for it, never for a whole timeout.
 """
 from __future__ import annotations
 
@@ -18,18 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "PeerError", "check_timeout", "group_timeout", "wait", "SerialWorker"]
+__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_timeout", "wait", "SerialWorker"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds; gloo's own default is 30 minutes of silence
-
-
-def check_timeout(timeout, name: str = "timeout") -> float | None:
-    """`timeout` as float seconds; None stays None."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
-        raise ValueError(f"{name} must be a positive number of seconds or None, got {timeout!r}")
-    return float(timeout)
 
 
 def group_timeout(group=None) -> float | None:

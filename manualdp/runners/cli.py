@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_train_args(args) -> str | None:
     """What is wrong with `manualdp train`'s arguments, found before any training; None if nothing."""
-    from .checkpoint import check_checkpoint_dir
+    from ..support.checkpoint import check_checkpoint_dir
 
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         return "--checkpoint-every and --resume need --checkpoint-dir"
@@ -137,9 +137,9 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     """This rank's part of `manualdp train` under torchrun: rank 0's History, or an exit status."""
     import torch.distributed as dist
 
-    from .peers import PeerError
-    from .spmd import init_from_env, train_spmd
-    from .train import NonFiniteGradientError
+    from ..guard import NonFiniteGradientError
+    from ..spmd import PeerError, init_from_env
+    from .loop import train_spmd
 
     try:
         init_from_env(timeout=args.timeout)  # default: 300 s, not gloo's 30 minutes
@@ -167,9 +167,10 @@ def run_train(args) -> int:
     """`manualdp train`: one process driving simulated or real devices, or one rank under torchrun."""
     import torch
 
-    from . import data, models
-    from .devices import cpu_devices, try_all_gpus
-    from .train import NonFiniteGradientError, train
+    from ..devices import cpu_devices, try_all_gpus
+    from ..guard import NonFiniteGradientError
+    from ..support import data, models
+    from .loop import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]

@@ -20,6 +20,15 @@ class History:
     samples_per_second: list[float] = field(default_factory=list)
     config: dict = field(default_factory=dict)
 
+    def record_epoch(self, train_loss: float, train_acc: float, test_acc: float, seconds: float,
+                     samples_per_second: float) -> None:
+        """Append one epoch's results."""
+        self.train_loss.append(train_loss)
+        self.train_acc.append(train_acc)
+        self.test_acc.append(test_acc)
+        self.epoch_seconds.append(seconds)
+        self.samples_per_second.append(samples_per_second)
+
     def to_json(self, path: str) -> None:
         """Write the history as JSON, atomically (a temporary file renamed into place)."""
         write_json_atomic(path, asdict(self))

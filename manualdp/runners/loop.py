@@ -1,0 +1,308 @@
+"""The full training loops: epochs, a progress bar, checkpoints and resume, the non-finite guard.
+
+`train` drives a list of devices from one process (the single controller); `train_spmd` is
+one rank of a torchrun job. Both run the one epoch loop, `run_epochs`; they differ only in
+how a step is taken, how an epoch's totals are gathered and what a checkpoint holds, which
+`SingleController` and `OneRank` say.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..buckets import DEFAULT_BUCKET_CAP_MB
+from ..guard import NONFINITE, NonFiniteGuard
+from ..replicate import copy_params_, replicate
+from ..schedule import ALGORITHMS
+from ..spmd.ddp import DistributedDataParallel
+from ..spmd.launch import rank_device, shard
+from ..spmd.p2p import allreduce
+from ..spmd.peers import PeerError
+from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout
+from ..support.history import History
+from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
+from ..validate import (boolean, callable_or_none, check_devices, iterable, nn_module, non_negative_number,
+                        one_of, path, positive_int, positive_number, timeout_seconds)
+from .agree import agree_on_checkpoint
+
+__all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank"]
+
+
+def train(
+    net: nn.Module,
+    train_iter,
+    test_iter,
+    devices,
+    num_epochs: int,
+    lr: float,
+    *,
+    loss_fn=None,
+    algorithm: str = "naive",
+    bucket_cap_mb: float | None = None,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nonfinite: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    progress: bool = True,
+    log=print,
+) -> History:
+    """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters.
+
+    With `checkpoint_dir`, a checkpoint is written after every epoch and every
+    `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
+    result is bitwise what an uninterrupted run gives (same seed, CPU).
+    """
+    nn_module("net", net)
+    devices = check_devices(devices)
+    _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
+                     nonfinite, checkpoint_dir, checkpoint_every, resume, log)
+    if checkpoint_dir is not None:
+        check_checkpoint_dir(checkpoint_dir, resume)
+        check_layout(checkpoint_dir, per_rank=False)
+
+    replicas = replicate(net, devices)
+    optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+                  for r in replicas]
+    history = History(config={"devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
+                               "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb})
+    loop = TrainingState(train_iter, checkpoint_dir)
+    if resume:
+        state = loop.resume(replicas, optimizers, history)
+        if log:
+            log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
+                if state is not None else f"no checkpoint in {checkpoint_dir}: starting from the beginning")
+    mode = SingleController(replicas, optimizers, devices, summed_loss(loss_fn), algorithm, bucket_cap_mb,
+                            nonfinite, test_iter)
+    run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    copy_params_(net, replicas[0])
+    return history
+
+
+def train_spmd(
+    net: nn.Module,
+    train_iter,
+    test_iter,
+    num_epochs: int,
+    lr: float,
+    *,
+    loss_fn=None,
+    algorithm: str = "ring",
+    bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    nonfinite: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = False,
+    timeout: float | None = None,
+    device=None,
+    progress: bool = True,
+    log=print,
+) -> History | None:
+    """Train `net` with SGD on this rank's slice of every global batch; the History on rank 0, None elsewhere.
+
+    Every rank must iterate the same global batches (same data, same seed). Each rank's loss
+    is its shard's sum divided by the global batch and multiplied by the world size, so that
+    the average over ranks that DDP takes is the one-process gradient of the global batch.
+    `nonfinite`, `checkpoint_dir`, `checkpoint_every` and `resume` work as in `train`;
+    `timeout` (seconds, default: the process group's) bounds every wait for a peer.
+    """
+    nn_module("net", net)
+    _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
+                     nonfinite, checkpoint_dir, checkpoint_every, resume, log)
+    timeout = timeout_seconds("timeout", timeout)
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call manualdp.spmd.init_from_env() first")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if checkpoint_dir is not None:
+        check_checkpoint_dir(checkpoint_dir, resume)  # also refuses a single-controller run's folder
+        check_checkpoint_dir(os.path.join(checkpoint_dir, f"rank{rank}"), resume)
+    device = torch.device(device) if device is not None else rank_device()
+
+    model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout)
+    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    history = History(config={"world_size": world_size, "backend": dist.get_backend(), "device": str(device),
+                               "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm,
+                               "bucket_cap_mb": bucket_cap_mb})
+    if checkpoint_dir is not None:
+        check_layout(checkpoint_dir, per_rank=True)
+    loop = TrainingState(train_iter, os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None)
+    if resume:
+        state = agree_on_checkpoint(loop.checkpoint_dir, device, algorithm, timeout)
+        if state is None and log and rank == 0:
+            log(f"no checkpoint in {checkpoint_dir}: starting from the beginning")
+        if state is not None:
+            loop.restore(state, [net], [optimizer], history)
+            if log and rank == 0:
+                log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
+                    f"on {world_size} ranks")
+    mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter)
+    run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    return history if rank == 0 else None
+
+
+def run_epochs(mode, loop: TrainingState, history: History, num_epochs: int, checkpoint_every: int | None,
+               progress: bool, log) -> None:
+    """The epoch loop of both modes: train on every batch, then gather, evaluate, record and checkpoint."""
+    say = log if log and mode.is_main else (lambda _: None)
+    for epoch in range(loop.epoch, num_epochs):
+        mode.train()
+        start = time.perf_counter()
+        batches = _progress(loop.batches(epoch), progress and mode.is_main, f"epoch {epoch + 1}/{num_epochs}",
+                            _len(loop.train_iter))
+        for X, y in batches:
+            if len(X) < mode.parts:  # typically an epoch's last batch (drop_last=True avoids it); every rank skips it
+                say(f"epoch {epoch + 1}: skipped a batch of {len(X)}, fewer examples than the {mode.parts} {mode.what}")
+                continue
+            result = mode.step(X, y, loop.global_step)
+            loop.record(result, len(X))
+            if result.skipped:
+                say(f"step {loop.global_step - 1}: non-finite gradient, update skipped{mode.everywhere}")
+            if hasattr(batches, "set_postfix"):
+                batches.set_postfix(**mode.postfix(loop), refresh=False)
+            if checkpoint_every and loop.global_step % checkpoint_every == 0:
+                mode.save(loop, history)
+        if loop.seen == 0:
+            raise ValueError(f"train_iter gave no usable batch in epoch {epoch + 1}")
+        seconds = loop.seconds + time.perf_counter() - start
+        loss_sum, correct = mode.totals(loop, epoch)
+        if mode.is_main:
+            seen = max(loop.seen, 1)
+            history.record_epoch(loss_sum / seen, correct / seen, mode.evaluate(), seconds,
+                                 loop.seen / seconds if seconds > 0 else float("nan"))
+            say(f"epoch {epoch + 1}: loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
+                f"test acc {history.test_acc[-1]:.3f}, {seconds:.1f} sec/epoch, "
+                f"{history.samples_per_second[-1]:.0f} samples/s{mode.suffix}")
+        loop.end_epoch()
+        if loop.checkpoint_dir is not None:
+            mode.save(loop, history)
+
+
+class SingleController:
+    """How `run_epochs` trains a list of replicas from one process."""
+
+    is_main = True
+    what = "devices"
+    everywhere = ""  # nothing to add to "update skipped"
+    suffix = ""
+
+    def __init__(self, replicas, optimizers, devices, loss_fn, algorithm, bucket_cap_mb, nonfinite, test_iter):
+        self.replicas, self.optimizers, self.devices = replicas, optimizers, devices
+        self.loss_fn, self.algorithm, self.bucket_cap_mb = loss_fn, algorithm, bucket_cap_mb
+        self.nonfinite, self.test_iter = nonfinite, test_iter
+        self.parts = len(devices)
+
+    def train(self) -> None:
+        for r in self.replicas:
+            r.train()
+
+    def step(self, X, y, step: int) -> StepResult:
+        return train_batch(X, y, self.replicas, self.optimizers, self.devices, self.loss_fn, algorithm=self.algorithm,
+                           bucket_cap_mb=self.bucket_cap_mb, nonfinite=self.nonfinite, step=step)
+
+    def postfix(self, loop) -> dict:
+        return {"loss": f"{loop.loss_sum / loop.seen:.3f}", "acc": f"{loop.correct / loop.seen:.3f}"}
+
+    def totals(self, loop, epoch: int) -> tuple[float, float]:
+        return loop.loss_sum, loop.correct
+
+    def evaluate(self) -> float:
+        return evaluate(self.replicas[0], self.test_iter, self.devices[0])
+
+    def save(self, loop, history) -> None:
+        loop.save(self.replicas, self.optimizers, history)
+
+
+class OneRank:
+    """How `run_epochs` trains this rank's module, wrapped in manualdp's DDP, on its shard of every batch."""
+
+    what = "ranks"
+    everywhere = " on every rank"
+
+    def __init__(self, model: DistributedDataParallel, optimizer, loss_fn, nonfinite, device, algorithm, timeout,
+                 test_iter):
+        self.model, self.optimizer, self.loss_fn, self.nonfinite = model, optimizer, loss_fn, nonfinite
+        self.device, self.algorithm, self.timeout, self.test_iter = device, algorithm, timeout, test_iter
+        self.parts = model.world_size
+        self.is_main = model.rank == 0
+        self.suffix = f" on {model.world_size} ranks"
+
+    def train(self) -> None:
+        self.model.train()
+
+    def step(self, X, y, step: int) -> StepResult:
+        """One step on this rank's shard; loss and correct count are this rank's share of the global batch's."""
+        rank, world_size = self.model.rank, self.model.world_size
+        Xs, ys = (t.to(self.device) for t in shard(X, y, rank, world_size))
+        guard = NonFiniteGuard(self.nonfinite, [self.model.module], [self.optimizer], where=f"rank {rank}: ")
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            out = self.model(Xs)
+            loss = self.loss_fn(out, ys) / len(X) * world_size
+            loss.backward()
+        except PeerError as e:
+            raise e.at(f"step {step}") from e.__cause__
+        result = StepResult(loss.item() * len(X) / world_size, count_correct(out.detach(), ys), False)
+        # The gradients are averages, bitwise equal on every rank, and a NaN or Inf on one rank
+        # makes the sum non-finite on all: every rank takes the same decision.
+        if not guard.passes(step):
+            return result._replace(skipped=True)
+        self.optimizer.step()
+        return result
+
+    def postfix(self, loop) -> dict:  # rank 0's shard only: the global figures would cost a sync per step
+        return {"shard_loss": f"{loop.loss_sum * self.model.world_size / loop.seen:.3f}"}
+
+    def totals(self, loop, epoch: int) -> tuple[float, float]:
+        totals = torch.tensor([loop.loss_sum, loop.correct], dtype=torch.float64, device=self.device)
+        try:
+            allreduce(totals, self.algorithm, timeout=self.timeout)
+        except PeerError as e:
+            raise e.at(f"end of epoch {epoch + 1} (step {loop.global_step})") from e.__cause__
+        return totals[0].item(), totals[1].item()
+
+    def evaluate(self) -> float:
+        # The bare module: a forward of the wrapper would wait for its peers.
+        return evaluate(self.model.module, self.test_iter, self.device)
+
+    def save(self, loop, history) -> None:
+        loop.save([self.model.module], [self.optimizer], history, world_size=self.model.world_size)
+
+
+def _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
+                     nonfinite, checkpoint_dir, checkpoint_every, resume, log) -> None:
+    iterable("train_iter", train_iter)
+    iterable("test_iter", test_iter)
+    positive_int("num_epochs", num_epochs)
+    positive_number("lr", lr)
+    one_of("algorithm", algorithm, ALGORITHMS)
+    positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
+    non_negative_number("momentum", momentum)
+    non_negative_number("weight_decay", weight_decay)
+    one_of("nonfinite", nonfinite, NONFINITE)
+    path("checkpoint_dir", checkpoint_dir, none_ok=True)
+    positive_int("checkpoint_every", checkpoint_every, none_ok=True)
+    boolean("resume", resume)
+    if (checkpoint_every is not None or resume) and checkpoint_dir is None:
+        raise ValueError("checkpoint_every and resume need checkpoint_dir")
+    callable_or_none("log", log)
+
+
+def _len(iterable_) -> int | None:
+    try:
+        return len(iterable_)
+    except TypeError:
+        return None
+
+
+def _progress(iterable_, enabled: bool, desc: str, total: int | None = None):
+    if not enabled:
+        return iterable_
+    from tqdm.auto import tqdm
+    return tqdm(iterable_, desc=desc, total=total, leave=False, dynamic_ncols=True)

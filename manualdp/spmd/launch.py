@@ -1,0 +1,112 @@
+"""Starting ranks: join the group that torchrun describes, or start ranks on this machine.
+
+    torchrun --standalone --nproc-per-node 2 -m manualdp train --model lenet
+
+`init_from_env` joins the process group of `torchrun`'s environment; `launch` starts ranks
+on 127.0.0.1 without torchrun (benchmarks and tests); `shard` is the SPMD twin of
+`split_batch`: the slice of a global batch that one rank trains on.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..split import shard_sizes
+from ..validate import check_batch, one_of, positive_int, timeout_seconds
+from .peers import DEFAULT_TIMEOUT
+
+__all__ = ["rank_device", "init_from_env", "shard", "launch"]
+
+
+def rank_device() -> torch.device:
+    """This rank's device: `cuda:LOCAL_RANK` under NCCL, else `cpu`."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def init_from_env(backend: str | None = None, timeout: float | None = None) -> torch.device:
+    """Join the process group that `torchrun` describes in RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; return this rank's device.
+
+    `backend` defaults to NCCL when there are GPUs and gloo otherwise. `timeout` (seconds,
+    default `DEFAULT_TIMEOUT`) bounds the rendezvous and every wait of the group.
+    """
+    one_of("backend", backend, (None, "gloo", "nccl"))
+    timeout = timeout_seconds("timeout", timeout)
+    if not dist.is_initialized():
+        missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+        if missing:
+            raise RuntimeError(f"environment variables {', '.join(missing)} are not set: start the processes with torchrun")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        seconds = timeout if timeout is not None else DEFAULT_TIMEOUT
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=seconds))
+    return rank_device()
+
+
+def shard(X: torch.Tensor, y: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s slice of the global batch: the same shard `split_batch` gives device `rank`."""
+    check_batch(X, y, world_size, "ranks")
+    sizes = shard_sizes(len(X), world_size)
+    lo = sum(sizes[:rank])
+    return X[lo:lo + sizes[rank]], y[lo:lo + sizes[rank]]
+
+
+# ---------------------------------------------------------------- launching ranks without torchrun
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir):
+    torch.set_num_threads(threads)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if init:
+        # A file rendezvous in our own folder: no race for a port that another process may take.
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+    try:
+        result = fn(*args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1, init: bool = True) -> list:
+    """Run `fn(*args)` in `world_size` new processes on 127.0.0.1 and return what each rank returned.
+
+    With `init`, every process first joins a gloo group whose collectives give up after
+    `timeout` seconds; the whole run is killed after `timeout` seconds, so it always ends.
+    `fn` must be importable (a module-level function) and its result picklable.
+    """
+    import torch.multiprocessing as mp
+
+    positive_int("world_size", world_size)
+    positive_int("threads", threads)
+    if timeout_seconds("timeout", timeout) is None:
+        raise ValueError("timeout must be a positive number of seconds, got None")
+    with tempfile.TemporaryDirectory(prefix="manualdp-launch-") as outdir:
+        context = mp.start_processes(_worker, nprocs=world_size, join=False, start_method="spawn",
+                                     args=(fn, world_size, _free_port(), tuple(args), threads, init, timeout, outdir))
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=0.2):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish in {timeout} s")
+        finally:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,228 @@
+"""Allreduce across processes: the schedules of `manualdp.schedule`, one rank's share at a time.
+
+Every rank runs the same schedule and keeps the transfers where it is `src` or `dst`:
+1. `plan` merges them into messages and cuts those into segments (a pure function, tested
+   without processes);
+2. an executor posts them as `isend`/`irecv` of `torch.distributed` and adds what arrives.
+
+Every wait has a deadline (`timeout`, default: the process group's): a peer that dies or
+hangs ends in a `manualdp.spmd.peers.PeerError` naming it, never in a hang.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
+from ..validate import check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
+from .peers import group_timeout, talking_to, wait
+
+__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "group_ranks"]
+
+DEFAULT_SEGMENT_BYTES = 1 << 20
+
+
+class Message(NamedTuple):
+    peer: int     # group rank of the other side
+    lo: int       # first element of the slice of the flat buffer
+    hi: int       # one past its last element
+    send: bool    # True: send flat[lo:hi] to peer; False: receive flat[lo:hi] from peer
+    reduce: bool  # for a receive: add into flat[lo:hi] (True) or overwrite it (False)
+
+
+class Round(NamedTuple):
+    sends: tuple[Message, ...]  # segments this rank sends, in posting order
+    recvs: tuple[Message, ...]  # segments it receives, in posting order, which is also the order of the additions
+    early: bool                 # its receives may be posted while the previous round runs (they cannot clobber it)
+    scratch: int                # elements of scratch space its reducing receives land in
+
+
+@functools.lru_cache(maxsize=256)  # training calls it with the same few bucket sizes every step
+def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple[Round, ...]:
+    """Rank `rank`'s share of `schedule`: per round, the segments it sends and receives.
+
+    In a round, consecutive chunks between the same two ranks merge into one message, and
+    messages are cut into segments of at most `segment_numel` elements, ordered segment 0 of
+    every message, then segment 1, ..., so the receiver adds one segment while the next is
+    in flight. Both sides derive their lists from the same transfers in the same order, so
+    every send meets its receive, in order. Empty chunks send nothing, on both sides.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
+    int_between("rank", rank, 0, schedule.num_devices - 1)
+    non_negative_int("numel", numel)
+    positive_int("segment_numel", segment_numel)
+    bounds = chunk_bounds(numel, schedule.num_chunks)
+    rounds: list[Round] = []
+    previous: list[Message] = []  # the messages of the previous round
+    for rnd in schedule.rounds:
+        messages: list[Message] = []
+        last: dict[tuple[int, bool, bool], int] = {}  # (peer, send, reduce) -> index of its latest message
+        for t in rnd:
+            if rank not in (t.src, t.dst):
+                continue
+            lo, hi = bounds[t.chunk]
+            if lo == hi:
+                continue
+            send = t.src == rank
+            key = (t.dst if send else t.src, send, t.reduce)
+            j = last.get(key)
+            if j is not None and messages[j].hi == lo:
+                messages[j] = messages[j]._replace(hi=hi)
+            else:
+                last[key] = len(messages)
+                messages.append(Message(key[0], lo, hi, send, t.reduce))
+        segments = sorted(
+            ((k, i, m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
+             for i, m in enumerate(messages) for k, start in enumerate(range(m.lo, m.hi, segment_numel))),
+            key=lambda x: x[:2])
+        sends = tuple(m for _, _, m in segments if m.send)
+        recvs = tuple(m for _, _, m in segments if not m.send)
+        # Reductions land in scratch space, so only overwrites can collide with the previous round;
+        # a range sent to the very peer that will overwrite it is safe: that peer sends only
+        # after it has received everything of the previous round.
+        early = all(m.reduce or x.hi <= m.lo or m.hi <= x.lo or (x.send and x.peer == m.peer)
+                    for m in recvs for x in previous)
+        rounds.append(Round(sends, recvs, early, sum(m.hi - m.lo for m in recvs if m.reduce)))
+        previous = messages
+    return tuple(rounds)
+
+
+_SCRATCH = threading.local()  # per thread: DDP's allreduce thread and the main thread must not share it
+
+
+def _scratch(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """`numel` elements of reusable space on `like`'s device and dtype.
+
+    Kept between calls: a fresh multi-MiB buffer every round costs page faults (the CPU
+    allocator gives large blocks back to the system), more than the additions themselves.
+    """
+    cache = _SCRATCH.__dict__.setdefault("buffers", {})
+    key = (like.device, like.dtype)
+    buf = cache.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = cache[key] = like.new_empty(numel)
+    return buf[:numel]
+
+
+def _targets(flat: torch.Tensor, rnd: Round, scratch: torch.Tensor) -> list[torch.Tensor]:
+    """Where each receive of `rnd` lands: scratch space for reductions (on flat's device), flat itself for overwrites."""
+    out, at = [], 0
+    for m in rnd.recvs:
+        if m.reduce:
+            out.append(scratch[at:at + m.hi - m.lo])
+            at += m.hi - m.lo
+        else:
+            out.append(flat[m.lo:m.hi])
+    return out
+
+
+def _add(flat: torch.Tensor, m: Message, buf: torch.Tensor) -> None:
+    if m.reduce:  # in schedule order, so the sum is the single controller's, bit for bit
+        flat[m.lo:m.hi].add_(buf)
+
+
+def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch,
+               timeout: float | None) -> None:
+    """Gloo: post each round's receives while the previous round runs.
+
+    Gloo sends a message at once only to a receiver that has already said it is ready;
+    otherwise the two sides exchange notifications first, a round trip through both
+    processes' network threads. Receives posted one round ahead avoid that wait.
+    """
+    def recv(buf, peer):
+        with talking_to(peer, timeout):
+            return dist.irecv(buf, peer, group)
+
+    def send(m):
+        with talking_to(peers[m.peer], timeout):
+            return dist.isend(flat[m.lo:m.hi], peers[m.peer], group)
+
+    def post(i: int) -> list:
+        bufs = _targets(flat, rounds[i], scratch[i % 2])
+        return [(m, b, recv(b, peers[m.peer])) for m, b in zip(rounds[i].recvs, bufs)]
+
+    pending = post(0) if rounds else []
+    for i, rnd in enumerate(rounds):
+        sends = [(peers[m.peer], send(m)) for m in rnd.sends]
+        ahead = i + 1 < len(rounds) and rounds[i + 1].early
+        following = post(i + 1) if ahead else None
+        for m, buf, work in pending:
+            wait(work, peers[m.peer], timeout)
+            _add(flat, m, buf)
+        for peer, work in sends:
+            wait(work, peer, timeout)
+        pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
+
+
+def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch,
+                 timeout: float | None) -> None:
+    """NCCL and others: each round's sends and receives as one group, so that two ranks exchanging never deadlock."""
+    for i, rnd in enumerate(rounds):
+        bufs = _targets(flat, rnd, scratch[i % 2])
+        ops = [dist.P2POp(dist.isend, flat[m.lo:m.hi], peers[m.peer], group) for m in rnd.sends]
+        ops += [dist.P2POp(dist.irecv, b, peers[m.peer], group) for m, b in zip(rnd.recvs, bufs)]
+        if ops:
+            others = {peers[m.peer] for m in rnd.sends + rnd.recvs}
+            peer = next(iter(others)) if len(others) == 1 else None  # NCCL returns one work for the whole group
+            with talking_to(peer, timeout):
+                works = dist.batch_isend_irecv(ops)
+            for work in works:
+                wait(work, peer, timeout)
+        for m, buf in zip(rnd.recvs, bufs):
+            _add(flat, m, buf)
+
+
+def group_ranks(group) -> tuple[int, list[int]]:
+    """This process's rank in `group` and the global rank of every member."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
+                           "(or manualdp.spmd.init_from_env) first")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
+    n = dist.get_world_size(group)
+    if group is None or group is dist.group.WORLD:
+        return rank, list(range(n))
+    return rank, [dist.get_global_rank(group, r) for r in range(n)]
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
+    """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
+
+    Every rank must call it with a tensor of the same shape and dtype, as with
+    `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
+    silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    check_summable(tensor)
+    one_of("algorithm", algorithm, ALGORITHMS)
+    positive_int("segment_bytes", segment_bytes)
+    timeout = timeout_seconds("timeout", timeout)
+    rank, peers = group_ranks(group)
+    if len(peers) == 1 or tensor.numel() == 0:
+        return
+    timeout = timeout if timeout is not None else group_timeout(group)
+    _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
+               timeout=timeout)
+
+
+def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,
+               early: bool, timeout: float | None = None) -> None:
+    rounds = plan(get_schedule(algorithm, len(peers)), rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
+    width = max((r.scratch for r in rounds), default=0)
+    space = _scratch(2 * width, tensor)
+    scratch = (space[:width], space[width:])  # rounds alternate halves: a round's receives may be posted early
+    with torch.no_grad():
+        flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
+        (_run_early if early else _run_grouped)(flat, rounds, peers, group, scratch, timeout)
+        if not tensor.is_contiguous():
+            tensor.copy_(flat.view_as(tensor))
+
+

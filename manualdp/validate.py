@@ -1,0 +1,211 @@
+"""Argument checks, one line each at a public boundary: `positive_int("lr", lr)`.
+
+Every check names the argument and shows the bad value, and returns the value (possibly
+normalised), so a caller can write `devices = check_devices(devices)`. The book imports
+this module and nothing else of the package's machinery.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import nn
+
+__all__ = [
+    "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
+    "one_of", "int_between", "index", "boolean", "nn_module", "iterable", "callable_or_none", "path", "timeout_seconds",
+    "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch",
+]
+
+
+def is_int(value) -> bool:
+    """True for an int that is not a bool (`True` is an int to Python, never a count to us)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def positive_int(name: str, value, *, none_ok: bool = False):
+    if (value is None and none_ok) or (is_int(value) and value >= 1):
+        return value
+    raise ValueError(f"{name} must be a positive int{' or None' if none_ok else ''}, got {value!r}")
+
+
+def non_negative_int(name: str, value):
+    if is_int(value) and value >= 0:
+        return value
+    raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+
+
+def positive_number(name: str, value, *, none_ok: bool = False, finite: bool = False):
+    """A number > 0 (NaN is refused; `finite=True` also refuses inf)."""
+    if value is None and none_ok:
+        return value
+    if _is_number(value) and value > 0 and (not finite or math.isfinite(value)):
+        return value
+    what = "a positive finite number" if finite else "a positive number"
+    raise ValueError(f"{name} must be {what}{' or None' if none_ok else ''}, got {value!r}")
+
+
+def non_negative_number(name: str, value):
+    if _is_number(value) and 0 <= value < math.inf:
+        return value
+    raise ValueError(f"{name} must be a non-negative number, got {value!r}")
+
+
+def finite_number(name: str, value):
+    if _is_number(value) and math.isfinite(value):
+        return value
+    raise ValueError(f"{name} must be a finite number, got {value!r}")
+
+
+def one_of(name: str, value, choices):
+    # `value in choices` on a dict or set needs a hashable value; a list passed by mistake is not.
+    if isinstance(value, (str, type(None), bool, int)) and value in choices:
+        return value
+    shown = sorted(choices, key=str) if isinstance(choices, (dict, set, frozenset)) else tuple(choices)
+    raise ValueError(f"{name} must be one of {shown}, got {value!r}")
+
+
+def boolean(name: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def nn_module(name: str, value) -> nn.Module:
+    if isinstance(value, nn.Module):
+        return value
+    raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
+
+
+def iterable(name: str, value):
+    if hasattr(value, "__iter__"):
+        return value
+    raise TypeError(f"{name} must be iterable (e.g. a DataLoader), got {type(value).__name__}")
+
+
+def callable_or_none(name: str, value):
+    if value is None or callable(value):
+        return value
+    raise TypeError(f"{name} must be callable or None, got {value!r}")
+
+
+def path(name: str, value, *, none_ok: bool = False):
+    if (value is None and none_ok) or isinstance(value, (str, os.PathLike)):
+        return value
+    raise TypeError(f"{name} must be a path, got {type(value).__name__}")
+
+
+def timeout_seconds(name: str, value) -> float | None:
+    """A timeout: positive finite seconds as a float; None stays None (the backend's own)."""
+    if value is None:
+        return None
+    if _is_number(value) and 0 < value < math.inf:
+        return float(value)
+    raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+
+
+def check_devices(devices, name: str = "devices") -> list[torch.device]:
+    """A non-empty list of existing 'cpu' or 'cuda' devices, as `torch.device` objects."""
+    if isinstance(devices, (str, torch.device)) or not hasattr(devices, "__iter__"):
+        raise TypeError(f"{name} must be a list of devices, got {devices!r}")
+    out = []
+    for d in devices:
+        try:
+            device = torch.device(d)
+        except (TypeError, RuntimeError) as e:
+            raise TypeError(f"{name} contains {d!r}, which is not a device") from e
+        if device.type == "cuda":
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if (device.index or 0) >= count:
+                raise ValueError(f"{name} contains {str(device)!r}, but this machine has {count} GPU(s)")
+        elif device.type != "cpu":
+            raise ValueError(f"{name} contains {str(device)!r}; manualdp runs on 'cpu' and 'cuda' devices")
+        out.append(device)
+    if not out:
+        raise ValueError(f"{name} must not be empty, got {devices!r}")
+    return out
+
+
+def int_between(name: str, value, low: int, high: int):
+    if is_int(value) and low <= value <= high:
+        return value
+    raise ValueError(f"{name} must be an int >= {low} and <= {high}, got {value!r}")
+
+
+def index(name: str, value, length: int, of: str):
+    if is_int(value) and 0 <= value < length:
+        return value
+    raise ValueError(f"{name} must index {of} (0..{length - 1}), got {value!r}")
+
+
+def tensor_list(name: str, tensors) -> list[torch.Tensor]:
+    """A list or tuple of tensors (not one tensor: a list of its rows would be a surprise)."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"{name} must be a list of tensors (one per device), got {type(tensors).__name__}")
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+    return list(tensors)
+
+
+def check_tensors(tensors, name: str = "tensors", *, sums: bool = True) -> None:
+    """A non-empty list of same-shape, same-dtype, non-aliasing tensors (one per device).
+
+    `sums=True` (a reduction) also asks for dense tensors of real numbers.
+    The overlap test compares address ranges, so two interleaved views of one buffer (the
+    columns of a matrix) count as sharing memory even where no element is shared.
+    """
+    tensor_list(name, tensors)
+    if not tensors:
+        raise ValueError(f"{name} must not be empty, got {tensors!r}")
+    spans = []
+    for i, t in enumerate(tensors):
+        if sums:
+            check_summable(t, f"{name}[{i}]")
+        if t.shape != tensors[0].shape:
+            raise ValueError(f"{name}[{i}] has shape {tuple(t.shape)}, but {name}[0] has {tuple(tensors[0].shape)}")
+        if t.dtype != tensors[0].dtype:
+            raise TypeError(f"{name}[{i}] has dtype {t.dtype}, but {name}[0] has {tensors[0].dtype}")
+        if t.numel():
+            lo, hi = _span(t)
+            for j, device, jlo, jhi in spans:
+                if device == t.device and lo < jhi and jlo < hi:
+                    raise ValueError(f"{name}[{i}] and {name}[{j}] share memory; every device needs its own copy")
+            spans.append((i, t.device, lo, hi))
+
+
+def check_summable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """A dense tensor of real numbers that owns its elements, so a collective can write it in place."""
+    if t.layout != torch.strided:
+        raise TypeError(f"{name} has layout {t.layout}; allreduce sums dense tensors only")
+    if t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} has dtype {t.dtype}; allreduce sums real numbers")
+    if any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride())):
+        # An expanded tensor cannot be written in place; torch would fail half-way through.
+        raise ValueError(f"{name} has stride 0 (an expanded view); pass a tensor that owns its elements")
+    return t
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """Address range of `t`'s bytes; absolute, since two storages can share memory (e.g. `torch.from_numpy`)."""
+    extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+    start = t.data_ptr()
+    return (start, start + extent * t.element_size())
+
+
+def check_batch(X, y, parts: int, what: str = "devices") -> None:
+    """`X` and `y` are tensors of one length, with at least one example for each of `parts` devices."""
+    for name, t in (("X", X), ("y", y)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() == 0:
+            raise ValueError(f"{name} must have a batch dimension, got a 0-d tensor")
+    if len(X) != len(y):
+        raise ValueError(f"X and y must have the same length, got len(X)={len(X)} and len(y)={len(y)}")
+    if len(X) < parts:
+        raise ValueError(f"batch of {len(X)} is smaller than the {parts} {what}: every one needs at least one example")
