@@ -21,7 +21,7 @@ from ..validate import boolean, nn_module, one_of, positive_int, positive_number
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, group_ranks
 from .peers import SerialWorker, group_timeout, talking_to, wait
 
-__all__ = ["Bucket", "DistributedDataParallel"]
+__all__ = ["Bucket", "DistributedDataParallel", "check_same_model", "broadcast_from_rank0"]
 
 
 class Bucket:
@@ -42,6 +42,24 @@ class Bucket:
     def view(self, i: int) -> torch.Tensor:
         """Parameter `i`'s slice of `flat`, shaped like the parameter."""
         return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.params[i].shape)
+
+    def mark_ready(self, i: int, grad: torch.Tensor) -> bool:
+        """Copy parameter `i`'s finished gradient in; True when it was the last one missing."""
+        if self.arrived[i]:
+            raise RuntimeError("a gradient arrived twice in one backward pass (reentrant backward?), "
+                               "which manualdp.DistributedDataParallel does not support")
+        self.view(i).copy_(grad)
+        self.used[i] = 1
+        self.arrived[i] = True
+        self.pending -= 1
+        return self.pending == 0
+
+    def fill_missing(self) -> None:
+        """End of backward: parameters this rank did not use contribute zeros, and the bucket is ready."""
+        for i, arrived in enumerate(self.arrived):
+            if not arrived:
+                self.view(i).zero_()
+        self.pending = 0
 
     def reset(self) -> None:
         """Forget this backward pass: no gradient has arrived, nothing is running."""
@@ -114,8 +132,9 @@ class DistributedDataParallel(nn.Module):
         self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
         self._sync_this_backward = True  # decided by the forward pass, as in DDP
 
-        self._check_same_model()
-        self._broadcast(list(module.parameters()) + list(module.buffers()))
+        check_same_model(module, process_group, self.world_size)
+        broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
+                             process_group, self.timeout)
 
         self._buckets = [Bucket([params[i] for i in b]) for b in assign_buckets(params, bucket_cap_mb)]
         self._where = {}  # id(param) -> (bucket index, index in the bucket)
@@ -131,57 +150,17 @@ class DistributedDataParallel(nn.Module):
         self._executor = SerialWorker("manualdp-allreduce", initializer=init)
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in params]
 
-    # ---------------------------------------------------------------- construction
-
-    def _check_same_model(self) -> None:
-        """Raise on every rank unless every rank has the same parameter and buffer names, shapes and dtypes."""
-        mine = [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)
-                for kind, named in (("parameter", self.module.named_parameters()), ("buffer", self.module.named_buffers()))
-                for name, t in named]
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        for r, theirs in enumerate(everyone):
-            if theirs == everyone[0]:
-                continue
-            if len(theirs) != len(everyone[0]):
-                detail = f"rank 0 has {len(everyone[0])} parameters and buffers, rank {r} has {len(theirs)}"
-            else:
-                i = next(i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b)
-                detail = f"entry {i} is {everyone[0][i]} on rank 0 but {theirs[i]} on rank {r}"
-            raise ValueError(f"DistributedDataParallel: the model differs across ranks ({detail}); "
-                             "every rank must build the same model")
-
-    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Overwrite `tensors` with rank 0's, one flat message per dtype."""
-        if self.world_size == 1:
-            return
-        with torch.no_grad():
-            for dtype in sorted({t.dtype for t in tensors}, key=str):
-                same = [t for t in tensors if t.dtype == dtype and t.numel()]
-                if not same:
-                    continue
-                flat = flatten(same)
-                root = self._peers[0]
-                peer = root if self.rank != 0 else None
-                with talking_to(peer, self.timeout):
-                    work = dist.broadcast(flat, src=root, group=self.process_group, async_op=True)
-                wait(work, peer, self.timeout)
-                unflatten_(flat, same)
-
     # ---------------------------------------------------------------- training
 
     def forward(self, *inputs, **kwargs):
         if self._in_backward:
             # The end-of-backward callback never ran: the last backward raised part-way, some
             # buckets may have gone out and others not, so this rank is out of step with its peers.
-            for bucket in self._buckets:
-                bucket.reset()
-            self._next_launch = 0
-            self._in_backward = False
+            self._reset_backward()
             raise RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after some "
                                "gradient buckets were sent; the ranks are out of step, so training cannot go on")
         if self.require_forward_param_sync and self.broadcast_buffers:
-            self._broadcast(list(self.module.buffers()))
+            broadcast_from_rank0(list(self.module.buffers()), self.rank, self._peers, self.process_group, self.timeout)
         if self.move_inputs:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         self._sync_this_backward = self.require_backward_grad_sync
@@ -210,15 +189,7 @@ class DistributedDataParallel(nn.Module):
             # Runs when the whole backward pass is done, also when some hooks never fire.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(param)]
-        bucket = self._buckets[b]
-        if bucket.arrived[i]:
-            raise RuntimeError("a gradient arrived twice in one backward pass (reentrant backward?), "
-                               "which manualdp.DistributedDataParallel does not support")
-        bucket.view(i).copy_(param.grad)
-        bucket.used[i] = 1
-        bucket.arrived[i] = True
-        bucket.pending -= 1
-        if bucket.pending == 0:
+        if self._buckets[b].mark_ready(i, param.grad):
             self._launch_ready()
 
     def _launch_ready(self) -> None:
@@ -233,10 +204,7 @@ class DistributedDataParallel(nn.Module):
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
         try:
             for bucket in self._buckets[self._next_launch:]:
-                for i, arrived in enumerate(bucket.arrived):
-                    if not arrived:  # unused here: contributes zero, but the bucket must still go out
-                        bucket.view(i).zero_()
-                bucket.pending = 0
+                bucket.fill_missing()  # unused here: zeros, but the bucket must still go out
             self._launch_ready()
             error = None
             for bucket in self._buckets:
@@ -250,10 +218,14 @@ class DistributedDataParallel(nn.Module):
             if error is not None:
                 raise error
         finally:
-            for bucket in self._buckets:
-                bucket.reset()
-            self._next_launch = 0
-            self._in_backward = False
+            self._reset_backward()
+
+    def _reset_backward(self) -> None:
+        """Forget the backward pass: every bucket empty, none launched."""
+        for bucket in self._buckets:
+            bucket.reset()
+        self._next_launch = 0
+        self._in_backward = False
 
     def _write_grads(self, bucket: Bucket) -> None:
         with torch.no_grad():
@@ -272,6 +244,42 @@ class DistributedDataParallel(nn.Module):
         executor = self.__dict__.get("_executor")
         if executor is not None:
             executor.shutdown()
+
+
+def check_same_model(module: nn.Module, group, world_size: int) -> None:
+    """Raise on every rank unless every rank has the same parameter and buffer names, shapes and dtypes."""
+    mine = [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)
+            for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+            for name, t in named]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    for r, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        if len(theirs) != len(everyone[0]):
+            detail = f"rank 0 has {len(everyone[0])} parameters and buffers, rank {r} has {len(theirs)}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b)
+            detail = f"entry {i} is {everyone[0][i]} on rank 0 but {theirs[i]} on rank {r}"
+        raise ValueError(f"DistributedDataParallel: the model differs across ranks ({detail}); "
+                         "every rank must build the same model")
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int], group, timeout) -> None:
+    """Overwrite `tensors` with those of the group's rank 0, one flat message per dtype."""
+    if len(peers) == 1:
+        return
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype and t.numel()]
+            if not same:
+                continue
+            flat = flatten(same)
+            root = peers[0]
+            peer = root if rank != 0 else None
+            with talking_to(peer, timeout):
+                work = dist.broadcast(flat, src=root, group=group, async_op=True)
+            wait(work, peer, timeout)
+            unflatten_(flat, same)
 
 
 def _weak_hook(wrapper: DistributedDataParallel):

@@ -21,7 +21,8 @@ from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 from ..validate import check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
 from .peers import group_timeout, talking_to, wait
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "group_ranks"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
+           "may_post_early", "allreduce", "group_ranks"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -45,11 +46,8 @@ class Round(NamedTuple):
 def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple[Round, ...]:
     """Rank `rank`'s share of `schedule`: per round, the segments it sends and receives.
 
-    In a round, consecutive chunks between the same two ranks merge into one message, and
-    messages are cut into segments of at most `segment_numel` elements, ordered segment 0 of
-    every message, then segment 1, ..., so the receiver adds one segment while the next is
-    in flight. Both sides derive their lists from the same transfers in the same order, so
-    every send meets its receive, in order. Empty chunks send nothing, on both sides.
+    Both sides derive their lists from the same transfers in the same order, so every send
+    meets its receive, in order. Empty chunks send nothing, on both sides.
     """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a Schedule, got {type(schedule).__name__}")
@@ -58,38 +56,59 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
     positive_int("segment_numel", segment_numel)
     bounds = chunk_bounds(numel, schedule.num_chunks)
     rounds: list[Round] = []
-    previous: list[Message] = []  # the messages of the previous round
+    previous: list[Message] = []
     for rnd in schedule.rounds:
-        messages: list[Message] = []
-        last: dict[tuple[int, bool, bool], int] = {}  # (peer, send, reduce) -> index of its latest message
-        for t in rnd:
-            if rank not in (t.src, t.dst):
-                continue
-            lo, hi = bounds[t.chunk]
-            if lo == hi:
-                continue
-            send = t.src == rank
-            key = (t.dst if send else t.src, send, t.reduce)
-            j = last.get(key)
-            if j is not None and messages[j].hi == lo:
-                messages[j] = messages[j]._replace(hi=hi)
-            else:
-                last[key] = len(messages)
-                messages.append(Message(key[0], lo, hi, send, t.reduce))
-        segments = sorted(
-            ((k, i, m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
-             for i, m in enumerate(messages) for k, start in enumerate(range(m.lo, m.hi, segment_numel))),
-            key=lambda x: x[:2])
-        sends = tuple(m for _, _, m in segments if m.send)
-        recvs = tuple(m for _, _, m in segments if not m.send)
-        # Reductions land in scratch space, so only overwrites can collide with the previous round;
-        # a range sent to the very peer that will overwrite it is safe: that peer sends only
-        # after it has received everything of the previous round.
-        early = all(m.reduce or x.hi <= m.lo or m.hi <= x.lo or (x.send and x.peer == m.peer)
-                    for m in recvs for x in previous)
-        rounds.append(Round(sends, recvs, early, sum(m.hi - m.lo for m in recvs if m.reduce)))
+        messages = merge_into_messages(rnd, rank, bounds)
+        sends, recvs = cut_into_segments(messages, segment_numel)
+        scratch = sum(m.hi - m.lo for m in recvs if m.reduce)
+        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch))
         previous = messages
     return tuple(rounds)
+
+
+def merge_into_messages(rnd, rank: int, bounds: list[tuple[int, int]]) -> list[Message]:
+    """This rank's transfers of one round; consecutive chunks to or from one peer become one message."""
+    messages: list[Message] = []
+    last: dict[tuple[int, bool, bool], int] = {}  # (peer, send, reduce) -> index of its latest message
+    for t in rnd:
+        if rank not in (t.src, t.dst):
+            continue
+        lo, hi = bounds[t.chunk]
+        if lo == hi:
+            continue
+        send = t.src == rank
+        key = (t.dst if send else t.src, send, t.reduce)
+        j = last.get(key)
+        if j is not None and messages[j].hi == lo:
+            messages[j] = messages[j]._replace(hi=hi)
+        else:
+            last[key] = len(messages)
+            messages.append(Message(key[0], lo, hi, send, t.reduce))
+    return messages
+
+
+def cut_into_segments(messages: list[Message], segment_numel: int) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
+    """Sends and receives cut into segments of at most `segment_numel` elements.
+
+    Ordered segment 0 of every message, then segment 1, ..., so that the receiver adds one
+    segment while the next is in flight.
+    """
+    segments = sorted(
+        ((k, i, m._replace(lo=start, hi=min(start + segment_numel, m.hi)))
+         for i, m in enumerate(messages) for k, start in enumerate(range(m.lo, m.hi, segment_numel))),
+        key=lambda x: x[:2])
+    return tuple(m for _, _, m in segments if m.send), tuple(m for _, _, m in segments if not m.send)
+
+
+def may_post_early(recvs: tuple[Message, ...], previous: list[Message]) -> bool:
+    """Whether a round's receives may be posted while the previous round still runs.
+
+    Reductions land in scratch space, so only overwrites can collide with the previous
+    round; a range sent to the very peer that will overwrite it is safe: that peer sends
+    only after it has received everything of the previous round.
+    """
+    return all(m.reduce or x.hi <= m.lo or m.hi <= x.lo or (x.send and x.peer == m.peer)
+               for m in recvs for x in previous)
 
 
 _SCRATCH = threading.local()  # per thread: DDP's allreduce thread and the main thread must not share it
@@ -126,6 +145,8 @@ def _add(flat: torch.Tensor, m: Message, buf: torch.Tensor) -> None:
         flat[m.lo:m.hi].add_(buf)
 
 
+# ---------------------------------------------------------------- gloo: receives posted a round early
+
 def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch,
                timeout: float | None) -> None:
     """Gloo: post each round's receives while the previous round runs.
@@ -158,6 +179,8 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], 
             wait(work, peer, timeout)
         pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
 
+
+# ---------------------------------------------------------------- NCCL and others: one group per round
 
 def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], group, scratch,
                  timeout: float | None) -> None:
