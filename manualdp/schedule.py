@@ -5,19 +5,18 @@ device `src` sends chunk `chunk` of its flat buffer to `dst`, which adds it (`re
 or overwrites its own copy with it. Transfers in one round happen at the same time, so a
 device never sends a chunk that it receives in the same round (`check_schedule`).
 
-From a schedule alone we count bytes per device and estimate time with the alpha-beta-gamma
-model; the executors (`manualdp.allreduce`, `manualdp.distributed.allreduce`) only run it.
+From a schedule alone `manualdp.cost` counts bytes per device and estimates time with the
+alpha-beta-gamma model; the executors (`manualdp.allreduce`, `manualdp.spmd.p2p`) only run it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .validate import non_negative_int, non_negative_number, one_of, positive_int
+from .validate import one_of, positive_int
 
 __all__ = [
-    "Transfer", "Schedule", "naive", "ring", "tree", "get_schedule", "ALGORITHMS",
-    "chunk_sizes", "chunk_bounds", "check_schedule", "traffic", "cost",
+    "Transfer", "Schedule", "naive", "ring", "tree", "get_schedule", "ALGORITHMS", "chunk_sizes", "chunk_bounds",
 ]
 
 
@@ -160,69 +159,3 @@ def _cached(algorithm: str, n: int) -> Schedule:
     if key not in _CACHE:
         _CACHE[key] = ALGORITHMS[algorithm](n)
     return _CACHE[key]
-
-
-def check_schedule(schedule: Schedule) -> None:
-    """Raise `ValueError` unless transfers are in range, no device sends a chunk it receives in the same round,
-    and a chunk that is overwritten in a round is written only once in it (so applying them in order is safe).
-    """
-    n, k = schedule.num_devices, schedule.num_chunks
-    for r, rnd in enumerate(schedule.rounds):
-        written, read, overwritten = set(), set(), set()
-        for t in rnd:
-            if not (0 <= t.src < n and 0 <= t.dst < n and t.src != t.dst and 0 <= t.chunk < k):
-                raise ValueError(f"round {r}: bad transfer {t} for {n} devices and {k} chunks")
-            # Several adds into one chunk commute; an overwrite next to any other write does not.
-            if (t.dst, t.chunk) in overwritten or (not t.reduce and (t.dst, t.chunk) in written):
-                raise ValueError(f"round {r}: chunk {t.chunk} of device {t.dst} is overwritten and written again")
-            if not t.reduce:
-                overwritten.add((t.dst, t.chunk))
-            written.add((t.dst, t.chunk))
-            read.add((t.src, t.chunk))
-        if written & read:
-            raise ValueError(f"round {r}: devices send chunks they receive in the same round: {sorted(written & read)}")
-
-
-def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str, list[int]]:
-    """Bytes each device sends, receives and reduces, for a buffer of `nbytes` bytes.
-
-    Chunks are cut in whole elements of `element_size` bytes, as the executors cut them.
-    """
-    non_negative_int("nbytes", nbytes)
-    positive_int("element_size", element_size)
-    if nbytes % element_size:
-        raise ValueError(f"nbytes={nbytes} is not a multiple of element_size={element_size}")
-    sizes = [s * element_size for s in chunk_sizes(nbytes // element_size, schedule.num_chunks)]
-    n = schedule.num_devices
-    out = {"sent": [0] * n, "received": [0] * n, "reduced": [0] * n, "messages": [0] * n}
-    for rnd in schedule.rounds:
-        for t in rnd:
-            out["sent"][t.src] += sizes[t.chunk]
-            out["received"][t.dst] += sizes[t.chunk]
-            if t.reduce:
-                out["reduced"][t.dst] += sizes[t.chunk]
-        for src, dst in {(t.src, t.dst) for t in rnd}:  # all chunks to one peer in a round: one message
-            out["messages"][src] += 1
-    return out
-
-
-def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, element_size: int = 1) -> float:
-    """Alpha-beta-gamma time estimate in seconds.
-
-    Each round lasts as long as its busiest device: alpha per message it sends or receives,
-    beta per byte it sends or receives (whichever is more), gamma per byte it adds.
-    """
-    for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
-        non_negative_number(name, v)
-    total = 0.0
-    for rnd in schedule.rounds:
-        one = Schedule(schedule.algorithm, schedule.num_devices, schedule.num_chunks, (rnd,), ("",))
-        t = traffic(one, nbytes, element_size)
-        msgs_in = [0] * schedule.num_devices
-        for _src, dst in {(x.src, x.dst) for x in rnd}:
-            msgs_in[dst] += 1
-        total += max(
-            alpha * max(m, mi) + beta * max(s, r) + gamma * red
-            for m, mi, s, r, red in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])
-        )
-    return total

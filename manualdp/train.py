@@ -44,27 +44,25 @@ def train_batch(
 
     `nonfinite="raise"` stops on a NaN/Inf gradient, `"skip"` skips the update (`manualdp.guard`).
     """
-    devices = check_devices(devices)
-    _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite)
+    devices = _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite)
     loss_fn = summed_loss(loss_fn)
     guard = NonFiniteGuard(nonfinite, replicas, optimizers)  # before the forward pass: it may restore BatchNorm stats
-
     # 1. Split the global batch: shard i goes to device i.
     X_shards, y_shards = split_batch(X, y, devices)
     # 2. + 3. Forward and backward on every replica. The shard's summed loss over the global
     # batch size makes the sum of the replicas' gradients the one-device gradient.
-    losses, corrects = [], []
+    losses, corrects = [], []  # tensors: reading them now would make each device wait for the next
     for net, opt, Xs, ys in zip(replicas, optimizers, X_shards, y_shards):
         opt.zero_grad(set_to_none=True)
         out = net(Xs)
         loss = loss_fn(out, ys) / len(X)
         loss.backward()
-        losses.append(loss.detach())  # tensors: reading them now would make each device wait
+        losses.append(loss.detach())
         corrects.append(correct_tensor(out.detach(), ys))
     # 4. Allreduce: every replica now holds the sum of all gradients.
     allreduce_gradients(replicas, algorithm, bucket_cap_mb)
-    result = StepResult(sum(v.item() for v in losses) * len(X), sum(int(c) for c in corrects), False)
-    if not guard.passes(step):
+    result = StepResult(sum(v.item() for v in losses) * len(X), sum(int(c) for c in corrects), skipped=False)
+    if not guard.passes(step):  # NaN or Inf: raise, or undo the step (the replicas agree, they hold the same sums)
         return result._replace(skipped=True)
     # 5. Update: the same step on every replica keeps them identical; buffers follow replica 0.
     for opt in optimizers:
@@ -175,10 +173,12 @@ def count_correct(out: torch.Tensor, y: torch.Tensor) -> int:
     return int(correct_tensor(out, y))
 
 
-def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite) -> None:
+def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite) -> list[torch.device]:
+    devices = check_devices(devices)
     if len(replicas) != len(devices) or len(optimizers) != len(devices):
         raise ValueError(f"need one replica and one optimizer per device: {len(devices)} devices, "
                          f"{len(replicas)} replicas, {len(optimizers)} optimizers")
     one_of("algorithm", algorithm, ALGORITHMS)
     positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
     one_of("nonfinite", nonfinite, NONFINITE)
+    return devices

@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from manualdp.allreduce import allreduce
 from manualdp.schedule import ALGORITHMS
+from manualdp.allreduce import run_schedule
+from manualdp.schedule import ring
 
 ALGS = sorted(ALGORITHMS)
 INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
@@ -139,3 +141,19 @@ def test_disjoint_views_of_one_buffer_are_allowed():
     expected = torch.stack([v.clone() for v in views]).sum(0)
     allreduce(views, "ring")
     assert all(torch.equal(v, expected) for v in views)
+
+
+
+# ---------------------------------------------------------------- edge cases found in review
+
+def test_sparse_gradients_get_a_clear_error():
+    t = [torch.zeros(4).to_sparse(), torch.zeros(4).to_sparse()]
+    with pytest.raises(TypeError, match="dense tensors only"):
+        allreduce(t)
+
+
+def test_run_schedule_validates_its_tensors():
+    tensors = [torch.ones(4), torch.ones(6)]
+    with pytest.raises(ValueError, match=r"tensors\[1\] has shape \(6,\)"):
+        run_schedule(ring(2), tensors)
+    assert torch.equal(tensors[0], torch.ones(4))

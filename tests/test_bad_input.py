@@ -7,7 +7,8 @@ import manualdp
 from manualdp import allreduce, cpu_devices, evaluate, replicate, replicate_params, split_batch, train, try_gpu
 from manualdp.buckets import assign_buckets, unflatten_
 from manualdp.runners.cli import main
-from manualdp.schedule import cost, get_schedule, traffic
+from manualdp.schedule import get_schedule
+from manualdp.cost import cost, traffic
 from manualdp.train import train_batch
 
 

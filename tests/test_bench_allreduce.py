@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from manualdp.benchmarks.allreduce import fit_cost, main, memory_bytes, serial_features, time_in_process
-from manualdp.schedule import ALGORITHMS, get_schedule, traffic
+from manualdp.schedule import ALGORITHMS, get_schedule
+from manualdp.cost import traffic
 
 
 @pytest.mark.parametrize("devices", [3, 4])

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from manualdp.runners.cli import main
 
 SMALL = ["--no-progress", "--num-train", "2048", "--num-test", "512", "--batch-size", "64"]
 
@@ -62,3 +63,29 @@ def test_nonfinite_gradient_stops_with_a_one_line_error():
     assert "Traceback" not in out.stderr
     last = out.stderr.strip().splitlines()[-1]
     assert re.match(r"manualdp train: error: non-finite gradient in parameter '[\w.]+' at step \d+", last)
+
+
+
+# ---------------------------------------------------------------- edge cases found in review
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--plot", "curves.pdf"], ["--plot", "must end in .png"]),
+    (["train", "--json", "."], ["--json", "is a directory"]),
+    (["train", "--devices", "4", "--batch-size", "2"], ["--batch-size 2", "4 devices"]),
+])
+def test_cli_refuses_before_training(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    for w in words:
+        assert w in err
+
+
+def test_cli_refuses_a_checkpoint_dir_that_is_a_file(tmp_path, capsys):
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(SystemExit):
+        main(["train", "--checkpoint-dir", str(f)])
+    assert "is not a folder" in capsys.readouterr().err

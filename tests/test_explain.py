@@ -5,7 +5,8 @@ from collections import Counter
 import pytest
 
 from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, explain, main
-from manualdp.schedule import chunk_sizes, cost, get_schedule, traffic
+from manualdp.schedule import chunk_sizes, get_schedule
+from manualdp.cost import cost, traffic
 
 ROUND = re.compile(r"^round (\d+) \((.+)\): (\d+) transfers, estimated ([\d.]+) us$")
 TRANSFER = re.compile(r"^  dev(\d+) -> dev(\d+)  chunk (\d+)  (add|copy)  \((\d+) bytes\)$")

@@ -74,3 +74,23 @@ def test_replicate_params_bad_input():
         replicate_params([torch.zeros(1), 3.0], "cpu")
     with pytest.raises(ValueError, match="src must index tensors"):
         broadcast([torch.zeros(1)], src=3)
+
+
+
+# ---------------------------------------------------------------- edge cases found in review
+
+@pytest.mark.parametrize("device, match", [("cuda:0", "GPU"), ("meta", "'meta'")])
+def test_devices_that_do_not_exist_are_refused(device, match):
+    if device.startswith("cuda") and torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=match):
+        replicate(nn.Linear(2, 2), ["cpu", device])
+
+
+def test_broadcast_checks_shapes_before_writing():
+    tensors = [torch.ones(3), torch.zeros(3), torch.zeros(4)]
+    with pytest.raises(ValueError, match=r"tensors\[2\] has shape \(4,\)"):
+        broadcast(tensors)
+    assert torch.equal(tensors[1], torch.zeros(3))
+    with pytest.raises(ValueError, match="src must index tensors"):
+        broadcast(tensors[:2], src=True)

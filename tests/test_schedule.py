@@ -7,9 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from manualdp.runners.explain import trace
-from manualdp.schedule import (
-    ALGORITHMS, Schedule, Transfer, check_schedule, chunk_bounds, chunk_sizes, cost, get_schedule, ring, traffic,
-)
+from manualdp.schedule import ALGORITHMS, Schedule, Transfer, chunk_bounds, chunk_sizes, get_schedule, ring
+from manualdp.cost import check_schedule, cost, traffic
 
 NS = range(1, 9)
 ALGS = sorted(ALGORITHMS)

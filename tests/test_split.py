@@ -19,9 +19,24 @@ def test_shards_concatenate_back_and_are_balanced(n, extra, features, dtype):
     assert torch.equal(torch.cat(y_shards), y)
     sizes = [len(s) for s in X_shards]
     assert max(sizes) - min(sizes) <= 1
+    assert sizes == sorted(sizes, reverse=True)  # the documented rule: the extra examples go to the first shards
     assert sizes == [len(s) for s in y_shards] == shard_sizes(batch, n)
     for shard, device in zip(X_shards + y_shards, devices + devices):
         assert shard.device == device
+
+
+@pytest.mark.parametrize("batch, n, expected", [
+    (7, 3, [[0, 1, 2], [3, 4], [5, 6]]),
+    (5, 2, [[0, 1, 2], [3, 4]]),
+    (4, 4, [[0], [1], [2], [3]]),
+    (6, 1, [[0, 1, 2, 3, 4, 5]]),
+    (9, 4, [[0, 1, 2], [3, 4], [5, 6], [7, 8]]),
+])
+def test_shards_are_the_ones_written_out_by_hand(batch, n, expected):
+    X, y = torch.arange(batch).float().view(batch, 1), torch.arange(batch)
+    X_shards, y_shards = split_batch(X, y, cpu_devices(n))
+    assert [s.tolist() for s in y_shards] == expected
+    assert [s.view(-1).long().tolist() for s in X_shards] == expected
 
 
 def test_shards_do_not_share_memory_with_the_batch():

@@ -1,4 +1,5 @@
 import copy
+import functools
 import json
 
 import pytest
@@ -8,6 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manualdp import History, cpu_devices, evaluate, replicate, train, train_batch
+import torch.nn.functional as F
 from manualdp.train import summed_loss
 
 
@@ -26,6 +28,20 @@ def _steps(net, batches, n, **kw):
     return replicas
 
 
+def _reference(net, batches):
+    """One device, plain PyTorch, the whole global batch: what N devices must reproduce.
+
+    It goes through none of manualdp (no split_batch, no summed_loss), so a bug there
+    cannot hide in the reference too.
+    """
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for X, y in batches:
+        opt.zero_grad()
+        F.cross_entropy(net(X), y).backward()
+        opt.step()
+    return net
+
+
 def _batches(dtype, batch, steps=3):
     g = torch.Generator().manual_seed(1)
     return [(torch.randn(batch, 6, generator=g, dtype=dtype), torch.randint(0, 4, (batch,), generator=g))
@@ -36,7 +52,7 @@ def _batches(dtype, batch, steps=3):
        bucket=st.sampled_from([None, 0.0005, 25.0]))
 def test_n_devices_equal_one_device_float64(n, batch, algorithm, bucket):
     batches = _batches(torch.float64, batch)
-    one = _steps(_net(torch.float64), batches, 1)[0]
+    one = _reference(_net(torch.float64), batches)
     many = _steps(_net(torch.float64), batches, n, algorithm=algorithm, bucket_cap_mb=bucket)
     for r in many:
         for p, q in zip(one.parameters(), r.parameters()):
@@ -49,7 +65,7 @@ def test_n_devices_equal_one_device_float64(n, batch, algorithm, bucket):
 @pytest.mark.parametrize("n", [2, 3, 5])
 def test_n_devices_equal_one_device_float32_uneven_batch(n):
     batches = _batches(torch.float32, 17, steps=4)  # 17 does not divide by 2, 3 or 5
-    one = _steps(_net(torch.float32), batches, 1)[0]
+    one = _reference(_net(torch.float32), batches)
     many = _steps(_net(torch.float32), batches, n)
     for p, q in zip(one.parameters(), many[-1].parameters()):
         torch.testing.assert_close(q, p)
@@ -143,3 +159,112 @@ def test_train_batch_needs_one_replica_per_device():
     opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
     with pytest.raises(ValueError, match="3 devices, 2 replicas, 2 optimizers"):
         train_batch(torch.zeros(6, 6), torch.zeros(6, dtype=torch.long), replicas, opts, cpu_devices(3))
+
+
+
+# ---------------------------------------------------------------- edge cases found in review
+
+def _small_net(bn=False):
+    torch.manual_seed(0)
+    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if bn else []) + [nn.ReLU(), nn.Linear(8, 3)]
+    return nn.Sequential(*layers).double()
+
+def _small_data(n=13, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+def _small_step(n, loss_fn=None, net=None, **kw):
+    devices = cpu_devices(n)
+    replicas = replicate(net or _small_net(), devices)
+    opts = [torch.optim.SGD(r.parameters(), lr=0.5) for r in replicas]
+    X, y = _small_data()
+    result = train_batch(X, y, replicas, opts, devices, loss_fn, **kw)
+    return replicas, result
+
+
+class Poison(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * float("nan") if self.calls == 2 else x
+
+
+def test_plain_loss_function_returning_a_mean_is_refused():
+    with pytest.raises(ValueError, match=r"loss_fn must return one loss per example \(shape \(\d+,\)\), got \(\)"):
+        _small_step(3, F.cross_entropy)
+
+
+def test_plain_loss_function_with_per_example_losses_equals_the_module():
+    per_example = functools.partial(F.cross_entropy, reduction="none")
+    a, _ = _small_step(3, per_example)
+    b, _ = _small_step(3, nn.CrossEntropyLoss())
+    one, _ = _small_step(1)
+    for p, q, r in zip(a[0].parameters(), b[0].parameters(), one[0].parameters()):
+        assert torch.equal(p, q)
+        torch.testing.assert_close(p, r, rtol=0, atol=1e-12)
+
+
+def test_skipped_step_restores_batchnorm_statistics():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), Poison(), nn.Linear(8, 3)).double()
+    devices = cpu_devices(2)
+    replicas = replicate(net, devices)
+    opts = [torch.optim.SGD(r.parameters(), lr=0.5) for r in replicas]
+    X, y = _small_data()
+    train_batch(X, y, replicas, opts, devices)  # replica 1 calls Poison once here
+    before = [b.clone() for b in replicas[0].buffers()]
+    result = train_batch(X, y, replicas, opts, devices, nonfinite="skip")  # replica 1's 2nd call is NaN
+    assert result.skipped
+    for r in replicas:
+        for b, saved in zip(r.buffers(), before):
+            assert torch.equal(b, saved)
+    assert all(torch.isfinite(b.float()).all() for r in replicas for b in r.buffers())
+
+
+def test_buffers_including_integer_ones_are_identical_after_a_step():
+    replicas, _ = _small_step(3, net=_small_net(bn=True))
+    bn = [r[1] for r in replicas]
+    for other in bn[1:]:
+        assert torch.equal(other.num_batches_tracked, bn[0].num_batches_tracked)
+        assert torch.equal(other.running_mean, bn[0].running_mean)
+
+
+def test_short_last_batch_is_skipped_with_a_message():
+    X, y = _small_data(33)
+    loader = DataLoader(TensorDataset(X, y), batch_size=8)  # last batch: 1 example, 4 devices
+    messages = []
+    net = _small_net()
+    before = [p.clone() for p in net.parameters()]
+    history = train(net, loader, loader, cpu_devices(4), 1, 0.1, progress=False, log=messages.append)
+    assert any("skipped a batch of 1, fewer examples than the 4 devices" in m for m in messages)
+    assert history.config and len(history.train_loss) == 1
+    assert any(not torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+def test_empty_training_loader_is_an_error():
+    with pytest.raises(ValueError, match="train_iter gave no usable batch in epoch 1"):
+        train(_small_net(), [], [], cpu_devices(2), 1, 0.1, progress=False, log=None)
+
+
+def test_unused_parameter_keeps_no_gradient_and_does_not_move():
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(4, 3), nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.used(x)
+
+    torch.manual_seed(0)
+    net = Two().double()
+    devices = cpu_devices(2)
+    replicas = replicate(net, devices)
+    opts = [torch.optim.SGD(r.parameters(), lr=0.5, weight_decay=0.1) for r in replicas]
+    X, y = _small_data()
+    train_batch(X, y, replicas, opts, devices)
+    for r in replicas:
+        assert r.unused.weight.grad is None
+        assert torch.equal(r.unused.weight, net.unused.weight)  # weight decay must not touch it

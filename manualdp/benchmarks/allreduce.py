@@ -15,7 +15,7 @@ transfer of b bytes reads two chunks and writes one (3b), a copy reads one and w
 same working set through the same memory, interleaved run by run with the allreduce.
 
 Model: one Python thread performs every transfer in turn, so a round takes the sum of its
-transfers, not the max over devices as on real devices (`manualdp.schedule.cost`):
+transfers, not the max over devices as on real devices (`manualdp.cost.cost`):
 time = alpha * transfers + beta * bytes moved + gamma * bytes added, fitted by non-negative
 least squares on relative error over all rows. The link between simulated devices is memory,
 which is several times slower once the working set leaves the CPU cache, so the "model"

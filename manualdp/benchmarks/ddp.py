@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runners.cli import _positive
+from ..runners.cli import positive
 from . import check_output_paths, save_outputs
 from ..support.files import atomic_write
 
@@ -163,18 +163,18 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="manualdp bench ddp", description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="lenet")
-    parser.add_argument("--world-size", type=_positive(int), default=2, help="processes (default 2)")
-    parser.add_argument("--batch-size", type=_positive(int), help="global batch (default: 256, resnet18 32)")
-    parser.add_argument("--steps", type=_positive(int), default=2, help="steps per timed block (default 2)")
-    parser.add_argument("--rounds", type=_positive(int), default=20, help="timed blocks per model (default 20)")
-    parser.add_argument("--warmup", type=_positive(int), default=3, help="untimed steps per model first (default 3)")
+    parser.add_argument("--world-size", type=positive(int), default=2, help="processes (default 2)")
+    parser.add_argument("--batch-size", type=positive(int), help="global batch (default: 256, resnet18 32)")
+    parser.add_argument("--steps", type=positive(int), default=2, help="steps per timed block (default 2)")
+    parser.add_argument("--rounds", type=positive(int), default=20, help="timed blocks per model (default 20)")
+    parser.add_argument("--warmup", type=positive(int), default=3, help="untimed steps per model first (default 3)")
     parser.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="ring")
-    parser.add_argument("--bucket-mb", type=_positive(float), default=25.0, help="bucket cap of both (default 25)")
-    parser.add_argument("--segment-bytes", type=_positive(int), default=1 << 20, help="manualdp's message segments")
-    parser.add_argument("--lr", type=_positive(float), default=0.01)
+    parser.add_argument("--bucket-mb", type=positive(float), default=25.0, help="bucket cap of both (default 25)")
+    parser.add_argument("--segment-bytes", type=positive(int), default=1 << 20, help="manualdp's message segments")
+    parser.add_argument("--lr", type=positive(float), default=0.01)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=_positive(int), help="torch threads per rank (default: cores / world size)")
-    parser.add_argument("--timeout", type=_positive(float), default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--threads", type=positive(int), help="torch threads per rank (default: cores / world size)")
+    parser.add_argument("--timeout", type=positive(float), default=1800.0, help="give up after this many seconds")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s per round and step times to a PNG")
     args = parser.parse_args(argv)

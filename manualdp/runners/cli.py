@@ -17,7 +17,7 @@ BENCHMARKS = {
 }
 
 
-def _positive(kind):
+def positive(kind):
     def parse(text: str):
         try:
             value = kind(text)
@@ -47,34 +47,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
                        description="Train with single-controller data parallelism; under torchrun, one process per device.")
-    t.add_argument("--devices", type=_positive(int), default=2, help="number of devices (default: 2)")
+    t.add_argument("--devices", type=positive(int), default=2, help="number of devices (default: 2)")
     t.add_argument("--cpu", action="store_true", help="simulate the devices on the CPU even when GPUs exist")
     t.add_argument("--model", choices=sorted(DEFAULT_LR), default="lenet", help="network (default: lenet)")
     t.add_argument("--dataset", choices=["synthetic", "fashion-mnist"], default="synthetic",
                    help="data set (default: synthetic, needs no download)")
     t.add_argument("--data-dir", default=None, help="where Fashion-MNIST lives (default: ~/.cache/manualdp/fashion-mnist)")
     t.add_argument("--download", action="store_true", help="download Fashion-MNIST if it is missing")
-    t.add_argument("--num-train", type=_positive(int), default=None, metavar="N",
+    t.add_argument("--num-train", type=positive(int), default=None, metavar="N",
                    help="use the first N training examples (default: all; synthetic has 10000)")
-    t.add_argument("--num-test", type=_positive(int), default=None, metavar="N",
+    t.add_argument("--num-test", type=positive(int), default=None, metavar="N",
                    help="use the first N test examples (default: all; synthetic has 2000)")
-    t.add_argument("--epochs", type=_positive(int), default=None, help="epochs (default: data set's)")
-    t.add_argument("--batch-size", type=_positive(int), default=256, help="global batch size (default: 256)")
-    t.add_argument("--lr", type=_positive(float), default=None, help="learning rate (default: per model)")
+    t.add_argument("--epochs", type=positive(int), default=None, help="epochs (default: data set's)")
+    t.add_argument("--batch-size", type=positive(int), default=256, help="global batch size (default: 256)")
+    t.add_argument("--lr", type=positive(float), default=None, help="learning rate (default: per model)")
     t.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
     t.add_argument("--algorithm", choices=["naive", "ring", "tree"], default=None,
                    help="allreduce algorithm (default: naive in one process, ring under torchrun)")
-    t.add_argument("--bucket-mb", type=_positive(float), default=None,
+    t.add_argument("--bucket-mb", type=positive(float), default=None,
                    help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
     t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
                    help="on a NaN/Inf gradient after the allreduce: stop (default), skip the step, or do not check")
     t.add_argument("--checkpoint-dir", metavar="DIR", help="save a checkpoint here after every epoch")
-    t.add_argument("--checkpoint-every", type=_positive(int), metavar="STEPS",
+    t.add_argument("--checkpoint-every", type=positive(int), metavar="STEPS",
                    help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    t.add_argument("--timeout", type=_positive(float), default=None, metavar="SECONDS",
+    t.add_argument("--timeout", type=positive(float), default=None, metavar="SECONDS",
                    help="under torchrun: give up on a silent peer after SECONDS (default: 300)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 

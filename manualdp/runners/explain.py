@@ -11,7 +11,8 @@ import argparse
 import string
 from collections import Counter
 
-from ..schedule import ALGORITHMS, Schedule, chunk_sizes, cost, get_schedule, traffic
+from ..schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
+from ..cost import cost, traffic
 
 __all__ = ["DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
 

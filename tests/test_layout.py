@@ -1,0 +1,102 @@
+"""The architecture of DESIGN.md, held by tests: which layer may import which, and a book a student can read."""
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+import manualdp
+
+ROOT = pathlib.Path(manualdp.__file__).parent
+COMPAT = {"distributed", "__init__", "__main__"}  # the package's front doors re-export every layer
+
+
+def layer(module: str) -> str:
+    """'checks', 'book', 'engine', 'utility' or 'runner' for a dotted name below `manualdp`."""
+    first = module.split(".")[0]
+    return {"validate": "checks", "spmd": "engine", "support": "utility", "runners": "runner",
+            "benchmarks": "runner"}.get(first, "book")
+
+
+def modules():
+    for path in sorted(ROOT.rglob("*.py")):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if name.endswith(".__init__"):
+            name = name[: -len(".__init__")]
+        yield name, path
+
+
+def imports(name: str, path: pathlib.Path):
+    """(imported manualdp module, the names it takes) for every import in the file, at any depth."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            elif node.module and node.module.startswith("manualdp"):
+                target = node.module[len("manualdp."):] if "." in node.module else ""
+            else:
+                continue
+            names = [a.name for a in node.names]
+            if node.module is None:  # `from . import x`: x is a module
+                for n in names:
+                    yield (f"{target}.{n}" if target else n), []
+            else:
+                yield target, names
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("manualdp."):
+                    yield a.name[len("manualdp."):], []
+
+
+ALLOWED = {  # every layer may use the validators; they use nothing
+    "checks": set(),
+    "book": {"checks", "book"},
+    "engine": {"checks", "book", "engine", "utility"},
+    "utility": {"checks", "utility"},
+    "runner": {"checks", "book", "engine", "utility", "runner"},
+}
+
+
+@pytest.mark.parametrize("name, path", [m for m in modules() if m[0].split(".")[-1] not in COMPAT and m[0]],
+                         ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_arrows_point_one_way(name, path):
+    mine = layer(name)
+    for target, _ in imports(name, path):
+        if not target:
+            continue
+        assert layer(target) in ALLOWED[mine], f"{name} ({mine}) imports {target} ({layer(target)})"
+
+
+def test_the_checker_sees_a_wrong_arrow(tmp_path):
+    bad = tmp_path / "split.py"
+    bad.write_text("from .support.checkpoint import save_checkpoint\nfrom .spmd import ddp\n")
+    found = [layer(t) for t, _ in imports("split", bad)]
+    assert found == ["utility", "engine"]
+
+
+@pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_no_private_name_is_imported_across_modules(name, path):
+    for target, names in imports(name, path):
+        private = [n for n in names if n.startswith("_")]
+        assert not private, f"{name} imports private {private} from {target}"
+
+
+BOOK = [name for name, _ in modules() if layer(name) == "book" and name not in COMPAT]
+
+
+@pytest.mark.parametrize("name", BOOK)
+def test_book_modules_fit_a_sitting(name):
+    lines = (ROOT / f"{name}.py").read_text().count("\n")
+    assert lines <= 200, f"manualdp/{name}.py has {lines} lines; the book's rule is at most 200"
+
+
+@pytest.mark.parametrize("fn", [manualdp.split_batch, manualdp.replicate, manualdp.allreduce, manualdp.broadcast,
+                                manualdp.train_batch], ids=lambda f: f.__name__)
+def test_book_functions_fit_on_one_screen(fn):
+    source = inspect.getsource(fn)
+    tree = ast.parse(source).body[0]
+    body = tree.body[1:] if isinstance(tree.body[0], ast.Expr) else tree.body  # without the docstring
+    lines = body[-1].end_lineno - body[0].lineno + 1
+    assert lines <= 25, f"{fn.__name__} has a body of {lines} lines"
