@@ -89,3 +89,15 @@ def test_cli_refuses_a_checkpoint_dir_that_is_a_file(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["train", "--checkpoint-dir", str(f)])
     assert "is not a folder" in capsys.readouterr().err
+
+
+def test_cpu_threads_default_to_one_for_simulated_devices_and_share_cores_under_torchrun(monkeypatch):
+    from manualdp.runners.cli import cpu_threads
+
+    assert cpu_threads(None, 1) == 1
+    assert cpu_threads(3, 1) == 3
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert cpu_threads(None, 4) == 4  # two ranks on this machine share its 8 cores
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
+    assert cpu_threads(None, 16) == 1

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
     t.add_argument("--timeout", type=positive(float), default=None, metavar="SECONDS",
                    help="under torchrun: give up on a silent peer after SECONDS (default: 300)")
+    t.add_argument("--threads", type=positive(int), default=None, metavar="N",
+                   help="torch threads per process on the CPU (default: 1 for simulated devices, which take "
+                        "turns on small shards; under torchrun, the cores shared among this machine's ranks)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
@@ -163,6 +166,20 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     return history if history is not None else 0
 
 
+def cpu_threads(requested: int | None, world_size: int) -> int:
+    """Threads for torch on the CPU: what was asked, else 1 per simulated device run, else the cores per rank.
+
+    Simulated devices run their small shards one after another; on such work extra threads
+    mostly wait for each other (on 2 busy cores, 4x slower than one thread).
+    """
+    if requested is not None:
+        return requested
+    if world_size > 1:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        return max(1, (os.cpu_count() or 1) // max(local, 1))
+    return 1
+
+
 def run_train(args) -> int:
     """`manualdp train`: one process driving simulated or real devices, or one rank under torchrun."""
     import torch
@@ -173,6 +190,7 @@ def run_train(args) -> int:
     from .loop import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.set_num_threads(cpu_threads(args.threads, world_size))
     lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
     torch.manual_seed(args.seed)
     try:
