@@ -7,6 +7,7 @@ this module and nothing else of the package's machinery.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 
 import torch
@@ -20,8 +21,8 @@ __all__ = [
 
 
 def is_int(value) -> bool:
-    """True for an int that is not a bool (`True` is an int to Python, never a count to us)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """True for an int (also numpy's) that is not a bool (`True` is an int to Python, never a count to us)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _is_number(value) -> bool:

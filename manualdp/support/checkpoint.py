@@ -13,6 +13,7 @@ from dataclasses import asdict
 import numpy as np
 import torch
 
+from ..validate import non_negative_int, positive_int
 from .files import atomic_write
 
 __all__ = ["TrainingState", "check_checkpoint_dir", "check_layout", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
@@ -39,10 +40,8 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2, end_o
     """Write `state` atomically (temporary file, flush, fsync, rename) and keep the newest `keep` files."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path, got {type(directory).__name__}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be a positive int, got {keep!r}")
+    non_negative_int("step", step)
+    positive_int("keep", keep)
     os.makedirs(directory, exist_ok=True)
     path = checkpoint_path(directory, step, end_of_epoch)
     with atomic_write(path) as f:

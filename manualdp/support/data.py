@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from ..validate import non_negative_int, positive_int, positive_number
 from .files import atomic_write
 
 __all__ = [
@@ -50,11 +51,6 @@ class DownloadError(OSError):
 
 # ---------------------------------------------------------------- synthetic data
 
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-
-
 def _smooth(a: np.ndarray, axis: int) -> np.ndarray:
     kernel = np.array([1.0, 2.0, 3.0, 2.0, 1.0]) / 9.0
     return np.apply_along_axis(np.convolve, axis, a, kernel, mode="valid")  # 4 shorter along `axis`
@@ -82,8 +78,8 @@ def synthetic_data(num_samples: int, *, seed: int = 0, split: str = "train") -> 
     The "train" and "test" splits share the shapes and draw different samples.
     Same arguments, bitwise the same data.
     """
-    _check_int("num_samples", num_samples, 0)
-    _check_int("seed", seed, 0)
+    non_negative_int("num_samples", num_samples)
+    non_negative_int("seed", seed)
     if split not in SYNTHETIC_SIZES:
         raise ValueError(f"split must be one of {sorted(SYNTHETIC_SIZES)}, got {split!r}")
     protos = _prototypes(seed)  # the same for both splits: they are what defines a class
@@ -202,8 +198,7 @@ def download_fashion_mnist(root, *, mirrors=FASHION_MNIST_MIRRORS, timeout: floa
     root = os.path.expanduser(_check_path("root", root))
     if isinstance(mirrors, str) or not mirrors or not all(isinstance(m, str) and m for m in mirrors):
         raise ValueError(f"mirrors must be a non-empty list of URL prefixes, got {mirrors!r}")
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    positive_number("timeout", timeout)
     os.makedirs(root, exist_ok=True)
     for name, md5 in FASHION_MNIST_FILES.items():
         path = os.path.join(root, name)
@@ -260,11 +255,11 @@ def load_data(
     """
     if name not in DATASETS:
         raise ValueError(f"name must be one of {list(DATASETS)}, got {name!r}")
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seed", seed, 0)
+    positive_int("batch_size", batch_size)
+    non_negative_int("seed", seed)
     for arg, value in (("num_train", num_train), ("num_test", num_test)):
         if value is not None:
-            _check_int(arg, value, 1)
+            positive_int(arg, value)
     if not isinstance(download, bool):
         raise TypeError(f"download must be a bool, got {download!r}")
 

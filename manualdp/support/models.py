@@ -7,18 +7,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..validate import positive_int
+
 __all__ = ["lenet", "Residual", "resnet18", "mlp", "MODELS", "get_model"]
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def lenet(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
     """LeNet of the d2l multi-GPU chapter, for 28x28 inputs (ReLU and average pooling)."""
-    _check_positive_int("num_classes", num_classes)
-    _check_positive_int("in_channels", in_channels)
+    positive_int("num_classes", num_classes)
+    positive_int("in_channels", in_channels)
     return nn.Sequential(
         nn.Conv2d(in_channels, 20, kernel_size=3), nn.ReLU(),
         nn.AvgPool2d(kernel_size=2, stride=2),   # 26x26 -> 13x13
@@ -60,8 +57,8 @@ def _stage(in_channels: int, out_channels: int, num_blocks: int, first: bool) ->
 
 def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
     """ResNet-18 for small images, as in d2l: 3x3 stem without max-pool, stages of 64/128/256/512."""
-    _check_positive_int("num_classes", num_classes)
-    _check_positive_int("in_channels", in_channels)
+    positive_int("num_classes", num_classes)
+    positive_int("in_channels", in_channels)
     net = nn.Sequential(
         nn.Conv2d(in_channels, 64, kernel_size=3, stride=1, padding=1),
         nn.BatchNorm2d(64),
@@ -78,9 +75,9 @@ def resnet18(num_classes: int = 10, in_channels: int = 1) -> nn.Sequential:
 
 def mlp(in_features: int = 784, hidden: int = 256, num_classes: int = 10) -> nn.Sequential:
     """A one-hidden-layer perceptron that flattens its input (e.g. 1x28x28 -> 784)."""
-    _check_positive_int("in_features", in_features)
-    _check_positive_int("hidden", hidden)
-    _check_positive_int("num_classes", num_classes)
+    positive_int("in_features", in_features)
+    positive_int("hidden", hidden)
+    positive_int("num_classes", num_classes)
     return nn.Sequential(
         nn.Flatten(),
         nn.Linear(in_features, hidden), nn.ReLU(),
