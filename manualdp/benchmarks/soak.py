@@ -66,7 +66,7 @@ def _soak_rank(args) -> list[tuple[int, float]]:
     samples = []
     for step in _progress(args.steps, dist.get_rank() == 0):
         X, y = _data(args.batch_size, step)
-        rank.step(X, y, step)
+        rank.step(X, y, len(X), step)
         if step % args.interval == 0 or step == args.steps - 1:
             samples.append((step, rss_mib()))
     return samples

@@ -141,7 +141,7 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     import torch.distributed as dist
 
     from ..guard import NonFiniteGradientError
-    from ..spmd import PeerError, init_from_env
+    from ..spmd import PeerError, init_from_env, shard_loader
     from .loop import train_spmd
 
     try:
@@ -149,6 +149,8 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     except (RuntimeError, ValueError) as e:
         print(f"manualdp train: error: could not join the other ranks: {e}", file=sys.stderr)
         return 1
+    # Each rank reads and collates only its shard of every global batch (same order on every rank).
+    train_iter = shard_loader(train_iter, dist.get_rank(), dist.get_world_size())
     try:
         history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "ring",
                              bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,

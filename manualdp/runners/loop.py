@@ -22,6 +22,7 @@ from ..spmd.ddp import DistributedDataParallel
 from ..spmd.launch import rank_device, shard
 from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
+from ..spmd.sampler import ShardedBatchSampler
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout
 from ..support.history import History
 from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
@@ -107,7 +108,8 @@ def train_spmd(
 ) -> History | None:
     """Train `net` with SGD on this rank's slice of every global batch; the History on rank 0, None elsewhere.
 
-    Every rank must iterate the same global batches (same data, same seed). Each rank's loss
+    Every rank must iterate the same global batches (same data, same seed), or, with a loader
+    from `manualdp.spmd.shard_loader`, its own shard of each of them. Each rank's loss
     is its shard's sum divided by the global batch and multiplied by the world size, so that
     the average over ranks that DDP takes is the one-process gradient of the global batch.
     `nonfinite`, `checkpoint_dir`, `checkpoint_every` and `resume` work as in `train`;
@@ -142,7 +144,9 @@ def train_spmd(
             if log and rank == 0:
                 log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
                     f"on {world_size} ranks")
-    mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter)
+    sharded = getattr(train_iter, "batch_sampler", None)
+    sharded = sharded if isinstance(sharded, ShardedBatchSampler) else None  # see manualdp.spmd.sampler.shard_loader
+    mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter, sharded)
     run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
     return history if rank == 0 else None
 
@@ -157,11 +161,12 @@ def run_epochs(mode, loop: TrainingState, history: History, num_epochs: int, che
         batches = _progress(loop.batches(epoch), progress and mode.is_main, f"epoch {epoch + 1}/{num_epochs}",
                             _len(loop.train_iter))
         for X, y in batches:
-            if len(X) < mode.parts:  # typically an epoch's last batch (drop_last=True avoids it); every rank skips it
-                say(f"epoch {epoch + 1}: skipped a batch of {len(X)}, fewer examples than the {mode.parts} {mode.what}")
+            n = mode.global_size(X, loop)
+            if n < mode.parts:  # typically an epoch's last batch (drop_last=True avoids it); every rank skips it
+                say(f"epoch {epoch + 1}: skipped a batch of {n}, fewer examples than the {mode.parts} {mode.what}")
                 continue
-            result = mode.step(X, y, loop.global_step)
-            loop.record(result, len(X))
+            result = mode.step(X, y, n, loop.global_step)
+            loop.record(result, n)
             if result.skipped:
                 say(f"step {loop.global_step - 1}: non-finite gradient, update skipped{mode.everywhere}")
             if hasattr(batches, "set_postfix"):
@@ -202,7 +207,10 @@ class SingleController:
         for r in self.replicas:
             r.train()
 
-    def step(self, X, y, step: int) -> StepResult:
+    def global_size(self, X, loop) -> int:
+        return len(X)
+
+    def step(self, X, y, n: int, step: int) -> StepResult:
         return train_batch(X, y, self.replicas, self.optimizers, self.devices, self.loss_fn, algorithm=self.algorithm,
                            bucket_cap_mb=self.bucket_cap_mb, nonfinite=self.nonfinite, step=step)
 
@@ -226,9 +234,10 @@ class OneRank:
     everywhere = " on every rank"
 
     def __init__(self, model: DistributedDataParallel, optimizer, loss_fn, nonfinite, device, algorithm, timeout,
-                 test_iter):
+                 test_iter, sharded: ShardedBatchSampler | None = None):
         self.model, self.optimizer, self.loss_fn, self.nonfinite = model, optimizer, loss_fn, nonfinite
         self.device, self.algorithm, self.timeout, self.test_iter = device, algorithm, timeout, test_iter
+        self.sharded = sharded  # the loader yields this rank's shards, not global batches
         self.parts = model.world_size
         self.is_main = model.rank == 0
         self.suffix = f" on {model.world_size} ranks"
@@ -236,19 +245,23 @@ class OneRank:
     def train(self) -> None:
         self.model.train()
 
-    def step(self, X, y, step: int) -> StepResult:
-        """One step on this rank's shard; loss and correct count are this rank's share of the global batch's."""
+    def global_size(self, X, loop) -> int:
+        return self.sharded.global_size(loop.step_in_epoch) if self.sharded is not None else len(X)
+
+    def step(self, X, y, n: int, step: int) -> StepResult:
+        """One step on this rank's shard of a global batch of `n`; loss and correct count are this rank's share."""
         rank, world_size = self.model.rank, self.model.world_size
-        Xs, ys = (t.to(self.device) for t in shard(X, y, rank, world_size))
+        Xs, ys = (X, y) if self.sharded is not None else shard(X, y, rank, world_size)
+        Xs, ys = Xs.to(self.device), ys.to(self.device)
         guard = NonFiniteGuard(self.nonfinite, [self.model.module], [self.optimizer], where=f"rank {rank}: ")
         self.optimizer.zero_grad(set_to_none=True)
         try:
             out = self.model(Xs)
-            loss = self.loss_fn(out, ys) / len(X) * world_size
+            loss = self.loss_fn(out, ys) / n * world_size
             loss.backward()
         except PeerError as e:
             raise e.at(f"step {step}") from e.__cause__
-        result = StepResult(loss.item() * len(X) / world_size, count_correct(out.detach(), ys), False)
+        result = StepResult(loss.item() * n / world_size, count_correct(out.detach(), ys), False)
         # The gradients are averages, bitwise equal on every rank, and a NaN or Inf on one rank
         # makes the sum non-finite on all: every rank takes the same decision.
         if not guard.passes(step):
