@@ -5,6 +5,8 @@ import argparse
 import os
 import sys
 
+from ..schedule import ALGORITHMS
+
 __all__ = ["main", "build_parser"]
 
 DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
@@ -62,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=positive(int), default=256, help="global batch size (default: 256)")
     t.add_argument("--lr", type=positive(float), default=None, help="learning rate (default: per model)")
     t.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
-    t.add_argument("--algorithm", choices=["naive", "ring", "tree"], default=None,
-                   help="allreduce algorithm (default: naive in one process, ring under torchrun)")
+    t.add_argument("--algorithm", choices=[*ALGORITHMS, "auto"], default=None,
+                   help="allreduce algorithm (default: naive in one process; under torchrun, auto: the cost "
+                        "model's pick for each bucket, with constants measured on this transport)")
     t.add_argument("--bucket-mb", type=positive(float), default=None,
                    help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
@@ -125,6 +128,8 @@ def check_train_args(args) -> str | None:
     if args.plot and not args.plot.lower().endswith(".png"):
         return f"--plot: {args.plot!r} must end in .png"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.algorithm == "auto" and world_size == 1:
+        return "--algorithm auto times the transport between processes: use it under torchrun"
     ranks = world_size if world_size > 1 else args.devices
     if args.batch_size < ranks:
         return f"--batch-size {args.batch_size} is smaller than the {ranks} devices: every device needs an example"
@@ -152,7 +157,7 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     # Each rank reads and collates only its shard of every global batch (same order on every rank).
     train_iter = shard_loader(train_iter, dist.get_rank(), dist.get_world_size())
     try:
-        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "ring",
+        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "auto",
                              bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                              resume=args.resume, progress=progress)

@@ -23,6 +23,7 @@ from ..spmd.launch import rank_device, shard
 from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
 from ..spmd.sampler import ShardedBatchSampler
+from ..spmd.tune import ENGINE_ALGORITHMS
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout
 from ..support.history import History
 from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
@@ -93,7 +94,7 @@ def train_spmd(
     lr: float,
     *,
     loss_fn=None,
-    algorithm: str = "ring",
+    algorithm: str = "auto",
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
@@ -116,7 +117,8 @@ def train_spmd(
     `timeout` (seconds, default: the process group's) bounds every wait for a peer.
     """
     nn_module("net", net)
-    _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
+    one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
+    _check_loop_args(train_iter, test_iter, num_epochs, lr, "naive", bucket_cap_mb, momentum, weight_decay,
                      nonfinite, checkpoint_dir, checkpoint_every, resume, log)
     timeout = timeout_seconds("timeout", timeout)
     if not dist.is_initialized():

@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
-from ..schedule import ALGORITHMS
 from ..validate import boolean, nn_module, one_of, positive_int, positive_number, timeout_seconds
-from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, group_ranks
-from .peers import SerialWorker, group_timeout, talking_to, wait
+from .p2p import DEFAULT_SEGMENT_BYTES, allreduce
+from .peers import SerialWorker, group_ranks, group_timeout, talking_to, wait
+from .tune import ENGINE_ALGORITHMS, resolve
 
 __all__ = ["Bucket", "DistributedDataParallel", "check_same_model", "broadcast_from_rank0"]
 
@@ -76,7 +76,8 @@ class DistributedDataParallel(nn.Module):
         module: the model, with all its parameters on one device (this rank's).
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
             parameter order; `None` gives one bucket per parameter.
-        algorithm: `naive`, `ring` or `tree` (see `manualdp.schedule`).
+        algorithm: a schedule of `manualdp.schedule`, or `auto` (default): for each bucket, the
+            one the cost model predicts fastest on this transport (`manualdp.spmd.tune`).
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
             before each forward pass, as DDP does.
         process_group: the group to average over (default: all ranks).
@@ -94,13 +95,13 @@ class DistributedDataParallel(nn.Module):
     """
 
     def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                 algorithm: str = "ring", broadcast_buffers: bool = True, process_group=None,
+                 algorithm: str = "auto", broadcast_buffers: bool = True, process_group=None,
                  device_ids=None, output_device=None, find_unused_parameters: bool = False,
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
         super().__init__()
         nn_module("module", module)
         positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
-        one_of("algorithm", algorithm, ALGORITHMS)
+        one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         positive_int("segment_bytes", segment_bytes)
         timeout = timeout_seconds("timeout", timeout)
         boolean("broadcast_buffers", broadcast_buffers)
@@ -141,6 +142,9 @@ class DistributedDataParallel(nn.Module):
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
+        # One schedule per bucket, decided now, together: "auto" may calibrate, a collective.
+        self._algorithms = [resolve(algorithm, b.flat.numel(), b.flat.element_size(), process_group, self.timeout)
+                            for b in self._buckets]
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
         self._in_backward = False
         # One thread runs the buckets' allreduces in launch order while backward goes on; on a
@@ -196,7 +200,8 @@ class DistributedDataParallel(nn.Module):
         """Start the allreduce of every full bucket, in bucket order (every rank must send them in the same order)."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.future = self._executor.submit(allreduce, bucket.flat, self.algorithm, self.process_group,
+            bucket.future = self._executor.submit(allreduce, bucket.flat, self._algorithms[self._next_launch],
+                                                  self.process_group,
                                                   segment_bytes=self.segment_bytes, timeout=self.timeout)
             self._next_launch += 1
 

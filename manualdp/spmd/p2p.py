@@ -17,12 +17,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
+from ..schedule import Schedule, chunk_bounds, get_schedule
 from ..validate import check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
-from .peers import group_timeout, talking_to, wait
+from .peers import group_ranks, group_timeout, talking_to, wait
+from .tune import ENGINE_ALGORITHMS, resolve
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "allreduce", "group_ranks"]
+           "may_post_early", "allreduce"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -200,21 +201,7 @@ def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int]
             _add(flat, m, buf)
 
 
-def group_ranks(group) -> tuple[int, list[int]]:
-    """This process's rank in `group` and the global rank of every member."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
-                           "(or manualdp.spmd.init_from_env) first")
-    rank = dist.get_rank(group)
-    if rank < 0:
-        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
-    n = dist.get_world_size(group)
-    if group is None or group is dist.group.WORLD:
-        return rank, list(range(n))
-    return rank, [dist.get_global_rank(group, r) for r in range(n)]
-
-
-def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
+def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
     """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
 
@@ -225,13 +212,14 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     check_summable(tensor)
-    one_of("algorithm", algorithm, ALGORITHMS)
+    one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
     rank, peers = group_ranks(group)
     if len(peers) == 1 or tensor.numel() == 0:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
+    algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout)  # "auto": the cost model's pick
     _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
 

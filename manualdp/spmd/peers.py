@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_timeout", "wait", "SerialWorker"]
+__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_ranks", "group_timeout", "wait", "SerialWorker"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds; gloo's own default is 30 minutes of silence
 
@@ -34,6 +34,21 @@ def group_timeout(group=None) -> float | None:
         except Exception:
             continue
     return None
+
+
+def group_ranks(group) -> tuple[int, list[int]]:
+    """This process's rank in `group` and the global rank of every member."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
+                           "(or manualdp.spmd.init_from_env) first")
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"this process (global rank {dist.get_rank()}) is not a member of group {group!r}")
+    n = dist.get_world_size(group)
+    if group is None or group is dist.group.WORLD:
+        return rank, list(range(n))
+    return rank, [dist.get_global_rank(group, r) for r in range(n)]
+
 
 
 class PeerError(RuntimeError):

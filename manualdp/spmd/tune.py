@@ -1,0 +1,187 @@
+"""`algorithm="auto"`: pick the schedule with the lowest predicted time, as NCCL's tuner does.
+
+The prediction is `manualdp.cost.cost`, the alpha-beta-gamma model, with constants fitted
+to this transport by a short calibration between two ranks: a few ping-pongs of one
+element give alpha (the time of a message), one large transfer gives beta (the time per
+byte), and a local addition gives gamma (the time per byte added). Every rank must choose
+alike, so rank 0 decides the constants (from `MANUALDP_LINK`, its cache or a calibration)
+and broadcasts them; each rank then computes the same argmin from the same numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..cost import cost
+from ..schedule import ALGORITHMS, get_schedule
+from ..support.files import write_json_atomic
+from ..validate import non_negative_int, non_negative_number, positive_int
+from .peers import group_ranks, talking_to, wait
+
+__all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "resolve"]
+
+ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
+ENV = "MANUALDP_LINK"  # "alpha,beta,gamma" in seconds, seconds/byte, seconds/byte: skips the calibration
+
+
+@dataclass(frozen=True)
+class Link:
+    """The alpha-beta-gamma constants of one transport."""
+
+    alpha: float  # seconds per message (latency, including the posting of it)
+    beta: float   # seconds per byte sent or received
+    gamma: float  # seconds per byte added
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma"):
+            non_negative_number(name, getattr(self, name))
+
+
+def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_size: int = 4) -> float:
+    """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`."""
+    nbytes -= nbytes % element_size
+    return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size)
+
+
+def choose(world_size: int, nbytes: int, link: Link, element_size: int = 4) -> str:
+    """The algorithm with the lowest predicted time; ties go to the first in `ALGORITHMS`' order."""
+    positive_int("world_size", world_size)
+    non_negative_int("nbytes", nbytes)
+    return min(ALGORITHMS, key=lambda a: predict(a, world_size, nbytes, link, element_size))
+
+
+def resolve(algorithm: str, numel: int, element_size: int, group=None, timeout: float | None = None) -> str:
+    """`algorithm` itself, or for "auto" the choice for a buffer of `numel` elements in `group`."""
+    if algorithm != "auto":
+        return algorithm
+    rank, peers = group_ranks(group)
+    return choose(len(peers), numel * element_size, link_for(group, timeout), element_size)
+
+
+# ---------------------------------------------------------------- the agreed constants of a group
+
+_LINKS: dict = {}  # process group -> its agreed Link
+
+
+def link_for(group=None, timeout: float | None = None) -> Link:
+    """The constants every rank of `group` agrees on; collective the first time for a group."""
+    key = group if group is not None else dist.group.WORLD
+    if key not in _LINKS:
+        _LINKS[key] = _agree(group, timeout)
+    return _LINKS[key]
+
+
+def cache_path(backend: str, world_size: int, host: str | None = None) -> str:
+    """Where rank 0 keeps the constants it measured for (backend, world size, host)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    host = host or socket.gethostname()
+    return os.path.join(root, "manualdp", f"link-{backend}-{world_size}-{host}.json")
+
+
+def _agree(group, timeout: float | None) -> Link:
+    """Rank 0's constants on every rank: its override or cache, else a calibration with rank 1."""
+    rank, peers = group_ranks(group)
+    if len(peers) == 1:
+        return Link(0.0, 0.0, 0.0)  # nothing is ever sent
+    device = _device(group)
+    known = _own_constants(group, len(peers)) if rank == 0 else None
+    # First: does rank 0 know the constants? If not, ranks 0 and 1 measure them.
+    message = torch.tensor([0.0, 0.0, 0.0, 0.0] if known is None else [1.0, known.alpha, known.beta, known.gamma],
+                           dtype=torch.float64, device=device)
+    _broadcast(message, peers, rank, group, timeout)
+    if message[0] == 0:
+        measured = calibrate(group, timeout) if rank in (0, 1) else None
+        if rank == 0:
+            _save(group, len(peers), measured)
+            message = torch.tensor([1.0, measured.alpha, measured.beta, measured.gamma], dtype=torch.float64,
+                                   device=device)
+        _broadcast(message, peers, rank, group, timeout)
+    return Link(*(float(v) for v in message[1:].tolist()))
+
+
+def _own_constants(group, world_size: int) -> Link | None:
+    """Rank 0's constants without measuring: `MANUALDP_LINK`, or its cache file."""
+    if os.environ.get(ENV):
+        try:
+            return Link(*(float(v) for v in os.environ[ENV].split(",")))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{ENV} must be 'alpha,beta,gamma' (three non-negative numbers), "
+                             f"got {os.environ[ENV]!r}") from e
+    try:
+        with open(cache_path(dist.get_backend(group), world_size)) as f:
+            return Link(**json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def _save(group, world_size: int, link: Link) -> None:
+    path = cache_path(dist.get_backend(group), world_size)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, asdict(link))
+    except OSError:  # a read-only home costs a calibration per run, nothing more
+        pass
+
+
+def _broadcast(t: torch.Tensor, peers: list[int], rank: int, group, timeout: float | None) -> None:
+    peer = peers[0] if rank != 0 else None
+    with talking_to(peer, timeout):
+        work = dist.broadcast(t, src=peers[0], group=group, async_op=True)
+    wait(work, peer, timeout)
+
+
+def _device(group) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+# ---------------------------------------------------------------- measuring
+
+SMALL_REPEATS = 20
+LARGE_BYTES = 4 << 20
+LARGE_REPEATS = 3
+
+
+def calibrate(group=None, timeout: float | None = None) -> Link:
+    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, gamma by a local add.
+
+    Only those two ranks call it. Medians, after one untimed exchange of each size.
+    """
+    rank, peers = group_ranks(group)
+    if rank not in (0, 1):
+        raise ValueError(f"calibrate runs on the group's ranks 0 and 1, not on rank {rank}")
+    other = peers[1 - rank]
+    device = _device(group)
+    small = torch.zeros(1, dtype=torch.float32, device=device)
+    large = torch.zeros(LARGE_BYTES // 4, dtype=torch.float32, device=device)
+    alpha = _one_way(small, other, rank == 0, SMALL_REPEATS, group, timeout)
+    one_way_large = _one_way(large, other, rank == 0, LARGE_REPEATS, group, timeout)
+    beta = max(one_way_large - alpha, 0.0) / LARGE_BYTES
+    add_times = []
+    for _ in range(LARGE_REPEATS + 1):
+        start = time.perf_counter()
+        large.add_(large)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        add_times.append(time.perf_counter() - start)
+    gamma = statistics.median(add_times[1:]) / LARGE_BYTES
+    return Link(alpha, beta, gamma)
+
+
+def _one_way(buf: torch.Tensor, peer: int, first: bool, repeats: int, group, timeout: float | None) -> float:
+    """Half the median round trip of `buf` between this rank and `peer`."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for send in ((True, False) if first else (False, True)):
+            with talking_to(peer, timeout):
+                work = (dist.isend if send else dist.irecv)(buf, peer, group)
+            wait(work, peer, timeout)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) / 2

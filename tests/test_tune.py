@@ -1,0 +1,95 @@
+"""algorithm="auto": the cost model's pick, with constants every rank agrees on."""
+import json
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+from manualdp.cost import traffic
+from manualdp.schedule import ALGORITHMS, get_schedule
+from manualdp.spmd import launch
+from manualdp.spmd.tune import Link, cache_path, choose, predict
+
+
+@given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4),
+       alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9))
+def test_the_choice_is_the_lowest_prediction(n, nbytes, alpha, beta, gamma):
+    link = Link(alpha, beta, gamma)
+    pick = choose(n, nbytes, link)
+    assert all(predict(pick, n, nbytes, link) <= predict(a, n, nbytes, link) for a in ALGORITHMS)
+
+
+@pytest.mark.parametrize("n", [3, 4, 8])
+def test_bandwidth_bound_choice_moves_the_fewest_bytes(n):
+    link = Link(alpha=0.0, beta=1e-9, gamma=0.0)
+    nbytes = 64 << 20
+    pick = choose(n, nbytes, link)
+    busiest = {a: max(max(t["sent"]), max(t["received"]))
+               for a in ALGORITHMS for t in [traffic(get_schedule(a, n), nbytes, 4)]}
+    # The textbook's root sends (n-1)S; a bandwidth-optimal schedule 2(n-1)/n S per device.
+    assert busiest[pick] == min(busiest.values()) < busiest["naive"]
+
+
+def test_latency_bound_choice_takes_the_fewest_message_rounds():
+    n, link = 8, Link(alpha=1e-4, beta=0.0, gamma=0.0)
+    pick = choose(n, 4096, link)
+    rounds = {a: len(get_schedule(a, n).rounds) for a in ALGORITHMS}
+    assert rounds[pick] < rounds["ring"]  # ring needs 2(n-1) = 14 rounds
+
+
+def test_link_constants_are_checked():
+    with pytest.raises(ValueError, match="beta must be a non-negative number"):
+        Link(1e-6, -1.0, 0.0)
+
+
+def _agree(links: list, sizes: list, cache: str):
+    from manualdp.spmd import allreduce
+    from manualdp.spmd.tune import link_for, resolve
+
+    os.environ["XDG_CACHE_HOME"] = cache
+    if links[dist.get_rank()] is not None:
+        os.environ["MANUALDP_LINK"] = links[dist.get_rank()]
+    link = link_for()
+    picks = [resolve("auto", s, 4) for s in sizes]
+    x = torch.arange(1000, dtype=torch.float32) * (dist.get_rank() + 1)
+    allreduce(x, "auto")
+    return link, picks, x
+
+
+def test_ranks_agree_on_rank_zeros_constants_though_their_own_differ(tmp_path):
+    # Rank 0 says "latency is everything", the others "bandwidth is everything": they must follow rank 0.
+    links = ["1e-3,0,0", "0,1e-9,0", "0,1e-9,0"]
+    sizes = [4 << k for k in range(0, 25, 4)]
+    out = launch(_agree, 3, (links, sizes, str(tmp_path)), timeout=120)
+    assert all(link == Link(1e-3, 0.0, 0.0) for link, _, _ in out)
+    assert all(picks == out[0][1] for _, picks, _ in out)
+    assert out[0][1] == [choose(3, s * 4, Link(1e-3, 0.0, 0.0)) for s in sizes]
+    expected = torch.arange(1000, dtype=torch.float32) * 6
+    for _, _, x in out:
+        assert torch.equal(x, expected)
+
+
+def _calibrate_twice(cache: str):
+    import manualdp.spmd.tune as tune
+
+    os.environ["XDG_CACHE_HOME"] = cache
+    os.environ.pop("MANUALDP_LINK", None)
+    first = tune.link_for()
+    tune._LINKS.clear()  # a new run: the constants now come from rank 0's cache, not a calibration
+    tune.calibrate = None  # calling it would fail
+    second = tune.link_for()
+    return first, second
+
+
+def test_calibration_measures_once_and_rank_zero_caches_it(tmp_path, monkeypatch):
+    first, second = launch(_calibrate_twice, 2, (str(tmp_path),), timeout=120)
+    assert first[0] == first[1] == second[0] == second[1]
+    link = first[0]
+    assert all(math.isfinite(v) and v >= 0 for v in (link.alpha, link.beta, link.gamma))
+    assert link.alpha > 0  # a message never takes no time
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with open(cache_path("gloo", 2)) as f:
+        assert Link(**json.load(f)) == link
