@@ -42,7 +42,6 @@ import torch
 from ..allreduce import allreduce
 from ..schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
 from . import check_output_paths, save_outputs
-from ..support.files import atomic_write
 
 __all__ = [
     "DTYPES", "Measurement", "time_in_process", "memory_bytes", "serial_features", "fit_cost",
@@ -247,11 +246,9 @@ def _met(ok: bool) -> str:
 
 def plot(result: dict, path: str) -> None:
     """busbw and effective bandwidth against size, one line per algorithm, to a PNG at `path` (atomically)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..support.plot import new_figure, save_figure
 
-    fig, (ax_bus, ax_eff) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_bus, ax_eff) = new_figure(1, 2, width=11, height=4.2)
     for algorithm in dict.fromkeys(r["algorithm"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["algorithm"] == algorithm]
         ax_bus.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o", label=algorithm)
@@ -267,12 +264,7 @@ def plot(result: dict, path: str) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend()
     fig.suptitle(f"allreduce, {c['devices']} simulated devices, {c['dtype']}")
-    fig.tight_layout()
-    try:
-        with atomic_write(path) as f:
-            fig.savefig(f, format="png", dpi=120)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def _sizes(min_bytes: int, max_bytes: int, factor: int) -> list[int]:

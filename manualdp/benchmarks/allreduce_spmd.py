@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from ..schedule import ALGORITHMS
 from . import check_output_paths, save_outputs
-from ..support.files import atomic_write
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -116,11 +115,9 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """busbw against size, one line per implementation, to a PNG at `path` (atomically)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..support.plot import new_figure, save_figure
 
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, (ax,) = new_figure(1, 1, width=6.5, height=4.2)
     for name in dict.fromkeys(r["algorithm"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["algorithm"] == name]
         ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o", label=name,
@@ -132,12 +129,7 @@ def plot(result: dict, path: str) -> None:
     ax.legend()
     c = result["config"]
     ax.set_title(f"allreduce across {c['world_size']} processes, gloo, {c['dtype']}")
-    fig.tight_layout()
-    try:
-        with atomic_write(path) as f:
-            fig.savefig(f, format="png", dpi=120)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,9 +25,8 @@ from torch import nn
 
 from ..runners.cli import positive
 from . import check_output_paths, save_outputs
-from ..support.files import atomic_write
 
-__all__ = ["main", "run", "format_table", "plot"]
+__all__ = ["main", "run", "format_table", "plot", "DEFAULT_BATCH", "NAMES"]
 
 DEFAULT_BATCH = {"lenet": 256, "mlp": 256, "resnet18": 32}
 NAMES = ("torch DDP", "manualdp")
@@ -97,7 +96,7 @@ def run(config: dict) -> dict:
     for name in NAMES:
         times = raw["step_times"][name]
         stats[name] = {"samples_per_s": statistics.median(raw["samples_per_s"][name]),
-                       "p50_ms": 1e3 * _percentile(times, 0.5), "p90_ms": 1e3 * _percentile(times, 0.9),
+                       **{f"p{q}_ms": 1e3 * _percentile(times, q / 100) for q in (50, 75, 90, 95)},
                        "rounds_samples_per_s": raw["samples_per_s"][name], "step_times_s": times}
     paired = [ours / theirs for ours, theirs in zip(raw["samples_per_s"]["manualdp"], raw["samples_per_s"]["torch DDP"])]
     return {"config": dict(config, torch=torch.__version__), "results": stats,
@@ -129,11 +128,9 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Samples/s per round and the step-time distribution of both, to a PNG at `path` (atomically)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..support.plot import new_figure, save_figure
 
-    fig, (ax_rate, ax_time) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax_rate, ax_time) = new_figure(1, 2, width=10, height=4)
     for name in NAMES:
         rates = result["results"][name]["rounds_samples_per_s"]
         ax_rate.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
@@ -148,12 +145,7 @@ def plot(result: dict, path: str) -> None:
     c = result["config"]
     fig.suptitle(f"{c['model']}, world size {c['world_size']}, batch {c['batch_size']}: "
                  f"manualdp/DDP = {result['ratio']:.3f}")
-    fig.tight_layout()
-    try:
-        with atomic_write(path) as f:
-            fig.savefig(f, format="png", dpi=110)
-    finally:
-        plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=positive(int), default=2, help="steps per timed block (default 2)")
     parser.add_argument("--rounds", type=positive(int), default=20, help="timed blocks per model (default 20)")
     parser.add_argument("--warmup", type=positive(int), default=3, help="untimed steps per model first (default 3)")
-    parser.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="ring")
+    parser.add_argument("--algorithm", choices=[*sorted(ALGORITHMS), "auto"], default="auto")
     parser.add_argument("--bucket-mb", type=positive(float), default=25.0, help="bucket cap of both (default 25)")
     parser.add_argument("--segment-bytes", type=positive(int), default=1 << 20, help="manualdp's message segments")
     parser.add_argument("--lr", type=positive(float), default=0.01)

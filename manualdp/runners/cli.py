@@ -15,6 +15,7 @@ BENCHMARKS = {
     "allreduce": "manualdp.benchmarks.allreduce",
     "ddp": "manualdp.benchmarks.ddp",
     "overhead": "manualdp.benchmarks.overhead",
+    "scaling": "manualdp.benchmarks.scaling",
     "soak": "manualdp.benchmarks.soak",
 }
 

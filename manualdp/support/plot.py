@@ -9,7 +9,7 @@ from matplotlib.figure import Figure
 
 from .files import atomic_write
 
-__all__ = ["plot_history"]
+__all__ = ["plot_history", "new_figure", "save_figure"]
 
 _CURVES = ("train_loss", "train_acc", "test_acc")
 
@@ -67,3 +67,17 @@ def plot_history(history, path) -> None:
     # Save next to the target and rename: a crash leaves the old file or the new one, never half of one.
     with atomic_write(path) as f:
         fig.savefig(f, format="png", dpi=100)
+
+
+def new_figure(rows: int = 1, cols: int = 1, width: float = 6.4, height: float = 4.0):
+    """A figure drawn with Agg (no pyplot, no global backend) and its axes as a flat list."""
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False)
+    return fig, [ax for row in axes for ax in row]
+
+
+def save_figure(fig, path, dpi: int = 110) -> None:
+    """Write `fig` as a PNG at `path`, atomically."""
+    with atomic_write(_check_png_path(path)) as f:
+        fig.savefig(f, format="png", dpi=dpi)
