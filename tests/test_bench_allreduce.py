@@ -91,3 +91,20 @@ def test_benchmarks_refuse_output_paths_before_running(bench, argv, words, capsy
         cli_main(["bench", bench, *argv])
     assert info.value.code == 2
     assert words in capsys.readouterr().err
+
+
+def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeypatch):
+    from manualdp.benchmarks.allreduce_spmd import main as spmd_main
+    from manualdp.schedule import ALGORITHMS
+
+    monkeypatch.setenv("MANUALDP_LINK", "1e-5,1e-9,1e-10")  # no calibration: the prediction is then known here
+    out = tmp_path / "spmd.json"
+    assert spmd_main(["--world-size", "2", "--min-bytes", "4096", "--max-bytes", "16384", "--iters", "1",
+                      "--warmup", "0", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    autos = [r for r in result["rows"] if r["algorithm"] == "auto"]
+    assert [r["size"] for r in autos] == [4096, 16384]
+    for r in autos:
+        assert r["pick"] in ALGORITHMS and r["fastest"] in ALGORITHMS and r["wrong"] == 0
+        assert r["predicted_us"] > 0
+    assert result["link"] == {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10}

@@ -38,12 +38,15 @@ def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _rank_main(config: dict) -> dict:
     """One rank: time every implementation at every size; return per-run times and wrong counts."""
     from ..spmd import allreduce
+    from ..spmd.tune import link_for, resolve
 
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[config["dtype"]]
     element_size = torch.empty((), dtype=dtype).element_size()
-    impls = {a: (lambda x, a=a: allreduce(x, a, segment_bytes=config["segment_bytes"])) for a in config["algorithms"]}
+    impls = {a: (lambda x, a=a: allreduce(x, a, segment_bytes=config["segment_bytes"]))
+             for a in [*config["algorithms"], "auto"]}
     impls[GLOO] = dist.all_reduce
+    link = link_for()  # the agreed constants (calibrated, cached or MANUALDP_LINK) before any timing
     names = list(impls)
     out = {}
     for size in config["sizes"]:
@@ -64,7 +67,8 @@ def _rank_main(config: dict) -> dict:
                 if i >= config["warmup"]:
                     times[name].append(seconds)
                     wrong[name] = max(wrong[name], int((work != expected).sum()))
-        out[size] = {"times": times, "wrong": wrong}
+        out[size] = {"times": times, "wrong": wrong, "pick": resolve("auto", numel, element_size)}
+    out["link"] = vars(link)
     return out
 
 
@@ -75,6 +79,9 @@ def run(config: dict) -> dict:
     per_rank = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"])
     n = config["world_size"]
     element_size = torch.empty((), dtype=DTYPES[config["dtype"]]).element_size()
+    from ..spmd.tune import Link, predict
+
+    link = Link(**per_rank[0]["link"])
     rows = []
     for size in config["sizes"]:
         names = list(per_rank[0][size]["times"])
@@ -89,10 +96,17 @@ def run(config: dict) -> dict:
         gloo = next(r for r in block if r["algorithm"] == GLOO)["busbw"]
         for r in block:
             r["vs_gloo"] = r["busbw"] / gloo
+        auto = next(r for r in block if r["algorithm"] == "auto")
+        explicit = [r for r in block if r["algorithm"] in config["algorithms"]]
+        auto["pick"] = per_rank[0][size]["pick"]
+        auto["predicted_us"] = 1e6 * predict(auto["pick"], n, size, link, element_size)
+        auto["fastest"] = min(explicit, key=lambda r: r["time_us"])["algorithm"]
         rows += block
-    ring_big = [r["vs_gloo"] for r in rows if r["algorithm"] == "ring" and r["size"] >= 4 * MiB]
-    return {"config": dict(config, torch=torch.__version__), "rows": rows,
-            "target": {"ring_vs_gloo_min_4MiB": min(ring_big) if ring_big else None}}
+    autos = [r for r in rows if r["algorithm"] == "auto"]
+    in_range = [r["vs_gloo"] for r in autos if 64 * 1024 <= r["size"] <= 64 * MiB]
+    return {"config": dict(config, torch=torch.__version__), "rows": rows, "link": vars(link),
+            "target": {"auto_vs_gloo_min": min(in_range) if in_range else None,
+                       "auto_picks_fastest": sum(r["pick"] == r["fastest"] for r in autos), "sizes": len(autos)}}
 
 
 def format_table(result: dict) -> str:
@@ -104,12 +118,21 @@ def format_table(result: dict) -> str:
              f"torch {c['torch']}",
              fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw/gloo")]
     for r in result["rows"]:
-        lines.append(fmt(r["size"], r["count"], r["type"], r["algorithm"], f"{r['time_us']:.1f}", f"{r['algbw']:.3f}",
-                         f"{r['busbw']:.3f}", r["wrong"], f"{r['vs_gloo']:.2f}"))
-    worst = result["target"]["ring_vs_gloo_min_4MiB"]
-    if worst is not None:
-        lines.append(f"target ring busbw >= 0.9 x gloo for sizes >= 4 MiB: worst {worst:.2f} -> "
-                     f"{'met' if worst >= 0.9 else 'NOT met'}")
+        name = f"auto={r['pick']}" if r["algorithm"] == "auto" else r["algorithm"]
+        line = fmt(r["size"], r["count"], r["type"], name, f"{r['time_us']:.1f}", f"{r['algbw']:.3f}",
+                   f"{r['busbw']:.3f}", r["wrong"], f"{r['vs_gloo']:.2f}")
+        if r["algorithm"] == "auto":
+            line += f"  predicted {r['predicted_us']:.1f} us; fastest measured: {r['fastest']}"
+        lines.append(line)
+    link, t = result["link"], result["target"]
+    lines.append(f"link: alpha {link['alpha'] * 1e6:.2f} us, beta {link['beta'] * 1e9:.3f} ns/B, "
+                 f"gamma {link['gamma'] * 1e9:.3f} ns/B")
+    if t["auto_vs_gloo_min"] is not None:
+        lines.append(f"target auto busbw >= 1.0 x gloo from 64 KiB to 64 MiB: worst {t['auto_vs_gloo_min']:.2f} -> "
+                     f"{'met' if t['auto_vs_gloo_min'] >= 1.0 else 'NOT met'}")
+    share = t["auto_picks_fastest"] / t["sizes"]
+    lines.append(f"target auto picks the measured-fastest algorithm at >= 90% of sizes: {t['auto_picks_fastest']}/"
+                 f"{t['sizes']} -> {'met' if share >= 0.9 else 'NOT met'}")
     return "\n".join(lines)
 
 
