@@ -11,11 +11,12 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import stat
 import sys
 import tempfile
 
-__all__ = ["atomic_write", "write_json_atomic", "writes_in_place", "json_safe"]
+__all__ = ["atomic_write", "write_json_atomic", "writes_in_place", "json_safe", "output_problem"]
 
 
 def writes_in_place(path) -> bool:
@@ -23,6 +24,8 @@ def writes_in_place(path) -> bool:
     try:
         mode = os.stat(path).st_mode  # follows symlinks: /dev/stdout -> /proc/self/fd/1 -> a pipe or a tty
     except FileNotFoundError:
+        return False
+    if stat.S_ISDIR(mode):
         return False
     # /dev/stdout redirected to a regular file is still the shell's open file: replace it and
     # everything printed after goes to a deleted inode. So any link on the way through /dev or
@@ -114,3 +117,39 @@ def write_json_atomic(path, obj) -> None:
     text = json.dumps(json_safe(obj), indent=2, allow_nan=False)  # serialise first: a failure writes nothing
     with atomic_write(path, "w") as f:
         f.write(text)
+
+
+def output_problem(path, need_bytes: int = 1 << 20, folder: bool = False) -> str | None:
+    """Why writing `need_bytes` to `path` (a file, or with `folder=True` a folder of files) would fail; None if it would not.
+
+    Tries it: a temporary file is made and removed where the output will go, so a read-only
+    file system, missing permissions (also for root) and a full disk are found before any work.
+    """
+    if os.fspath(path) == "":
+        return "the path is empty"
+    if not folder and os.path.isdir(path):
+        return "is a directory"
+    if not folder and writes_in_place(path):
+        return None if os.access(path, os.W_OK) else "it cannot be opened for writing"
+    target = os.path.realpath(path)
+    if folder:
+        if os.path.exists(target) and not os.path.isdir(target):
+            return "it exists and is not a folder"
+        where = target
+        while not os.path.isdir(where):  # the first folder that exists: the run will make the rest
+            where = os.path.dirname(where)
+    else:
+        if os.path.isdir(target):
+            return "is a directory"
+        where = os.path.dirname(target)
+        if not os.path.isdir(where):
+            return f"its folder {where} does not exist"
+    try:
+        with tempfile.TemporaryFile(dir=where):
+            pass
+    except OSError as e:
+        return f"cannot write in {where}: {e.strerror or e}"
+    free = shutil.disk_usage(where).free
+    if free < need_bytes:
+        return f"only {free / 2**20:.1f} MiB free in {where}, about {need_bytes / 2**20:.1f} MiB needed"
+    return None
