@@ -131,8 +131,8 @@ def timeout_seconds(name: str, value) -> float | None:
         return None
     if _is_number(value) and 0 < value <= MAX_TIMEOUT:
         return float(value)
-    raise ValueError(f"{name} must be a positive number of seconds or None (at most {MAX_TIMEOUT:.0f}, a year), "
-                     f"got {value!r}")
+    raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r} "
+                     f"(at most {MAX_TIMEOUT:.0f}, a year)")
 
 
 def seed(name: str, value) -> int:
