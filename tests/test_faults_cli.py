@@ -97,3 +97,19 @@ def test_a_write_error_during_the_run_keeps_the_finished_epochs(tmp_path, monkey
               log=None)
     assert "No space left on device" in str(e.value) and "ckpt-00000008-epoch.pt" in str(e.value)
     assert len(e.value.history.train_loss) == 2
+
+
+def test_explain_says_its_limit_at_once_and_stays_fast_below_it():
+    import time
+
+    from manualdp.runners.explain import MAX_DEVICES, explain
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match=f"at most {MAX_DEVICES}.*got 1000"):
+        explain("ring", 1000)
+    with pytest.raises(ValueError, match="--state"):
+        explain("ring", 100, show_state=True)
+    assert time.perf_counter() - start < 1.0
+    start = time.perf_counter()
+    text = explain("ring", MAX_DEVICES)
+    assert text.count(" -> dev") == 2 * (MAX_DEVICES - 1) * MAX_DEVICES
+    assert time.perf_counter() - start < 30.0
