@@ -15,7 +15,8 @@ from torch import nn
 
 __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
-    "one_of", "int_between", "index", "boolean", "nn_module", "iterable", "callable_or_none", "path", "timeout_seconds",
+    "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
+    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "iterable", "callable_or_none", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch",
 ]
 
@@ -71,6 +72,25 @@ def one_of(name: str, value, choices):
     raise ValueError(f"{name} must be one of {shown}, got {value!r}")
 
 
+# The largest float32: a learning rate past it is inf once the optimizer multiplies it into a
+# float32 gradient, so every step is NaN. Smaller but still huge rates can train (and diverge,
+# which the non-finite guard reports with the step); these cannot, so they are refused.
+MAX_LR = float(torch.finfo(torch.float32).max)
+
+
+def learning_rate(name: str, value):
+    """A learning rate: a number > 0, finite and at most MAX_LR (float32's largest, 3.4e38)."""
+    if _is_number(value) and 0 < value <= MAX_LR:
+        return value
+    raise ValueError(f"{name} must be a positive number, finite and <= {MAX_LR:.3g}, got {value!r}")
+
+
+def mapping_or_none(name: str, value):
+    if value is None or isinstance(value, dict):
+        return value
+    raise TypeError(f"{name} must be a dict or None, got {type(value).__name__}")
+
+
 def boolean(name: str, value) -> bool:
     if isinstance(value, bool):
         return value
@@ -101,13 +121,31 @@ def path(name: str, value, *, none_ok: bool = False):
     raise TypeError(f"{name} must be a path, got {type(value).__name__}")
 
 
+# A year: longer timeouts overflow the backends' own (timedelta, milliseconds in a C long).
+MAX_TIMEOUT = 365 * 24 * 3600.0
+MAX_SEED = 2**32 - 1  # numpy's legacy seeding and most tools take 32 bits
+
+
 def timeout_seconds(name: str, value) -> float | None:
-    """A timeout: positive finite seconds as a float; None stays None (the backend's own)."""
+    """A timeout: positive seconds up to MAX_TIMEOUT (a year) as a float; None stays None (the backend's own)."""
     if value is None:
         return None
-    if _is_number(value) and 0 < value < math.inf:
+    if _is_number(value) and 0 < value <= MAX_TIMEOUT:
         return float(value)
-    raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r}")
+    raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r} "
+                     f"(at most {MAX_TIMEOUT:.0f}, a year)")
+
+
+def seed(name: str, value) -> int:
+    return int_between(name, value, 0, MAX_SEED)
+
+
+def non_empty_path(name: str, value):
+    """A path that is not ''."""
+    path(name, value)
+    if os.fspath(value) == "":
+        raise ValueError(f"{name} must not be empty, got ''")
+    return value
 
 
 def check_devices(devices, name: str = "devices") -> list[torch.device]:

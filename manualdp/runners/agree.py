@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from ..spmd.p2p import allreduce
-from ..support.checkpoint import checkpoint_path, load_latest
+from ..support.checkpoint import checkpoint_path, load_latest, read_checkpoint
 
-__all__ = ["agree_on_checkpoint"]
+__all__ = ["agree_on_checkpoint", "agree_on_run_id", "agree_all_succeed"]
 
 
 def _exchange(value: int, device, algorithm: str, timeout: float | None) -> list[int]:
@@ -30,44 +30,72 @@ def _position(state: dict) -> int:
     return 2 * state["global_step"] + (state["step_in_epoch"] == 0)
 
 
-def _load_step(directory: str, position: int) -> dict | None:
+def _load_step(directory: str, position: int, fits) -> dict | None:
     step, end_of_epoch = divmod(position, 2)
-    path = checkpoint_path(directory, step, bool(end_of_epoch))
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception:  # missing, truncated or corrupt: the caller tells every rank
+        return read_checkpoint(checkpoint_path(directory, step, bool(end_of_epoch)), fits)
+    except Exception:  # missing, damaged or not fitting: the caller tells every rank
         return None
-    state["path"] = path
-    return state
 
 
-def agree_on_checkpoint(directory: str, device, algorithm: str, timeout: float | None) -> dict | None:
-    """The newest checkpoint step that every rank can read, loaded on every rank; None if no rank has any.
+def agree_all_succeed(error: Exception | None, device, algorithm: str, timeout: float | None) -> None:
+    """Raise on every rank if `error` happened on any: a rank that raised alone would leave its peers waiting."""
+    failed = _exchange(int(error is not None), device, algorithm, timeout)
+    if error is not None:
+        raise error
+    if any(failed):
+        raise ValueError(f"rank(s) {[r for r, f in enumerate(failed) if f]} could not start (see their error)")
 
-    Every rank sees the same exchanged steps, so all of them return, or all raise the same error.
+
+def agree_on_run_id(run_id: str, device, algorithm: str, timeout: float | None) -> str:
+    """Rank 0's `run_id` (hex), on every rank."""
+    words = [int(run_id[i:i + 8], 16) if dist.get_rank() == 0 else -1 for i in range(0, 16, 8)]
+    return "".join(f"{max(_exchange(w, device, algorithm, timeout)):08x}" for w in words)
+
+
+def agree_on_checkpoint(directory: str, device, algorithm: str, timeout: float | None, fits=None,
+                        log=None, present: bool = True) -> dict | None:
+    """The newest checkpoint that every rank holds intact, loaded on every rank; None if there is none.
+
+    Every rank sees the same exchanged positions, so all of them return, or all raise the same
+    error. A rank whose newest file is damaged or does not fit (`fits`) falls back to its one
+    before, and so do the others. `present=False` says this rank's folder did not exist before
+    the run started: then it was deleted, or written by another number of ranks, and we refuse.
     """
-    state = load_latest(directory)  # warns about, and skips, files a kill left unreadable
+    state = load_latest(directory, fits)  # warns about, and skips, damaged files
     # Positions, not steps: a rank killed while rank 0 evaluates holds step s mid-epoch, its
     # peers may already hold step s at the end of the epoch, and those two states differ.
     newest = _exchange(-1 if state is None else _position(state), device, algorithm, timeout)
     parent = os.path.dirname(directory)
     if max(newest) < 0:
         return None
-    if min(newest) < 0:
-        missing = [r for r, s in enumerate(newest) if s < 0]
+    sizes = _exchange(-1 if state is None else int(state.get("world_size") or 0), device, algorithm, timeout)
+    written = {s for s in sizes if s >= 0}
+    if written - {dist.get_world_size()}:
+        raise ValueError(f"cannot resume from {parent}: its checkpoints were written by {sorted(written)} "
+                         f"ranks, this run has {dist.get_world_size()}")
+    folders = _exchange(int(present), device, algorithm, timeout)
+    if min(newest) < 0 and min(folders) == 0:
+        missing = [r for r, f in enumerate(folders) if f == 0]
         raise ValueError(f"cannot resume from {parent}: rank(s) {missing} have no readable checkpoint in "
-                         f"their rank<r>/ folder while others do (newest steps per rank: {[max(s, -1) // 2 if s >= 0 else None for s in newest]}); "
-                         "were they written with another number of ranks?")
+                         f"their rank<r>/ folder (it is missing) while others do; were they written with another "
+                         f"number of ranks, or was the folder deleted? Move {parent} aside to start afresh")
+    if min(newest) < 0:
+        # A rank killed before its first checkpoint (rank 0 during the first evaluation): no step
+        # was saved by every rank, so the last complete state is the start.
+        missing = [r for r, s in enumerate(newest) if s < 0]
+        if log and dist.get_rank() == 0:
+            log(f"rank(s) {missing} saved no checkpoint in {parent} before the run stopped: "
+                "no step is complete on every rank, starting from the beginning")
+        return None
     position = min(newest)
     if _position(state) != position:
-        state = _load_step(directory, position)
+        state = _load_step(directory, position, fits)
     loaded = _exchange(position if state is not None else -1, device, algorithm, timeout)
     if min(loaded) < 0:
         step = position // 2
         raise ValueError(f"cannot resume from {parent}: step {step} is the newest that every rank saved, but rank(s) "
-                         f"{[r for r, s in enumerate(loaded) if s < 0]} cannot read it")
-    if state.get("world_size") != dist.get_world_size():
-        raise ValueError(f"cannot resume from {parent}: its checkpoints were written by {state.get('world_size')} "
-                         f"ranks, this run has {dist.get_world_size()}")
+                         f"{[r for r, s in enumerate(loaded) if s < 0]} cannot read it intact; "
+                         f"move {parent} aside and start afresh")
     return state
 

@@ -6,6 +6,7 @@ import os
 import sys
 
 from ..schedule import ALGORITHMS
+from ..validate import MAX_LR, MAX_SEED, MAX_TIMEOUT
 
 __all__ = ["main", "build_parser"]
 
@@ -20,26 +21,32 @@ BENCHMARKS = {
 }
 
 
-def positive(kind):
+def positive(kind, at_most: float | None = None, why: str = ""):
     def parse(text: str):
         try:
             value = kind(text)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        if at_most is not None and not value <= at_most:  # also refuses inf and nan
+            raise argparse.ArgumentTypeError(f"must be <= {at_most:.3g}{why}, got {text}")
         return value
     return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+def _non_negative_int(at_most: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+        if at_most is not None and value > at_most:
+            raise argparse.ArgumentTypeError(f"must be <= {at_most}, got {text}")
+        return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
                        description="Train with single-controller data parallelism; under torchrun, one process per device.")
-    t.add_argument("--devices", type=positive(int), default=2, help="number of devices (default: 2)")
+    t.add_argument("--devices", type=positive(int, 4096), default=None,
+                   help="number of devices (default: 2; under torchrun, the ranks are the devices: leave it out)")
     t.add_argument("--cpu", action="store_true", help="simulate the devices on the CPU even when GPUs exist")
     t.add_argument("--model", choices=sorted(DEFAULT_LR), default="lenet", help="network (default: lenet)")
     t.add_argument("--dataset", choices=["synthetic", "fashion-mnist"], default="synthetic",
@@ -63,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="use the first N test examples (default: all; synthetic has 2000)")
     t.add_argument("--epochs", type=positive(int), default=None, help="epochs (default: data set's)")
     t.add_argument("--batch-size", type=positive(int), default=256, help="global batch size (default: 256)")
-    t.add_argument("--lr", type=positive(float), default=None, help="learning rate (default: per model)")
-    t.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
+    t.add_argument("--lr", type=positive(float, MAX_LR, " (float32's largest)"), default=None,
+                   help="learning rate (default: per model)")
+    t.add_argument("--seed", type=_non_negative_int(MAX_SEED), default=0, help=f"random seed, 0..{MAX_SEED} (default: 0)")
     t.add_argument("--algorithm", choices=[*ALGORITHMS, "auto"], default=None,
                    help="allreduce algorithm (default: naive in one process; under torchrun, auto: the cost "
                         "model's pick for each bucket, with constants measured on this transport)")
@@ -78,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--checkpoint-every", type=positive(int), metavar="STEPS",
                    help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
-    t.add_argument("--timeout", type=positive(float), default=None, metavar="SECONDS",
+    t.add_argument("--timeout", type=positive(float, MAX_TIMEOUT, " (a year)"), default=None, metavar="SECONDS",
                    help="under torchrun: give up on a silent peer after SECONDS (default: 300)")
     t.add_argument("--threads", type=positive(int), default=None, metavar="N",
                    help="torch threads per process on the CPU (default: 1 for simulated devices, which take "
@@ -116,29 +125,73 @@ def check_train_args(args) -> str | None:
     """What is wrong with `manualdp train`'s arguments, found before any training; None if nothing."""
     from ..support.checkpoint import check_checkpoint_dir
 
-    if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
+    if (args.checkpoint_every or args.resume) and args.checkpoint_dir is None:
         return "--checkpoint-every and --resume need --checkpoint-dir"
-    for option in ("json", "plot"):
-        path = getattr(args, option)
-        if not path:
-            continue
-        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            return f"--{option}: the directory of {path!r} does not exist"
-        if os.path.isdir(path):
-            return f"--{option}: {path!r} is a directory"
-    if args.plot and not args.plot.lower().endswith(".png"):
-        return f"--plot: {args.plot!r} must end in .png"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1 and args.devices is not None and args.devices != world_size:
+        return (f"--devices {args.devices} under torchrun, which started {world_size} ranks: every rank is one device; "
+                "leave --devices out, or start torchrun with that many processes")
+    if args.devices is None:
+        args.devices = 2
     if args.algorithm == "auto" and world_size == 1:
         return "--algorithm auto times the transport between processes: use it under torchrun"
+    if args.plot and not args.plot.lower().endswith(".png"):
+        return f"--plot: {args.plot!r} must end in .png"
+    problem = _output_problems(args)
+    if problem:
+        return problem
     ranks = world_size if world_size > 1 else args.devices
     if args.batch_size < ranks:
         return f"--batch-size {args.batch_size} is smaller than the {ranks} devices: every device needs an example"
+    problem = _memory_problem(args)
+    if problem:
+        return problem
     if args.checkpoint_dir:
         try:
             check_checkpoint_dir(args.checkpoint_dir, args.resume)
         except ValueError as e:
             return f"--checkpoint-dir: {e}"
+    return None
+
+
+# Bytes a checkpoint of each model takes, about: parameters, momentum-free SGD state, RNG (x2 for the payload copy).
+_CHECKPOINT_BYTES = {"lenet": 1 << 20, "mlp": 4 << 20, "resnet18": 100 << 20}
+
+
+def _output_problems(args) -> str | None:
+    """The first output (--json, --plot, --checkpoint-dir) that cannot be written, as one line."""
+    from ..support.files import output_problem
+
+    outputs = [("--json", args.json, 1 << 20, False), ("--plot", args.plot, 4 << 20, False),
+               ("--checkpoint-dir", args.checkpoint_dir, 3 * _CHECKPOINT_BYTES[args.model], True)]
+    for option, path, need, folder in outputs:
+        if path is None:
+            continue
+        problem = output_problem(path, need, folder=folder)
+        if problem:
+            return f"{option} {path!r}: {problem}"
+    return None
+
+
+def _memory_problem(args) -> str | None:
+    """Refuse data sets that cannot fit in memory before making them (a synthetic example is 28x28 float32)."""
+    n = (args.num_train or 0) + (args.num_test or 0)
+    need = n * 28 * 28 * 4 * 3  # the images, the generator's temporaries and the float copy
+    available = _available_memory()
+    if available is not None and need > available:
+        return (f"--num-train/--num-test {n} examples need about {need / 2**30:.1f} GiB, "
+                f"only {available / 2**30:.1f} GiB of memory is available")
+    return None
+
+
+def _available_memory() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return None
 
 
@@ -161,7 +214,11 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
         history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "auto",
                              bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                             resume=args.resume, progress=progress)
+                             resume=args.resume, config=run_config(args), progress=progress)
+    except OSError as e:
+        print(f"manualdp train: error: rank {dist.get_rank()}: {_one_line(e)}", file=sys.stderr)
+        _save_partial(args, getattr(e, "history", None))
+        return 1
     except (PeerError, NonFiniteGradientError, ValueError) as e:
         # No destroy_process_group here: a dead peer could make it wait; exiting closes everything.
         print(f"manualdp train: error: {e}", file=sys.stderr)
@@ -227,9 +284,17 @@ def run_train(args) -> int:
         try:
             history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
                             bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
-                            checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress)
+                            checkpoint_every=args.checkpoint_every, resume=args.resume, config=run_config(args),
+                            progress=progress)
         except NonFiniteGradientError as e:
             print(f"manualdp train: error: {e} (--nonfinite skip skips such steps)", file=sys.stderr)
+            return 1
+        except OSError as e:  # a write error during the run: one line, and the epochs done are kept
+            print(f"manualdp train: error: {_one_line(e)}", file=sys.stderr)
+            _save_partial(args, getattr(e, "history", None))
+            return 1
+        except ValueError as e:  # found only at resume: a changed configuration, a folder in use
+            print(f"manualdp train: error: {e}", file=sys.stderr)
             return 1
         kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
         where = f"{len(devices)} {kind}"
@@ -237,10 +302,36 @@ def run_train(args) -> int:
     print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
           f"test acc {history.test_acc[-1]:.3f}")
     print(f"test acc: {history.test_acc[-1]:.2f}, {seconds:.1f} sec/epoch on {where}")
-    if args.json:
+    failed = 0
+    for option, path, write in (("--json", args.json, history.to_json), ("--plot", args.plot, history.plot)):
+        if path is None:
+            continue
+        try:
+            write(path)
+            print(f"wrote {path}")
+        except OSError as e:  # the disk filled or went read-only while training
+            print(f"manualdp train: error: {option}: cannot write {path}: {_one_line(e)}", file=sys.stderr)
+            failed = 1
+    return failed
+
+
+def run_config(args) -> dict:
+    """The options outside the training loop's own arguments that decide the result: part of the run identity."""
+    return {"model": args.model, "dataset": args.dataset, "num_train": args.num_train, "num_test": args.num_test,
+            "batch_size": args.batch_size, "seed": args.seed}
+
+
+def _one_line(e: Exception) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _save_partial(args, history) -> None:
+    """After a failed run, write what `history` holds to --json, if it was asked for and can still be written."""
+    if history is None or not args.json or not history.train_loss:
+        return
+    try:
         history.to_json(args.json)
-        print(f"wrote {args.json}")
-    if args.plot:
-        history.plot(args.plot)
-        print(f"wrote {args.plot}")
-    return 0
+        print(f"wrote the {len(history.train_loss)} finished epoch(s) to {args.json}", file=sys.stderr)
+    except OSError as e:
+        print(f"manualdp train: error: --json: cannot write {args.json} either: {_one_line(e)}", file=sys.stderr)

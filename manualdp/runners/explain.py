@@ -22,6 +22,8 @@ DEFAULT_BETA = 1 / 20e9      # seconds per byte sent or received: a 20 GB/s link
 DEFAULT_GAMMA = 1 / 200e9    # seconds per byte added: reading two chunks and writing one from ~600 GB/s memory
 DEFAULT_SIZE = 1 << 20       # 1 MiB, i.e. 262144 float32 values
 STATE_MAX_DEVICES = 8        # wider tables stop being readable
+STATE_LIMIT = 32             # --state past this: the tables grow as devices^3 (1000 devices took 5.5 GB)
+MAX_DEVICES = 256            # a ring of 256 prints ~130k transfer lines within a second; more helps no reader
 
 
 def trace(schedule: Schedule) -> list[list[list[Counter]]]:
@@ -114,6 +116,11 @@ def explain(
         raise ValueError(f"element_size must be a positive int, got {element_size!r}")
     if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0 or size_bytes % element_size:
         raise ValueError(f"size_bytes must be a non-negative multiple of element_size={element_size}, got {size_bytes!r}")
+    if num_devices > MAX_DEVICES:
+        raise ValueError(f"num_devices must be at most {MAX_DEVICES} to be explained line by line, got {num_devices}; "
+                         "the bytes and time of larger rings follow the formulas printed for smaller ones")
+    if show_state and num_devices > STATE_LIMIT:
+        raise ValueError(f"the chunk tables (--state) are drawn for at most {STATE_LIMIT} devices, got {num_devices}")
     if show_state is None:
         show_state = num_devices <= STATE_MAX_DEVICES
     schedule = get_schedule(algorithm, num_devices)
@@ -126,7 +133,7 @@ def explain(
         "chunk sizes (bytes): " + " ".join(str(s) for s in sizes),
         "dev0 starts with a, dev1 with b, ...; 'a0+b0' is chunk 0 of a plus chunk 0 of b; 'sum0' is chunk 0 of the result.",
     ]
-    states = trace(schedule)
+    states = trace(schedule) if show_state else None
     if show_state:
         out += ["", "start:"] + _state_table(states[0])
     for r, (rnd, phase) in enumerate(zip(schedule.rounds, schedule.phases), start=1):

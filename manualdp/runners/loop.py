@@ -24,12 +24,12 @@ from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
 from ..spmd.sampler import ShardedBatchSampler
 from ..spmd.tune import ENGINE_ALGORITHMS
-from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout
+from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout, lock_checkpoint_dir, remove_orphans
 from ..support.history import History
 from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
-from ..validate import (boolean, callable_or_none, check_devices, iterable, nn_module, non_negative_number,
-                        one_of, path, positive_int, positive_number, timeout_seconds)
-from .agree import agree_on_checkpoint
+from ..validate import (boolean, callable_or_none, check_devices, iterable, learning_rate, mapping_or_none, nn_module,
+                        non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds)
+from .agree import agree_all_succeed, agree_on_checkpoint, agree_on_run_id
 
 __all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank"]
 
@@ -51,6 +51,7 @@ def train(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    config: dict | None = None,
     progress: bool = True,
     log=print,
 ) -> History:
@@ -58,22 +59,39 @@ def train(
 
     With `checkpoint_dir`, a checkpoint is written after every epoch and every
     `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
-    result is bitwise what an uninterrupted run gives (same seed, CPU).
+    result is bitwise what an uninterrupted run gives (same seed, CPU). Resume refuses a
+    checkpoint written with other options (only `num_epochs` may change); `config` adds
+    options the loop cannot see (seed, batch size, data) to that identity.
     """
     nn_module("net", net)
     devices = check_devices(devices)
     _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
-                     nonfinite, checkpoint_dir, checkpoint_every, resume, log)
+                     nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
     if checkpoint_dir is not None:
         check_checkpoint_dir(checkpoint_dir, resume)
         check_layout(checkpoint_dir, per_rank=False)
+    identity = {"num_devices": len(devices), "device_type": devices[0].type, "num_epochs": num_epochs, "lr": lr,
+                "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "momentum": momentum,
+                "weight_decay": weight_decay, "nonfinite": nonfinite, "model": type(net).__name__, **(config or {})}
+    release = lock_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else (lambda: None)
+    try:
+        return _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
+                      weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log)
+    finally:
+        release()
+
+
+def _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
+           weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log) -> History:
+    if checkpoint_dir is not None:
+        remove_orphans(checkpoint_dir)
 
     replicas = replicate(net, devices)
     optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
                   for r in replicas]
     history = History(config={"devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
                                "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb})
-    loop = TrainingState(train_iter, checkpoint_dir)
+    loop = TrainingState(train_iter, checkpoint_dir, identity)
     if resume:
         state = loop.resume(replicas, optimizers, history)
         if log:
@@ -102,6 +120,7 @@ def train_spmd(
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
+    config: dict | None = None,
     timeout: float | None = None,
     device=None,
     progress: bool = True,
@@ -114,12 +133,13 @@ def train_spmd(
     is its shard's sum divided by the global batch and multiplied by the world size, so that
     the average over ranks that DDP takes is the one-process gradient of the global batch.
     `nonfinite`, `checkpoint_dir`, `checkpoint_every` and `resume` work as in `train`;
-    `timeout` (seconds, default: the process group's) bounds every wait for a peer.
+    `config` and the resume checks work as in `train`; `timeout` (seconds, default: the
+    process group's) bounds every wait for a peer.
     """
     nn_module("net", net)
     one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
     _check_loop_args(train_iter, test_iter, num_epochs, lr, "naive", bucket_cap_mb, momentum, weight_decay,
-                     nonfinite, checkpoint_dir, checkpoint_every, resume, log)
+                     nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
     timeout = timeout_seconds("timeout", timeout)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call manualdp.spmd.init_from_env() first")
@@ -134,28 +154,57 @@ def train_spmd(
     history = History(config={"world_size": world_size, "backend": dist.get_backend(), "device": str(device),
                                "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm,
                                "bucket_cap_mb": bucket_cap_mb})
+    identity = {"world_size": world_size, "backend": dist.get_backend(), "device_type": device.type,
+                "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
+                "momentum": momentum, "weight_decay": weight_decay, "nonfinite": nonfinite,
+                "model": type(net).__name__, **(config or {})}
+    rank_dir = os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None
     if checkpoint_dir is not None:
         check_layout(checkpoint_dir, per_rank=True)
-    loop = TrainingState(train_iter, os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None)
-    if resume:
-        state = agree_on_checkpoint(loop.checkpoint_dir, device, algorithm, timeout)
-        if state is None and log and rank == 0:
-            log(f"no checkpoint in {checkpoint_dir}: starting from the beginning")
-        if state is not None:
-            loop.restore(state, [net], [optimizer], history)
-            if log and rank == 0:
-                log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
-                    f"on {world_size} ranks")
-    sharded = getattr(train_iter, "batch_sampler", None)
-    sharded = sharded if isinstance(sharded, ShardedBatchSampler) else None  # see manualdp.spmd.sampler.shard_loader
-    mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter, sharded)
-    run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    present = rank_dir is not None and os.path.isdir(rank_dir)  # the lock makes the folder; was it there?
+    release, problem = (lambda: None), None
+    if rank_dir is not None:
+        try:
+            release = lock_checkpoint_dir(rank_dir)
+        except (OSError, ValueError) as e:
+            problem = e
+    try:
+        agree_all_succeed(problem, device, algorithm, timeout)
+        loop = TrainingState(train_iter, rank_dir, identity)
+        loop.run_id = agree_on_run_id(loop.run_id, device, algorithm, timeout)
+        if resume:
+            remove_orphans(rank_dir)
+            state = agree_on_checkpoint(rank_dir, device, algorithm, timeout, fits=loop.fits(net), log=log,
+                                        present=present)
+            if state is None and log and rank == 0:
+                log(f"no checkpoint in {checkpoint_dir}: starting from the beginning")
+            if state is not None:
+                loop.check_identity(state)  # the same state on every rank: all refuse, or none
+                loop.restore(state, [net], [optimizer], history)
+                if log and rank == 0:
+                    log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
+                        f"on {world_size} ranks")
+        sharded = getattr(train_iter, "batch_sampler", None)
+        sharded = sharded if isinstance(sharded, ShardedBatchSampler) else None  # see manualdp.spmd.shard_loader
+        mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter,
+                       sharded)
+        run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    finally:
+        release()
     return history if rank == 0 else None
 
 
 def run_epochs(mode, loop: TrainingState, history: History, num_epochs: int, checkpoint_every: int | None,
                progress: bool, log) -> None:
     """The epoch loop of both modes: train on every batch, then gather, evaluate, record and checkpoint."""
+    try:
+        _run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    except OSError as e:
+        e.history = history  # the epochs finished so far: the caller may still save them
+        raise
+
+
+def _run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log) -> None:
     say = log if log and mode.is_main else (lambda _: None)
     for epoch in range(loop.epoch, num_epochs):
         mode.train()
@@ -291,11 +340,11 @@ class OneRank:
 
 
 def _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
-                     nonfinite, checkpoint_dir, checkpoint_every, resume, log) -> None:
+                     nonfinite, checkpoint_dir, checkpoint_every, resume, config, log) -> None:
     iterable("train_iter", train_iter)
     iterable("test_iter", test_iter)
     positive_int("num_epochs", num_epochs)
-    positive_number("lr", lr)
+    learning_rate("lr", lr)
     one_of("algorithm", algorithm, ALGORITHMS)
     positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
     non_negative_number("momentum", momentum)
@@ -304,6 +353,7 @@ def _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_ca
     path("checkpoint_dir", checkpoint_dir, none_ok=True)
     positive_int("checkpoint_every", checkpoint_every, none_ok=True)
     boolean("resume", resume)
+    mapping_or_none("config", config)
     if (checkpoint_every is not None or resume) and checkpoint_dir is None:
         raise ValueError("checkpoint_every and resume need checkpoint_dir")
     callable_or_none("log", log)

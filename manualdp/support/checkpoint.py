@@ -1,12 +1,24 @@
-"""Checkpoints that survive a kill: atomic writes, the newest readable one wins on resume."""
+"""Checkpoints that survive a kill and know whose they are.
+
+Every file is written atomically and carries a SHA-256 of its contents, and the state holds
+the run's identity (its configuration and a run id made at the first start). On resume the
+newest checkpoint that is intact and fits the model wins; a damaged one is skipped with a
+warning. A lock file keeps a second run out of a folder in use.
+"""
 from __future__ import annotations
 
+import contextlib
 import copy
 import glob
+import hashlib
+import io
+import json
 import os
 import random
 import re
+import socket
 import time
+import uuid
 import warnings
 from dataclasses import asdict
 
@@ -16,9 +28,22 @@ import torch
 from ..validate import non_negative_int, positive_int
 from .files import atomic_write
 
-__all__ = ["TrainingState", "check_checkpoint_dir", "check_layout", "save_checkpoint", "load_latest", "checkpoint_path", "rng_state", "set_rng_state", "loader_generator"]
+__all__ = ["TrainingState", "check_checkpoint_dir", "check_layout", "save_checkpoint", "load_latest", "read_checkpoint",
+           "checkpoint_path", "rng_state", "set_rng_state", "loader_generator", "CheckpointError", "ConfigChanged", "lock_checkpoint_dir",
+           "check_same_config", "new_run_id", "remove_orphans", "ALLOWED_CHANGES", "lock_path"]
 
 _NAME = re.compile(r"ckpt-(\d{8})(-epoch)?\.pt$")
+_FORMAT = "manualdp-checkpoint-2"  # a container {format, sha256, payload}; older files are the bare state
+# Options a resumed run may change: they cannot make it differ from an uninterrupted run.
+ALLOWED_CHANGES = frozenset({"num_epochs"})
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is damaged (checksum) or does not fit this run."""
+
+
+class ConfigChanged(ValueError):
+    """A resume with options other than the saved run's: never a reason to fall back to an older file."""
 
 
 def checkpoint_path(directory: str, step: int, end_of_epoch: bool = False) -> str:
@@ -44,8 +69,16 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2, end_o
     positive_int("keep", keep)
     os.makedirs(directory, exist_ok=True)
     path = checkpoint_path(directory, step, end_of_epoch)
-    with atomic_write(path) as f:
-        torch.save(state, f)
+    # Serialise in memory first: a full disk is then a plain write error, not torch's "unexpected pos".
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    container = {"format": _FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
+    try:
+        with atomic_write(path) as f:
+            torch.save(container, f)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write checkpoint {path}: {e.strerror or e}") from e
     _fsync_dir(directory)
     # Only checkpoints older than the one just written go: never delete what we just saved.
     older = [p for p in _checkpoints(directory) if _order(p) < (step, end_of_epoch)]
@@ -95,19 +128,121 @@ def _checkpoints(directory: str) -> list[str]:
     return sorted(paths, key=_order, reverse=True)
 
 
-def load_latest(directory: str) -> dict | None:
-    """The newest checkpoint in `directory` that loads; unreadable ones (a kill mid-write) are skipped with a warning."""
+def read_checkpoint(path: str, fits=None) -> dict:
+    """The state in checkpoint file `path`, its checksum verified; `fits(state)` may raise CheckpointError too."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(state, dict) and state.get("format") == _FORMAT:
+        payload = state["payload"]
+        if hashlib.sha256(payload).hexdigest() != state["sha256"]:
+            raise CheckpointError(f"checksum mismatch in {path}: the file was damaged after it was written")
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} does not hold a checkpoint (a {type(state).__name__})")
+    state["path"] = path
+    if fits is not None:
+        fits(state)
+    return state
+
+
+def load_latest(directory: str, fits=None) -> dict | None:
+    """The newest checkpoint in `directory` that is intact (and `fits`); damaged ones are skipped with a warning."""
     if not isinstance(directory, (str, os.PathLike)):
         raise TypeError(f"directory must be a path, got {type(directory).__name__}")
     for path in _checkpoints(directory):
         try:
-            state = torch.load(path, map_location="cpu", weights_only=False)
+            return read_checkpoint(path, fits)
+        except ConfigChanged:
+            raise
+        except CheckpointError as e:
+            warnings.warn(f"skipping checkpoint {path}: {e}; falling back to the one before")
         except Exception as e:  # truncated or corrupt: fall back to the one before
             warnings.warn(f"skipping unreadable checkpoint {path}: {e}")
-            continue
-        state["path"] = path
-        return state
     return None
+
+
+def remove_orphans(directory: str) -> list[str]:
+    """Delete the temporary files that killed checkpoint writes left in `directory`; return their paths."""
+    orphans = glob.glob(os.path.join(directory, "ckpt-*.pt.*.tmp"))
+    for p in orphans:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(p)
+    return orphans
+
+
+def new_run_id() -> str:
+    """A fresh run id, made once at a run's first start and kept in all its checkpoints."""
+    return uuid.uuid4().hex[:16]
+
+
+def check_same_config(saved: dict, now: dict, where: str, allowed=ALLOWED_CHANGES) -> None:
+    """Refuse to resume when an option outside `allowed` differs from the saved run's; name every one."""
+    changed = [f"{k} {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now), key=str)
+               if k not in allowed and saved.get(k) != now.get(k)]
+    if changed:
+        raise ConfigChanged(f"cannot resume from {where}: the configuration changed ({'; '.join(changed)}); "
+                         f"only {', '.join(sorted(allowed))} may change on resume: restore the options or use another folder")
+
+
+def lock_path(directory: str) -> str:
+    """Where `directory`'s lock lives: beside it (`ckpt.lock`), so the folder holds checkpoints only."""
+    return os.path.normpath(os.path.abspath(directory)) + ".lock"
+
+
+def lock_checkpoint_dir(directory: str):
+    """Take `directory`'s lock file, or raise if a live run holds it; return a function that releases it.
+
+    A lock whose process is gone (same host, pid not running) is stale: it is taken over with a
+    warning, so a killed run never blocks its own resume.
+    """
+    os.makedirs(directory, exist_ok=True)
+    lock = lock_path(directory)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+    for _ in range(3):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            owner = _read_lock(lock)
+            if owner is not None and _alive(owner):
+                raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by process {owner.get('pid')} on "
+                                 f"{owner.get('host')}; wait for it, or delete {lock} if that run is gone") from None
+            warnings.warn(f"taking over the stale lock {lock} of a run that is gone ({owner})")
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(lock)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(me, f)
+
+        def release():
+            if (_read_lock(lock) or {}).get("pid") == me["pid"]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(lock)
+        return release
+    raise ValueError(f"could not take the lock {lock}: another run keeps taking it")
+
+
+def _read_lock(lock: str) -> dict | None:
+    try:
+        with open(lock) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None  # unreadable or half-written: a writer killed between create and write
+
+
+def _alive(owner: dict) -> bool:
+    if owner.get("host") != socket.gethostname():
+        return True  # another machine's process: we cannot tell, so we never take its lock
+    pid = owner.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def rng_state() -> dict:
@@ -143,9 +278,11 @@ class TrainingState:
     to an uninterrupted run.
     """
 
-    def __init__(self, train_iter, checkpoint_dir):
+    def __init__(self, train_iter, checkpoint_dir, config: dict | None = None):
         self.train_iter = train_iter
         self.checkpoint_dir = checkpoint_dir  # None: no checkpoints
+        self.config = dict(config or {})  # the options that make this run this run
+        self.run_id = new_run_id()        # replaced by the saved one on resume
         self.generator = loader_generator(train_iter)  # the loader's shuffling RNG, if it has its own
         self.epoch = 0            # current epoch
         self.step_in_epoch = 0    # batches of this epoch already trained
@@ -200,18 +337,45 @@ class TrainingState:
             "seconds": self.seconds + (time.perf_counter() - self._start if self.step_in_epoch else 0.0),
             "epoch_rng": self.epoch_rng, "rng": rng_state(),
             "loader_rng": self.generator.get_state() if self.generator is not None else None,
-            "history": asdict(history), **extra,
+            "history": asdict(history), "identity": {"config": self.config, "run_id": self.run_id}, **extra,
         }
         save_checkpoint(self.checkpoint_dir, self.global_step, state, end_of_epoch=self.step_in_epoch == 0)
 
     def resume(self, replicas, optimizers, history):
-        state = load_latest(self.checkpoint_dir)
+        remove_orphans(self.checkpoint_dir)
+        state = load_latest(self.checkpoint_dir, self.fits(replicas[0]))
         if state is not None:
+            self.check_identity(state)
             self.restore(state, replicas, optimizers, history)
         return state
 
+    def fits(self, model):
+        """A check that a loaded state is a whole checkpoint of `model` (same parameter names and shapes)."""
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+        def check(state):
+            self.check_identity(state)  # a changed configuration is refused, not skipped
+            missing = [k for k in ("model", "optimizer", "epoch", "step_in_epoch", "global_step", "sums", "rng",
+                                   "epoch_rng", "history") if k not in state]
+            if missing:
+                raise CheckpointError(f"it lacks {', '.join(missing)}")
+            saved = {k: tuple(v.shape) for k, v in state["model"].items()} if isinstance(state["model"], dict) else {}
+            if saved != shapes:
+                diff = sorted(set(saved) ^ set(shapes)) or [k for k in shapes if saved[k] != shapes[k]]
+                raise CheckpointError(f"its model does not fit this one (differs in {', '.join(diff[:3])}"
+                                      f"{', ...' if len(diff) > 3 else ''})")
+        return check
+
+    def check_identity(self, state) -> None:
+        """Refuse `state` if it was written with another configuration (see `ALLOWED_CHANGES`)."""
+        identity = state.get("identity")
+        if identity is not None:
+            check_same_config(identity["config"], self.config, os.path.dirname(state["path"]))
+
     def restore(self, state, replicas, optimizers, history):
         """Continue from `state`, a checkpoint `save` wrote."""
+        if state.get("identity") is not None:
+            self.run_id = state["identity"]["run_id"]
         for r, opt in zip(replicas, optimizers):
             r.load_state_dict(state["model"])
             # deepcopy: load_state_dict keeps the very tensors it is given (momentum buffers) when
