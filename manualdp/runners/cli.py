@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=_positive(int), default=256, help="global batch size (default: 256)")
     t.add_argument("--lr", type=_positive(float), default=None, help="learning rate (default: per model)")
     t.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default: 0)")
-    t.add_argument("--algorithm", choices=["naive", "ring", "tree"], default=None,
+    t.add_argument("--algorithm", choices=["naive", "ring", "halving_doubling", "tree"], default=None,
                    help="allreduce algorithm (default: naive in one process, ring under torchrun)")
     t.add_argument("--bucket-mb", type=_positive(float), default=None,
                    help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")

@@ -76,7 +76,7 @@ class DistributedDataParallel(nn.Module):
         module: the model, with all its parameters on one device (this rank's).
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
             parameter order; `None` gives one bucket per parameter.
-        algorithm: `naive`, `ring` or `tree` (see `manualdp.schedule`).
+        algorithm: `naive`, `ring`, `halving_doubling` or `tree` (see `manualdp.schedule`).
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
             before each forward pass, as DDP does.
         process_group: the group to average over (default: all ranks).
