@@ -61,8 +61,10 @@ def train_batch(
         loss.backward()
         losses.append(loss.detach())  # tensors: reading them now would make each device wait
         corrects.append(correct_tensor(out.detach(), ys))
-    # 4. Allreduce: every replica now holds the sum of all gradients.
-    allreduce_gradients(replicas, algorithm, bucket_cap_mb)
+    # 4. Allreduce: every replica now holds the sum of all gradients. (ZeRO-2 optimizers
+    # reduce-scatter them in their step instead: see `manualdp.zero`.)
+    if not any(getattr(opt, "reduces_gradients", False) for opt in optimizers):
+        allreduce_gradients(replicas, algorithm, bucket_cap_mb)
     result = StepResult(sum(v.item() for v in losses) * len(X), sum(int(c) for c in corrects), False)
     if not guard.passes(step):
         return result._replace(skipped=True)
