@@ -229,7 +229,7 @@ def get_schedule(algorithm: str, n: int) -> Schedule:
 def get_collective(collective: str, algorithm: str, n: int, root: int = 0) -> Schedule:
     """The schedule of `collective` (one of `COLLECTIVES`) by `algorithm` for `n` devices."""
     one_of("collective", collective, COLLECTIVES)
-    one_of(f"algorithm (of {collective})", algorithm, COLLECTIVES[collective])
+    one_of("algorithm", algorithm, COLLECTIVES[collective])
     _check_n(n)
     int_between("root", root, 0, n - 1)
     return _cached(collective, algorithm, n, root if collective in ROOTED else 0)
