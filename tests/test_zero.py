@@ -121,3 +121,31 @@ def test_bad_input_names_the_argument(kwargs, error, match):
     replicas = kwargs.pop("replicas")
     with pytest.raises(error, match=match):
         ZeroRedundancyOptimizer(replicas, **kwargs)
+
+
+def _loaders(dtype=torch.float64):
+    from torch.utils.data import DataLoader, TensorDataset
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(60, 6, generator=g, dtype=dtype), torch.randint(0, 4, (60,), generator=g)
+    return DataLoader(TensorDataset(X, y), batch_size=13), DataLoader(TensorDataset(X, y), batch_size=30)
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_train_with_zero_equals_train_without(zero):
+    from manualdp import train
+    train_iter, test_iter = _loaders()
+    nets = {}
+    for key in (None, zero):
+        nets[key] = _net()
+        train(nets[key], train_iter, test_iter, cpu_devices(3), 2, 1e-2, optimizer=torch.optim.AdamW,
+              weight_decay=0.1, zero=key, progress=False, log=None)
+    torch.testing.assert_close(_flat(nets[zero]), _flat(nets[None]), rtol=0, atol=1e-10)
+    assert not torch.equal(_flat(nets[zero]), _flat(_net()))
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(zero=3), "zero"), (dict(optimizer="adam"), "optimizer")])
+def test_train_rejects_bad_optimizer_arguments(kwargs, match):
+    from manualdp import train
+    train_iter, test_iter = _loaders()
+    with pytest.raises((ValueError, TypeError), match=match):
+        train(_net(), train_iter, test_iter, cpu_devices(2), 1, 0.1, progress=False, log=None, **kwargs)

@@ -110,3 +110,32 @@ def test_adam_state_per_rank_is_about_one_nth(n):
         for stage in ("stage1", "stage2"):
             assert abs(results[r][stage] - 2 * 8 * total / n) <= 2 * 8
     assert sum(r["stage1"] for r in results) == 2 * 8 * total
+
+
+def _train_spmd_job():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from manualdp import train_spmd
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(60, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (60,), generator=g))
+    out = {}
+    for zero in (None, 1, 2):
+        net = _mlp()
+        train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=30), 2, 1e-2,
+                   optimizer=torch.optim.Adam, zero=zero, progress=False, log=None)
+        out[zero] = _flat(net)
+    try:
+        train_spmd(_mlp(), DataLoader(data, batch_size=13), DataLoader(data), 1, 1e-2, zero=2, nonfinite="raise", log=None)
+    except ValueError as e:
+        out["refused"] = str(e)
+    return out
+
+
+def test_train_spmd_with_zero_equals_train_spmd_without():
+    results = launch(_train_spmd_job, 2, timeout=180.0)
+    for r in range(2):
+        for zero in (1, 2):
+            torch.testing.assert_close(results[r][zero], results[r][None], rtol=0, atol=1e-10)
+            assert torch.equal(results[r][zero], results[0][zero])
+        assert "nonfinite" in results[r]["refused"]
+    assert not torch.equal(results[0][None], _flat(_mlp()))

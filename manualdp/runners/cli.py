@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allreduce algorithm (default: naive in one process, ring under torchrun)")
     t.add_argument("--bucket-mb", type=_positive(float), default=None,
                    help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
+    t.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer (default: sgd)")
+    t.add_argument("--zero", type=int, choices=[1, 2], default=None,
+                   help="ZeRO stage: 1 shards the optimizer state over the devices, 2 also the gradients")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
     t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
@@ -150,7 +153,7 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
         history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "ring",
                              bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                             resume=args.resume, progress=progress)
+                             resume=args.resume, progress=progress, **_optimizer_args(args))
     except (PeerError, NonFiniteGradientError, ValueError) as e:
         # No destroy_process_group here: a dead peer could make it wait; exiting closes everything.
         print(f"manualdp train: error: {e}", file=sys.stderr)
@@ -161,6 +164,16 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
         return 1
     dist.destroy_process_group()
     return history if history is not None else 0
+
+
+OPTIMIZERS = {"sgd": None, "adam": "Adam", "adamw": "AdamW"}  # None: train's default, SGD
+
+
+def _optimizer_args(args) -> dict:
+    import torch
+
+    name = OPTIMIZERS[args.optimizer]
+    return {"optimizer": getattr(torch.optim, name) if name else None, "zero": args.zero}
 
 
 def run_train(args) -> int:
@@ -201,7 +214,8 @@ def run_train(args) -> int:
         try:
             history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
                             bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
-                            checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress)
+                            checkpoint_every=args.checkpoint_every, resume=args.resume, progress=progress,
+                            **_optimizer_args(args))
         except NonFiniteGradientError as e:
             print(f"manualdp train: error: {e} (--nonfinite skip skips such steps)", file=sys.stderr)
             return 1

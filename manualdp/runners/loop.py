@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -22,14 +23,16 @@ from ..spmd.ddp import DistributedDataParallel
 from ..spmd.launch import rank_device, shard
 from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
+from ..spmd.zero import ZeroRedundancyOptimizer as SpmdZero
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout
 from ..support.history import History
 from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
-from ..validate import (boolean, callable_or_none, check_devices, iterable, nn_module, non_negative_number,
+from ..zero import ZeroRedundancyOptimizer
+from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, nn_module, non_negative_number,
                         one_of, path, positive_int, positive_number, timeout_seconds)
 from .agree import agree_on_checkpoint
 
-__all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank"]
+__all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank", "optimizer_factory"]
 
 
 def train(
@@ -51,8 +54,13 @@ def train(
     resume: bool = False,
     progress: bool = True,
     log=print,
+    optimizer=None,
+    zero: int | None = None,
 ) -> History:
     """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters.
+
+    `optimizer` (a torch.optim class or factory, default SGD) is built with `lr`, and with
+    `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`).
 
     With `checkpoint_dir`, a checkpoint is written after every epoch and every
     `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
@@ -67,8 +75,11 @@ def train(
         check_layout(checkpoint_dir, per_rank=False)
 
     replicas = replicate(net, devices)
-    optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-                  for r in replicas]
+    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
+    if zero:
+        optimizers = ZeroRedundancyOptimizer(replicas, make, stage=zero, **kwargs).per_device()
+    else:
+        optimizers = [make(r.parameters(), **kwargs) for r in replicas]
     history = History(config={"devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
                                "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb})
     loop = TrainingState(train_iter, checkpoint_dir)
@@ -104,6 +115,8 @@ def train_spmd(
     device=None,
     progress: bool = True,
     log=print,
+    optimizer=None,
+    zero: int | None = None,
 ) -> History | None:
     """Train `net` with SGD on this rank's slice of every global batch; the History on rank 0, None elsewhere.
 
@@ -112,6 +125,8 @@ def train_spmd(
     the average over ranks that DDP takes is the one-process gradient of the global batch.
     `nonfinite`, `checkpoint_dir`, `checkpoint_every` and `resume` work as in `train`;
     `timeout` (seconds, default: the process group's) bounds every wait for a peer.
+    `optimizer` and `zero` work as in `train` (`manualdp.spmd.zero`); ZeRO-2 takes no `nonfinite`
+    guard, since before its reduce-scatter the ranks hold different gradients and would disagree.
     """
     nn_module("net", net)
     _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
@@ -126,7 +141,12 @@ def train_spmd(
     device = torch.device(device) if device is not None else rank_device()
 
     model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
+    if zero == 2 and nonfinite is not None:
+        raise ValueError(f"nonfinite={nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only shards: "
+                         "pass nonfinite=None or zero=1")
+    optimizer = (SpmdZero(net.parameters(), make, stage=zero, timeout=timeout, **kwargs) if zero
+                 else make(net.parameters(), **kwargs))
     history = History(config={"world_size": world_size, "backend": dist.get_backend(), "device": str(device),
                                "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm,
                                "bucket_cap_mb": bucket_cap_mb})
@@ -242,10 +262,13 @@ class OneRank:
         Xs, ys = (t.to(self.device) for t in shard(X, y, rank, world_size))
         guard = NonFiniteGuard(self.nonfinite, [self.model.module], [self.optimizer], where=f"rank {rank}: ")
         self.optimizer.zero_grad(set_to_none=True)
+        # ZeRO-2 reduce-scatters the gradients in its step: the wrapper must not average them first.
+        sync = self.model.no_sync() if getattr(self.optimizer, "reduces_gradients", False) else nullcontext()
         try:
-            out = self.model(Xs)
-            loss = self.loss_fn(out, ys) / len(X) * world_size
-            loss.backward()
+            with sync:
+                out = self.model(Xs)
+                loss = self.loss_fn(out, ys) / len(X) * world_size
+                loss.backward()
         except PeerError as e:
             raise e.at(f"step {step}") from e.__cause__
         result = StepResult(loss.item() * len(X) / world_size, count_correct(out.detach(), ys), False)
@@ -306,3 +329,17 @@ def _progress(iterable_, enabled: bool, desc: str, total: int | None = None):
         return iterable_
     from tqdm.auto import tqdm
     return tqdm(iterable_, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def optimizer_factory(optimizer, lr: float, momentum: float, weight_decay: float, zero):
+    """The optimizer class or factory (default SGD) and its keyword arguments; checks `optimizer` and `zero`."""
+    one_of("zero", zero, (None, 0, 1, 2))
+    if optimizer is None:
+        return torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+    factory("optimizer", optimizer)
+    kwargs = {"lr": lr}
+    if momentum:
+        kwargs["momentum"] = momentum
+    if weight_decay:
+        kwargs["weight_decay"] = weight_decay
+    return optimizer, kwargs
