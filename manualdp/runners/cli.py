@@ -14,6 +14,7 @@ BENCHMARKS = {
     "ddp": "manualdp.benchmarks.ddp",
     "overhead": "manualdp.benchmarks.overhead",
     "soak": "manualdp.benchmarks.soak",
+    "zero": "manualdp.benchmarks.zero",
 }
 
 
