@@ -12,12 +12,15 @@ it makes sense (`optimizer_class`, keyword defaults, `step`, `zero_grad`, `state
 
 torch shards whole parameters (each rank owns some tensors); we shard the flat vector into
 near-equal chunks, as the ring does. Elementwise optimizers give the same numbers either way.
+The parameters and gradients are moved into two flat buffers (as torch's
+`parameters_as_bucket_view` and DDP's `gradient_as_bucket_view` do); the gradients are
+zeroed in place, never set to None, so that they stay there.
 """
 from __future__ import annotations
 
 import torch
 
-from ..buckets import flatten, unflatten_
+from ..buckets import flatten
 from ..collectives import shard
 from ..validate import one_of, timeout_seconds
 from ..zero import make_optimizer, state_bytes
@@ -47,8 +50,32 @@ class ZeroRedundancyOptimizer:
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
         with torch.no_grad():
-            self.shard = shard(flatten(self.params), self.rank, self.world_size).clone().requires_grad_()
+            # The parameters and their gradients become views of two flat buffers, so that
+            # the collectives and the optimizer work in place: no copy of the model is made.
+            self.flat = flatten(self.params)
+            self.flat_grad = torch.zeros_like(self.flat)
+            for p, view in zip(self.params, self._views(self.flat)):
+                p.data = view
+            self._point_grads_at_buffer()
+        # This rank's shard is a slice of the flat parameters: stepping it updates them in place.
+        self.shard = shard(self.flat, self.rank, self.world_size)
         self.optimizer = make_optimizer(optimizer_class, [self.shard], **defaults)
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, at = [], 0
+        for p in self.params:
+            out.append(flat[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        return out
+
+    def _point_grads_at_buffer(self) -> None:
+        """Make every `p.grad` a view of `flat_grad` again, keeping what it holds (autograd and DDP then write there)."""
+        for p, view in zip(self.params, self._views(self.flat_grad)):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
 
     @property
     def reduces_gradients(self) -> bool:
@@ -60,28 +87,24 @@ class ZeroRedundancyOptimizer:
         return self.optimizer.param_groups  # so that learning-rate schedulers work
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for p in self.params:
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad.zero_()
+        """Zero the gradients in place, whatever `set_to_none` says: they must stay views of the flat buffer."""
+        self.flat_grad.zero_()
+        self._point_grads_at_buffer()
 
     @torch.no_grad()
     def step(self) -> None:
         """Reduce-scatter (stage 2) the gradients, update this rank's shard, all-gather the parameters."""
         kw = {"algorithm": self.algorithm, "group": self.group, "timeout": self.timeout}
-        flat = flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params])
+        self._point_grads_at_buffer()  # in case a caller replaced a p.grad
         if self.reduces_gradients:
             # Sum, then divide, as the DDP wrapper does: DDP hands the optimizer averages.
-            mine = reduce_scatter(flat, **kw).div_(self.world_size)
+            mine = reduce_scatter(self.flat_grad, **kw).div_(self.world_size)
         else:
-            mine = shard(flat, self.rank, self.world_size)
+            mine = shard(self.flat_grad, self.rank, self.world_size)
         self.shard.grad = mine
         self.optimizer.step()
         self.shard.grad = None
-        shard(flat, self.rank, self.world_size).copy_(self.shard)  # the gradient buffer is reused for the parameters
-        all_gather(flat, **kw)
-        unflatten_(flat, self.params)
+        all_gather(self.flat, **kw)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank."""
