@@ -15,7 +15,7 @@ from collections import Counter
 from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, cost, get_collective, traffic
 from ..validate import non_negative_int, one_of, positive_int
 
-__all__ = ["NAMES", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
+__all__ = ["NAMES", "plot", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
 
 # Typical numbers for GPUs in one machine linked by PCIe 4.0 x16 (NCCL measures ~20-25 GB/s):
 DEFAULT_ALPHA = 5e-6         # seconds per message: a few microseconds of launch and link latency
@@ -176,6 +176,22 @@ def explain(
     return "\n".join(out)
 
 
+def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
+    """Draw `algorithm`'s rounds on `num_devices` as a PNG at `path`: one panel per round, one arrow per transfer."""
+    from ..support.plot_rounds import plot_rounds
+
+    one_of("algorithm", algorithm, NAMES)
+    positive_int("num_devices", num_devices)
+    collective, name = NAMES[algorithm]
+    schedule = get_collective(collective, name, num_devices, root)
+    states = trace(schedule)
+    n, k = num_devices, schedule.num_chunks
+    cells = [[[_symbol(s[d][c], c, n) for c in range(k)] for d in range(n)] for s in states]
+    shares = [[[len(set(s[d][c].elements())) / n for c in range(k)] for d in range(n)] for s in states]
+    return plot_rounds(path, f"{_title(algorithm, collective, name)} on {n} devices", [list(r) for r in schedule.rounds],
+                list(schedule.phases), cells, shares)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`manualdp explain ALGORITHM --devices N [--size BYTES]`: print the schedule step by step."""
     parser = argparse.ArgumentParser(
@@ -190,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help=f"seconds per message (default {DEFAULT_ALPHA:g})")
     parser.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
     parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the rounds as a PNG")
     state = parser.add_mutually_exclusive_group()
     state.add_argument("--state", dest="show_state", action="store_true", default=None, help="always print the chunk tables")
     state.add_argument("--no-state", dest="show_state", action="store_false", help="never print the chunk tables")
@@ -199,9 +216,15 @@ def main(argv: list[str] | None = None) -> int:
             args.algorithm, args.devices, args.size, args.alpha, args.beta, args.gamma,
             element_size=args.element_size, show_state=args.show_state, root=args.root,
         )
+        if args.plot:
+            if not args.plot.lower().endswith(".png"):
+                raise ValueError(f"--plot: {args.plot!r} must end in .png")
+            plot(args.algorithm, args.devices, args.plot, args.root)
     except ValueError as e:
         parser.error(str(e))
     print(text)
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
 
 
