@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer (default: sgd)")
     t.add_argument("--zero", type=int, choices=[1, 2], default=None,
                    help="ZeRO stage: 1 shards the optimizer state over the devices, 2 also the gradients")
+    t.add_argument("--trace", metavar="PATH", help="write a timeline of every step as Chrome trace JSON (Perfetto)")
+    t.add_argument("--plot-trace", metavar="PATH", help="draw the timeline as a PNG (needs --trace)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
     t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
@@ -115,16 +118,18 @@ def check_train_args(args) -> str | None:
 
     if (args.checkpoint_every or args.resume) and not args.checkpoint_dir:
         return "--checkpoint-every and --resume need --checkpoint-dir"
-    for option in ("json", "plot"):
-        path = getattr(args, option)
+    for option in ("json", "plot", "trace", "plot_trace"):
+        path = getattr(args, option, None)
         if not path:
             continue
         if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
-            return f"--{option}: the directory of {path!r} does not exist"
+            return f"--{option.replace('_', '-')}: the directory of {path!r} does not exist"
         if os.path.isdir(path):
-            return f"--{option}: {path!r} is a directory"
+            return f"--{option.replace('_', '-')}: {path!r} is a directory"
     if args.plot and not args.plot.lower().endswith(".png"):
         return f"--plot: {args.plot!r} must end in .png"
+    if args.plot_trace and (not args.trace or not args.plot_trace.lower().endswith(".png")):
+        return f"--plot-trace: {args.plot_trace!r} must end in .png and needs --trace"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     ranks = world_size if world_size > 1 else args.devices
     if args.batch_size < ranks:
@@ -174,7 +179,22 @@ def _optimizer_args(args) -> dict:
     import torch
 
     name = OPTIMIZERS[args.optimizer]
-    return {"optimizer": getattr(torch.optim, name) if name else None, "zero": args.zero}
+    return {"optimizer": getattr(torch.optim, name) if name else None, "zero": args.zero, "trace": args.trace}
+
+
+def _report_trace(args, history) -> None:
+    """Print the timeline's summary and draw it, when --trace was given."""
+    if not args.trace:
+        return
+    s = history.config["timeline"]
+    print(f"timeline: {args.trace}; communication {s['comm_ms_per_step']:.2f} ms/step, "
+          f"{100 * s['overlap_fraction']:.0f}% hidden behind backward, {s['exposed_comm_ms_per_step']:.2f} ms/step exposed")
+    if args.plot_trace:
+        from ..support.trace import plot_trace
+
+        with open(args.trace) as f:
+            plot_trace(json.load(f), args.plot_trace)
+        print(f"wrote {args.plot_trace}")
 
 
 def run_train(args) -> int:
@@ -222,6 +242,7 @@ def run_train(args) -> int:
             return 1
         kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
         where = f"{len(devices)} {kind}"
+    _report_trace(args, history)
     seconds = sum(history.epoch_seconds) / len(history.epoch_seconds)
     print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
           f"test acc {history.test_acc[-1]:.3f}")

@@ -25,12 +25,15 @@ from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
 from ..spmd.zero import ZeroRedundancyOptimizer as SpmdZero
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout
+from ..support.files import write_json_atomic
 from ..support.history import History
+from ..support.trace import Trace
 from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
 from ..zero import ZeroRedundancyOptimizer
 from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, nn_module, non_negative_number,
                         one_of, path, positive_int, positive_number, timeout_seconds)
 from .agree import agree_on_checkpoint
+from .timeline import Timeline, merge_ranks
 
 __all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank", "optimizer_factory"]
 
@@ -56,11 +59,14 @@ def train(
     log=print,
     optimizer=None,
     zero: int | None = None,
+    trace: str | None = None,
 ) -> History:
     """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters.
 
     `optimizer` (a torch.optim class or factory, default SGD) is built with `lr`, and with
     `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`).
+    `trace=PATH` writes a Chrome trace (Perfetto) of every step, one track per device, and
+    puts its summary (overlap, exposed communication) in `history.config["timeline"]`.
 
     With `checkpoint_dir`, a checkpoint is written after every epoch and every
     `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
@@ -88,9 +94,15 @@ def train(
         if log:
             log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
                 if state is not None else f"no checkpoint in {checkpoint_dir}: starting from the beginning")
+    path("trace", trace, none_ok=True)
+    timeline = (Timeline(Trace(), replicas, [f"dev{i}" for i in range(len(devices))], optimizers, single_controller=True)
+                if trace is not None else None)
     mode = SingleController(replicas, optimizers, devices, summed_loss(loss_fn), algorithm, bucket_cap_mb,
                             nonfinite, test_iter)
     run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    if timeline is not None:
+        history.config["timeline"] = timeline.trace.summary(timeline.steps)
+        timeline.trace.save(trace)
     copy_params_(net, replicas[0])
     return history
 
@@ -117,6 +129,7 @@ def train_spmd(
     log=print,
     optimizer=None,
     zero: int | None = None,
+    trace: str | None = None,
 ) -> History | None:
     """Train `net` with SGD on this rank's slice of every global batch; the History on rank 0, None elsewhere.
 
@@ -162,8 +175,19 @@ def train_spmd(
             if log and rank == 0:
                 log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
                     f"on {world_size} ranks")
+    path("trace", trace, none_ok=True)
+    timeline = None
+    if trace is not None:
+        model.recorder = Trace(pid=rank)
+        timeline = Timeline(model.recorder, [net], ["compute"], [optimizer], single_controller=False)
     mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter)
     run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    if timeline is not None:
+        timeline.close_backward()
+        history.config["timeline"] = timeline.trace.summary(timeline.steps)  # this rank's
+        merged = merge_ranks(timeline.trace)
+        if merged is not None:
+            write_json_atomic(trace, merged)
     return history if rank == 0 else None
 
 
