@@ -5,15 +5,16 @@ device `src` sends chunk `chunk` of its flat buffer to `dst`, which adds it (`re
 or overwrites its own copy with it. Transfers in one round happen at the same time, so a
 device never sends a chunk that it receives in the same round (`check_schedule`).
 
-From a schedule alone we count bytes per device and estimate time with the alpha-beta-gamma
+The types are in `manualdp.transfers`; halving/doubling, the longest schedule, has its own
+file (`manualdp.halving_doubling`). From a schedule alone we count bytes per device and estimate time with the alpha-beta-gamma
 model; the executors (`manualdp.allreduce`, `manualdp.distributed.allreduce`) only run it.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import NamedTuple
 
+from .halving_doubling import halving_doubling
+from .transfers import Schedule, Transfer, then
 from .validate import int_between, non_negative_int, non_negative_number, one_of, positive_int
 
 __all__ = [
@@ -22,25 +23,6 @@ __all__ = [
     "COLLECTIVES", "get_collective",
     "chunk_sizes", "chunk_bounds", "check_schedule", "traffic", "cost",
 ]
-
-
-class Transfer(NamedTuple):
-    src: int      # device that sends
-    dst: int      # device that receives
-    chunk: int    # which slice of the flat buffer
-    reduce: bool  # True: dst adds the chunk to its own; False: dst overwrites its own
-
-
-@dataclass(frozen=True)
-class Schedule:
-    algorithm: str
-    num_devices: int
-    num_chunks: int
-    rounds: tuple[tuple[Transfer, ...], ...]
-    phases: tuple[str, ...]  # one label per round, e.g. "reduce-scatter"
-
-    def __str__(self) -> str:
-        return f"{self.algorithm}({self.num_devices}): {len(self.rounds)} rounds, {self.num_chunks} chunks"
 
 
 def chunk_sizes(numel: int, num_chunks: int) -> list[int]:
@@ -131,12 +113,6 @@ def tree_broadcast(n: int, root: int = 0) -> Schedule:
     return Schedule("tree", n, 1, tuple(rounds), ("broadcast",) * len(rounds))
 
 
-def then(name: str, first: Schedule, second: Schedule) -> Schedule:
-    """`first`'s rounds followed by `second`'s, on the same devices and chunks."""
-    assert (first.num_devices, first.num_chunks) == (second.num_devices, second.num_chunks)
-    return Schedule(name, first.num_devices, first.num_chunks, first.rounds + second.rounds, first.phases + second.phases)
-
-
 # ---------------------------------------------------------------- allreduce = two building blocks
 
 def ring(n: int) -> Schedule:
@@ -154,58 +130,6 @@ def tree(n: int) -> Schedule:
     receives and sends c*S. Latency grows as log n, but every round moves the whole buffer.
     """
     return then("tree", tree_reduce(n), tree_broadcast(n))
-
-
-def halving_doubling(n: int) -> Schedule:
-    """Recursive halving then doubling (Rabenseifner), with p = the largest power of two <= n.
-
-    Chunks: p. When n is not a power of two, the r = n - p extra devices first add their
-    whole buffer into devices 0..r-1 and get the result back at the end.
-    Bytes sent per device, for a power of two: 2(p-1)/p * S in 2*log2(p) rounds, as the
-    ring but in logarithmic rounds. Otherwise device i < r sends 2(p-1)/p * S + S,
-    an extra device sends S and receives S, and the rest send 2(p-1)/p * S.
-    """
-    _check_n(n)
-    p = 1 << (n.bit_length() - 1)
-    r = n - p
-    everything = range(p)
-    rounds, phases = [], []
-    if r:
-        rounds.append(tuple(Transfer(p + i, i, c, True) for i in range(r) for c in everything))
-        phases.append("fold-in")
-    # Reduce-scatter by recursive halving: exchange half of the owned chunks with the
-    # partner at distance d; the device with bit d clear keeps the lower half.
-    owned = {i: (0, p) for i in range(p)}
-    d = p // 2
-    while d >= 1:
-        rnd = []
-        for i in range(p):
-            lo, hi = owned[i]
-            mid = (lo + hi) // 2
-            give = range(mid, hi) if not i & d else range(lo, mid)
-            rnd.extend(Transfer(i, i ^ d, c, True) for c in give)
-        for i in range(p):
-            lo, hi = owned[i]
-            mid = (lo + hi) // 2
-            owned[i] = (lo, mid) if not i & d else (mid, hi)
-        rounds.append(tuple(rnd))
-        phases.append("reduce-scatter")
-        d //= 2
-    # All-gather by recursive doubling: send what you own to the partner, ranges merge.
-    d = 1
-    while d < p:
-        rnd = [Transfer(i, i ^ d, c, False) for i in range(p) for c in range(*owned[i])]
-        for i in range(p):
-            lo, hi = owned[i]
-            plo, phi = owned[i ^ d]
-            owned[i] = (min(lo, plo), max(hi, phi))
-        rounds.append(tuple(rnd))
-        phases.append("all-gather")
-        d *= 2
-    if r:
-        rounds.append(tuple(Transfer(i, p + i, c, False) for i in range(r) for c in everything))
-        phases.append("fold-out")
-    return Schedule("halving_doubling", n, p, tuple(rounds), tuple(phases))
 
 
 ALGORITHMS = {"naive": naive, "ring": ring, "halving_doubling": halving_doubling, "tree": tree}
