@@ -6,8 +6,8 @@ or overwrites its own copy with it. Transfers in one round happen at the same ti
 device never sends a chunk that it receives in the same round (`check_schedule`).
 
 The types are in `manualdp.transfers`; halving/doubling, the longest schedule, has its own
-file (`manualdp.halving_doubling`). From a schedule alone we count bytes per device and estimate time with the alpha-beta-gamma
-model; the executors (`manualdp.allreduce`, `manualdp.distributed.allreduce`) only run it.
+file. From a schedule alone we count bytes per device and estimate time with the
+alpha-beta-gamma model; the executors (`manualdp.allreduce`, `manualdp.spmd.p2p`) only run it.
 """
 from __future__ import annotations
 
