@@ -149,3 +149,16 @@ def test_train_rejects_bad_optimizer_arguments(kwargs, match):
     train_iter, test_iter = _loaders()
     with pytest.raises((ValueError, TypeError), match=match):
         train(_net(), train_iter, test_iter, cpu_devices(2), 1, 0.1, progress=False, log=None, **kwargs)
+
+
+def test_cli_trains_with_zero_and_adam_and_refuses_a_bad_stage():
+    import subprocess
+    import sys
+    run = lambda *a: subprocess.run([sys.executable, "-m", "manualdp", "train", "--dataset", "synthetic", "--model",
+                                     "mlp", "--num-train", "256", "--num-test", "64", "--epochs", "1", "--devices", "2",
+                                     "--no-progress", "--lr", "1e-3", *a], capture_output=True, text=True, timeout=300)
+    good = run("--zero", "2", "--optimizer", "adam")
+    assert good.returncode == 0, good.stderr
+    assert "sec/epoch on 2 simulated CPU devices" in good.stdout
+    bad = run("--zero", "3")
+    assert bad.returncode == 2 and "--zero" in bad.stderr
