@@ -1,42 +1,28 @@
-"""Allreduce algorithms as data.
+"""Collectives as data: allreduce (naive, ring, halving_doubling, tree), reduce-scatter, all-gather, reduce, broadcast.
 
 A schedule is a list of rounds; a round is a list of transfers `(src, dst, chunk, reduce)`:
 device `src` sends chunk `chunk` of its flat buffer to `dst`, which adds it (`reduce=True`)
 or overwrites its own copy with it. Transfers in one round happen at the same time, so a
 device never sends a chunk that it receives in the same round (`check_schedule`).
 
-From a schedule alone `manualdp.cost` counts bytes per device and estimates time with the
+The types are in `manualdp.transfers`; halving/doubling, the longest schedule, has its own
+file. From a schedule alone `manualdp.cost` counts bytes per device and estimates time with the
 alpha-beta-gamma model; the executors (`manualdp.allreduce`, `manualdp.spmd.p2p`) only run it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import NamedTuple
+import functools
 
-from .validate import one_of, positive_int
+from .halving_doubling import halving_doubling
+from .transfers import Schedule, Transfer, then
+from .validate import int_between, one_of, positive_int
 
 __all__ = [
-    "Transfer", "Schedule", "naive", "ring", "tree", "get_schedule", "ALGORITHMS", "chunk_sizes", "chunk_bounds",
+    "Transfer", "Schedule", "naive", "ring", "halving_doubling", "tree", "get_schedule", "ALGORITHMS",
+    "ring_reduce_scatter", "ring_all_gather", "tree_reduce", "tree_broadcast", "owned_chunk", "then",
+    "COLLECTIVES", "get_collective",
+    "chunk_sizes", "chunk_bounds",
 ]
-
-
-class Transfer(NamedTuple):
-    src: int      # device that sends
-    dst: int      # device that receives
-    chunk: int    # which slice of the flat buffer
-    reduce: bool  # True: dst adds the chunk to its own; False: dst overwrites its own
-
-
-@dataclass(frozen=True)
-class Schedule:
-    algorithm: str
-    num_devices: int
-    num_chunks: int
-    rounds: tuple[tuple[Transfer, ...], ...]
-    phases: tuple[str, ...]  # one label per round, e.g. "reduce-scatter"
-
-    def __str__(self) -> str:
-        return f"{self.algorithm}({self.num_devices}): {len(self.rounds)} rounds, {self.num_chunks} chunks"
 
 
 def chunk_sizes(numel: int, num_chunks: int) -> list[int]:
@@ -71,91 +57,109 @@ def naive(n: int) -> Schedule:
     return Schedule("naive", n, 1, (gather, scatter), ("reduce", "broadcast"))
 
 
+# ---------------------------------------------------------------- the building blocks
+
+def ring_reduce_scatter(n: int) -> Schedule:
+    """Ring reduce-scatter: n chunks, n-1 rounds; afterwards device i holds the sum of chunk `owned_chunk(i, n)`.
+
+    Every device sends and receives (n-1)/n * S bytes (nccl-tests' busbw factor (n-1)/n).
+    """
+    _check_n(n)
+    # In step s device i adds chunk (i-s) into its right neighbour; after n-1 steps
+    # device i holds the full sum of chunk (i+1) % n.
+    rounds = [tuple(Transfer(i, (i + 1) % n, (i - s) % n, True) for i in range(n)) for s in range(n - 1)]
+    return Schedule("ring", n, n, tuple(rounds), ("reduce-scatter",) * (n - 1))
+
+
+def ring_all_gather(n: int) -> Schedule:
+    """Ring all-gather: device i starts with chunk `owned_chunk(i, n)`; n-1 rounds pass every chunk around.
+
+    Every device sends and receives (n-1)/n * S bytes.
+    """
+    _check_n(n)
+    rounds = [tuple(Transfer(i, (i + 1) % n, (i + 1 - s) % n, False) for i in range(n)) for s in range(n - 1)]
+    return Schedule("ring", n, n, tuple(rounds), ("all-gather",) * (n - 1))
+
+
+def owned_chunk(device: int, n: int) -> int:
+    """The chunk that `device` holds summed after `ring_reduce_scatter(n)` (and brings to `ring_all_gather(n)`)."""
+    return (device + 1) % n
+
+
+def tree_reduce(n: int, root: int = 0) -> Schedule:
+    """Binomial tree: in round k every device at distance 2**k (relative to `root`) adds its whole buffer
+    into its parent; ceil(log2 n) rounds. Each device but the root sends S once; a parent receives S per child.
+    """
+    _check_n(n)
+    int_between("root", root, 0, n - 1)
+    rounds, d = [], 1
+    while d < n:
+        rounds.append(tuple(Transfer((v + root) % n, (v - d + root) % n, 0, True) for v in range(d, n, 2 * d)))
+        d *= 2
+    return Schedule("tree", n, 1, tuple(rounds), ("reduce",) * len(rounds))
+
+
+def tree_broadcast(n: int, root: int = 0) -> Schedule:
+    """Binomial tree, the reduce backwards: the devices that hold the buffer double every round; ceil(log2 n) rounds.
+
+    Each device but the root receives S once; the root sends S in every round.
+    """
+    _check_n(n)
+    int_between("root", root, 0, n - 1)
+    rounds, d = [], (1 << (n - 1).bit_length()) // 2  # the largest power of two below n
+    while d >= 1:
+        rounds.append(tuple(Transfer((v + root) % n, (v + d + root) % n, 0, False) for v in range(0, n - d, 2 * d)))
+        d //= 2
+    return Schedule("tree", n, 1, tuple(rounds), ("broadcast",) * len(rounds))
+
+
+# ---------------------------------------------------------------- allreduce = two building blocks
+
 def ring(n: int) -> Schedule:
-    """Ring: n chunks, n-1 rounds of reduce-scatter then n-1 rounds of all-gather.
+    """Ring allreduce = ring reduce-scatter + ring all-gather: 2(n-1) rounds.
 
     Every device sends and receives 2(n-1)/n * S bytes (up to chunk rounding).
     """
-    _check_n(n)
-    rounds, phases = [], []
-    # Reduce-scatter: in step s device i adds chunk (i-s) into its right neighbour;
-    # after n-1 steps device i holds the full sum of chunk (i+1) % n.
-    for s in range(n - 1):
-        rounds.append(tuple(Transfer(i, (i + 1) % n, (i - s) % n, True) for i in range(n)))
-        phases.append("reduce-scatter")
-    # All-gather: pass the finished chunks around the ring, overwriting.
-    for s in range(n - 1):
-        rounds.append(tuple(Transfer(i, (i + 1) % n, (i + 1 - s) % n, False) for i in range(n)))
-        phases.append("all-gather")
-    return Schedule("ring", n, n, tuple(rounds), tuple(phases))
+    return then("ring", ring_reduce_scatter(n), ring_all_gather(n))
 
 
 def tree(n: int) -> Schedule:
-    """Recursive halving then doubling (Rabenseifner), with p = the largest power of two <= n.
+    """Binomial-tree allreduce = tree reduce to device 0 + tree broadcast from it: 2*ceil(log2 n) rounds.
 
-    Chunks: p. When n is not a power of two, the r = n - p extra devices first add their
-    whole buffer into devices 0..r-1 and get the result back at the end.
-    Bytes sent per device, for a power of two: 2(p-1)/p * S in 2*log2(p) rounds, as the
-    ring but in logarithmic rounds. Otherwise device i < r sends 2(p-1)/p * S + S,
-    an extra device sends S and receives S, and the rest send 2(p-1)/p * S.
+    Every device but 0 sends S up and receives S down; a device with c children also
+    receives and sends c*S. Latency grows as log n, but every round moves the whole buffer.
     """
-    _check_n(n)
-    p = 1 << (n.bit_length() - 1)
-    r = n - p
-    everything = range(p)
-    rounds, phases = [], []
-    if r:
-        rounds.append(tuple(Transfer(p + i, i, c, True) for i in range(r) for c in everything))
-        phases.append("fold-in")
-    # Reduce-scatter by recursive halving: exchange half of the owned chunks with the
-    # partner at distance d; the device with bit d clear keeps the lower half.
-    owned = {i: (0, p) for i in range(p)}
-    d = p // 2
-    while d >= 1:
-        rnd = []
-        for i in range(p):
-            lo, hi = owned[i]
-            mid = (lo + hi) // 2
-            give = range(mid, hi) if not i & d else range(lo, mid)
-            rnd.extend(Transfer(i, i ^ d, c, True) for c in give)
-        for i in range(p):
-            lo, hi = owned[i]
-            mid = (lo + hi) // 2
-            owned[i] = (lo, mid) if not i & d else (mid, hi)
-        rounds.append(tuple(rnd))
-        phases.append("reduce-scatter")
-        d //= 2
-    # All-gather by recursive doubling: send what you own to the partner, ranges merge.
-    d = 1
-    while d < p:
-        rnd = [Transfer(i, i ^ d, c, False) for i in range(p) for c in range(*owned[i])]
-        for i in range(p):
-            lo, hi = owned[i]
-            plo, phi = owned[i ^ d]
-            owned[i] = (min(lo, plo), max(hi, phi))
-        rounds.append(tuple(rnd))
-        phases.append("all-gather")
-        d *= 2
-    if r:
-        rounds.append(tuple(Transfer(i, p + i, c, False) for i in range(r) for c in everything))
-        phases.append("fold-out")
-    return Schedule("tree", n, p, tuple(rounds), tuple(phases))
+    return then("tree", tree_reduce(n), tree_broadcast(n))
 
 
-ALGORITHMS = {"naive": naive, "ring": ring, "tree": tree}
+ALGORITHMS = {"naive": naive, "ring": ring, "halving_doubling": halving_doubling, "tree": tree}
+
+# Every collective by name, and its algorithms. Reduce and broadcast take a `root`.
+COLLECTIVES = {
+    "allreduce": ALGORITHMS,
+    "reduce_scatter": {"ring": ring_reduce_scatter},
+    "all_gather": {"ring": ring_all_gather},
+    "reduce": {"tree": tree_reduce},
+    "broadcast": {"tree": tree_broadcast},
+}
+ROOTED = ("reduce", "broadcast")
 
 
 def get_schedule(algorithm: str, n: int) -> Schedule:
-    """The schedule of `algorithm` (one of `ALGORITHMS`) for `n` devices."""
-    one_of("algorithm", algorithm, ALGORITHMS)
-    return _cached(algorithm, _check_n(n))
+    """The allreduce schedule of `algorithm` (one of `ALGORITHMS`) for `n` devices."""
+    return get_collective("allreduce", algorithm, n)
 
 
-_CACHE: dict[tuple[str, int], Schedule] = {}
+def get_collective(collective: str, algorithm: str, n: int, root: int = 0) -> Schedule:
+    """The schedule of `collective` (one of `COLLECTIVES`) by `algorithm` for `n` devices."""
+    one_of("collective", collective, COLLECTIVES)
+    one_of("algorithm", algorithm, COLLECTIVES[collective])
+    _check_n(n)
+    int_between("root", root, 0, n - 1)
+    return _cached(collective, algorithm, n, root if collective in ROOTED else 0)
 
 
-def _cached(algorithm: str, n: int) -> Schedule:
-    key = (algorithm, n)
-    if key not in _CACHE:
-        _CACHE[key] = ALGORITHMS[algorithm](n)
-    return _CACHE[key]
+@functools.lru_cache(maxsize=512)
+def _cached(collective: str, algorithm: str, n: int, root: int) -> Schedule:
+    build = COLLECTIVES[collective][algorithm]
+    return build(n, root) if collective in ROOTED else build(n)

@@ -49,8 +49,7 @@ def train_batch(
     guard = NonFiniteGuard(nonfinite, replicas, optimizers)  # before the forward pass: it may restore BatchNorm stats
     # 1. Split the global batch: shard i goes to device i.
     X_shards, y_shards = split_batch(X, y, devices)
-    # 2. + 3. Forward and backward on every replica. The shard's summed loss over the global
-    # batch size makes the sum of the replicas' gradients the one-device gradient.
+    # 2. + 3. Forward, backward on every replica: shard loss sum / global batch, so gradients add up to one device's.
     losses, corrects = [], []  # tensors: reading them now would make each device wait for the next
     for net, opt, Xs, ys in zip(replicas, optimizers, X_shards, y_shards):
         opt.zero_grad(set_to_none=True)
@@ -59,8 +58,9 @@ def train_batch(
         loss.backward()
         losses.append(loss.detach())
         corrects.append(correct_tensor(out.detach(), ys))
-    # 4. Allreduce: every replica now holds the sum of all gradients.
-    allreduce_gradients(replicas, algorithm, bucket_cap_mb)
+    # 4. Allreduce: every replica now holds the sum of all gradients (ZeRO-2 reduce-scatters it in its step).
+    if not any(getattr(opt, "reduces_gradients", False) for opt in optimizers):
+        allreduce_gradients(replicas, algorithm, bucket_cap_mb)
     result = StepResult(sum(v.item() for v in losses) * len(X), sum(int(c) for c in corrects), skipped=False)
     if not guard.passes(step):  # NaN or Inf: raise, or undo the step (the replicas agree, they hold the same sums)
         return result._replace(skipped=True)

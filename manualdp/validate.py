@@ -16,7 +16,8 @@ from torch import nn
 __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
     "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
-    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "iterable", "callable_or_none", "path", "timeout_seconds",
+    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "iterable", "callable_or_none",
+    "factory", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch",
 ]
 
@@ -113,6 +114,13 @@ def callable_or_none(name: str, value):
     if value is None or callable(value):
         return value
     raise TypeError(f"{name} must be callable or None, got {value!r}")
+
+
+def factory(name: str, value):
+    """A class or function that builds something, e.g. `torch.optim.Adam`."""
+    if callable(value):
+        return value
+    raise TypeError(f"{name} must be a class or factory such as torch.optim.Adam, got {value!r}")
 
 
 def path(name: str, value, *, none_ok: bool = False):

@@ -50,7 +50,7 @@ def test_missing_fashion_mnist_is_a_one_line_error(tmp_path):
     assert out.stderr.startswith("manualdp train: error:") and str(tmp_path) in out.stderr
 
 
-@pytest.mark.parametrize("argv", [["explain", "tree", "--devices", "5", "--size", "40"]])
+@pytest.mark.parametrize("argv", [["explain", "halving_doubling", "--devices", "5", "--size", "40"]])
 def test_explain_is_reachable_from_the_cli(argv):
     out = _manualdp(*argv)
     assert out.returncode == 0, out.stderr

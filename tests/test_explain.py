@@ -5,8 +5,8 @@ from collections import Counter
 import pytest
 
 from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, explain, main
-from manualdp.schedule import chunk_sizes, get_schedule
 from manualdp.cost import cost, traffic
+from manualdp.schedule import chunk_sizes, get_collective, get_schedule
 
 ROUND = re.compile(r"^round (\d+) \((.+)\): (\d+) transfers, estimated ([\d.]+) us$")
 TRANSFER = re.compile(r"^  dev(\d+) -> dev(\d+)  chunk (\d+)  (add|copy)  \((\d+) bytes\)$")
@@ -92,3 +92,24 @@ def test_main_rejects_bad_arguments(argv, message, capsys):
 def test_explain_rejects_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         explain(**kwargs)
+
+
+@pytest.mark.parametrize("algorithm, n", [("ring", 4), ("tree", 5), ("reduce_scatter", 3), ("broadcast", 6)])
+def test_plot_draws_one_panel_per_round_and_one_arrow_per_transfer(tmp_path, algorithm, n):
+    from matplotlib.text import Annotation
+
+    from manualdp.runners.explain import NAMES, plot
+    schedule = get_collective(*NAMES[algorithm], n)
+    path = tmp_path / "rounds.png"
+    fig = plot(algorithm, n, str(path))
+    axes = fig.get_axes()
+    assert len(axes) == len(schedule.rounds) + 1
+    arrows = [sum(isinstance(c, Annotation) for c in ax.get_children()) for ax in axes]
+    assert arrows == [0] + [len(r) for r in schedule.rounds]
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_refuses_a_path_that_is_not_png_and_writes_nothing(tmp_path):
+    with pytest.raises(SystemExit):
+        main(["ring", "--devices", "2", "--plot", str(tmp_path / "x.jpg")])
+    assert list(tmp_path.iterdir()) == []

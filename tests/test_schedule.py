@@ -43,7 +43,7 @@ def test_round_counts(n):
     p = pow2_below(n)
     assert len(get_schedule("naive", n).rounds) == (2 if n > 1 else 0)
     assert len(get_schedule("ring", n).rounds) == 2 * (n - 1)
-    assert len(get_schedule("tree", n).rounds) == 2 * int(math.log2(p)) + (2 if n != p else 0)
+    assert len(get_schedule("halving_doubling", n).rounds) == 2 * int(math.log2(p)) + (2 if n != p else 0)
     phases = get_schedule("ring", n).phases
     assert phases == ("reduce-scatter",) * (n - 1) + ("all-gather",) * (n - 1)
 
@@ -87,11 +87,11 @@ def test_ring_traffic_is_the_textbook_up_to_chunk_rounding(n, numel, element_siz
 
 @settings_
 @given(n=st.sampled_from(NS), numel=st.integers(0, 10**5), element_size=st.sampled_from([1, 4, 8]))
-def test_tree_traffic_is_its_docstring_formula(n, numel, element_size):
+def test_halving_doubling_traffic_is_its_docstring_formula(n, numel, element_size):
     S = numel * element_size
     p = pow2_below(n)
     r = n - p
-    t = traffic(get_schedule("tree", n), S, element_size)
+    t = traffic(get_schedule("halving_doubling", n), S, element_size)
     halving = 2 * (p - 1) * S / p
     slack = 2 * (p - 1) * element_size  # 2(p-1) chunks, each within one element of S/p
     for d in range(n):
@@ -130,7 +130,7 @@ def test_beta_only_cost_matches_the_textbook(n):
     assert cost(get_schedule("ring", n), S, 0, beta, 0) == pytest.approx(beta * 2 * (n - 1) * S / n)
     assert cost(get_schedule("ring", n), S, 0, 0, beta) == pytest.approx(beta * (n - 1) * S / n)
     folds = 2 * S if n != p else 0
-    assert cost(get_schedule("tree", n), S, 0, beta, 0) == pytest.approx(beta * (2 * (p - 1) * S / p + folds))
+    assert cost(get_schedule("halving_doubling", n), S, 0, beta, 0) == pytest.approx(beta * (2 * (p - 1) * S / p + folds))
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "1"])

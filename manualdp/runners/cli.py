@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -18,6 +19,7 @@ BENCHMARKS = {
     "overhead": "manualdp.benchmarks.overhead",
     "scaling": "manualdp.benchmarks.scaling",
     "soak": "manualdp.benchmarks.soak",
+    "zero": "manualdp.benchmarks.zero",
 }
 
 
@@ -79,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "model's pick for each bucket, with constants measured on this transport)")
     t.add_argument("--bucket-mb", type=positive(float), default=None,
                    help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
+    t.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer (default: sgd)")
+    t.add_argument("--zero", type=int, choices=[1, 2], default=None,
+                   help="ZeRO stage: 1 shards the optimizer state over the devices, 2 also the gradients")
+    t.add_argument("--trace", metavar="PATH", help="write a timeline of every step as Chrome trace JSON (Perfetto)")
+    t.add_argument("--plot-trace", metavar="PATH", help="draw the timeline as a PNG (needs --trace)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
     t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
@@ -137,6 +144,8 @@ def check_train_args(args) -> str | None:
         return "--algorithm auto times the transport between processes: use it under torchrun"
     if args.plot and not args.plot.lower().endswith(".png"):
         return f"--plot: {args.plot!r} must end in .png"
+    if args.plot_trace and (not args.trace or not args.plot_trace.lower().endswith(".png")):
+        return f"--plot-trace: {args.plot_trace!r} must end in .png and needs --trace"
     problem = _output_problems(args)
     if problem:
         return problem
@@ -159,10 +168,11 @@ _CHECKPOINT_BYTES = {"lenet": 1 << 20, "mlp": 4 << 20, "resnet18": 100 << 20}
 
 
 def _output_problems(args) -> str | None:
-    """The first output (--json, --plot, --checkpoint-dir) that cannot be written, as one line."""
+    """The first output (--json, --plot, --trace, --plot-trace, --checkpoint-dir) that cannot be written, as one line."""
     from ..support.files import output_problem
 
     outputs = [("--json", args.json, 1 << 20, False), ("--plot", args.plot, 4 << 20, False),
+               ("--trace", args.trace, 64 << 20, False), ("--plot-trace", args.plot_trace, 4 << 20, False),
                ("--checkpoint-dir", args.checkpoint_dir, 3 * _CHECKPOINT_BYTES[args.model], True)]
     for option, path, need, folder in outputs:
         if path is None:
@@ -214,7 +224,8 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
         history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "auto",
                              bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                             resume=args.resume, config=run_config(args), progress=progress)
+                             resume=args.resume, config=run_config(args), progress=progress,
+                             **_optimizer_args(args))
     except OSError as e:
         print(f"manualdp train: error: rank {dist.get_rank()}: {_one_line(e)}", file=sys.stderr)
         _save_partial(args, getattr(e, "history", None))
@@ -243,6 +254,31 @@ def cpu_threads(requested: int | None, world_size: int) -> int:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
         return max(1, (os.cpu_count() or 1) // max(local, 1))
     return 1
+
+
+OPTIMIZERS = {"sgd": None, "adam": "Adam", "adamw": "AdamW"}  # None: train's default, SGD
+
+
+def _optimizer_args(args) -> dict:
+    import torch
+
+    name = OPTIMIZERS[args.optimizer]
+    return {"optimizer": getattr(torch.optim, name) if name else None, "zero": args.zero, "trace": args.trace}
+
+
+def _report_trace(args, history) -> None:
+    """Print the timeline's summary and draw it, when --trace was given."""
+    if not args.trace:
+        return
+    s = history.config["timeline"]
+    print(f"timeline: {args.trace}; communication {s['comm_ms_per_step']:.2f} ms/step, "
+          f"{100 * s['overlap_fraction']:.0f}% hidden behind backward, {s['exposed_comm_ms_per_step']:.2f} ms/step exposed")
+    if args.plot_trace:
+        from ..support.trace import plot_trace
+
+        with open(args.trace) as f:
+            plot_trace(json.load(f), args.plot_trace)
+        print(f"wrote {args.plot_trace}")
 
 
 def run_train(args) -> int:
@@ -285,7 +321,7 @@ def run_train(args) -> int:
             history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
                             bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
                             checkpoint_every=args.checkpoint_every, resume=args.resume, config=run_config(args),
-                            progress=progress)
+                            progress=progress, **_optimizer_args(args))
         except NonFiniteGradientError as e:
             print(f"manualdp train: error: {e} (--nonfinite skip skips such steps)", file=sys.stderr)
             return 1
@@ -298,6 +334,7 @@ def run_train(args) -> int:
             return 1
         kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
         where = f"{len(devices)} {kind}"
+    _report_trace(args, history)
     seconds = sum(history.epoch_seconds) / len(history.epoch_seconds)
     print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
           f"test acc {history.test_acc[-1]:.3f}")

@@ -1,6 +1,7 @@
-"""Print an allreduce schedule round by round, so it can be followed by hand.
+"""Print a collective's schedule round by round, so it can be followed by hand.
 
     manualdp explain ring --devices 4 --size 1048576
+    manualdp explain reduce_scatter --devices 4        (also all_gather, reduce, broadcast)
 
 Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is chunk 0 of
 `a` plus chunk 0 of `b`, and `sum0` is chunk 0 summed over every device (the result).
@@ -11,10 +12,11 @@ import argparse
 import string
 from collections import Counter
 
-from ..schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
 from ..cost import cost, traffic
+from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective
+from ..validate import non_negative_int, one_of, positive_int
 
-__all__ = ["DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
+__all__ = ["NAMES", "plot", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
 
 # Typical numbers for GPUs in one machine linked by PCIe 4.0 x16 (NCCL measures ~20-25 GB/s):
 DEFAULT_ALPHA = 5e-6         # seconds per message: a few microseconds of launch and link latency
@@ -24,6 +26,10 @@ DEFAULT_SIZE = 1 << 20       # 1 MiB, i.e. 262144 float32 values
 STATE_MAX_DEVICES = 8        # wider tables stop being readable
 STATE_LIMIT = 32             # --state past this: the tables grow as devices^3 (1000 devices took 5.5 GB)
 MAX_DEVICES = 256            # a ring of 256 prints ~130k transfer lines within a second; more helps no reader
+
+# What `explain` takes: an allreduce algorithm, or another collective (run by its first algorithm).
+NAMES = {**{a: ("allreduce", a) for a in ALGORITHMS},
+         **{c: (c, next(iter(algs))) for c, algs in COLLECTIVES.items() if c != "allreduce"}}
 
 
 def trace(schedule: Schedule) -> list[list[list[Counter]]]:
@@ -67,16 +73,29 @@ def _state_table(state: list[list[Counter]], indent: str = "    ") -> list[str]:
     return [line.rstrip() for line in lines]
 
 
-def _textbook(algorithm: str, n: int, size: int) -> str:
-    if algorithm == "naive":
+def _textbook(name: str, n: int, size: int, root: int) -> str:
+    log = (n - 1).bit_length()  # ceil(log2 n)
+    if name == "naive":
         return f"textbook: dev0 sends and receives (n-1)*S = {(n - 1) * size} bytes, the others S = {size if n > 1 else 0}"
-    if algorithm == "ring":
+    if name == "ring":
         return f"textbook: every device sends and receives 2(n-1)/n * S = {2 * (n - 1) * size / n:.0f} bytes"
+    if name in ("reduce_scatter", "all_gather"):
+        return f"textbook: every device sends and receives (n-1)/n * S = {(n - 1) * size / n:.0f} bytes (busbw factor (n-1)/n)"
+    if name == "tree":
+        return (f"textbook: 2*ceil(log2 n) = {2 * log} rounds; every device but dev0 sends S = {size} up and receives S down, "
+                f"plus S per child each way")
+    if name in ("reduce", "broadcast"):
+        way = "sends S up" if name == "reduce" else "receives S"
+        return f"textbook: ceil(log2 n) = {log} rounds; every device but the root dev{root} {way} once, {size} bytes (busbw factor 1)"
     p = 1 << (n.bit_length() - 1)
     line = f"textbook: p = {p}; {_devs(0, p - 1)} send and receive 2(p-1)/p * S = {2 * (p - 1) * size / p:.0f} bytes"
     if n > p:
         line += f", plus S = {size} for {_devs(0, n - p - 1)}; {_devs(p, n - 1)} send and receive S"
     return line
+
+
+def _title(given: str, collective: str, name: str) -> str:
+    return f"{given} allreduce" if collective == "allreduce" else f"{collective} ({name})"
 
 
 def _devs(first: int, last: int) -> str:
@@ -100,6 +119,7 @@ def explain(
     gamma: float = DEFAULT_GAMMA,
     element_size: int = 4,
     show_state: bool | None = None,
+    root: int = 0,
 ) -> str:
     """The schedule of `algorithm` on `num_devices`, round by round, then bytes per device and estimated time.
 
@@ -107,29 +127,29 @@ def explain(
         size_bytes: the buffer being allreduced (S); cut into chunks of whole elements of `element_size` bytes.
         alpha, beta, gamma: seconds per message, per byte sent or received, per byte added.
         show_state: print what every device holds after each round; default only up to 8 devices.
+        root: the device that reduce ends on and broadcast starts from.
     """
-    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {sorted(ALGORITHMS)}, got {algorithm!r}")
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int) or num_devices < 1:
-        raise ValueError(f"num_devices must be a positive int, got {num_devices!r}")
-    if isinstance(element_size, bool) or not isinstance(element_size, int) or element_size < 1:
-        raise ValueError(f"element_size must be a positive int, got {element_size!r}")
-    if isinstance(size_bytes, bool) or not isinstance(size_bytes, int) or size_bytes < 0 or size_bytes % element_size:
+    one_of("algorithm", algorithm, NAMES)
+    positive_int("num_devices", num_devices)
+    positive_int("element_size", element_size)
+    non_negative_int("size_bytes", size_bytes)
+    if size_bytes % element_size:
         raise ValueError(f"size_bytes must be a non-negative multiple of element_size={element_size}, got {size_bytes!r}")
     if num_devices > MAX_DEVICES:
         raise ValueError(f"num_devices must be at most {MAX_DEVICES} to be explained line by line, got {num_devices}; "
                          "the bytes and time of larger rings follow the formulas printed for smaller ones")
     if show_state and num_devices > STATE_LIMIT:
         raise ValueError(f"the chunk tables (--state) are drawn for at most {STATE_LIMIT} devices, got {num_devices}")
+    collective, name = NAMES[algorithm]
+    schedule = get_collective(collective, name, num_devices, root)
     if show_state is None:
         show_state = num_devices <= STATE_MAX_DEVICES
-    schedule = get_schedule(algorithm, num_devices)
     cost(schedule, size_bytes, alpha, beta, gamma, element_size)  # checks alpha, beta, gamma before printing anything
     n, k = num_devices, schedule.num_chunks
     sizes = [s * element_size for s in chunk_sizes(size_bytes // element_size, k)]
 
     out = [
-        f"{algorithm} allreduce on {n} device{'s' * (n != 1)}: {len(schedule.rounds)} rounds, {k} chunks of a buffer of S = {size_bytes} bytes",
+        f"{_title(algorithm, collective, name)} on {n} device{'s' * (n != 1)}: {len(schedule.rounds)} rounds, {k} chunks of a buffer of S = {size_bytes} bytes",
         "chunk sizes (bytes): " + " ".join(str(s) for s in sizes),
         "dev0 starts with a, dev1 with b, ...; 'a0+b0' is chunk 0 of a plus chunk 0 of b; 'sum0' is chunk 0 of the result.",
     ]
@@ -145,7 +165,7 @@ def explain(
         if show_state:
             out += ["  afterwards:"] + _state_table(states[r])
     if not schedule.rounds:
-        out += ["", "one device: nothing to send, it already holds the sum."]
+        out += ["", "one device: nothing to send, it already holds the result."]
 
     t = traffic(schedule, size_bytes, element_size)
     row = "  {:<8}{:>12}{:>12}{:>12}{:>15}".format
@@ -153,7 +173,7 @@ def explain(
     for d in range(n):
         out.append(row(f"dev{d}", t["sent"][d], t["received"][d], t["reduced"][d], t["messages"][d]))
     out.append(row("total", *(sum(t[key]) for key in ("sent", "received", "reduced", "messages"))))
-    out.append("  " + _textbook(algorithm, n, size_bytes))
+    out.append("  " + _textbook(algorithm, n, size_bytes, root))
     total = cost(schedule, size_bytes, alpha, beta, gamma, element_size)
     out += [
         "",
@@ -164,19 +184,37 @@ def explain(
     return "\n".join(out)
 
 
+def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
+    """Draw `algorithm`'s rounds on `num_devices` as a PNG at `path`: one panel per round, one arrow per transfer."""
+    from ..support.plot_rounds import plot_rounds
+
+    one_of("algorithm", algorithm, NAMES)
+    positive_int("num_devices", num_devices)
+    collective, name = NAMES[algorithm]
+    schedule = get_collective(collective, name, num_devices, root)
+    states = trace(schedule)
+    n, k = num_devices, schedule.num_chunks
+    cells = [[[_symbol(s[d][c], c, n) for c in range(k)] for d in range(n)] for s in states]
+    shares = [[[len(set(s[d][c].elements())) / n for c in range(k)] for d in range(n)] for s in states]
+    return plot_rounds(path, f"{_title(algorithm, collective, name)} on {n} devices", [list(r) for r in schedule.rounds],
+                list(schedule.phases), cells, shares)
+
+
 def main(argv: list[str] | None = None) -> int:
     """`manualdp explain ALGORITHM --devices N [--size BYTES]`: print the schedule step by step."""
     parser = argparse.ArgumentParser(
         prog="manualdp explain",
-        description="Print an allreduce schedule round by round, the bytes each device moves, and an estimated time.",
+        description="Print a collective's schedule round by round, the bytes each device moves, and an estimated time.",
     )
-    parser.add_argument("algorithm", choices=sorted(ALGORITHMS))
+    parser.add_argument("algorithm", choices=sorted(NAMES), help="an allreduce algorithm or another collective")
+    parser.add_argument("--root", type=int, default=0, help="root device of reduce and broadcast (default 0)")
     parser.add_argument("--devices", type=int, default=4, help="number of devices (default 4)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help=f"buffer size in bytes (default {DEFAULT_SIZE})")
     parser.add_argument("--element-size", type=int, default=4, help="bytes per element; chunks hold whole elements (default 4)")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help=f"seconds per message (default {DEFAULT_ALPHA:g})")
     parser.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
     parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
+    parser.add_argument("--plot", metavar="PATH", help="also draw the rounds as a PNG")
     state = parser.add_mutually_exclusive_group()
     state.add_argument("--state", dest="show_state", action="store_true", default=None, help="always print the chunk tables")
     state.add_argument("--no-state", dest="show_state", action="store_false", help="never print the chunk tables")
@@ -184,11 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         text = explain(
             args.algorithm, args.devices, args.size, args.alpha, args.beta, args.gamma,
-            element_size=args.element_size, show_state=args.show_state,
+            element_size=args.element_size, show_state=args.show_state, root=args.root,
         )
+        if args.plot:
+            if not args.plot.lower().endswith(".png"):
+                raise ValueError(f"--plot: {args.plot!r} must end in .png")
+            plot(args.algorithm, args.devices, args.plot, args.root)
     except ValueError as e:
         parser.error(str(e))
     print(text)
+    if args.plot:
+        print(f"wrote {args.plot}")
     return 0
 
 

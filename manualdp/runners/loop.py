@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -24,14 +25,19 @@ from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
 from ..spmd.sampler import ShardedBatchSampler
 from ..spmd.tune import ENGINE_ALGORITHMS
+from ..spmd.zero import ZeroRedundancyOptimizer as SpmdZero
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout, lock_checkpoint_dir, remove_orphans
+from ..support.files import write_json_atomic
 from ..support.history import History
+from ..support.trace import Trace
 from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
-from ..validate import (boolean, callable_or_none, check_devices, iterable, learning_rate, mapping_or_none, nn_module,
-                        non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds)
+from ..zero import ZeroRedundancyOptimizer
+from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, learning_rate, mapping_or_none,
+                        nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds)
 from .agree import agree_all_succeed, agree_on_checkpoint, agree_on_run_id
+from .timeline import Timeline, merge_ranks
 
-__all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank"]
+__all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank", "optimizer_factory"]
 
 
 def train(
@@ -54,8 +60,16 @@ def train(
     config: dict | None = None,
     progress: bool = True,
     log=print,
+    optimizer=None,
+    zero: int | None = None,
+    trace: str | None = None,
 ) -> History:
     """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters.
+
+    `optimizer` (a torch.optim class or factory, default SGD) is built with `lr`, and with
+    `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`).
+    `trace=PATH` writes a Chrome trace (Perfetto) of every step, one track per device, and
+    puts its summary (overlap, exposed communication) in `history.config["timeline"]`.
 
     With `checkpoint_dir`, a checkpoint is written after every epoch and every
     `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
@@ -67,6 +81,7 @@ def train(
     devices = check_devices(devices)
     _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
                      nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
+    path("trace", trace, none_ok=True)
     if checkpoint_dir is not None:
         check_checkpoint_dir(checkpoint_dir, resume)
         check_layout(checkpoint_dir, per_rank=False)
@@ -76,19 +91,24 @@ def train(
     release = lock_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else (lambda: None)
     try:
         return _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
-                      weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log)
+                      weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log,
+                      optimizer, zero, trace)
     finally:
         release()
 
 
 def _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
-           weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log) -> History:
+           weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log,
+           optimizer, zero, trace) -> History:
     if checkpoint_dir is not None:
         remove_orphans(checkpoint_dir)
 
     replicas = replicate(net, devices)
-    optimizers = [torch.optim.SGD(r.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
-                  for r in replicas]
+    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
+    if zero:
+        optimizers = ZeroRedundancyOptimizer(replicas, make, stage=zero, **kwargs).per_device()
+    else:
+        optimizers = [make(r.parameters(), **kwargs) for r in replicas]
     history = History(config={"devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
                                "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb})
     loop = TrainingState(train_iter, checkpoint_dir, identity)
@@ -97,9 +117,14 @@ def _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorit
         if log:
             log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
                 if state is not None else f"no checkpoint in {checkpoint_dir}: starting from the beginning")
+    timeline = (Timeline(Trace(), replicas, [f"dev{i}" for i in range(len(devices))], optimizers, single_controller=True)
+                if trace is not None else None)
     mode = SingleController(replicas, optimizers, devices, summed_loss(loss_fn), algorithm, bucket_cap_mb,
                             nonfinite, test_iter)
     run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+    if timeline is not None:
+        history.config["timeline"] = timeline.trace.summary(timeline.steps)
+        timeline.trace.save(trace)
     copy_params_(net, replicas[0])
     return history
 
@@ -125,6 +150,9 @@ def train_spmd(
     device=None,
     progress: bool = True,
     log=print,
+    optimizer=None,
+    zero: int | None = None,
+    trace: str | None = None,
 ) -> History | None:
     """Train `net` with SGD on this rank's slice of every global batch; the History on rank 0, None elsewhere.
 
@@ -135,6 +163,8 @@ def train_spmd(
     `nonfinite`, `checkpoint_dir`, `checkpoint_every` and `resume` work as in `train`;
     `config` and the resume checks work as in `train`; `timeout` (seconds, default: the
     process group's) bounds every wait for a peer.
+    `optimizer` and `zero` work as in `train` (`manualdp.spmd.zero`); ZeRO-2 takes no `nonfinite`
+    guard, since before its reduce-scatter the ranks hold different gradients and would disagree.
     """
     nn_module("net", net)
     one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
@@ -150,7 +180,12 @@ def train_spmd(
     device = torch.device(device) if device is not None else rank_device()
 
     model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout)
-    optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
+    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
+    if zero == 2 and nonfinite is not None:
+        raise ValueError(f"nonfinite={nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only shards: "
+                         "pass nonfinite=None or zero=1")
+    optimizer = (SpmdZero(net.parameters(), make, stage=zero, timeout=timeout, **kwargs) if zero
+                 else make(net.parameters(), **kwargs))
     history = History(config={"world_size": world_size, "backend": dist.get_backend(), "device": str(device),
                                "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm,
                                "bucket_cap_mb": bucket_cap_mb})
@@ -184,11 +219,22 @@ def train_spmd(
                 if log and rank == 0:
                     log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
                         f"on {world_size} ranks")
+        path("trace", trace, none_ok=True)
+        timeline = None
+        if trace is not None:
+            model.recorder = Trace(pid=rank)
+            timeline = Timeline(model.recorder, [net], ["compute"], [optimizer], single_controller=False)
         sharded = getattr(train_iter, "batch_sampler", None)
         sharded = sharded if isinstance(sharded, ShardedBatchSampler) else None  # see manualdp.spmd.shard_loader
         mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter,
                        sharded)
         run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+        if timeline is not None:
+            timeline.close_backward()
+            history.config["timeline"] = timeline.trace.summary(timeline.steps)  # this rank's
+            merged = merge_ranks(timeline.trace)
+            if merged is not None:
+                write_json_atomic(trace, merged)
     finally:
         release()
     return history if rank == 0 else None
@@ -306,10 +352,13 @@ class OneRank:
         Xs, ys = Xs.to(self.device), ys.to(self.device)
         guard = NonFiniteGuard(self.nonfinite, [self.model.module], [self.optimizer], where=f"rank {rank}: ")
         self.optimizer.zero_grad(set_to_none=True)
+        # ZeRO-2 reduce-scatters the gradients in its step: the wrapper must not average them first.
+        sync = self.model.no_sync() if getattr(self.optimizer, "reduces_gradients", False) else nullcontext()
         try:
-            out = self.model(Xs)
-            loss = self.loss_fn(out, ys) / n * world_size
-            loss.backward()
+            with sync:
+                out = self.model(Xs)
+                loss = self.loss_fn(out, ys) / n * world_size
+                loss.backward()
         except PeerError as e:
             raise e.at(f"step {step}") from e.__cause__
         result = StepResult(loss.item() * n / world_size, count_correct(out.detach(), ys), False)
@@ -371,3 +420,17 @@ def _progress(iterable_, enabled: bool, desc: str, total: int | None = None):
         return iterable_
     from tqdm.auto import tqdm
     return tqdm(iterable_, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def optimizer_factory(optimizer, lr: float, momentum: float, weight_decay: float, zero):
+    """The optimizer class or factory (default SGD) and its keyword arguments; checks `optimizer` and `zero`."""
+    one_of("zero", zero, (None, 0, 1, 2))
+    if optimizer is None:
+        return torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
+    factory("optimizer", optimizer)
+    kwargs = {"lr": lr}
+    if momentum:
+        kwargs["momentum"] = momentum
+    if weight_decay:
+        kwargs["weight_decay"] = weight_decay
+    return optimizer, kwargs

@@ -76,8 +76,9 @@ class DistributedDataParallel(nn.Module):
         module: the model, with all its parameters on one device (this rank's).
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
             parameter order; `None` gives one bucket per parameter.
-        algorithm: a schedule of `manualdp.schedule`, or `auto` (default): for each bucket, the
-            one the cost model predicts fastest on this transport (`manualdp.spmd.tune`).
+        algorithm: a schedule of `manualdp.schedule` (`naive`, `ring`, `halving_doubling`, `tree`), or
+            `auto` (default): for each bucket, the one the cost model predicts fastest on this
+            transport (`manualdp.spmd.tune`).
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
             before each forward pass, as DDP does.
         process_group: the group to average over (default: all ranks).
@@ -130,6 +131,7 @@ class DistributedDataParallel(nn.Module):
         self.timeout = float(timeout) if timeout is not None else group_timeout(process_group)
         self.move_inputs = device_ids is not None
         self.require_backward_grad_sync = True  # False inside no_sync()
+        self.recorder = None  # optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait
         self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
         self._sync_this_backward = True  # decided by the forward pass, as in DDP
 
@@ -194,13 +196,16 @@ class DistributedDataParallel(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(param)]
         if self._buckets[b].mark_ready(i, param.grad):
+            if self.recorder is not None:
+                self.recorder.instant(f"bucket {b} ready", "compute", bucket=b)
             self._launch_ready()
 
     def _launch_ready(self) -> None:
         """Start the allreduce of every full bucket, in bucket order (every rank must send them in the same order)."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            bucket.future = self._executor.submit(allreduce, bucket.flat, self._algorithms[self._next_launch],
+            run = allreduce if self.recorder is None else _recorded(allreduce, self.recorder, self._next_launch)
+            bucket.future = self._executor.submit(run, bucket.flat, self._algorithms[self._next_launch],
                                                   self.process_group,
                                                   segment_bytes=self.segment_bytes, timeout=self.timeout)
             self._next_launch += 1
@@ -212,9 +217,10 @@ class DistributedDataParallel(nn.Module):
                 bucket.fill_missing()  # unused here: zeros, but the bucket must still go out
             self._launch_ready()
             error = None
-            for bucket in self._buckets:
+            for b, bucket in enumerate(self._buckets):
                 try:
-                    bucket.future.result()
+                    with _waiting(self.recorder, b):
+                        bucket.future.result()
                 except Exception as e:  # keep waiting: leave no allreduce running behind us
                     error = error or e
                     continue
@@ -307,3 +313,19 @@ def _to_device(obj, device: torch.device):
     if isinstance(obj, dict):
         return {k: _to_device(v, device) for k, v in obj.items()}
     return obj
+
+
+# ---------------------------------------------------------------- optional timeline (manualdp.support.trace)
+
+def _recorded(fn, recorder, b: int):
+    """`fn` that records its run as bucket `b`'s allreduce on the communication track."""
+    def run(*args, **kwargs):
+        with recorder.span(f"bucket {b} allreduce", "comm", cat="comm", bucket=b):
+            return fn(*args, **kwargs)
+    return run
+
+
+def _waiting(recorder, b: int):
+    if recorder is None:
+        return contextlib.nullcontext()
+    return recorder.span(f"bucket {b} wait", "compute", cat="wait", bucket=b)

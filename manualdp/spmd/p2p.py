@@ -23,7 +23,7 @@ from .peers import group_ranks, group_timeout, talking_to, wait
 from .tune import ENGINE_ALGORITHMS, resolve
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "allreduce"]
+           "may_post_early", "allreduce", "run_schedule"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -226,7 +226,13 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
 
 def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,
                early: bool, timeout: float | None = None) -> None:
-    rounds = plan(get_schedule(algorithm, len(peers)), rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
+    run_schedule(tensor, get_schedule(algorithm, len(peers)), group, rank, peers, segment_bytes, early, timeout)
+
+
+def run_schedule(tensor: torch.Tensor, schedule: Schedule, group, rank: int, peers: list[int], segment_bytes: int,
+                 early: bool, timeout: float | None) -> None:
+    """Run this rank's share of any `schedule` on `tensor`, in place; the arguments are already checked."""
+    rounds = plan(schedule, rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
     width = max((r.scratch for r in rounds), default=0)
     space = _scratch(2 * width, tensor)
     scratch = (space[:width], space[width:])  # rounds alternate halves: a round's receives may be posted early
@@ -235,5 +241,3 @@ def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: li
         (_run_early if early else _run_grouped)(flat, rounds, peers, group, scratch, timeout)
         if not tensor.is_contiguous():
             tensor.copy_(flat.view_as(tensor))
-
-
