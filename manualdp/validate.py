@@ -83,7 +83,7 @@ def learning_rate(name: str, value):
     """A learning rate: a number > 0, finite and at most MAX_LR (float32's largest, 3.4e38)."""
     if _is_number(value) and 0 < value <= MAX_LR:
         return value
-    raise ValueError(f"{name} must be a positive number, finite and <= {MAX_LR:.3g}, got {value!r}")
+    raise ValueError(f"{name} must be a positive number, got {value!r} (finite, at most {MAX_LR:.3g})")
 
 
 def mapping_or_none(name: str, value):
