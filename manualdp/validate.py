@@ -14,7 +14,7 @@ from torch import nn
 
 __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
-    "one_of", "int_between", "index", "boolean", "nn_module", "iterable", "callable_or_none", "path", "timeout_seconds",
+    "one_of", "int_between", "index", "boolean", "nn_module", "iterable", "callable_or_none", "a_callable", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch",
 ]
 
@@ -92,6 +92,12 @@ def callable_or_none(name: str, value):
     if value is None or callable(value):
         return value
     raise TypeError(f"{name} must be callable or None, got {value!r}")
+
+
+def a_callable(name: str, value):
+    if callable(value):
+        return value
+    raise TypeError(f"{name} must be callable, got {value!r}")
 
 
 def path(name: str, value, *, none_ok: bool = False):

@@ -21,7 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
 from ..schedule import ALGORITHMS
-from ..validate import (boolean, callable_or_none, nn_module, non_negative_int, one_of, positive_int,
+from ..validate import (a_callable, boolean, nn_module, non_negative_int, one_of, positive_int,
                         positive_number, timeout_seconds)
 from .hooks import GradBucket
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, group_ranks
@@ -279,9 +279,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def register_comm_hook(self, state: object, hook) -> None:
         """Average each bucket with `hook(state, bucket) -> Future[Tensor]`, torch's comm-hook signature."""
-        callable_or_none("hook", hook)
-        if hook is None:
-            raise TypeError("hook must be callable, got None")
+        a_callable("hook", hook)
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
         self._comm_hook = (state, hook)
