@@ -31,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
 
+from ..spmd.ddp import DistributedDataParallel as ManualDDP  # noqa: E402
 from ..validate import positive_int  # noqa: E402
 
 __all__ = ["TorchDDPTests", "select", "run_one", "main", "FAST"]
@@ -80,13 +81,18 @@ def _to_cpu(fn):
     return to
 
 
-def _without_device_ids(cls):
-    """`cls` whose device_ids and output_device are dropped: every module is on the CPU under the shim."""
-    class OnCpu(cls):
-        def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
-            super().__init__(module, None, None, *args, **kwargs)
-    OnCpu.__name__ = OnCpu.__qualname__ = cls.__name__
-    return OnCpu
+class TorchDDPOnCpu(torch.nn.parallel.DistributedDataParallel):
+    """torch's DDP with device_ids and output_device dropped: under the shim every module is on the CPU."""
+
+    def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        super().__init__(module, None, None, *args, **kwargs)
+
+
+class ManualDDPOnCpu(ManualDDP):
+    """manualdp's DDP with device_ids and output_device dropped, as `TorchDDPOnCpu`."""
+
+    def __init__(self, module, device_ids=None, output_device=None, *args, **kwargs):
+        super().__init__(module, None, None, *args, **kwargs)
 
 
 def _install_cpu_shim() -> None:
@@ -121,12 +127,12 @@ class TorchDDPTests(TestDistBackend, DistributedTest._DistTestBase):
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
         torch.set_num_threads(1)
-        from ..spmd.ddp import DistributedDataParallel as Ours
-        wrapper = Ours if os.environ.get(SWAP) == "1" else torch.nn.parallel.DistributedDataParallel
+        ours = os.environ.get(SWAP) == "1"
         if os.environ.get(SHIM, "1") == "1":
             _install_cpu_shim()
-            wrapper = _without_device_ids(wrapper)
-        _install(wrapper)
+            _install(ManualDDPOnCpu if ours else TorchDDPOnCpu)
+        elif ours:
+            _install(ManualDDP)
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 

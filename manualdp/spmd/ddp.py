@@ -138,6 +138,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         static_graph: accepted; manualdp's buckets are static anyway.
         algorithm: `naive`, `ring` or `tree` (see `manualdp.schedule`).
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
+        debug: before each bucket's allreduce the ranks compare (step, bucket, element count,
+            dtype, parameters) and all raise on a mismatch, naming the first parameter that
+            differs and each rank's unused parameters. Default: on when the environment
+            variable `MANUALDP_DEBUG` (or `TORCH_DISTRIBUTED_DEBUG=DETAIL`) is set.
         timeout: seconds to wait for a silent peer before raising `PeerError` (default: the
             process group's timeout).
 
@@ -151,7 +155,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  *, algorithm: str = "ring", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, debug: bool | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
         nn_module("module", module)
@@ -164,6 +168,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                            ("find_unused_parameters", find_unused_parameters), ("check_reduction", check_reduction),
                            ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
             boolean(name, flag)
+        if debug is not None:
+            boolean("debug", debug)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
@@ -200,6 +206,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
         self._sync_this_backward = True  # decided by the forward pass, as in DDP
         self._comm_hook = None  # (state, hook) from register_comm_hook, or None: manualdp's allreduce
+        self.debug = debug if debug is not None else (os.environ.get("MANUALDP_DEBUG", "0") not in ("", "0")
+                                                      or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL")
+        self._step = 0  # synchronised backward passes so far: part of the desync fingerprint
+        self._joined = False  # True while Join shadows this rank's steps
         self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
         self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
 
@@ -220,6 +230,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if self.gradient_as_bucket_view and p.grad is not None:
                     bucket.view(i).copy_(p.grad)
                     p.grad = bucket.view(i)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        self._names = [[names[id(p)] for p in bucket.params] for bucket in self._buckets]  # for error messages
         self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
         self._in_backward = False
@@ -229,7 +241,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        for key in ("_executor", "_hooks", "_where", "_used_in_no_sync", "_join_config"):
+        for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config"):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
         state["_comm_hook"] = None
@@ -306,6 +318,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _reduce(self, index: int, bucket: Bucket) -> None:
         """On the worker: sum `bucket.flat` over the group, or run the comm hook and sum only the used flags."""
+        if self.debug:
+            self._check_in_step(index, bucket)
         if self._comm_hook is None:
             allreduce(bucket.flat, self.algorithm, self.process_group, segment_bytes=self.segment_bytes,
                       timeout=self.timeout)
@@ -318,6 +332,31 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket.grads.copy_(result)
         allreduce(bucket.used, self.algorithm, self.process_group, segment_bytes=self.segment_bytes,
                   timeout=self.timeout)
+
+    def _check_in_step(self, index: int, bucket: Bucket) -> None:
+        """Debug mode: every rank must be about to reduce the same bucket of the same step; else all raise."""
+        mine = {"step": self._step, "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype),
+                "params": self._names[index], "joined": self._joined,
+                "unused": [n for n, arrived in zip(self._names[index], bucket.arrived) if not arrived]}
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        training = [(r, f) for r, f in enumerate(everyone) if not f["joined"]]
+        keys = ("bucket", "numel", "dtype", "params") + (("step",) if len(training) == self.world_size else ())
+        first_rank, first = training[0] if training else (0, everyone[0])
+        for r, theirs in training:
+            wrong = [k for k in keys if theirs[k] != first[k]]
+            if not wrong:
+                continue
+            a, b = first["params"], theirs["params"]
+            differs = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            named = (f"parameter {differs} of the bucket is {a[differs] if differs < len(a) else 'missing'!r} on rank "
+                     f"{first_rank} but {b[differs] if differs < len(b) else 'missing'!r} on rank {r}")
+            unused = "; ".join(f"rank {q}: {f['unused'] or 'none'}" for q, f in enumerate(everyone))
+            raise RuntimeError(
+                f"DistributedDataParallel desync: rank {first_rank} is at step {first['step']} bucket {first['bucket']} "
+                f"({first['numel']} elements, {first['dtype']}), rank {r} at step {theirs['step']} bucket "
+                f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
+                f"{named}. Unused parameters: {unused}")
 
     def _finish_backward(self) -> None:
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
@@ -336,6 +375,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                     self._write_grads(bucket)
             if error is not None:
                 raise error
+            self._step += 1
         finally:
             self._reset_backward()
 
@@ -404,6 +444,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not syncing:
             return
         self._divisor = self.world_size if self._join_divide_by_initial else active
+        self._joined = True
         for b, bucket in enumerate(self._buckets):
             bucket.flat.zero_()
             bucket.future = self._executor.submit(self._reduce, b, bucket)
@@ -415,6 +456,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """Every rank takes the model of the last rank to join (the highest such rank)."""
+        self._joined = False
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
         root = self._peers[int(candidate)]
