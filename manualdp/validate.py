@@ -17,7 +17,7 @@ __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
     "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
     "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "iterable", "callable_or_none",
-    "factory", "path", "timeout_seconds",
+    "factory", "a_callable", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch",
 ]
 
@@ -121,6 +121,12 @@ def factory(name: str, value):
     if callable(value):
         return value
     raise TypeError(f"{name} must be a class or factory such as torch.optim.Adam, got {value!r}")
+
+
+def a_callable(name: str, value):
+    if callable(value):
+        return value
+    raise TypeError(f"{name} must be callable, got {value!r}")
 
 
 def path(name: str, value, *, none_ok: bool = False):

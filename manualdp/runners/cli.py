@@ -15,6 +15,7 @@ DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
 DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
 BENCHMARKS = {
     "allreduce": "manualdp.benchmarks.allreduce",
+    "conformance": "manualdp.benchmarks.conformance",
     "ddp": "manualdp.benchmarks.ddp",
     "overhead": "manualdp.benchmarks.overhead",
     "scaling": "manualdp.benchmarks.scaling",

@@ -3,18 +3,25 @@
 Read in this order:
 - `peers.py`: waiting on other ranks with a deadline; `PeerError` names who is silent;
 - `p2p.py`: the book's schedules run by one rank as `isend`/`irecv` messages;
-- `ddp.py`: `DistributedDataParallel`, the drop-in for torch's;
+- `ddp.py`: `DistributedDataParallel`, the drop-in for torch's (Join included);
+- `hooks.py`: comm hooks (allreduce, fp16/bf16 compression, PowerSGD, no-op);
+- `syncbn.py`: `SyncBatchNorm`, statistics over the process group;
 - `launch.py`: joining torchrun's group, starting ranks on this machine, `shard`;
-- `sampler.py`: ranks that load only their own shard of each global batch.
+- `sampler.py`: ranks that load only their own shard of each global batch;
+- `tune.py`: `algorithm="auto"`, the cost model's pick with constants fitted to the transport;
+- `collectives.py`, `zero.py`: reduce-scatter, all-gather, broadcast, reduce, and ZeRO-1/2.
 """
 from .ddp import Bucket, DistributedDataParallel
+from .hooks import GradBucket, PowerSGDState
+from .syncbn import SyncBatchNorm, convert_sync_batchnorm
 from .launch import init_from_env, launch, rank_device, shard
 from .p2p import DEFAULT_SEGMENT_BYTES, Message, Round, allreduce, plan
 from .peers import DEFAULT_TIMEOUT, PeerError
 from .sampler import ShardedBatchSampler, shard_loader
 
 __all__ = [
-    "Bucket", "DistributedDataParallel", "init_from_env", "launch", "rank_device", "shard",
+    "Bucket", "DistributedDataParallel", "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
+    "init_from_env", "launch", "rank_device", "shard",
     "DEFAULT_SEGMENT_BYTES", "Message", "Round", "allreduce", "plan", "DEFAULT_TIMEOUT", "PeerError",
     "ShardedBatchSampler", "shard_loader",
 ]

@@ -1,27 +1,38 @@
 """`DistributedDataParallel`: a drop-in for torch's, allreducing with manualdp's schedules.
 
 During backward, a hook copies each parameter's finished gradient into its bucket; a full
-bucket is handed to a worker thread that runs `manualdp.spmd.p2p.allreduce` on it while
-backward goes on (torch's reducer does the same from C++, with asynchronous collectives
-and no Python thread). At the end of backward the averages are written into `.grad`.
+bucket is handed to the process group's worker thread, which runs `manualdp.spmd.p2p.allreduce`
+(or the registered comm hook) on it while backward goes on (torch's reducer does the same
+from C++, with asynchronous collectives and no Python thread). At the end of backward the
+averages are written into `.grad`. Every wrapper on one process group shares one worker, so
+their messages never interleave.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import os
 import weakref
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
-from ..validate import boolean, nn_module, one_of, positive_int, positive_number, timeout_seconds
+from ..validate import (a_callable, boolean, nn_module, non_negative_int, one_of, positive_int,
+                        positive_number, timeout_seconds)
+from .hooks import GradBucket
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce
 from .peers import SerialWorker, group_ranks, group_timeout, talking_to, wait
 from .tune import ENGINE_ALGORITHMS, resolve
 
-__all__ = ["Bucket", "DistributedDataParallel", "check_same_model", "broadcast_from_rank0"]
+__all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "broadcast_from_rank0",
+           "group_worker"]
+
+
+class NoParametersError(ValueError, RuntimeError):
+    """The module has no parameter that requires grad (torch raises RuntimeError, manualdp ValueError)."""
 
 
 class Bucket:
@@ -34,8 +45,10 @@ class Bucket:
             self.offsets.append(self.offsets[-1] + p.numel())
         # the gradients, then one "used here" flag per parameter; after the allreduce their sums
         self.flat = torch.zeros(self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device)
+        self.grads = self.flat[:self.offsets[-1]]  # what a comm hook sees
         self.used = self.flat[self.offsets[-1]:]  # flag i: 1 where this rank's backward produced gradient i
         self.arrived = [False] * len(params)  # whose gradient this backward pass has copied into `flat`
+        self.sparse = [False] * len(params)  # whose gradient came sparse (densified here, sparse again after)
         self.pending = len(params)  # gradients still to arrive before the bucket can be sent
         self.future: concurrent.futures.Future | None = None  # the running allreduce, or None
 
@@ -43,22 +56,41 @@ class Bucket:
         """Parameter `i`'s slice of `flat`, shaped like the parameter."""
         return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.params[i].shape)
 
-    def mark_ready(self, i: int, grad: torch.Tensor) -> bool:
+    def mark_ready(self, i: int, grad: torch.Tensor | None) -> bool:
         """Copy parameter `i`'s finished gradient in; True when it was the last one missing."""
         if self.arrived[i]:
             raise RuntimeError("a gradient arrived twice in one backward pass (reentrant backward?), "
                                "which manualdp.DistributedDataParallel does not support")
-        self.view(i).copy_(grad)
-        self.used[i] = 1
+        if grad is None:  # the hook fired but autograd produced nothing: as if unused here
+            self.view(i).zero_()
+        else:
+            self.sparse[i] = grad.is_sparse
+            view = self.view(i)
+            if grad.is_sparse:
+                view.copy_(grad.to_dense())
+            elif grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already in place
+                view.copy_(grad)
+            self.used[i] = 1
         self.arrived[i] = True
         self.pending -= 1
         return self.pending == 0
 
-    def fill_missing(self) -> None:
-        """End of backward: parameters this rank did not use contribute zeros, and the bucket is ready."""
+    def fill_missing(self, used_earlier: set[int]) -> None:
+        """End of backward: unused parameters send their accumulated gradient (or zeros); the bucket is ready.
+
+        `used_earlier`: ids of parameters used in a `no_sync` step since the last sync; they count as
+        used, as torch keeps its used map across `no_sync` iterations (pytorch#69031).
+        """
         for i, arrived in enumerate(self.arrived):
-            if not arrived:
+            if arrived:
+                continue
+            p = self.params[i]
+            if p.grad is None:
                 self.view(i).zero_()
+            elif p.grad.data_ptr() != self.view(i).data_ptr():
+                self.view(i).copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            if id(p) in used_earlier:
+                self.used[i] = 1
         self.pending = 0
 
     def reset(self) -> None:
@@ -69,46 +101,82 @@ class Bucket:
         self.future = None
 
 
-class DistributedDataParallel(nn.Module):
+_WORKERS: dict = {}  # id(process group) -> (group, SerialWorker): one ordered queue per group
+
+
+def group_worker(group=None) -> SerialWorker:
+    """The one thread that runs, in submission order, every wrapper's collectives on `group`."""
+    pg = group if group is not None else dist.group.WORLD
+    entry = _WORKERS.get(id(pg))
+    if entry is None or entry[0] is not pg:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
+        # On a GPU the thread must talk to this rank's device (the current device is per thread).
+        init = (lambda: torch.cuda.set_device(device)) if device is not None else None
+        entry = _WORKERS[id(pg)] = (pg, SerialWorker("manualdp-allreduce", initializer=init))
+    return entry[1]
+
+
+class DistributedDataParallel(nn.Module, Joinable):
     """A drop-in for `torch.nn.parallel.DistributedDataParallel`, allreducing with manualdp's schedules.
+
+    The positional arguments come in torch's order.
 
     Args:
         module: the model, with all its parameters on one device (this rank's).
+        device_ids: `None`, or `[device]`, the module's device; inputs are moved there.
+        output_device: accepted for compatibility; outputs stay on the module's device.
+        dim: accepted for compatibility: one device per process, so nothing is scattered.
+        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
+            before each forward pass, as DDP does.
+        init_sync: check that the ranks hold the same model and broadcast rank 0's state.
+        process_group: the group to average over (default: all ranks).
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
             parameter order; `None` gives one bucket per parameter.
+        find_unused_parameters: accepted for compatibility; unused parameters always work.
+        check_reduction: deprecated in torch; ignored.
+        gradient_as_bucket_view: `.grad` becomes a view into the bucket: no copy in or out.
+        static_graph: accepted; manualdp's buckets are static anyway.
         algorithm: a schedule of `manualdp.schedule` (`naive`, `ring`, `halving_doubling`, `tree`), or
             `auto` (default): for each bucket, the one the cost model predicts fastest on this
             transport (`manualdp.spmd.tune`).
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
-            before each forward pass, as DDP does.
-        process_group: the group to average over (default: all ranks).
-        device_ids: `None`, or `[device]`, the module's device; inputs are moved there.
-        output_device: accepted for compatibility; outputs stay on the module's device.
-        find_unused_parameters: accepted for compatibility; unused parameters always work.
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
+        debug: before each bucket's allreduce the ranks compare (step, bucket, element count,
+            dtype, parameters) and all raise on a mismatch, naming the first parameter that
+            differs and each rank's unused parameters. Default: on when the environment
+            variable `MANUALDP_DEBUG` (or `TORCH_DISTRIBUTED_DEBUG=DETAIL`) is set.
         timeout: seconds to wait for a silent peer before raising `PeerError` (default: the
             process group's timeout).
 
-    Limitations: dense gradients only; every rank must run backward through at least one
-    parameter in every synchronised step (else its peers wait for it). A parameter that
-    no rank used keeps its `.grad` untouched (None after `zero_grad()`), as with DDP; one
-    that only some ranks used gets their average, the others counting as zero.
+    Sparse gradients are densified for the allreduce and written back sparse. A parameter
+    that no rank used keeps its `.grad` untouched (None after `zero_grad()`), as with DDP;
+    one that only some ranks used gets their average, the others counting as zero.
     """
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
-                 algorithm: str = "auto", broadcast_buffers: bool = True, process_group=None,
-                 device_ids=None, output_device=None, find_unused_parameters: bool = False,
-                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 *, algorithm: str = "auto", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 timeout: float | None = None, debug: bool | None = None) -> None:
         super().__init__()
+        Joinable.__init__(self)
         nn_module("module", module)
+        non_negative_int("dim", dim)
         positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
         one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         positive_int("segment_bytes", segment_bytes)
         timeout = timeout_seconds("timeout", timeout)
-        boolean("broadcast_buffers", broadcast_buffers)
+        for name, flag in (("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
+                           ("find_unused_parameters", find_unused_parameters), ("check_reduction", check_reduction),
+                           ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
+            boolean(name, flag)
+        if debug is not None:
+            boolean("debug", debug)
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
-            raise ValueError("module has no parameters that require grad: nothing to synchronise")
+            raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
+                                    "(DistributedDataParallel is not needed when a module doesn't have any "
+                                    "parameter that requires a gradient)")
         devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
         if len(devices) != 1:
             raise ValueError(f"module must live on one device, its parameters and buffers are on {sorted(map(str, devices))}")
@@ -124,9 +192,15 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         self.process_group = process_group
         self.world_size = len(self._peers)
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = dim
         self.algorithm = algorithm
         self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
         self.segment_bytes = segment_bytes
         self.timeout = float(timeout) if timeout is not None else group_timeout(process_group)
         self.move_inputs = device_ids is not None
@@ -134,27 +208,59 @@ class DistributedDataParallel(nn.Module):
         self.recorder = None  # optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait
         self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
         self._sync_this_backward = True  # decided by the forward pass, as in DDP
+        self._comm_hook = None  # (state, hook) from register_comm_hook, or None: manualdp's allreduce
+        self.debug = debug if debug is not None else (os.environ.get("MANUALDP_DEBUG", "0") not in ("", "0")
+                                                      or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL")
+        self._step = 0  # synchronised backward passes so far: part of the desync fingerprint
+        self._joined = False  # True while Join shadows this rank's steps
+        self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
+        self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
 
-        check_same_model(module, process_group, self.world_size)
-        broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
-                             process_group, self.timeout)
+        if init_sync:
+            check_same_model(module, process_group, self.world_size)
+            broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
+                                 process_group, self.timeout)
 
         self._buckets = [Bucket([params[i] for i in b]) for b in assign_buckets(params, bucket_cap_mb)]
+        # One schedule per bucket, decided now, together: "auto" may calibrate, a collective.
+        self._algorithms = [resolve(algorithm, b.flat.numel(), b.flat.element_size(), process_group, self.timeout)
+                            for b in self._buckets]
+        self._start()
+
+    def _start(self) -> None:
+        """The per-process state that neither deepcopy nor pickle carries: lookup table, worker, hooks."""
         self._where = {}  # id(param) -> (bucket index, index in the bucket)
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
                 self._where[id(p)] = (b, i)
-        # One schedule per bucket, decided now, together: "auto" may calibrate, a collective.
-        self._algorithms = [resolve(algorithm, b.flat.numel(), b.flat.element_size(), process_group, self.timeout)
-                            for b in self._buckets]
+                if self.gradient_as_bucket_view and p.grad is not None:
+                    bucket.view(i).copy_(p.grad)
+                    p.grad = bucket.view(i)
+        names = {id(p): name for name, p in self.module.named_parameters()}
+        self._names = [[names[id(p)] for p in bucket.params] for bucket in self._buckets]  # for error messages
+        self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
         self._in_backward = False
-        # One thread runs the buckets' allreduces in launch order while backward goes on; on a
-        # GPU it must talk to this rank's device (the current device is per thread).
-        device = self.device
-        init = (lambda: torch.cuda.set_device(device)) if device.type == "cuda" else None
-        self._executor = SerialWorker("manualdp-allreduce", initializer=init)
-        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in params]
+        self._executor = group_worker(self.process_group)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
+                       for bucket in self._buckets for p in bucket.params]
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config"):
+            state.pop(key, None)
+        state["process_group"] = None  # a process group does not pickle; the copy uses the default one
+        state["_comm_hook"] = None
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        Joinable.__init__(self)
+        for bucket in self._buckets:
+            bucket.reset()
+        self.rank, self._peers = group_ranks(None)
+        self.world_size = self._divisor = len(self._peers)
+        self._start()
 
     # ---------------------------------------------------------------- training
 
@@ -165,8 +271,13 @@ class DistributedDataParallel(nn.Module):
             self._reset_backward()
             raise RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after some "
                                "gradient buckets were sent; the ranks are out of step, so training cannot go on")
+        Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         if self.require_forward_param_sync and self.broadcast_buffers:
             broadcast_from_rank0(list(self.module.buffers()), self.rank, self._peers, self.process_group, self.timeout)
+        if self._join_config.enable:
+            # Joined ranks must know whether this step syncs, and how many ranks still train.
+            active, _ = self._agree_on_step(1, int(self.require_backward_grad_sync))
+            self._divisor = self.world_size if self._join_divide_by_initial else active
         if self.move_inputs:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         self._sync_this_backward = self.require_backward_grad_sync
@@ -184,12 +295,18 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Average each bucket with `hook(state, bucket) -> Future[Tensor]`, torch's comm-hook signature."""
+        a_callable("hook", hook)
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook can only be called once")
+        self._comm_hook = (state, hook)
+
     def _grad_ready(self, param: nn.Parameter) -> None:
         """Hook: `param.grad` is final for this backward pass; copy it into its bucket."""
         if not self._sync_this_backward:
+            self._used_in_no_sync.add(id(param))
             return
-        if param.grad is not None and param.grad.is_sparse:
-            raise RuntimeError("manualdp.DistributedDataParallel supports dense gradients only")
         if not self._in_backward:
             self._in_backward = True
             # Runs when the whole backward pass is done, also when some hooks never fire.
@@ -204,17 +321,57 @@ class DistributedDataParallel(nn.Module):
         """Start the allreduce of every full bucket, in bucket order (every rank must send them in the same order)."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
-            run = allreduce if self.recorder is None else _recorded(allreduce, self.recorder, self._next_launch)
-            bucket.future = self._executor.submit(run, bucket.flat, self._algorithms[self._next_launch],
-                                                  self.process_group,
-                                                  segment_bytes=self.segment_bytes, timeout=self.timeout)
+            run = self._reduce if self.recorder is None else _recorded(self._reduce, self.recorder, self._next_launch)
+            bucket.future = self._executor.submit(run, self._next_launch, bucket)
             self._next_launch += 1
+
+    def _reduce(self, index: int, bucket: Bucket) -> None:
+        """On the worker: sum `bucket.flat` over the group, or run the comm hook and sum only the used flags."""
+        if self.debug:
+            self._check_in_step(index, bucket)
+        if self._comm_hook is None:
+            allreduce(bucket.flat, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
+                      timeout=self.timeout)
+            return
+        state, hook = self._comm_hook
+        view = GradBucket(index, bucket.grads, bucket.params, bucket.offsets, index == len(self._buckets) - 1)
+        result = hook(state, view).wait()
+        result = result[0] if isinstance(result, (list, tuple)) else result
+        if result.data_ptr() != bucket.grads.data_ptr():
+            bucket.grads.copy_(result)
+        allreduce(bucket.used, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
+                  timeout=self.timeout)
+
+    def _check_in_step(self, index: int, bucket: Bucket) -> None:
+        """Debug mode: every rank must be about to reduce the same bucket of the same step; else all raise."""
+        mine = {"step": self._step, "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype),
+                "params": self._names[index], "joined": self._joined,
+                "unused": [n for n, arrived in zip(self._names[index], bucket.arrived) if not arrived]}
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        training = [(r, f) for r, f in enumerate(everyone) if not f["joined"]]
+        keys = ("bucket", "numel", "dtype", "params") + (("step",) if len(training) == self.world_size else ())
+        first_rank, first = training[0] if training else (0, everyone[0])
+        for r, theirs in training:
+            wrong = [k for k in keys if theirs[k] != first[k]]
+            if not wrong:
+                continue
+            a, b = first["params"], theirs["params"]
+            differs = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            named = (f"parameter {differs} of the bucket is {a[differs] if differs < len(a) else 'missing'!r} on rank "
+                     f"{first_rank} but {b[differs] if differs < len(b) else 'missing'!r} on rank {r}")
+            unused = "; ".join(f"rank {q}: {f['unused'] or 'none'}" for q, f in enumerate(everyone))
+            raise RuntimeError(
+                f"DistributedDataParallel desync: rank {first_rank} is at step {first['step']} bucket {first['bucket']} "
+                f"({first['numel']} elements, {first['dtype']}), rank {r} at step {theirs['step']} bucket "
+                f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
+                f"{named}. Unused parameters: {unused}")
 
     def _finish_backward(self) -> None:
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
         try:
             for bucket in self._buckets[self._next_launch:]:
-                bucket.fill_missing()  # unused here: zeros, but the bucket must still go out
+                bucket.fill_missing(self._used_in_no_sync)  # unused here: the bucket must still go out
             self._launch_ready()
             error = None
             for b, bucket in enumerate(self._buckets):
@@ -228,6 +385,7 @@ class DistributedDataParallel(nn.Module):
                     self._write_grads(bucket)
             if error is not None:
                 raise error
+            self._step += 1
         finally:
             self._reset_backward()
 
@@ -235,26 +393,103 @@ class DistributedDataParallel(nn.Module):
         """Forget the backward pass: every bucket empty, none launched."""
         for bucket in self._buckets:
             bucket.reset()
+        self._used_in_no_sync.clear()
         self._next_launch = 0
         self._in_backward = False
 
     def _write_grads(self, bucket: Bucket) -> None:
+        divisor = 1 if self._comm_hook is not None else self._divisor  # a hook hands back averages
         with torch.no_grad():
             used = bucket.used.tolist()
             for i, p in enumerate(bucket.params):
                 if used[i] == 0:  # no rank used it: leave .grad alone, as DDP does, so optimizers skip it
                     continue
-                if p.grad is None:
-                    p.grad = bucket.view(i) / self.world_size
+                view = bucket.view(i)
+                if bucket.sparse[i]:
+                    p.grad = (view / divisor).to_sparse(p.grad.sparse_dim() if p.grad is not None else 1)
+                elif self.gradient_as_bucket_view:
+                    view.div_(divisor)
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view / divisor
                 else:
-                    torch.div(bucket.view(i), self.world_size, out=p.grad)
+                    torch.div(view, divisor, out=p.grad)
+
+    # ---------------------------------------------------------------- Join: uneven inputs
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context for uneven inputs: ranks out of data shadow the others' collectives until all are done."""
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """What this wrapper does while its rank has joined (`divide_by_initial_world_size`: default True)."""
+        divide = kwargs.get("divide_by_initial_world_size", True)
+        boolean("divide_by_initial_world_size", divide)
+        self._join_divide_by_initial = divide
+        return _JoinedRank(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
+    def _agree_on_step(self, active: int, syncing: int) -> tuple[int, int]:
+        """Allreduce (ranks still training, ranks whose step syncs gradients); joined ranks add zeros."""
+        counts = torch.tensor([active, syncing], dtype=torch.int64, device=self.device)
+        dist.all_reduce(counts, group=self.process_group)
+        return int(counts[0]), int(counts[1])
+
+    def _shadow_step(self) -> None:
+        """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
+        if self.require_forward_param_sync and self.broadcast_buffers:
+            broadcast_from_rank0(list(self.module.buffers()), self.rank, self._peers, self.process_group, self.timeout)
+        active, syncing = self._agree_on_step(0, 0)
+        self.require_forward_param_sync = syncing > 0
+        if not syncing:
+            return
+        self._divisor = self.world_size if self._join_divide_by_initial else active
+        self._joined = True
+        for b, bucket in enumerate(self._buckets):
+            bucket.flat.zero_()
+            bucket.future = self._executor.submit(self._reduce, b, bucket)
+        try:
+            for bucket in self._buckets:
+                bucket.future.result()
+        finally:
+            self._reset_backward()
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        """Every rank takes the model of the last rank to join (the highest such rank)."""
+        self._joined = False
+        candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
+        root = self._peers[int(candidate)]
+        with torch.no_grad():
+            for t in list(self.module.parameters()) + list(self.module.buffers()):
+                dist.broadcast(t.data, src=root, group=self.process_group)
 
     def __del__(self) -> None:
         for handle in self.__dict__.get("_hooks", ()):
             handle.remove()  # the module may outlive its wrapper: its backward must stop syncing
-        executor = self.__dict__.get("_executor")
-        if executor is not None:
-            executor.shutdown()
+
+
+class _JoinedRank(JoinHook):
+    """Join's hook for the wrapper: shadow each training step, then agree on the final model."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+
+    def main_hook(self) -> None:
+        self.ddp._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        self.ddp._sync_final_model(is_last_joiner)
 
 
 def check_same_model(module: nn.Module, group, world_size: int) -> None:
@@ -290,7 +525,10 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int
             with talking_to(peer, timeout):
                 work = dist.broadcast(flat, src=root, group=group, async_op=True)
             wait(work, peer, timeout)
-            unflatten_(flat, same)
+            # .data: autograd may have saved these buffers (BatchNorm, two forwards before one backward)
+            unflatten_(flat, [t.data for t in same])
+
+
 
 
 def _weak_hook(wrapper: DistributedDataParallel):

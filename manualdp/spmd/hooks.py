@@ -1,0 +1,159 @@
+"""Communication hooks: how a bucket of gradients becomes their average, as a plug-in.
+
+A hook is `hook(state, bucket) -> torch.futures.Future` of the averaged flat gradients, with
+torch's signature, so torch's own hooks (`torch.distributed.algorithms.ddp_comm_hooks`) and
+these work on either wrapper. The wrapper calls hooks on its per-group worker thread, one
+bucket at a time in bucket order, so a hook may block. `state` is the process group (or
+None: all ranks) unless the hook says otherwise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..validate import positive_int
+from .p2p import allreduce
+
+__all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook",
+           "PowerSGDState", "powerSGD_hook"]
+
+
+class GradBucket:
+    """What a hook sees of one bucket, with the methods of torch's `dist.GradBucket`.
+
+    Args:
+        index: the bucket's position in launch order.
+        buffer: the flat gradients (a view into the wrapper's bucket).
+        params: the parameters whose gradients `buffer` holds, in order.
+        offsets: where each one starts in `buffer` (one extra entry: the end).
+        last: True for the bucket that goes out last in a backward pass.
+    """
+
+    def __init__(self, index: int, buffer: torch.Tensor, params: list, offsets: list[int], last: bool) -> None:
+        self._index, self._buffer, self._params, self._offsets, self._last = index, buffer, params, offsets, last
+
+    def index(self) -> int:
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._buffer.copy_(tensor)
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def parameters(self) -> list:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Views of `buffer()`, shaped like the parameters."""
+        return [self._buffer[lo:hi].view(p.shape) for p, lo, hi in zip(self._params, self._offsets, self._offsets[1:])]
+
+
+def _done(tensor: torch.Tensor) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+def allreduce_hook(group, bucket: GradBucket) -> torch.futures.Future:
+    """The default: sum over the group with manualdp's ring, then divide."""
+    tensor = bucket.buffer()
+    allreduce(tensor, "ring", group)
+    return _done(tensor.div_(_size(group)))
+
+
+def _compressed(dtype: torch.dtype):
+    def hook(group, bucket: GradBucket) -> torch.futures.Future:
+        tensor = bucket.buffer()
+        # Divide before the sum, in the narrow type: the sum of n gradients may overflow fp16.
+        small = tensor.to(dtype).div_(_size(group))
+        allreduce(small, "ring", group)
+        return _done(tensor.copy_(small))
+    return hook
+
+
+fp16_compress_hook = _compressed(torch.float16)
+fp16_compress_hook.__doc__ = "Allreduce in float16: half the bytes, about three significant digits."
+bf16_compress_hook = _compressed(torch.bfloat16)
+bf16_compress_hook.__doc__ = "Allreduce in bfloat16: half the bytes, float32's range, about two digits."
+
+
+def noop_hook(state, bucket: GradBucket) -> torch.futures.Future:
+    """No communication: each rank keeps its own gradients. Times a step without the allreduce."""
+    return _done(bucket.buffer())
+
+
+class PowerSGDState:
+    """The memory of `powerSGD_hook` across steps.
+
+    Args:
+        process_group: the group to average over (None: all ranks).
+        matrix_approximation_rank: r, the rank of each gradient's low-rank approximation.
+        warm_start: start each step's power iteration from the last step's Q.
+        use_error_feedback: add what the approximation lost last step to this step's gradient.
+        seed: every rank draws the first Q from this seed, so the ranks' Qs agree.
+    """
+
+    def __init__(self, process_group=None, matrix_approximation_rank: int = 1, warm_start: bool = True,
+                 use_error_feedback: bool = True, seed: int = 0) -> None:
+        positive_int("matrix_approximation_rank", matrix_approximation_rank)
+        self.process_group = process_group
+        self.rank = matrix_approximation_rank
+        self.warm_start = warm_start
+        self.use_error_feedback = use_error_feedback
+        self.seed = seed
+        self.errors: dict[int, torch.Tensor] = {}  # bucket index -> what the approximation missed
+        self.qs: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, gradient) -> last Q
+
+
+def _orthonormalize(m: torch.Tensor) -> None:
+    """Gram-Schmidt on the columns of `m`, in place."""
+    for i in range(m.shape[1]):
+        col = m[:, i]
+        col /= col.norm().clamp_min(1e-8)
+        if i + 1 < m.shape[1]:
+            rest = m[:, i + 1:]
+            rest -= torch.outer(col, col @ rest)
+
+
+def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future:
+    """PowerSGD (Vogels et al. 2019): allreduce P = MQ and Q = MᵀP instead of each n×m gradient M."""
+    group, n = state.process_group, _size(state.process_group)
+    buffer = bucket.buffer()
+    if state.use_error_feedback:
+        error = state.errors.setdefault(bucket.index(), torch.zeros_like(buffer))
+        buffer.add_(error)
+    before = buffer.clone()  # the gradient the approximation should have given
+    olds = torch.split(before, [g.numel() for g in bucket.gradients()])
+    for g, (grad, old) in enumerate(zip(bucket.gradients(), olds)):
+        if grad.dim() < 2 or min(grad.shape[0], grad.numel() // grad.shape[0]) <= state.rank:
+            allreduce(grad, "ring", group)  # vectors and thin matrices: compression would not save bytes
+            grad.div_(n)
+            old.copy_(grad.view(-1))  # sent exactly: nothing to feed back
+            continue
+        m = grad.view(grad.shape[0], -1)
+        q = state.qs.get((bucket.index(), g)) if state.warm_start else None
+        if q is None:
+            generator = torch.Generator().manual_seed(state.seed + 1000 * bucket.index() + g)
+            q = torch.randn(m.shape[1], state.rank, generator=generator, dtype=m.dtype).to(m.device)
+        # P phase: project onto Q, average P, orthonormalize.
+        p = m @ q
+        allreduce(p, "ring", group)
+        p.div_(n)
+        _orthonormalize(p)
+        # Q phase: project back, average Q; the approximation is P Qᵀ.
+        q = m.t() @ p
+        allreduce(q, "ring", group)
+        q.div_(n)
+        state.qs[(bucket.index(), g)] = q
+        m.copy_(p @ q.t())
+    if state.use_error_feedback:
+        error.copy_(before - buffer)
+    return _done(buffer)

@@ -1,0 +1,358 @@
+"""manualdp's DistributedDataParallel as a drop-in: torch's keywords and calls, step by step against torch's DDP.
+
+One spawned job per world size (gloo on 127.0.0.1, one thread per rank, killed after a
+timeout) runs every scenario and returns tensors; the assertions run here, in the parent.
+A scenario that raises returns its error text, so one failure does not hide the others.
+"""
+import copy
+import functools
+import io
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from manualdp.distributed import DistributedDataParallel
+from manualdp.spmd import hooks, launch
+
+JOB_TIMEOUT = 240.0
+STEPS = 3
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+def _bn_net():
+    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
+
+
+def _data(rank, steps=STEPS, batch=5):
+    g = torch.Generator().manual_seed(1000 + rank)  # each rank its own data
+    return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(steps)]
+
+
+def _flat(tensors):
+    return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
+
+
+def _loss(model, X, y):
+    return nn.functional.cross_entropy(model(X), y)
+
+
+def _pair(make, ours_kwargs=None, theirs_kwargs=None):
+    """The same model in our wrapper and torch's, with an SGD optimizer each."""
+    torch.manual_seed(0)
+    module = make()
+    ours = DistributedDataParallel(copy.deepcopy(module), **(ours_kwargs or {}))
+    theirs = TorchDDP(copy.deepcopy(module), **(theirs_kwargs or {}))
+    return ours, theirs, [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+
+
+def _train(models, opts, batches, step=None):
+    """Train each model on `batches`; the parameters of each after every step."""
+    out = []
+    for X, y in batches:
+        row = []
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            (step or (lambda m: _loss(m, X, y).backward()))(model)
+            opt.step()
+            row.append(_flat(model.parameters()))
+        out.append(row)
+    return out
+
+
+# ---------------------------------------------------------------- scenarios (run on every rank)
+
+def _keywords():
+    """Positional device_ids/output_device and torch's keywords give torch's training."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = _mlp()
+    ours = DistributedDataParallel(copy.deepcopy(module), None, None, 0, True, True, None, 25, False, False, False, True)
+    theirs = TorchDDP(copy.deepcopy(module), None, None, 0, True, True, None, 25, False, False, False, True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    return _train([ours, theirs], opts, _data(rank))
+
+
+def _bucket_view():
+    """gradient_as_bucket_view: `.grad` is a view into the bucket, and training equals torch's."""
+    rank = dist.get_rank()
+    ours, theirs, opts = _pair(_mlp, {"gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True})
+    steps = []
+    for X, y in _data(rank):
+        for m, opt in zip((ours, theirs), opts):
+            opt.zero_grad(set_to_none=False)
+            _loss(m, X, y).backward()
+            opt.step()
+        steps.append([_flat(ours.parameters()), _flat(theirs.parameters())])
+    storages = {b.flat.untyped_storage().data_ptr() for b in ours._buckets}
+    views = [p.grad.untyped_storage().data_ptr() in storages for p in ours.module.parameters()]
+    return {"steps": steps, "views": views}
+
+
+def _no_init_sync():
+    """init_sync=False: every rank keeps the parameters it built."""
+    torch.manual_seed(dist.get_rank())
+    return _flat(DistributedDataParallel(_mlp(), init_sync=False).parameters())
+
+
+def _copies():
+    """deepcopy and torch.save/load of the wrapper train like torch's DDP."""
+    rank = dist.get_rank()
+    ours, theirs, _ = _pair(_mlp)
+    copied = copy.deepcopy(ours)
+    buf = io.BytesIO()
+    torch.save(ours, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    models = [copied, loaded, theirs]
+    return _train(models, [torch.optim.SGD(m.parameters(), lr=0.1) for m in models], _data(rank))
+
+
+def _no_parameters():
+    """A module with nothing to train: torch refuses with RuntimeError, and so do we."""
+    errors = []
+    for wrapper in (DistributedDataParallel, TorchDDP):
+        try:
+            wrapper(nn.Linear(2, 2).requires_grad_(False))
+            errors.append(None)
+        except RuntimeError as e:
+            errors.append(str(e))
+    return errors
+
+
+class _Sparse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 6, sparse=True).double()
+        self.head = nn.Linear(6, 4).double()
+
+    def forward(self, idx):
+        return self.head(self.embed(idx))
+
+
+def _sparse():
+    """nn.Embedding(sparse=True): gradients stay sparse and average like torch's."""
+    rank = dist.get_rank()
+    ours, theirs, opts = _pair(_Sparse)
+    g = torch.Generator().manual_seed(rank)
+    batches = [(torch.randint(0, 20, (5,), generator=g), torch.randint(0, 4, (5,), generator=g)) for _ in range(STEPS)]
+    rows = _train([ours, theirs], opts, batches)
+    return {"rows": rows, "sparse": ours.module.embed.weight.grad.is_sparse}
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x, use_b):
+        h = torch.tanh(self.trunk(x))
+        return self.b(h) if use_b else self.a(h)
+
+
+def _no_sync_used_map():
+    """A head used only in the no_sync micro-batch is still averaged at the sync (pytorch#69031)."""
+    rank = dist.get_rank()
+    ours, theirs, opts = _pair(lambda: _TwoHeads().double(), {"find_unused_parameters": True},
+                               {"find_unused_parameters": True})
+    (X1, y1), (X2, y2) = _data(rank, steps=2)
+    for m, opt in zip((ours, theirs), opts):
+        opt.zero_grad()
+        with m.no_sync():
+            _loss(lambda x: m(x, use_b=True), X1, y1).backward()
+        _loss(lambda x: m(x, use_b=False), X2, y2).backward()
+        opt.step()
+    return [_flat(ours.parameters()), _flat(theirs.parameters())]
+
+
+def _two_forwards_batchnorm():
+    """Two forward passes before one backward with BatchNorm (a GAN step) run and match torch."""
+    rank = dist.get_rank()
+    ours, theirs, opts = _pair(_bn_net)
+
+    def step(m):
+        X1, y1 = batches[0]
+        X2, y2 = batches[1]
+        (_loss(m, X1, y1) + _loss(m, X2, y2)).backward()
+
+    batches = _data(rank, steps=2)
+    rows = _train([ours, theirs], opts, [batches[0]], step=step)
+    return rows + [[_flat(ours.module.buffers()), _flat(theirs.module.buffers())]]
+
+
+def _wrappers(count):
+    """`count` wrappers on one process group in one backward: no interleaved messages, torch's result."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    modules = [_mlp() for _ in range(count)]
+    ours = [DistributedDataParallel(copy.deepcopy(m), bucket_cap_mb=0.0005) for m in modules]
+    theirs = [TorchDDP(copy.deepcopy(m), bucket_cap_mb=0.0005) for m in modules]
+    rows = []
+    for X, y in _data(rank):
+        for group in (ours, theirs):
+            for m in group:
+                m.zero_grad()
+            sum(_loss(m, X, y) for m in group).backward()
+            with torch.no_grad():
+                for m in group:
+                    for p in m.parameters():
+                        p -= 0.1 * p.grad
+        rows.append([_flat(p for m in ours for p in m.parameters()), _flat(p for m in theirs for p in m.parameters())])
+    return rows
+
+
+def _gloo_bf16_hook(group, bucket):
+    """torch's bf16_compress_hook in gloo's words (torch's own insists on NCCL)."""
+    buffer = bucket.buffer()
+    small = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    return dist.all_reduce(small, group=group, async_op=True).get_future().then(
+        lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def _hook_pairs():
+    """Each of our hooks and torch's own, registered on our wrapper, against torch's DDP with torch's hook."""
+    rank = dist.get_rank()
+    out = {}
+    cases = {
+        "ours_allreduce": (None, hooks.allreduce_hook, default_hooks.allreduce_hook),
+        "ours_fp16": (None, hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
+        "ours_bf16": (None, hooks.bf16_compress_hook, _gloo_bf16_hook),
+        "torch_allreduce": (None, default_hooks.allreduce_hook, default_hooks.allreduce_hook),
+        "torch_fp16": (None, default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
+    }
+    for name, (state, mine, reference) in cases.items():
+        ours, theirs, opts = _pair(lambda: _mlp().float())
+        ours.register_comm_hook(state, mine)
+        theirs.register_comm_hook(state, reference)
+        out[name] = _train([ours, theirs], opts, [(X.float(), y) for X, y in _data(rank)])
+    return out
+
+
+def _powersgd():
+    """Full-rank PowerSGD is exact (torch's plain DDP); rank 1 is not, yet the ranks stay identical."""
+    rank = dist.get_rank()
+    ours, theirs, opts = _pair(_mlp)
+    ours.register_comm_hook(hooks.PowerSGDState(None, matrix_approximation_rank=16), hooks.powerSGD_hook)
+    full = _train([ours, theirs], opts, _data(rank))
+    low, _, low_opts = _pair(_mlp)
+    low.register_comm_hook(hooks.PowerSGDState(None, matrix_approximation_rank=1), hooks.powerSGD_hook)
+    one = _train([low], low_opts[:1], _data(rank))
+    return {"full": full, "rank1": one[-1][0], "exact": full[-1][1]}
+
+
+def _noop():
+    """The no-op hook: no communication, so each rank trains on its own data."""
+    rank = dist.get_rank()
+    ours, _, opts = _pair(_mlp)
+    ours.register_comm_hook(None, hooks.noop_hook)
+    torch.manual_seed(0)
+    local = _mlp()
+    return _train([ours, local], [opts[0], torch.optim.SGD(local.parameters(), lr=0.1)], _data(rank))
+
+
+def _job(n):
+    scenarios = {"keywords": _keywords, "bucket_view": _bucket_view, "no_init_sync": _no_init_sync,
+                 "copies": _copies, "no_parameters": _no_parameters, "sparse": _sparse,
+                 "no_sync_used_map": _no_sync_used_map, "two_forwards_bn": _two_forwards_batchnorm,
+                 "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
+                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop}
+    if n == 3:
+        scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
+    out = {}
+    for name, fn in scenarios.items():
+        try:
+            out[name] = fn()
+        except Exception:
+            out[name] = "ERROR " + traceback.format_exc()
+        dist.barrier()
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results(n):
+    return launch(_job, n, (n,), timeout=JOB_TIMEOUT)
+
+
+def _get(n, rank, name):
+    value = _results(n)[rank][name]
+    assert not (isinstance(value, str) and value.startswith("ERROR")), value
+    return value
+
+
+def _same_rows(rows, atol=1e-12):
+    for step, row in enumerate(rows):
+        for other in row[1:]:
+            assert torch.allclose(row[0], other, rtol=0, atol=atol), f"step {step}: max diff {(row[0] - other).abs().max()}"
+
+
+# ---------------------------------------------------------------- the checks
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("name", ["keywords", "wrappers3"])
+def test_training_equals_torch_ddp_step_by_step(n, name):
+    for rank in range(n):
+        _same_rows(_get(n, rank, name))
+
+
+@pytest.mark.parametrize("name", ["copies", "no_sync_used_map", "two_forwards_bn", "wrappers2", "sparse"])
+def test_more_cases_equal_torch_ddp(name):
+    for rank in range(2):
+        value = _get(2, rank, name)
+        rows = value["rows"] if isinstance(value, dict) else value
+        _same_rows([rows] if isinstance(rows[0], torch.Tensor) else rows)
+
+
+def test_sparse_gradients_stay_sparse():
+    assert all(_get(2, r, "sparse")["sparse"] for r in range(2))
+
+
+def test_gradient_as_bucket_view_makes_grad_a_view_and_trains_like_torch():
+    for rank in range(2):
+        value = _get(2, rank, "bucket_view")
+        assert all(value["views"]), value["views"]
+        _same_rows(value["steps"])
+
+
+def test_init_sync_false_keeps_each_ranks_parameters():
+    a, b = (_get(2, r, "no_init_sync") for r in range(2))
+    assert not torch.equal(a, b)
+
+
+def test_a_module_without_trainable_parameters_is_refused_as_torch_refuses_it():
+    ours, theirs = _get(2, 0, "no_parameters")
+    assert ours is not None and theirs is not None
+    assert "doesn't have any parameter that requires a gradient" in ours
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_comm_hooks_equal_torch_ddp_with_torchs_hooks(n):
+    for rank in range(n):
+        for name, rows in _get(n, rank, "hooks").items():
+            tolerance = 1e-2 if "16" in name else 1e-6  # compressed: both round to 16 bits, perhaps differently
+            for step, (ours, theirs) in enumerate(rows):
+                assert torch.allclose(ours, theirs, rtol=0, atol=tolerance), f"{name} step {step}"
+
+
+def test_powersgd_full_rank_is_exact_and_rank_one_keeps_ranks_identical():
+    results = [_get(2, r, "powersgd") for r in range(2)]
+    for value in results:
+        _same_rows(value["full"], atol=1e-9)
+        assert not torch.allclose(value["rank1"], value["exact"], atol=1e-9)
+    assert torch.equal(results[0]["rank1"], results[1]["rank1"])
+
+
+def test_noop_hook_trains_each_rank_on_its_own():
+    rows = [_get(2, r, "noop") for r in range(2)]
+    for r in range(2):
+        _same_rows(rows[r])
+    assert not torch.allclose(rows[0][-1][0], rows[1][-1][0])
