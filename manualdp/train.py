@@ -5,6 +5,8 @@ The loop over epochs, with checkpoints and a progress bar, is `manualdp.runners.
 from __future__ import annotations
 
 import copy
+import inspect
+import warnings
 from typing import NamedTuple
 
 import torch
@@ -16,9 +18,9 @@ from .guard import NONFINITE, NonFiniteGuard
 from .replicate import broadcast_buffers
 from .schedule import ALGORITHMS
 from .split import split_batch
-from .validate import check_devices, iterable, nn_module, one_of, positive_number
+from .validate import check_devices, iterable, nn_module, one_of, positive_number, xy_pair
 
-__all__ = ["StepResult", "summed_loss", "allreduce_gradients", "train_batch", "evaluate", "count_correct"]
+__all__ = ["StepResult", "summed_loss", "allreduce_gradients", "train_batch", "evaluate", "count_correct", "logits_of"]
 
 
 class StepResult(NamedTuple):
@@ -37,12 +39,14 @@ def train_batch(
     *,
     algorithm: str = "naive",
     bucket_cap_mb: float | None = None,
-    nonfinite: str | None = None,
+    nonfinite: str | None = "raise",
     step: int | None = None,
 ) -> StepResult:
     """One synchronous data-parallel step over the global batch `X`, `y`.
 
-    `nonfinite="raise"` stops on a NaN/Inf gradient, `"skip"` skips the update (`manualdp.guard`).
+    `nonfinite="raise"` (default) stops on a NaN/Inf gradient, `"skip"` skips the update, None does not
+    check (`manualdp.guard`). A model may return a tuple or dict: `loss_fn` gets it as it is,
+    accuracy uses `logits_of(out)`.
     """
     devices = check_devices(devices)
     _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite)
@@ -60,7 +64,7 @@ def train_batch(
         loss = loss_fn(out, ys) / len(X)
         loss.backward()
         losses.append(loss.detach())  # tensors: reading them now would make each device wait
-        corrects.append(correct_tensor(out.detach(), ys))
+        corrects.append(correct_tensor(logits_of(out).detach(), ys))
     # 4. Allreduce: every replica now holds the sum of all gradients.
     allreduce_gradients(replicas, algorithm, bucket_cap_mb)
     result = StepResult(sum(v.item() for v in losses) * len(X), sum(int(c) for c in corrects), False)
@@ -115,8 +119,9 @@ def evaluate(net: nn.Module, data_iter, device=None) -> float:
     net.eval()
     correct = total = 0
     try:
-        for X, y in data_iter:
-            correct += count_correct(net(X.to(device)), y.to(device))
+        for batch in data_iter:
+            X, y = xy_pair("data_iter", batch)
+            correct += count_correct(logits_of(net(X.to(device))), y.to(device))
             total += len(y)
     finally:
         net.train(was_training)
@@ -132,7 +137,7 @@ def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
     the one-device gradient, even with uneven shards; an average of per-shard means would not.
     """
     if loss_fn is None:
-        return nn.CrossEntropyLoss(reduction="sum")
+        return _CrossEntropyOfLogits(reduction="sum")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not hasattr(loss_fn, "reduction"):
@@ -140,7 +145,51 @@ def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
     if loss_fn.reduction != "sum":
         loss_fn = copy.copy(loss_fn)
         loss_fn.reduction = "sum"  # a "mean" or "none" loss gets summed here
+    if _ignores_reduction(loss_fn):
+        warnings.warn(f"loss_fn {type(loss_fn).__name__}'s forward neither reads self.reduction nor calls its parent: "
+                      "if it returns a mean, that mean is divided by the batch again (gradients too small); make it "
+                      "honour reduction='sum'", stacklevel=3)
     return loss_fn
+
+
+def _ignores_reduction(loss_fn) -> bool:
+    """True for a custom loss whose own forward never looks at `reduction` (read from its source, not by calling it:
+    a second call could change a loss that counts its calls)."""
+    forward = getattr(type(loss_fn), "forward", None)
+    if forward is None or getattr(forward, "__module__", "").startswith("torch."):
+        return False
+    try:
+        source = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return False
+    return "reduction" not in source and "super()" not in source
+
+
+def logits_of(out):
+    """The scores in a model's output: the output itself, the first tensor of a tuple or list, or `out["logits"]`.
+
+    The convention for models that return more than scores: `loss_fn` gets the output as it
+    is; accuracy (and the default cross-entropy) use these scores.
+    """
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, dict):
+        if "logits" in out:
+            return out["logits"]
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        first = next((t for t in out if isinstance(t, torch.Tensor)), None)
+        if first is not None:
+            return first
+    raise TypeError(f"the model's output holds no scores to take accuracy from: a tensor, a tuple whose first tensor "
+                    f"is the scores, or a dict with 'logits' expected, got {type(out).__name__}")
+
+
+class _CrossEntropyOfLogits(nn.CrossEntropyLoss):
+    """Cross-entropy of the scores `logits_of` finds: the default loss also works for tuple and dict outputs."""
+
+    def forward(self, out, y):
+        return super().forward(logits_of(out), y)
 
 
 class _PerExample:
@@ -179,6 +228,13 @@ def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, no
     if len(replicas) != len(devices) or len(optimizers) != len(devices):
         raise ValueError(f"need one replica and one optimizer per device: {len(devices)} devices, "
                          f"{len(replicas)} replicas, {len(optimizers)} optimizers")
+    # An optimizer shared by replicas, or holding another replica's parameters, steps some of
+    # them twice and others never: the replicas drift apart with no error.
+    for i, (net, opt) in enumerate(zip(replicas, optimizers)):
+        own = {id(p) for p in net.parameters()}
+        if any(id(p) not in own for group in opt.param_groups for p in group["params"]):
+            raise ValueError(f"optimizers[{i}] updates parameters that are not replicas[{i}]'s; "
+                             "give every replica its own optimizer over its own parameters")
     one_of("algorithm", algorithm, ALGORITHMS)
     positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
     one_of("nonfinite", nonfinite, NONFINITE)

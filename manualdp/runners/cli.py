@@ -16,6 +16,7 @@ BENCHMARKS = {
     "ddp": "manualdp.benchmarks.ddp",
     "overhead": "manualdp.benchmarks.overhead",
     "soak": "manualdp.benchmarks.soak",
+    "faults": "manualdp.benchmarks.faults",
 }
 
 

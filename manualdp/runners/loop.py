@@ -24,9 +24,9 @@ from ..spmd.p2p import allreduce
 from ..spmd.peers import PeerError
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout, lock_checkpoint_dir, remove_orphans
 from ..support.history import History
-from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
+from ..train import StepResult, count_correct, evaluate, logits_of, summed_loss, train_batch
 from ..validate import (boolean, callable_or_none, check_devices, iterable, learning_rate, mapping_or_none, nn_module,
-                        non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds)
+                        non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds, xy_pair)
 from .agree import agree_all_succeed, agree_on_checkpoint, agree_on_run_id
 
 __all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank"]
@@ -45,7 +45,7 @@ def train(
     bucket_cap_mb: float | None = None,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
-    nonfinite: str | None = None,
+    nonfinite: str | None = "raise",
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -114,7 +114,7 @@ def train_spmd(
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
-    nonfinite: str | None = None,
+    nonfinite: str | None = "raise",
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -204,7 +204,8 @@ def _run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log
         start = time.perf_counter()
         batches = _progress(loop.batches(epoch), progress and mode.is_main, f"epoch {epoch + 1}/{num_epochs}",
                             _len(loop.train_iter))
-        for X, y in batches:
+        for batch in batches:
+            X, y = xy_pair("train_iter", batch)
             if len(X) < mode.parts:  # typically an epoch's last batch (drop_last=True avoids it); every rank skips it
                 say(f"epoch {epoch + 1}: skipped a batch of {len(X)}, fewer examples than the {mode.parts} {mode.what}")
                 continue
@@ -296,7 +297,7 @@ class OneRank:
             loss.backward()
         except PeerError as e:
             raise e.at(f"step {step}") from e.__cause__
-        result = StepResult(loss.item() * len(X) / world_size, count_correct(out.detach(), ys), False)
+        result = StepResult(loss.item() * len(X) / world_size, count_correct(logits_of(out).detach(), ys), False)
         # The gradients are averages, bitwise equal on every rank, and a NaN or Inf on one rank
         # makes the sum non-finite on all: every rank takes the same decision.
         if not guard.passes(step):
