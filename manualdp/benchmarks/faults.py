@@ -245,6 +245,10 @@ def _stop(tmp: str) -> str:
             return "hang"
         return "handled" if "no answer from rank" in err or "rank" in err and "error:" in err else "crash"
     finally:
+        # The workers may sit in process groups of their own: end each one, the stopped rank too.
+        for pid in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
 
