@@ -89,3 +89,64 @@ def test_wrappers_with_another_communication_layout_are_told_on_every_rank():
         assert "elements" in out["bucket_cap_mb"], out
         assert "algorithm" in out["algorithm"], out
         assert "segment_bytes" in out["segment_bytes"], out
+
+
+def _resume_cases(tmp):
+    """Eval-kill (rank 0 has an empty folder) and a damaged newest file on rank 1 only, under 2 ranks."""
+    import glob
+    import os
+    import warnings
+
+    from manualdp.runners.loop import train_spmd
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)),
+                      batch_size=8)
+    out = {}
+
+    def run(ckpt, epochs, **kw):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        logs = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_spmd(net, data, data, epochs, 0.1, progress=False, log=logs.append, timeout=20,
+                       checkpoint_dir=ckpt, **kw)
+        return [p.detach().clone() for p in net.parameters()], logs, [str(w.message) for w in caught]
+
+    straight, _, _ = run(None, 2)
+    ckpt = os.path.join(tmp, "evalkill")
+    run(ckpt, 1)
+    torch.distributed.barrier()
+    if rank == 0:  # killed during the first evaluation: its folder exists, no checkpoint in it
+        for f in glob.glob(os.path.join(ckpt, "rank0", "*.pt")):
+            os.remove(f)
+    torch.distributed.barrier()
+    params, logs, _ = run(ckpt, 2, resume=True)
+    out["evalkill_logs"] = logs
+    out["evalkill_equal"] = all(torch.equal(a, b) for a, b in zip(params, straight))
+
+    ckpt = os.path.join(tmp, "damaged")
+    run(ckpt, 1, checkpoint_every=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        newest = glob.glob(os.path.join(ckpt, "rank1", "*-epoch.pt"))[0]  # the end of the epoch: the newest
+        outer = torch.load(newest, weights_only=False)
+        payload = bytearray(outer["payload"])
+        payload[len(payload) // 2] ^= 0x10
+        outer["payload"] = bytes(payload)
+        torch.save(outer, newest)
+    torch.distributed.barrier()
+    params, logs, caught = run(ckpt, 2, checkpoint_every=2, resume=True)
+    out["damaged_logs"], out["damaged_warnings"] = logs, caught
+    out["damaged_equal"] = all(torch.equal(a, b) for a, b in zip(params, straight))
+    return out
+
+
+def test_resume_after_an_eval_kill_or_a_damaged_file_on_one_rank_equals_a_straight_run(tmp_path):
+    results = launch(_resume_cases, 2, (str(tmp_path),), timeout=150)
+    assert any("starting from the beginning" in line for line in results[0]["evalkill_logs"])
+    assert any("checksum mismatch" in w for w in results[1]["damaged_warnings"])
+    assert any("resumed from" in line and "ckpt-00000004.pt" in line for line in results[0]["damaged_logs"])
+    for r in range(2):
+        assert results[r]["evalkill_equal"] and results[r]["damaged_equal"]
