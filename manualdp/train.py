@@ -1,10 +1,10 @@
 """One training step on every device (`train_batch`), and accuracy (`evaluate`).
 
+The loss each device computes is in `manualdp.loss`.
 The loop over epochs, with checkpoints and a progress bar, is `manualdp.runners.loop.train`.
 """
 from __future__ import annotations
 
-import copy
 from typing import NamedTuple
 
 import torch
@@ -13,12 +13,13 @@ from torch import nn
 from .allreduce import allreduce
 from .buckets import assign_buckets, flatten, unflatten_
 from .guard import NONFINITE, NonFiniteGuard
+from .loss import correct_tensor, count_correct, logits_of, summed_loss
 from .replicate import broadcast_buffers
 from .schedule import ALGORITHMS
 from .split import split_batch
-from .validate import check_devices, iterable, nn_module, one_of, positive_number
+from .validate import check_devices, iterable, nn_module, one_of, positive_number, xy_pair
 
-__all__ = ["StepResult", "summed_loss", "allreduce_gradients", "train_batch", "evaluate", "count_correct"]
+__all__ = ["StepResult", "allreduce_gradients", "train_batch", "evaluate"]
 
 
 class StepResult(NamedTuple):
@@ -37,12 +38,14 @@ def train_batch(
     *,
     algorithm: str = "naive",
     bucket_cap_mb: float | None = None,
-    nonfinite: str | None = None,
+    nonfinite: str | None = "raise",
     step: int | None = None,
 ) -> StepResult:
     """One synchronous data-parallel step over the global batch `X`, `y`.
 
-    `nonfinite="raise"` stops on a NaN/Inf gradient, `"skip"` skips the update (`manualdp.guard`).
+    `nonfinite="raise"` (default) stops on a NaN/Inf gradient, `"skip"` skips the update, None does not
+    check (`manualdp.guard`). A model may return a tuple or dict: `loss_fn` gets it as it is,
+    accuracy uses `logits_of(out)`.
     """
     devices = _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite)
     loss_fn = summed_loss(loss_fn)
@@ -57,7 +60,7 @@ def train_batch(
         loss = loss_fn(out, ys) / len(X)
         loss.backward()
         losses.append(loss.detach())
-        corrects.append(correct_tensor(out.detach(), ys))
+        corrects.append(correct_tensor(logits_of(out).detach(), ys))
     # 4. Allreduce: every replica now holds the sum of all gradients (ZeRO-2 reduce-scatters it in its step).
     if not any(getattr(opt, "reduces_gradients", False) for opt in optimizers):
         allreduce_gradients(replicas, algorithm, bucket_cap_mb)
@@ -113,64 +116,13 @@ def evaluate(net: nn.Module, data_iter, device=None) -> float:
     net.eval()
     correct = total = 0
     try:
-        for X, y in data_iter:
-            correct += count_correct(net(X.to(device)), y.to(device))
+        for batch in data_iter:
+            X, y = xy_pair("data_iter", batch)
+            correct += count_correct(logits_of(net(X.to(device))), y.to(device))
             total += len(y)
     finally:
         net.train(was_training)
     return correct / total if total else float("nan")
-
-
-# ---------------------------------------------------------------- helpers of the two functions above
-
-def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
-    """Return `loss_fn` with `reduction="sum"` (default: cross-entropy).
-
-    The sum over a shard divided by the global batch size makes N devices compute exactly
-    the one-device gradient, even with uneven shards; an average of per-shard means would not.
-    """
-    if loss_fn is None:
-        return nn.CrossEntropyLoss(reduction="sum")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not hasattr(loss_fn, "reduction"):
-        return _PerExample(loss_fn)
-    if loss_fn.reduction != "sum":
-        loss_fn = copy.copy(loss_fn)
-        loss_fn.reduction = "sum"  # a "mean" or "none" loss gets summed here
-    return loss_fn
-
-
-class _PerExample:
-    """A plain loss function: it must return one loss per example, which we sum.
-
-    A scalar could be a mean or a sum and we cannot tell which, so it is refused:
-    a mean would silently break the N-device = one-device equivalence.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, out, y):
-        loss = self.fn(out, y)
-        if not isinstance(loss, torch.Tensor) or loss.dim() == 0 or len(loss) != len(y):
-            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise ValueError(
-                f"loss_fn must return one loss per example (shape ({len(y)},)), got {shape}; pass e.g. "
-                "functools.partial(F.cross_entropy, reduction='none') or an nn loss module")
-        return loss.sum()
-
-
-def correct_tensor(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Correct predictions as a 0-d tensor on `out`'s device (reading it would wait for the device)."""
-    if out.dim() == 2 and not y.is_floating_point() and y.dim() == 1:
-        return (out.argmax(dim=1) == y).sum()
-    return torch.zeros((), dtype=torch.long, device=out.device)
-
-
-def count_correct(out: torch.Tensor, y: torch.Tensor) -> int:
-    """Correctly classified examples in a batch (0 where `out` is not a score per class)."""
-    return int(correct_tensor(out, y))
 
 
 def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite) -> list[torch.device]:
@@ -178,6 +130,13 @@ def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, no
     if len(replicas) != len(devices) or len(optimizers) != len(devices):
         raise ValueError(f"need one replica and one optimizer per device: {len(devices)} devices, "
                          f"{len(replicas)} replicas, {len(optimizers)} optimizers")
+    # An optimizer shared by replicas, or holding another replica's parameters, steps some of
+    # them twice and others never: the replicas drift apart with no error.
+    for i, (net, opt) in enumerate(zip(replicas, optimizers)):
+        own = {id(p) for p in net.parameters()}
+        if any(id(p) not in own for group in opt.param_groups for p in group["params"]):
+            raise ValueError(f"optimizers[{i}] updates parameters that are not replicas[{i}]'s; "
+                             "give every replica its own optimizer over its own parameters")
     one_of("algorithm", algorithm, ALGORITHMS)
     positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
     one_of("nonfinite", nonfinite, NONFINITE)

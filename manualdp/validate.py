@@ -18,7 +18,7 @@ __all__ = [
     "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
     "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "iterable", "callable_or_none",
     "factory", "a_callable", "path", "timeout_seconds",
-    "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch",
+    "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch", "xy_pair",
 ]
 
 
@@ -83,7 +83,7 @@ def learning_rate(name: str, value):
     """A learning rate: a number > 0, finite and at most MAX_LR (float32's largest, 3.4e38)."""
     if _is_number(value) and 0 < value <= MAX_LR:
         return value
-    raise ValueError(f"{name} must be a positive number, got {value!r} (finite, at most {MAX_LR:.3g})")
+    raise ValueError(f"{name} must be a positive number, got {value!r} (finite, at most {MAX_LR:.3g}: float32's largest)")
 
 
 def mapping_or_none(name: str, value):
@@ -218,6 +218,8 @@ def check_tensors(tensors, name: str = "tensors", *, sums: bool = True) -> None:
         raise ValueError(f"{name} must not be empty, got {tensors!r}")
     spans = []
     for i, t in enumerate(tensors):
+        if t.device.type not in ("cpu", "cuda"):  # a meta tensor has no data: the copy into it would fail half-way
+            raise ValueError(f"{name}[{i}] is on {t.device}; collectives run on 'cpu' and 'cuda' tensors")
         if sums:
             check_summable(t, f"{name}[{i}]")
         if t.shape != tensors[0].shape:
@@ -249,6 +251,17 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     extent = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
     start = t.data_ptr()
     return (start, start + extent * t.element_size())
+
+
+def xy_pair(name: str, batch):
+    """One batch of a data iterator as `(X, y)`; a dict or anything else that is not a pair is refused by name."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch
+    if isinstance(batch, dict):
+        raise TypeError(f"{name} must yield (X, y) pairs, got a dict with keys {sorted(batch, key=str)}; wrap it, "
+                        f"e.g. ((b['image'], b['label']) for b in loader)")
+    what = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
+    raise TypeError(f"{name} must yield (X, y) pairs, got {what}")
 
 
 def check_batch(X, y, parts: int, what: str = "devices") -> None:

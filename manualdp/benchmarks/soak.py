@@ -57,7 +57,7 @@ def _soak_rank(args) -> list[tuple[int, float]]:
     from ..runners.loop import OneRank
     from ..spmd import DistributedDataParallel
     from ..support.models import get_model
-    from ..train import summed_loss
+    from ..loss import summed_loss
     torch.manual_seed(0)
     model = DistributedDataParallel(get_model(args.model), algorithm=args.algorithm,
                                     bucket_cap_mb=args.bucket_mb or 25.0, timeout=60)

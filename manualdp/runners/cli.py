@@ -21,6 +21,7 @@ BENCHMARKS = {
     "scaling": "manualdp.benchmarks.scaling",
     "soak": "manualdp.benchmarks.soak",
     "zero": "manualdp.benchmarks.zero",
+    "faults": "manualdp.benchmarks.faults",
 }
 
 

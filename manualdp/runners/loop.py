@@ -30,10 +30,12 @@ from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layo
 from ..support.files import write_json_atomic
 from ..support.history import History
 from ..support.trace import Trace
-from ..train import StepResult, count_correct, evaluate, summed_loss, train_batch
+from ..loss import count_correct, logits_of, summed_loss
+from ..train import StepResult, evaluate, train_batch
 from ..zero import ZeroRedundancyOptimizer
 from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, learning_rate, mapping_or_none,
-                        nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds)
+                        nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds,
+                        xy_pair)
 from .agree import agree_all_succeed, agree_on_checkpoint, agree_on_run_id
 from .timeline import Timeline, merge_ranks
 
@@ -53,7 +55,7 @@ def train(
     bucket_cap_mb: float | None = None,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
-    nonfinite: str | None = None,
+    nonfinite: str | None = "raise",
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -141,7 +143,7 @@ def train_spmd(
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
-    nonfinite: str | None = None,
+    nonfinite: str | None = "raise",
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -257,7 +259,8 @@ def _run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log
         start = time.perf_counter()
         batches = _progress(loop.batches(epoch), progress and mode.is_main, f"epoch {epoch + 1}/{num_epochs}",
                             _len(loop.train_iter))
-        for X, y in batches:
+        for batch in batches:
+            X, y = xy_pair("train_iter", batch)
             n = mode.global_size(X, loop)
             if n < mode.parts:  # typically an epoch's last batch (drop_last=True avoids it); every rank skips it
                 say(f"epoch {epoch + 1}: skipped a batch of {n}, fewer examples than the {mode.parts} {mode.what}")
@@ -361,7 +364,7 @@ class OneRank:
                 loss.backward()
         except PeerError as e:
             raise e.at(f"step {step}") from e.__cause__
-        result = StepResult(loss.item() * n / world_size, count_correct(out.detach(), ys), False)
+        result = StepResult(loss.item() * n / world_size, count_correct(logits_of(out).detach(), ys), False)
         # The gradients are averages, bitwise equal on every rank, and a NaN or Inf on one rank
         # makes the sum non-finite on all: every rank takes the same decision.
         if not guard.passes(step):

@@ -17,13 +17,13 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..schedule import Schedule, chunk_bounds, get_schedule
+from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 from ..validate import check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
 from .peers import group_ranks, group_timeout, talking_to, wait
 from .tune import ENGINE_ALGORITHMS, resolve
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "allreduce", "run_schedule"]
+           "may_post_early", "allreduce", "run_schedule", "check_same_call"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -220,8 +220,47 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
         return
     timeout = timeout if timeout is not None else group_timeout(group)
     algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout)  # "auto": the cost model's pick
+    if CHECK_SAME_CALL:
+        check_same_call(tensor, algorithm, segment_bytes, group, timeout)
     _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
+
+
+# Off only to measure what the check costs (bench/faults.py --check-cost); a mismatch then aborts in gloo.
+CHECK_SAME_CALL = True
+_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes")
+_DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                  torch.int32, torch.int64), key=str)
+
+
+def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None) -> None:
+    """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm and segment size.
+
+    Every rank writes its row of a small table of fixed shape, and one ring allreduce of it,
+    before any data moves, shows every rank's call to every rank. Mismatched calls would
+    otherwise pair wrong messages, which gloo answers with an abort and the schedules with a
+    wrong sum. It goes through the same sends and receives as the data, so a dead or silent
+    peer is named as before.
+    """
+    rank, peers = group_ranks(group)
+    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+    table = torch.zeros(len(peers), len(_FIELDS), dtype=torch.int64, device=tensor.device)
+    table[rank] = torch.tensor([tensor.numel(), dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
+    _allreduce(table, "ring", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
+               timeout=timeout)
+    rows = table.tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    names = {"dtype": lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
+             "algorithm": lambda v: sorted(ALGORITHMS)[v]}
+    differ = []
+    for i, field in enumerate(_FIELDS):
+        values = [names.get(field, str)(row[i]) for row in rows]
+        if len(set(values)) > 1:
+            differ.append(f"{field} {'..'.join(sorted(set(values), key=lambda v: (len(v), v)))} "
+                          f"(per rank: {', '.join(values)})")
+    raise ValueError(f"rank {dist.get_rank()}: allreduce called differently across ranks: {'; '.join(differ)}; "
+                     "the ranks are out of step (one ran out of batches or skipped a step) or were given other arguments")
 
 
 def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,

@@ -1,0 +1,14 @@
+"""A fast subset of bench/faults.py: its cases are handled, and the table counts what it ran."""
+from manualdp.benchmarks.faults import OUTCOMES, run_cases
+from manualdp.runners.cli import BENCHMARKS
+
+
+def test_a_fast_subset_of_the_fault_table_is_all_handled():
+    lines = []
+    result = run_cases(quick=True, show=lines.append, only="special path")
+    result2 = run_cases(quick=True, show=lines.append, only="flipped-bit")
+    rows = result["rows"] + result2["rows"]
+    assert len(rows) == 7 and len(lines) == 7
+    assert [r["case"] for r in rows if r["outcome"] != "handled"] == []
+    assert result["counts"]["tried"] == sum(result["counts"][o] for o in OUTCOMES) == 6
+    assert BENCHMARKS["faults"] == "manualdp.benchmarks.faults"

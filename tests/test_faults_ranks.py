@@ -1,0 +1,152 @@
+"""Ranks that disagree are told, on every rank: no abort inside gloo, no wrong sum."""
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from manualdp.spmd import launch
+
+
+def _mismatched_calls():
+    """On 2 ranks: allreduce with another algorithm, size or dtype on rank 1; then one that agrees."""
+    from manualdp.spmd.p2p import allreduce
+    rank = torch.distributed.get_rank()
+    out = {}
+    cases = {
+        "algorithm": (torch.ones(6), "ring" if rank == 0 else "tree"),
+        "size": (torch.ones(6 if rank == 0 else 9), "ring"),
+        "dtype": (torch.ones(6, dtype=torch.float32 if rank == 0 else torch.float64), "ring"),
+    }
+    for name, (t, algorithm) in cases.items():
+        before = t.clone()
+        try:
+            allreduce(t, algorithm, timeout=20)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + "_unchanged"] = torch.equal(t, before)
+    t = torch.full((5,), float(rank + 1))
+    allreduce(t, "ring", timeout=20)  # the group still works after a refused call
+    out["after"] = t.tolist()
+    return out
+
+
+def test_mismatched_allreduce_calls_raise_on_every_rank_and_write_nothing():
+    results = launch(_mismatched_calls, 2, timeout=60)
+    for r, out in enumerate(results):
+        assert "algorithm ring..tree" in out["algorithm"] and f"rank {r}" in out["algorithm"]
+        assert "elements 6..9" in out["size"]
+        assert "dtype float32..float64" in out["dtype"]
+        assert all(out[k + "_unchanged"] for k in ("algorithm", "size", "dtype"))
+        assert out["after"] == [3.0] * 5
+
+
+def _short_rank():
+    """train_spmd where rank 1's loader has one batch more than rank 0's."""
+    from manualdp.runners.loop import train_spmd
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    g = torch.Generator().manual_seed(1)
+    n = 32 if rank == 0 else 40  # 4 batches against 5
+    data = DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)), batch_size=8)
+    try:
+        train_spmd(net, data, data, 1, 0.1, progress=False, log=None, timeout=20)
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+def test_a_rank_that_runs_out_of_batches_is_told_on_every_rank():
+    results = launch(_short_rank, 2, timeout=90)
+    for r, message in enumerate(results):
+        assert message is not None and "allreduce called differently across ranks" in message, message
+        assert "out of step" in message and f"rank {r}" in message
+
+
+def _mismatched_wrappers():
+    """DDP wrappers built with another bucket size, algorithm or segment size on rank 1."""
+    from manualdp.spmd.ddp import DistributedDataParallel
+    rank = torch.distributed.get_rank()
+    out = {}
+    cases = {"bucket_cap_mb": {"bucket_cap_mb": 25.0 if rank == 0 else 0.0003},
+             "algorithm": {"algorithm": "ring" if rank == 0 else "tree"},
+             "segment_bytes": {"segment_bytes": 1 << 20 if rank == 0 else 64}}
+    for name, kw in cases.items():
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3))
+        model = DistributedDataParallel(net, timeout=20, **kw)
+        try:
+            model(torch.randn(8, 4)).sum().backward()
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_wrappers_with_another_communication_layout_are_told_on_every_rank():
+    results = launch(_mismatched_wrappers, 2, timeout=90)
+    for out in results:
+        assert "elements" in out["bucket_cap_mb"], out
+        assert "algorithm" in out["algorithm"], out
+        assert "segment_bytes" in out["segment_bytes"], out
+
+
+def _resume_cases(tmp):
+    """Eval-kill (rank 0 has an empty folder) and a damaged newest file on rank 1 only, under 2 ranks."""
+    import glob
+    import os
+    import warnings
+
+    from manualdp.runners.loop import train_spmd
+    rank = torch.distributed.get_rank()
+    g = torch.Generator().manual_seed(1)
+    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 3, (32,), generator=g)),
+                      batch_size=8)
+    out = {}
+
+    def run(ckpt, epochs, **kw):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        logs = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            train_spmd(net, data, data, epochs, 0.1, progress=False, log=logs.append, timeout=20,
+                       checkpoint_dir=ckpt, **kw)
+        return [p.detach().clone() for p in net.parameters()], logs, [str(w.message) for w in caught]
+
+    straight, _, _ = run(None, 2)
+    ckpt = os.path.join(tmp, "evalkill")
+    run(ckpt, 1)
+    torch.distributed.barrier()
+    if rank == 0:  # killed during the first evaluation: its folder exists, no checkpoint in it
+        for f in glob.glob(os.path.join(ckpt, "rank0", "*.pt")):
+            os.remove(f)
+    torch.distributed.barrier()
+    params, logs, _ = run(ckpt, 2, resume=True)
+    out["evalkill_logs"] = logs
+    out["evalkill_equal"] = all(torch.equal(a, b) for a, b in zip(params, straight))
+
+    ckpt = os.path.join(tmp, "damaged")
+    run(ckpt, 1, checkpoint_every=2)
+    torch.distributed.barrier()
+    if rank == 1:
+        newest = glob.glob(os.path.join(ckpt, "rank1", "*-epoch.pt"))[0]  # the end of the epoch: the newest
+        outer = torch.load(newest, weights_only=False)
+        payload = bytearray(outer["payload"])
+        payload[len(payload) // 2] ^= 0x10
+        outer["payload"] = bytes(payload)
+        torch.save(outer, newest)
+    torch.distributed.barrier()
+    params, logs, caught = run(ckpt, 2, checkpoint_every=2, resume=True)
+    out["damaged_logs"], out["damaged_warnings"] = logs, caught
+    out["damaged_equal"] = all(torch.equal(a, b) for a, b in zip(params, straight))
+    return out
+
+
+def test_resume_after_an_eval_kill_or_a_damaged_file_on_one_rank_equals_a_straight_run(tmp_path):
+    results = launch(_resume_cases, 2, (str(tmp_path),), timeout=150)
+    assert any("starting from the beginning" in line for line in results[0]["evalkill_logs"])
+    assert any("checksum mismatch" in w for w in results[1]["damaged_warnings"])
+    assert any("resumed from" in line and "ckpt-00000004.pt" in line for line in results[0]["damaged_logs"])
+    for r in range(2):
+        assert results[r]["evalkill_equal"] and results[r]["damaged_equal"]

@@ -1,0 +1,53 @@
+"""Two machines, simulated: two torchrun invocations (--nnodes 2, --node-rank 0/1) on 127.0.0.1, c10d rendezvous."""
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+SMALL = ["--no-progress", "--num-train", "256", "--num-test", "64", "--batch-size", "32", "--model", "mlp"]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nodes(port, *train_args):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    common = [TORCHRUN, "--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+              "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"faults{port}", "--max-restarts", "0"]
+    procs = []
+    for n in (0, 1):
+        procs.append(subprocess.Popen([*common, "--node-rank", str(n), "-m", "manualdp", "train", *SMALL, *train_args],
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      start_new_session=True))
+        time.sleep(3)  # node 0 first: its agent hosts the c10d store, as the machine named in --rdzv-endpoint would
+    return procs
+
+
+def _end(procs, timeout):
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            # torchrun's workers may sit in their own groups: end the whole tree, children first.
+            tree = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+            for pid in [*map(int, tree), p.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            outs.append(p.communicate())
+    return outs
+
+
+def test_two_nodes_of_two_ranks_train_end_to_end():
+    procs = _nodes(_free_port(), "--epochs", "1", "--timeout", "20")
+    (out0, err0), (out1, err1) = _end(procs, 150)
+    assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
+    assert "sec/epoch on 4 processes" in out0 + out1 and "on 4 ranks" in out0 + out1
+
