@@ -3,6 +3,8 @@
 The whole selection takes long (`python bench/conformance.py`); here a fast pair of tests
 runs both ways, and the selection itself is checked.
 """
+import os
+
 import pytest
 
 from manualdp.benchmarks import conformance
@@ -30,3 +32,15 @@ def test_torch_ddp_test_passes_with_manualdp_where_it_passes_with_torch(name):
     assert control == "pass", control_error
     ours, error = conformance.run_one(name, manualdp=True)
     assert ours == "pass", error
+
+
+def test_importing_the_harness_leaves_the_environment_alone():
+    # torch's test module wants WORLD_SIZE at import; one left behind in the test process made
+    # every later `manualdp train` subprocess believe it ran under torchrun.
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "BACKEND")}
+    code = "import os, manualdp.benchmarks.conformance; print(os.environ.get('WORLD_SIZE'), os.environ.get('BACKEND'))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "None"], out.stderr[-500:]

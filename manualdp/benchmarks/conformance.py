@@ -14,8 +14,8 @@ Tests whose source reads torch's private internals are left out, each with the n
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
-import io
 import os
 import re
 import sys
@@ -23,13 +23,35 @@ import time
 import unittest
 
 # torch's test module reads these when it is imported (here, and again in every spawned rank).
-os.environ.setdefault("BACKEND", "gloo")
-os.environ.setdefault("WORLD_SIZE", "2")
+# They are set only while it is imported here and while a test runs (`_test_environment`), so
+# importing this module leaves the caller's environment as it was: a WORLD_SIZE left behind
+# would make every later `manualdp train` believe it runs under torchrun.
+TEST_ENVIRONMENT = {"BACKEND": "gloo", "WORLD_SIZE": "2"}
+
+
+@contextlib.contextmanager
+def _test_environment(**extra):
+    wanted = {k: os.environ.get(k, v) for k, v in TEST_ENVIRONMENT.items()} | extra
+    saved = {k: os.environ.get(k) for k in wanted}
+    os.environ.update(wanted)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_importing = _test_environment()
+_importing.__enter__()
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 from torch.testing._internal.distributed import distributed_test  # noqa: E402
 from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+_importing.__exit__(None, None, None)
 
 from ..spmd.ddp import DistributedDataParallel as ManualDDP  # noqa: E402
 from ..validate import positive_int  # noqa: E402
@@ -97,7 +119,7 @@ class ManualDDPOnCpu(ManualDDP):
 
 def _install_cpu_shim() -> None:
     """In a rank's process: the tests that ask for one GPU per rank get the CPU, for both wrappers alike."""
-    world = int(os.environ["WORLD_SIZE"])
+    world = int(os.environ.get("WORLD_SIZE", TEST_ENVIRONMENT["WORLD_SIZE"]))
     torch.cuda.is_available = lambda: True
     torch.cuda.device_count = lambda: world
     torch.cuda.set_device = lambda device: None
@@ -168,9 +190,9 @@ def first_error_line(text: str) -> str:
 
 def run_one(name: str, manualdp: bool) -> tuple[str, str]:
     """Run test `name` once (2 ranks); ('pass' | 'fail' | 'skip', first line of the error)."""
-    os.environ[SWAP] = "1" if manualdp else "0"
     result = unittest.TestResult()
-    TorchDDPTests(name).run(result)
+    with _test_environment(**{SWAP: "1" if manualdp else "0"}):
+        TorchDDPTests(name).run(result)
     if result.skipped:
         return "skip", result.skipped[0][1].splitlines()[0][:160]
     problems = result.errors + result.failures
