@@ -137,7 +137,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: accepted for compatibility; unused parameters always work.
         check_reduction: deprecated in torch; ignored.
         gradient_as_bucket_view: `.grad` becomes a view into the bucket: no copy in or out.
-        static_graph: accepted; manualdp's buckets are static anyway.
+        static_graph: the set of parameters used may not change after the first iteration
+            (torch's errors otherwise); manualdp's buckets are static anyway.
+        device_mesh: a one-dimensional `DeviceMesh`; its group replaces `process_group`.
         algorithm: `naive`, `ring` or `tree` (see `manualdp.schedule`).
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
         debug: before each bucket's allreduce the ranks compare (step, bucket, element count,
@@ -156,7 +158,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 *, algorithm: str = "ring", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 *, device_mesh=None, algorithm: str = "ring", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  timeout: float | None = None, debug: bool | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -172,6 +174,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             boolean(name, flag)
         if debug is not None:
             boolean("debug", debug)
+        if device_mesh is not None:
+            if process_group is not None or not hasattr(device_mesh, "get_group"):
+                raise ValueError(f"device_mesh must be a DeviceMesh given instead of process_group, got {device_mesh!r} "
+                                 f"with process_group={process_group!r}")
+            process_group = device_mesh.get_group()
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
