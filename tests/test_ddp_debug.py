@@ -92,3 +92,45 @@ def test_desync_raises_on_every_rank_naming_the_bucket_and_parameter():
 def test_debug_must_be_a_boolean():
     with pytest.raises(TypeError, match="debug"):
         DistributedDataParallel(nn.Linear(2, 2), debug="yes")
+
+
+class _Switch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(4, 2)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def _static_graph_changes():
+    """static_graph=True and a graph that changes: both wrappers raise torch's words (grown, then shrunk)."""
+    out = {}
+    for name, wrapper in (("ours", DistributedDataParallel), ("theirs", TorchDDP)):
+        messages = []
+        for order in ((False, True), (True, False, False)):  # torch says the second at the next forward
+            torch.manual_seed(0)
+            model = wrapper(_Switch(), static_graph=True)
+            try:
+                for use_b in order:
+                    model(torch.randn(3, 4), use_b).sum().backward()
+                messages.append(None)
+            except RuntimeError as e:
+                messages.append(str(e))
+        out[name] = messages
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _static_results():
+    return launch(_static_graph_changes, 2, (), timeout=JOB_TIMEOUT)
+
+
+def test_static_graph_refuses_a_changing_graph_as_torch_does():
+    for result in _static_results():
+        for ours, theirs in zip(result["ours"], result["theirs"]):
+            assert theirs is not None and ours is not None
+        assert "Your training graph has changed in this iteration" in result["ours"][0]
+        assert result["ours"][1].startswith("Expected to have finished reduction in the prior iteration")
+        assert "'b.bias'" in result["ours"][1]

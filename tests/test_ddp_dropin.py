@@ -81,6 +81,14 @@ def _keywords():
     return _train([ours, theirs], opts, _data(rank))
 
 
+def _device_mesh():
+    """device_mesh= instead of process_group, as torch takes it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    ours, theirs, opts = _pair(_mlp, {"device_mesh": mesh}, {"device_mesh": mesh})
+    return _train([ours, theirs], opts, _data(dist.get_rank()))
+
+
 def _bucket_view():
     """gradient_as_bucket_view: `.grad` is a view into the bucket, and training equals torch's."""
     rank = dist.get_rank()
@@ -265,7 +273,7 @@ def _job(n):
                  "copies": _copies, "no_parameters": _no_parameters, "sparse": _sparse,
                  "no_sync_used_map": _no_sync_used_map, "two_forwards_bn": _two_forwards_batchnorm,
                  "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
-                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop}
+                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
     out = {}
@@ -304,7 +312,7 @@ def test_training_equals_torch_ddp_step_by_step(n, name):
         _same_rows(_get(n, rank, name))
 
 
-@pytest.mark.parametrize("name", ["copies", "no_sync_used_map", "two_forwards_bn", "wrappers2", "sparse"])
+@pytest.mark.parametrize("name", ["copies", "no_sync_used_map", "two_forwards_bn", "wrappers2", "sparse", "device_mesh"])
 def test_more_cases_equal_torch_ddp(name):
     for rank in range(2):
         value = _get(2, rank, name)

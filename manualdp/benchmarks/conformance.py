@@ -67,7 +67,7 @@ PRIVATE = ("reducer", "_get_ddp_logging_data", "_set_static_graph", "_delay_all_
            "_apply_optimizer_in_backward", "_check_sync_bufs", "_DDPSink", "_MixedPrecision", "mixed_precision",
            "_get_active_ddp_module", "_build_debug_param_to_name_mapping", "_ddp_init_helper", "_sync_buffers",
            "_passing_sync_batchnorm_handle", "_ddp_with_replicated_tensor", "_register_accum_grad_hook",
-           "_get_ddp_logging", "_remove_autograd_hooks", "_check_reducer_finalized", "_set_sparse_metadata", "_update_process_group", "ddp_logging")
+           "_get_ddp_logging", "_remove_autograd_hooks", "_register_buffer_comm_hook", "_check_reducer_finalized", "_set_sparse_metadata", "_update_process_group", "ddp_logging")
 # Quick ones that cover construction, plain training, no_sync and the keywords.
 FAST = ("test_DistributedDataParallelCPU", "test_ddp_join_model_equivalence", "test_accumulate_gradients_no_sync",
         "test_ddp_hook_parity_allreduce")

@@ -101,19 +101,21 @@ class Bucket:
         self.future = None
 
 
-_WORKERS: dict = {}  # id(process group) -> (group, SerialWorker): one ordered queue per group
+# id(process group) -> its SerialWorker: one ordered queue per group. Only the id is kept: a
+# process group held past destroy_process_group aborts the interpreter when it is freed at exit.
+_WORKERS: dict[int, SerialWorker] = {}
 
 
 def group_worker(group=None) -> SerialWorker:
     """The one thread that runs, in submission order, every wrapper's collectives on `group`."""
     pg = group if group is not None else dist.group.WORLD
-    entry = _WORKERS.get(id(pg))
-    if entry is None or entry[0] is not pg:
+    worker = _WORKERS.get(id(pg))
+    if worker is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
         # On a GPU the thread must talk to this rank's device (the current device is per thread).
         init = (lambda: torch.cuda.set_device(device)) if device is not None else None
-        entry = _WORKERS[id(pg)] = (pg, SerialWorker("manualdp-allreduce", initializer=init))
-    return entry[1]
+        worker = _WORKERS[id(pg)] = SerialWorker("manualdp-allreduce", initializer=init)
+    return worker
 
 
 class DistributedDataParallel(nn.Module, Joinable):
@@ -135,7 +137,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         find_unused_parameters: accepted for compatibility; unused parameters always work.
         check_reduction: deprecated in torch; ignored.
         gradient_as_bucket_view: `.grad` becomes a view into the bucket: no copy in or out.
-        static_graph: accepted; manualdp's buckets are static anyway.
+        static_graph: the set of parameters used may not change after the first iteration
+            (torch's errors otherwise); manualdp's buckets are static anyway.
+        device_mesh: a one-dimensional `DeviceMesh`; its group replaces `process_group`.
         algorithm: a schedule of `manualdp.schedule` (`naive`, `ring`, `halving_doubling`, `tree`), or
             `auto` (default): for each bucket, the one the cost model predicts fastest on this
             transport (`manualdp.spmd.tune`).
@@ -156,7 +160,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 *, algorithm: str = "auto", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 *, device_mesh=None, algorithm: str = "auto", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  timeout: float | None = None, debug: bool | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -172,6 +176,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             boolean(name, flag)
         if debug is not None:
             boolean("debug", debug)
+        if device_mesh is not None:
+            if process_group is not None or not hasattr(device_mesh, "get_group"):
+                raise ValueError(f"device_mesh must be a DeviceMesh given instead of process_group, got {device_mesh!r} "
+                                 f"with process_group={process_group!r}")
+            process_group = device_mesh.get_group()
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
@@ -212,6 +221,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.debug = debug if debug is not None else (os.environ.get("MANUALDP_DEBUG", "0") not in ("", "0")
                                                       or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL")
         self._step = 0  # synchronised backward passes so far: part of the desync fingerprint
+        self._static_used = None  # static_graph: (bucket, index) of the parameters the first iteration used
         self._joined = False  # True while Join shadows this rank's steps
         self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
         self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
@@ -370,6 +380,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _finish_backward(self) -> None:
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
         try:
+            used = frozenset((b, i) for b, bucket in enumerate(self._buckets) for i, a in enumerate(bucket.arrived) if a)
             for bucket in self._buckets[self._next_launch:]:
                 bucket.fill_missing(self._used_in_no_sync)  # unused here: the bucket must still go out
             self._launch_ready()
@@ -386,8 +397,28 @@ class DistributedDataParallel(nn.Module, Joinable):
             if error is not None:
                 raise error
             self._step += 1
+            if self.static_graph:
+                self._check_static(used)
         finally:
             self._reset_backward()
+
+    def _check_static(self, used: frozenset) -> None:
+        """static_graph: the parameters used must be those of the first iteration, as torch insists."""
+        if self._static_used is None:
+            self._static_used = used
+            return
+        names = lambda keys: sorted(self._names[b][i] for b, i in keys)  # noqa: E731
+        if used - self._static_used:
+            raise RuntimeError("Your training graph has changed in this iteration, e.g., one parameter is unused "
+                               "in first iteration, but then got used in the second iteration. this is not "
+                               "compatible with static_graph set to True. Newly used: "
+                               f"{names(used - self._static_used)}")
+        if self._static_used - used:
+            raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. "
+                               "This error indicates that your training graph has changed in this iteration, e.g., "
+                               "one parameter is used in first iteration, but then got unused in the second "
+                               "iteration. this is not compatible with static_graph set to True.\nParameters which "
+                               f"did not receive grad for rank {self.rank}: {names(self._static_used - used)}")
 
     def _reset_backward(self) -> None:
         """Forget the backward pass: every bucket empty, none launched."""
