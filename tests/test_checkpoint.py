@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from manualdp import cpu_devices, replicate, train, train_batch
+from manualdp import cpu_devices, train
 from manualdp.support.checkpoint import load_latest, save_checkpoint
 from manualdp.guard import NonFiniteGradientError
 
@@ -190,30 +190,11 @@ def test_torchrun_checkpoints_are_not_resumed_by_a_single_process(tmp_path):
 
 # ---------------------------------------------------------------- edge cases found in review
 
-def _small_net(bn=False):
-    torch.manual_seed(0)
-    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if bn else []) + [nn.ReLU(), nn.Linear(8, 3)]
-    return nn.Sequential(*layers).double()
-
-def _small_data(n=13, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
-
-def _small_step(n, loss_fn=None, net=None, **kw):
-    devices = cpu_devices(n)
-    replicas = replicate(net or _small_net(), devices)
-    opts = [torch.optim.SGD(r.parameters(), lr=0.5) for r in replicas]
-    X, y = _small_data()
-    result = train_batch(X, y, replicas, opts, devices, loss_fn, **kw)
-    return replicas, result
-
-
 def test_stale_checkpoints_are_refused_unless_resuming(tmp_path):
     save_checkpoint(str(tmp_path), 12, {"run": "old"})
-    X, y = _small_data(16)
-    loader = DataLoader(TensorDataset(X, y), batch_size=8)
     with pytest.raises(ValueError, match="already holds checkpoints"):
-        train(_small_net(), loader, loader, cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), progress=False, log=None)
+        train(_net(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), progress=False,
+              log=None)
 
 
 def test_saving_never_deletes_the_checkpoint_just_written(tmp_path):
