@@ -134,7 +134,8 @@ def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, no
     # them twice and others never: the replicas drift apart with no error.
     for i, (net, opt) in enumerate(zip(replicas, optimizers)):
         own = {id(p) for p in net.parameters()}
-        if any(id(p) not in own for group in opt.param_groups for p in group["params"]):
+        # (ZeRO's per-device handles have no param_groups: they step the shards together.)
+        if any(id(p) not in own for group in getattr(opt, "param_groups", ()) for p in group["params"]):
             raise ValueError(f"optimizers[{i}] updates parameters that are not replicas[{i}]'s; "
                              "give every replica its own optimizer over its own parameters")
     one_of("algorithm", algorithm, ALGORITHMS)

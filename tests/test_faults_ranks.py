@@ -74,7 +74,9 @@ def _mismatched_wrappers():
     for name, kw in cases.items():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3))
-        model = DistributedDataParallel(net, timeout=20, **kw)
+        # A group of its own per case: after a refused call a group's worker refuses every later
+        # one (a rank may still have buckets queued), so the cases must not share one.
+        model = DistributedDataParallel(net, timeout=20, process_group=torch.distributed.new_group(), **kw)
         try:
             model(torch.randn(8, 4)).sum().backward()
             out[name] = None

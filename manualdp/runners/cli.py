@@ -308,6 +308,8 @@ def run_train(args) -> int:
     net = models.get_model(args.model)
     progress = not args.no_progress
     nonfinite = None if args.nonfinite == "off" else args.nonfinite
+    if args.zero == 2 and world_size > 1 and args.nonfinite == "raise":  # the default: ZeRO-2 ranks hold only shards
+        nonfinite = "auto"
 
     if world_size > 1:
         history = _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)

@@ -143,7 +143,7 @@ def train_spmd(
     bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
-    nonfinite: str | None = "raise",
+    nonfinite: str | None = "auto",
     checkpoint_dir: str | None = None,
     checkpoint_every: int | None = None,
     resume: bool = False,
@@ -166,10 +166,13 @@ def train_spmd(
     `config` and the resume checks work as in `train`; `timeout` (seconds, default: the
     process group's) bounds every wait for a peer.
     `optimizer` and `zero` work as in `train` (`manualdp.spmd.zero`); ZeRO-2 takes no `nonfinite`
-    guard, since before its reduce-scatter the ranks hold different gradients and would disagree.
+    guard, since before its reduce-scatter the ranks hold different gradients and would disagree:
+    the default, `"auto"`, is `"raise"` without ZeRO-2 and no check with it.
     """
     nn_module("net", net)
     one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
+    if nonfinite == "auto":  # the default: check wherever every rank holds the averaged gradients
+        nonfinite = None if zero == 2 else "raise"
     _check_loop_args(train_iter, test_iter, num_epochs, lr, "naive", bucket_cap_mb, momentum, weight_decay,
                      nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
     timeout = timeout_seconds("timeout", timeout)
