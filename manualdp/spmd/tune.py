@@ -9,6 +9,7 @@ and broadcasts them; each rank then computes the same argmin from the same numbe
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -50,6 +51,7 @@ def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_si
     return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size)
 
 
+@functools.lru_cache(maxsize=1024)  # a training run asks for the same few bucket sizes again and again
 def choose(world_size: int, nbytes: int, link: Link, element_size: int = 4) -> str:
     """The algorithm with the lowest predicted time; ties go to the first in `ALGORITHMS`' order."""
     positive_int("world_size", world_size)
