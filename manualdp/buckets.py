@@ -5,30 +5,40 @@ import torch
 
 from .validate import positive_number
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "assign_buckets", "flatten", "unflatten_"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_CAP_MB", "assign_buckets", "flatten", "unflatten_"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
+FIRST_BUCKET_CAP_MB = 1.0  # DDP's first bucket, when bucket_cap_mb is its default
 
 
-def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None) -> list[list[int]]:
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None, *, first_bucket_mb: float | None = None,
+                   order: list[int] | None = None) -> list[list[int]]:
     """Group parameter indices into buckets of at most `bucket_cap_mb` MiB, in reverse order.
 
     Reverse order, as DDP: backward produces the last layers' gradients first, so the first
     bucket fills first. A parameter larger than the cap gets a bucket of its own; a change
     of dtype or device starts a new bucket (a flat buffer has one of each).
     `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop).
+
+    Two refinements of DDP's: `first_bucket_mb` caps the first bucket alone (DDP: 1 MiB, so
+    that the first allreduce starts early in backward), and `order` replaces the reverse
+    order by the one the gradients were seen to become ready in.
     """
     positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
-    order = list(range(len(params)))[::-1]
+    positive_number("first_bucket_mb", first_bucket_mb, none_ok=True)
+    if order is None:
+        order = list(range(len(params)))[::-1]
+    elif sorted(order) != list(range(len(params))):
+        raise ValueError(f"order must hold each index 0..{len(params) - 1} once, got {order!r}")
     if bucket_cap_mb is None:
         return [[i] for i in order]
-    cap = bucket_cap_mb * 2**20
     buckets: list[list[int]] = []
     size = 0
     for i in order:
         p = params[i]
         nbytes = p.numel() * p.element_size()
         first = params[buckets[-1][0]] if buckets else None
+        cap = (first_bucket_mb if len(buckets) == 1 and first_bucket_mb is not None else bucket_cap_mb) * 2**20
         if first is None or size + nbytes > cap or p.dtype != first.dtype or p.device != first.device:
             buckets.append([])
             size = 0

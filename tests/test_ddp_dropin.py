@@ -268,12 +268,52 @@ def _noop():
     return _train([ours, local], [opts[0], torch.optim.SGD(local.parameters(), lr=0.1)], _data(rank))
 
 
+class _Branches(nn.Module):
+    """Registered head first; two branches whose order in forward differs by rank, so do their gradients'."""
+
+    def __init__(self, flip):
+        super().__init__()
+        self.head = nn.Linear(64, 4)
+        self.a, self.b = nn.Linear(6, 64), nn.Linear(6, 64)
+        self.big = nn.Linear(64, 64, bias=False)
+        self.wide = nn.Parameter(torch.randn(300_000) * 1e-3)  # 2.4 MB: no room for it in a 1 MiB first bucket
+        self.flip = flip
+
+    def forward(self, x):
+        h = self.b(x) + self.a(x) if self.flip else self.a(x) + self.b(x)
+        return self.wide[:4].sum() + self.head(torch.tanh(self.big(h)))
+
+
+def _rebuild():
+    """Buckets rebuilt in ready order after the first step: rank 0's order everywhere, torch's training."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = _Branches(flip=rank == 1).double()
+    ours = DistributedDataParallel(copy.deepcopy(module), gradient_as_bucket_view=True)
+    theirs = TorchDDP(copy.deepcopy(module), gradient_as_bucket_view=True)
+    initial = copy.deepcopy(ours._layout)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    steps = []
+    for X, y in _data(rank):
+        for m, opt in zip((ours, theirs), opts):
+            opt.zero_grad(set_to_none=False)
+            _loss(m, X, y).backward()
+            opt.step()
+        steps.append([_flat(ours.parameters()), _flat(theirs.parameters())])
+    storages = {b.flat.untyped_storage().data_ptr() for b in ours._buckets}
+    names = [n for n, _ in ours.module.named_parameters()]
+    return {"steps": steps, "initial": initial, "layout": ours._layout, "names": names,
+            "views": [p.grad.untyped_storage().data_ptr() in storages for p in ours.module.parameters()],
+            "first_bytes": ours._buckets[0].grads.numel() * 8}
+
+
 def _job(n):
     scenarios = {"keywords": _keywords, "bucket_view": _bucket_view, "no_init_sync": _no_init_sync,
                  "copies": _copies, "no_parameters": _no_parameters, "sparse": _sparse,
                  "no_sync_used_map": _no_sync_used_map, "two_forwards_bn": _two_forwards_batchnorm,
                  "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
-                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh}
+                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh,
+                 "rebuild": _rebuild}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
     out = {}
@@ -364,3 +404,18 @@ def test_noop_hook_trains_each_rank_on_its_own():
     for r in range(2):
         _same_rows(rows[r])
     assert not torch.allclose(rows[0][-1][0], rows[1][-1][0])
+
+
+def test_buckets_are_rebuilt_in_rank0s_ready_order_and_training_equals_torch():
+    a, b = (_get(2, r, "rebuild") for r in range(2))
+    assert a["layout"] == b["layout"]  # rank 1's own ready order differs (its branches run flipped): rank 0's wins
+    assert a["layout"] != a["initial"]  # the head was registered first but its gradients come first
+    names = a["names"]
+    first = [names[i] for i in a["layout"][0]]
+    assert sorted(first[:2]) == ["head.bias", "head.weight"] and first[2:] == ["big.weight"], first
+    assert names[a["layout"][1][0]] == "wide"  # 2.4 MB: past the 1 MiB of the first bucket, so the second begins
+    assert a["first_bytes"] <= 2**20  # DDP's small first bucket at the default cap
+    assert [names[i] for i in a["initial"][0]][-2:] == ["head.bias", "head.weight"]  # reverse registration order
+    for value in (a, b):
+        assert all(value["views"]), value["views"]  # gradient_as_bucket_view: .grad moved into the new buckets
+        _same_rows(value["steps"])

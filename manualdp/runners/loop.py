@@ -184,7 +184,9 @@ def train_spmd(
         check_checkpoint_dir(os.path.join(checkpoint_dir, f"rank{rank}"), resume)
     device = torch.device(device) if device is not None else rank_device()
 
-    model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout)
+    # rebuild_buckets=False: the single controller's buckets, so that the sums match it bit for bit
+    model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout,
+                                    rebuild_buckets=False)
     make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
     if zero == 2 and nonfinite is not None:
         raise ValueError(f"nonfinite={nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only shards: "

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
+from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
 from ..validate import (a_callable, boolean, nn_module, non_negative_int, one_of, positive_int,
                         positive_number, timeout_seconds)
 from .hooks import GradBucket
@@ -133,7 +133,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         init_sync: check that the ranks hold the same model and broadcast rank 0's state.
         process_group: the group to average over (default: all ranks).
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
-            parameter order; `None` gives one bucket per parameter.
+            parameter order; `None` gives one bucket per parameter. With the default (25), the
+            first bucket holds at most 1 MiB, as in DDP, so the first allreduce starts early.
         find_unused_parameters: accepted for compatibility; unused parameters always work.
         check_reduction: deprecated in torch; ignored.
         gradient_as_bucket_view: `.grad` becomes a view into the bucket: no copy in or out.
@@ -144,6 +145,10 @@ class DistributedDataParallel(nn.Module, Joinable):
             `auto` (default): for each bucket, the one the cost model predicts fastest on this
             transport (`manualdp.spmd.tune`).
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
+        rebuild_buckets: after the first synchronised backward, rebuild the buckets in the order
+            the gradients became ready there (rank 0's order, on every rank), as DDP does. Not
+            with a comm hook (its state is per bucket) nor inside `Join`. `False` keeps reverse
+            parameter order and equal caps: the single controller's buckets, bit for bit.
         debug: before each bucket's allreduce the ranks compare (step, bucket, element count,
             dtype, parameters) and all raise on a mismatch, naming the first parameter that
             differs and each rank's unused parameters. Default: on when the environment
@@ -161,7 +166,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  *, device_mesh=None, algorithm: str = "auto", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 timeout: float | None = None, debug: bool | None = None) -> None:
+                 timeout: float | None = None, debug: bool | None = None, rebuild_buckets: bool = True) -> None:
         super().__init__()
         Joinable.__init__(self)
         nn_module("module", module)
@@ -172,7 +177,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         timeout = timeout_seconds("timeout", timeout)
         for name, flag in (("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
                            ("find_unused_parameters", find_unused_parameters), ("check_reduction", check_reduction),
-                           ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
+                           ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph),
+                           ("rebuild_buckets", rebuild_buckets)):
             boolean(name, flag)
         if debug is not None:
             boolean("debug", debug)
@@ -231,14 +237,32 @@ class DistributedDataParallel(nn.Module, Joinable):
             broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
                                  process_group, self.timeout)
 
-        self._buckets = [Bucket([params[i] for i in b]) for b in assign_buckets(params, bucket_cap_mb)]
-        # One schedule per bucket, decided now, together: "auto" may calibrate, a collective.
-        self._algorithms = [resolve(algorithm, b.flat.numel(), b.flat.element_size(), process_group, self.timeout)
-                            for b in self._buckets]
+        self._params = params
+        self._first_bucket_mb = FIRST_BUCKET_CAP_MB if rebuild_buckets and bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else None
+        self._ready = [] if rebuild_buckets else None  # ids of the parameters in the order their gradients came
+        self._set_buckets(assign_buckets(params, bucket_cap_mb, first_bucket_mb=self._first_bucket_mb))
         self._start()
+
+    def _set_buckets(self, layout: list[list[int]]) -> None:
+        """Buckets of `self._params` as `layout` groups them, each with its schedule."""
+        self._layout = layout
+        self._buckets = [Bucket([self._params[i] for i in b]) for b in layout]
+        # "auto" may calibrate the first time, a collective: every rank resolves here, together.
+        self._algorithms = [resolve(self.algorithm, b.flat.numel(), b.flat.element_size(), self.process_group,
+                                    self.timeout) for b in self._buckets]
 
     def _start(self) -> None:
         """The per-process state that neither deepcopy nor pickle carries: lookup table, worker, hooks."""
+        self._index()
+        self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
+        self._next_launch = 0  # buckets launch strictly in order, the same on every rank
+        self._in_backward = False
+        self._executor = group_worker(self.process_group)
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
+                       for bucket in self._buckets for p in bucket.params]
+
+    def _index(self) -> None:
+        """Where each parameter sits in the buckets, and their names; `.grad` into the buckets if they are views."""
         self._where = {}  # id(param) -> (bucket index, index in the bucket)
         for b, bucket in enumerate(self._buckets):
             for i, p in enumerate(bucket.params):
@@ -248,16 +272,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                     p.grad = bucket.view(i)
         names = {id(p): name for name, p in self.module.named_parameters()}
         self._names = [[names[id(p)] for p in bucket.params] for bucket in self._buckets]  # for error messages
-        self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
-        self._next_launch = 0  # buckets launch strictly in order, the same on every rank
-        self._in_backward = False
-        self._executor = group_worker(self.process_group)
-        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
-                       for bucket in self._buckets for p in bucket.params]
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config"):
+        for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config", "_ready"):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
         state["_comm_hook"] = None
@@ -270,6 +288,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket.reset()
         self.rank, self._peers = group_ranks(None)
         self.world_size = self._divisor = len(self._peers)
+        self._ready = None  # a copy keeps the buckets it was made with
         self._start()
 
     # ---------------------------------------------------------------- training
@@ -317,6 +336,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if not self._sync_this_backward:
             self._used_in_no_sync.add(id(param))
             return
+        if self._ready is not None:
+            self._ready.append(id(param))
         if not self._in_backward:
             self._in_backward = True
             # Runs when the whole backward pass is done, also when some hooks never fire.
@@ -401,6 +422,33 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._check_static(used)
         finally:
             self._reset_backward()
+        if self._ready is not None:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        """After the first synchronised backward: buckets in the order its gradients became ready, as DDP.
+
+        Ranks may have seen different orders, so rank 0's is broadcast and every rank builds the
+        same buckets. Unused parameters go last, in reverse order.
+        """
+        ready, self._ready = self._ready, None
+        if self._comm_hook is not None or self._join_config.enable:
+            return
+        index = {id(p): k for k, p in enumerate(self._params)}
+        seen = [index[i] for i in dict.fromkeys(ready)]
+        order = seen + sorted(set(range(len(self._params))) - set(seen), reverse=True)
+        agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
+        self._executor.submit(broadcast_from_rank0, [agreed], self.rank, self._peers, self.process_group,
+                              self.timeout).result()  # on the worker: in line with every other collective of the group
+        layout = assign_buckets(self._params, self.bucket_cap_mb, first_bucket_mb=self._first_bucket_mb,
+                                order=agreed.tolist())
+        if layout == self._layout:
+            return
+        static = None if self._static_used is None else [id(self._buckets[b].params[i]) for b, i in self._static_used]
+        self._set_buckets(layout)
+        self._index()
+        if static is not None:
+            self._static_used = frozenset(self._where[i] for i in static)
 
     def _check_static(self, used: frozenset) -> None:
         """static_graph: the parameters used must be those of the first iteration, as torch insists."""
