@@ -236,8 +236,11 @@ _DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, t
 def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None) -> None:
     """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm and segment size.
 
-    Every rank writes its row of a small table of fixed shape, and one ring allreduce of it,
-    before any data moves, shows every rank's call to every rank. Mismatched calls would
+    Every rank writes its row of a small table of fixed shape, and one allreduce of it,
+    before any data moves, shows every rank's call to every rank. That allreduce is the
+    naive one: two rounds of one-way messages. A ring at two ranks is two rounds in which
+    both ranks send to each other at once, and gloo pays about twice a one-way message's
+    latency for such an exchange (bench/faults.py --check-cost measures the difference). Mismatched calls would
     otherwise pair wrong messages, which gloo answers with an abort and the schedules with a
     wrong sum. It goes through the same sends and receives as the data, so a dead or silent
     peer is named as before.
@@ -246,7 +249,7 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     table = torch.zeros(len(peers), len(_FIELDS), dtype=torch.int64, device=tensor.device)
     table[rank] = torch.tensor([tensor.numel(), dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
-    _allreduce(table, "ring", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
+    _allreduce(table, "naive", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
     rows = table.tolist()
     if all(row == rows[0] for row in rows):
