@@ -7,7 +7,7 @@ that the tests hold to the textbook formulas and `explain` prints.
 from __future__ import annotations
 
 from .schedule import Schedule, chunk_sizes
-from .validate import non_negative_int, non_negative_number, positive_int
+from .validate import fraction, non_negative_int, non_negative_number, positive_int
 
 __all__ = ["check_schedule", "traffic", "cost"]
 
@@ -56,14 +56,20 @@ def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str,
     return out
 
 
-def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, element_size: int = 1) -> float:
+def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, element_size: int = 1,
+         duplex: float = 0.0) -> float:
     """Alpha-beta-gamma time estimate in seconds.
 
     Each round lasts as long as its busiest device: alpha per message it sends or receives,
-    beta per byte it sends or receives (whichever is more), gamma per byte it adds.
+    beta per byte it sends or receives, gamma per byte it adds. Sending and receiving at once
+    costs the larger of the two plus `duplex` times the smaller: 0 for a full-duplex link
+    (the textbook's), 1 where both directions share one resource, as two processes on one
+    CPU share its cores (`manualdp.spmd.tune` measures it).
     """
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
         non_negative_number(name, v)
+    fraction("duplex", duplex)
+    both = lambda a, b: max(a, b) + duplex * min(a, b)  # noqa: E731
     total = 0.0
     for rnd in schedule.rounds:
         one = Schedule(schedule.algorithm, schedule.num_devices, schedule.num_chunks, (rnd,), ("",))
@@ -72,7 +78,7 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
         for _src, dst in {(x.src, x.dst) for x in rnd}:
             msgs_in[dst] += 1
         total += max(
-            alpha * max(m, mi) + beta * max(s, r) + gamma * red
+            alpha * both(m, mi) + beta * both(s, r) + gamma * red
             for m, mi, s, r, red in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])
         )
     return total

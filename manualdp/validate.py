@@ -59,6 +59,13 @@ def non_negative_number(name: str, value):
     raise ValueError(f"{name} must be a non-negative number, got {value!r}")
 
 
+def fraction(name: str, value):
+    """A number from 0 to 1."""
+    if not _is_number(value) or not 0 <= value <= 1:
+        raise ValueError(f"{name} must be a number from 0 to 1, got {value!r}")
+    return value
+
+
 def finite_number(name: str, value):
     if _is_number(value) and math.isfinite(value):
         return value

@@ -113,3 +113,45 @@ def test_plot_refuses_a_path_that_is_not_png_and_writes_nothing(tmp_path):
     with pytest.raises(SystemExit):
         main(["ring", "--devices", "2", "--plot", str(tmp_path / "x.jpg")])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_explain_auto_shows_every_prediction_and_the_pick(capsys, monkeypatch, tmp_path):
+    from manualdp.schedule import ALGORITHMS
+    from manualdp.spmd.tune import Link, choose, predict
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    size = 1 << 20
+    for duplex in ("0", "1"):
+        assert main(["auto", "--devices", "2", "--size", str(size), "--alpha", "1e-4", "--beta", "4e-10",
+                     "--gamma", "0", "--duplex", duplex]) == 0
+        out = capsys.readouterr().out
+        link = Link(1e-4, 4e-10, 0.0, float(duplex))
+        pick = choose(2, size, link)
+        assert f"pick: {pick};" in out
+        for a in ALGORITHMS:
+            line = next(x for x in out.splitlines() if x.strip().startswith(a + " "))
+            assert f"{predict(a, 2, size, link) * 1e6:.1f} us" in line
+            assert ("<- pick" in line) == (a == pick)
+        assert pick in (("ring", "halving_doubling") if duplex == "0" else ("naive", "tree"))
+
+
+def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given_ones(capsys, monkeypatch, tmp_path):
+    import json
+
+    from manualdp.spmd.tune import cache_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    path = cache_path("gloo", 3)
+    main(["auto", "--devices", "3"])
+    assert "defaults: nothing measured yet" in capsys.readouterr().out
+    (tmp_path / "manualdp").mkdir()
+    with open(path, "w") as f:
+        json.dump({"alpha": 2e-4, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5}, f)
+    main(["auto", "--devices", "3"])
+    out = capsys.readouterr().out
+    assert path in out and "alpha 200.0 us" in out and "duplex 0.50" in out
+    with pytest.raises(SystemExit):
+        main(["auto", "--devices", "3", "--alpha", "1e-4"])
+    assert "give --alpha, --beta and --gamma together" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
     manualdp explain ring --devices 4 --size 1048576
     manualdp explain reduce_scatter --devices 4        (also all_gather, reduce, broadcast)
+    manualdp explain auto --devices 2 --size 1048576   (what algorithm="auto" would pick, and why)
 
 Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is chunk 0 of
 `a` plus chunk 0 of `b`, and `sum0` is chunk 0 summed over every device (the result).
@@ -13,10 +14,12 @@ import string
 from collections import Counter
 
 from ..cost import cost, traffic
-from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective
+from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective, get_schedule
+from ..spmd.tune import Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int
 
-__all__ = ["NAMES", "plot", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain", "main"]
+__all__ = ["NAMES", "plot", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain",
+           "explain_auto", "main"]
 
 # Typical numbers for GPUs in one machine linked by PCIe 4.0 x16 (NCCL measures ~20-25 GB/s):
 DEFAULT_ALPHA = 5e-6         # seconds per message: a few microseconds of launch and link latency
@@ -184,6 +187,28 @@ def explain(
     return "\n".join(out)
 
 
+def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: int = 4, source: str = "") -> str:
+    """What `algorithm="auto"` picks for an allreduce of `size_bytes` on `num_devices` ranks: every prediction."""
+    positive_int("num_devices", num_devices)
+    non_negative_int("size_bytes", size_bytes)
+    if num_devices > MAX_DEVICES:
+        raise ValueError(f"num_devices must be at most {MAX_DEVICES}, got {num_devices}")
+    pick = choose(num_devices, size_bytes, link, element_size)
+    rounds = {a: get_schedule(a, num_devices).rounds for a in ALGORITHMS}
+    out = [f"algorithm='auto' for an allreduce of {size_bytes} bytes on {num_devices} ranks",
+           f"  link{f' ({source})' if source else ''}: alpha {_us(link.alpha)} per message, beta {link.beta:.3g} s/B"
+           f"{_rate(link.beta)}, gamma {link.gamma:.3g} s/B{_rate(link.gamma)}, duplex {link.duplex:.2f}",
+           "", "  {:<18}{:>8}{:>16}".format("algorithm", "rounds", "predicted")]
+    for a in ALGORITHMS:
+        same = [b for b in ALGORITHMS if b != a and rounds[b] == rounds[a]]
+        note = ("  <- pick" if a == pick else "") + (f"  (same transfers as {', '.join(same)})" if same else "")
+        out.append("  {:<18}{:>8}{:>16}".format(a, len(rounds[a]), _us(predict(a, num_devices, size_bytes, link,
+                                                                                element_size))) + note)
+    out += ["", f"pick: {pick}; the model is manualdp.cost.cost, each round as long as its busiest rank, "
+                "sending and receiving at once charged (1 + duplex) times the larger"]
+    return "\n".join(out)
+
+
 def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
     """Draw `algorithm`'s rounds on `num_devices` as a PNG at `path`: one panel per round, one arrow per transfer."""
     from ..support.plot_rounds import plot_rounds
@@ -206,19 +231,30 @@ def main(argv: list[str] | None = None) -> int:
         prog="manualdp explain",
         description="Print a collective's schedule round by round, the bytes each device moves, and an estimated time.",
     )
-    parser.add_argument("algorithm", choices=sorted(NAMES), help="an allreduce algorithm or another collective")
+    parser.add_argument("algorithm", choices=[*sorted(NAMES), "auto"],
+                        help="an allreduce algorithm, another collective, or auto: what the engine's cost model picks")
     parser.add_argument("--root", type=int, default=0, help="root device of reduce and broadcast (default 0)")
     parser.add_argument("--devices", type=int, default=4, help="number of devices (default 4)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help=f"buffer size in bytes (default {DEFAULT_SIZE})")
     parser.add_argument("--element-size", type=int, default=4, help="bytes per element; chunks hold whole elements (default 4)")
-    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help=f"seconds per message (default {DEFAULT_ALPHA:g})")
-    parser.add_argument("--beta", type=float, default=DEFAULT_BETA, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
-    parser.add_argument("--gamma", type=float, default=DEFAULT_GAMMA, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
+    parser.add_argument("--alpha", type=float, help=f"seconds per message (default {DEFAULT_ALPHA:g}; for auto: "
+                        "this host's measured constants if a run has cached them)")
+    parser.add_argument("--beta", type=float, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
+    parser.add_argument("--gamma", type=float, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
+    parser.add_argument("--duplex", type=float, help="auto only: extra cost of sending and receiving at once, "
+                        "0 (full duplex, default) to 1 (the directions take turns)")
     parser.add_argument("--plot", metavar="PATH", help="also draw the rounds as a PNG")
     state = parser.add_mutually_exclusive_group()
     state.add_argument("--state", dest="show_state", action="store_true", default=None, help="always print the chunk tables")
     state.add_argument("--no-state", dest="show_state", action="store_false", help="never print the chunk tables")
     args = parser.parse_args(argv)
+    if args.algorithm == "auto":
+        return _main_auto(parser, args)
+    if args.duplex is not None:
+        parser.error("--duplex is for explain auto (the schedules print per round, duplex only matters to auto's pick)")
+    args.alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
+    args.beta = DEFAULT_BETA if args.beta is None else args.beta
+    args.gamma = DEFAULT_GAMMA if args.gamma is None else args.gamma
     try:
         text = explain(
             args.algorithm, args.devices, args.size, args.alpha, args.beta, args.gamma,
@@ -233,6 +269,27 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.plot:
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _main_auto(parser, args) -> int:
+    given = [v is not None for v in (args.alpha, args.beta, args.gamma)]
+    try:
+        if any(given):
+            if not all(given):
+                raise ValueError("give --alpha, --beta and --gamma together, or none (this host's measured constants)")
+            link, source = Link(args.alpha, args.beta, args.gamma, args.duplex or 0.0), "given"
+        else:
+            link, source = known_link("gloo", args.devices)
+            if link is None:
+                link = Link(DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, args.duplex or 0.0)
+                source = f"defaults: nothing measured yet at {source}"
+            elif args.duplex is not None:
+                link = Link(link.alpha, link.beta, link.gamma, args.duplex)
+        text = explain_auto(args.devices, args.size, link, args.element_size, source)
+    except ValueError as e:
+        parser.error(str(e))
+    print(text)
     return 0
 
 

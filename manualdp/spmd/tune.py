@@ -3,7 +3,10 @@
 The prediction is `manualdp.cost.cost`, the alpha-beta-gamma model, with constants fitted
 to this transport by a short calibration between two ranks: a few ping-pongs of one
 element give alpha (the time of a message), one large transfer gives beta (the time per
-byte), and a local addition gives gamma (the time per byte added). Every rank must choose
+byte), and a local addition gives gamma (the time per byte added). One large exchange, both
+ranks sending at once, gives `duplex`: 0 if a link carries both directions at full speed,
+1 if they take turns. Two processes on one 2-core machine measure about 1, and then the ring
+at two ranks, two rounds of exchange, loses to the naive schedule at every size. Every rank must choose
 alike, so rank 0 decides the constants (from `MANUALDP_LINK`, its cache or a calibration)
 and broadcasts them; each rank then computes the same argmin from the same numbers.
 """
@@ -15,7 +18,7 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, astuple, dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -23,13 +26,14 @@ import torch.distributed as dist
 from ..cost import cost
 from ..schedule import ALGORITHMS, get_schedule
 from ..support.files import write_json_atomic
-from ..validate import non_negative_int, non_negative_number, positive_int
+from ..validate import fraction, non_negative_int, non_negative_number, positive_int
 from .peers import group_ranks, talking_to, wait
 
-__all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "resolve"]
+__all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
+           "resolve"]
 
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
-ENV = "MANUALDP_LINK"  # "alpha,beta,gamma" in seconds, seconds/byte, seconds/byte: skips the calibration
+ENV = "MANUALDP_LINK"  # "alpha,beta,gamma[,duplex]" in s, s/byte, s/byte, 0..1: skips the calibration
 
 
 @dataclass(frozen=True)
@@ -39,16 +43,19 @@ class Link:
     alpha: float  # seconds per message (latency, including the posting of it)
     beta: float   # seconds per byte sent or received
     gamma: float  # seconds per byte added
+    duplex: float = 0.0  # what sending and receiving at once costs on top of the larger: 0 (free) to 1 (in turn)
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             non_negative_number(name, getattr(self, name))
+        fraction("duplex", self.duplex)
 
 
 def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_size: int = 4) -> float:
     """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`."""
     nbytes -= nbytes % element_size
-    return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size)
+    return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size,
+                link.duplex)
 
 
 @functools.lru_cache(maxsize=1024)  # a training run asks for the same few bucket sizes again and again
@@ -95,32 +102,43 @@ def _agree(group, timeout: float | None) -> Link:
     device = _device(group)
     known = _own_constants(group, len(peers)) if rank == 0 else None
     # First: does rank 0 know the constants? If not, ranks 0 and 1 measure them.
-    message = torch.tensor([0.0, 0.0, 0.0, 0.0] if known is None else [1.0, known.alpha, known.beta, known.gamma],
-                           dtype=torch.float64, device=device)
+    message = torch.tensor([0.0] * 5 if known is None else [1.0, *astuple(known)], dtype=torch.float64, device=device)
     _broadcast(message, peers, rank, group, timeout)
     if message[0] == 0:
         measured = calibrate(group, timeout) if rank in (0, 1) else None
         if rank == 0:
             _save(group, len(peers), measured)
-            message = torch.tensor([1.0, measured.alpha, measured.beta, measured.gamma], dtype=torch.float64,
-                                   device=device)
+            message = torch.tensor([1.0, *astuple(measured)], dtype=torch.float64, device=device)
         _broadcast(message, peers, rank, group, timeout)
     return Link(*(float(v) for v in message[1:].tolist()))
 
 
-def _own_constants(group, world_size: int) -> Link | None:
-    """Rank 0's constants without measuring: `MANUALDP_LINK`, or its cache file."""
+def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
+    """The constants known without measuring, and where from: `MANUALDP_LINK`, else this host's cache.
+
+    (None, cache path) when neither has them; a cache written by an older manualdp, whose
+    model had fewer constants, counts as none.
+    """
     if os.environ.get(ENV):
         try:
-            return Link(*(float(v) for v in os.environ[ENV].split(",")))
+            return Link(*(float(v) for v in os.environ[ENV].split(","))), f"${ENV}"
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{ENV} must be 'alpha,beta,gamma' (three non-negative numbers), "
-                             f"got {os.environ[ENV]!r}") from e
+            raise ValueError(f"{ENV} must be 'alpha,beta,gamma[,duplex]' (non-negative numbers, duplex from 0 "
+                             f"to 1), got {os.environ[ENV]!r}") from e
+    path = cache_path(backend, world_size)
     try:
-        with open(cache_path(dist.get_backend(group), world_size)) as f:
-            return Link(**json.load(f))
-    except (OSError, ValueError, TypeError):
-        return None
+        with open(path) as f:
+            saved = json.load(f)
+        if sorted(saved) != sorted(f.name for f in fields(Link)):
+            return None, path
+        return Link(**saved), path
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None, path
+
+
+def _own_constants(group, world_size: int) -> Link | None:
+    """Rank 0's constants without measuring."""
+    return known_link(dist.get_backend(group), world_size)[0]
 
 
 def _save(group, world_size: int, link: Link) -> None:
@@ -147,11 +165,11 @@ def _device(group) -> torch.device:
 
 SMALL_REPEATS = 20
 LARGE_BYTES = 4 << 20
-LARGE_REPEATS = 3
+LARGE_REPEATS = 9
 
 
 def calibrate(group=None, timeout: float | None = None) -> Link:
-    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, gamma by a local add.
+    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, duplex by an exchange, gamma by an add.
 
     Only those two ranks call it. Medians, after one untimed exchange of each size.
     """
@@ -165,6 +183,9 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
     alpha = _one_way(small, other, rank == 0, SMALL_REPEATS, group, timeout)
     one_way_large = _one_way(large, other, rank == 0, LARGE_REPEATS, group, timeout)
     beta = max(one_way_large - alpha, 0.0) / LARGE_BYTES
+    # Both ways at once: (1 + duplex) times one way, by the model of `manualdp.cost.cost`.
+    exchange = _exchange(large, torch.zeros_like(large), other, LARGE_REPEATS, group, timeout)
+    duplex = min(max(exchange / one_way_large - 1.0, 0.0), 1.0) if one_way_large > 0 else 0.0
     add_times = []
     for _ in range(LARGE_REPEATS + 1):
         start = time.perf_counter()
@@ -173,7 +194,20 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
             torch.cuda.synchronize(device)
         add_times.append(time.perf_counter() - start)
     gamma = statistics.median(add_times[1:]) / LARGE_BYTES
-    return Link(alpha, beta, gamma)
+    return Link(alpha, beta, gamma, duplex)
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, repeats: int, group, timeout: float | None) -> float:
+    """Median time for this rank and `peer` to send each other a buffer at the same time."""
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        with talking_to(peer, timeout):
+            works = [dist.irecv(recv, peer, group), dist.isend(send, peer, group)]
+        for work in works:
+            wait(work, peer, timeout)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _one_way(buf: torch.Tensor, peer: int, first: bool, repeats: int, group, timeout: float | None) -> float:
