@@ -81,3 +81,21 @@ def test_sharded_loading_trains_bitwise_like_loading_the_whole_batch():
         assert torch.equal(a, b)
     for a, b in zip(sharded[0], sharded[1]):
         assert torch.equal(a, b)
+
+
+def test_data_bench_times_both_kinds_on_the_same_batches(tmp_path, capsys):
+    import json
+
+    from manualdp.benchmarks.data import main
+
+    out = tmp_path / "data.json"
+    assert main(["--world-sizes", "2", "3", "--batch-size", "32", "--num-train", "320", "--rounds", "1",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["world_size"] for r in result["rows"]] == [2, 3]
+    for r in result["rows"]:
+        assert len(r["times"]["whole"]) == len(r["times"]["shard"]) == 1
+        assert r["speedup"] == r["whole_s"] / r["shard_s"]
+    assert "saved ms/step" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--world-sizes", "0"])

@@ -16,6 +16,7 @@ DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
 BENCHMARKS = {
     "allreduce": "manualdp.benchmarks.allreduce",
     "conformance": "manualdp.benchmarks.conformance",
+    "data": "manualdp.benchmarks.data",
     "ddp": "manualdp.benchmarks.ddp",
     "overhead": "manualdp.benchmarks.overhead",
     "scaling": "manualdp.benchmarks.scaling",
