@@ -63,6 +63,13 @@ def test_devices_under_torchrun_is_an_error_not_ignored(monkeypatch, capsys):
     assert "--devices 5 under torchrun" in last and "2 ranks" in last
 
 
+@pytest.mark.parametrize("nonfinite", ["raise", "skip"])
+def test_an_explicit_nonfinite_check_with_zero2_under_torchrun_is_refused_not_dropped(monkeypatch, capsys, nonfinite):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    last = _refused(["train", "--zero", "2", "--nonfinite", nonfinite], capsys)
+    assert f"--nonfinite {nonfinite} needs the averaged gradients" in last and "--zero 1" in last
+
+
 def _manualdp(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "manualdp", *args], capture_output=True, text=True, timeout=300, env=env)

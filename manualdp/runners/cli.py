@@ -91,8 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--plot-trace", metavar="PATH", help="draw the timeline as a PNG (needs --trace)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
-    t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default="raise",
-                   help="on a NaN/Inf gradient after the allreduce: stop (default), skip the step, or do not check")
+    t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default=None,
+                   help="on a NaN/Inf gradient after the allreduce: stop (default), skip the step, or do not check "
+                        "(default off with --zero 2 under torchrun, where each rank holds only its shard)")
     t.add_argument("--checkpoint-dir", metavar="DIR", help="save a checkpoint here after every epoch")
     t.add_argument("--checkpoint-every", type=positive(int), metavar="STEPS",
                    help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
@@ -145,6 +146,9 @@ def check_train_args(args) -> str | None:
         args.devices = 2
     if args.algorithm == "auto" and world_size == 1:
         return "--algorithm auto times the transport between processes: use it under torchrun"
+    if args.zero == 2 and world_size > 1 and args.nonfinite in ("raise", "skip"):
+        return (f"--nonfinite {args.nonfinite} needs the averaged gradients on every rank, and with --zero 2 each rank "
+                "holds only its shard: pass --nonfinite off, or --zero 1")
     if args.plot and not args.plot.lower().endswith(".png"):
         return f"--plot: {args.plot!r} must end in .png"
     if args.plot_trace and (not args.trace or not args.plot_trace.lower().endswith(".png")):
@@ -308,9 +312,7 @@ def run_train(args) -> int:
     epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
     net = models.get_model(args.model)
     progress = not args.no_progress
-    nonfinite = None if args.nonfinite == "off" else args.nonfinite
-    if args.zero == 2 and world_size > 1 and args.nonfinite == "raise":  # the default: ZeRO-2 ranks hold only shards
-        nonfinite = "auto"
+    nonfinite = {"off": None, None: "raise" if world_size == 1 else "auto"}.get(args.nonfinite, args.nonfinite)
 
     if world_size > 1:
         history = _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
