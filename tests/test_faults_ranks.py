@@ -64,33 +64,55 @@ def test_a_rank_that_runs_out_of_batches_is_told_on_every_rank():
 
 
 def _mismatched_wrappers():
-    """DDP wrappers built with another bucket size, algorithm or segment size on rank 1."""
+    """DDP wrappers built with another bucket size, algorithm, segment size or flag on rank 1; then alike."""
     from manualdp.spmd.ddp import DistributedDataParallel
     rank = torch.distributed.get_rank()
     out = {}
     cases = {"bucket_cap_mb": {"bucket_cap_mb": 25.0 if rank == 0 else 0.0003},
              "algorithm": {"algorithm": "ring" if rank == 0 else "tree"},
-             "segment_bytes": {"segment_bytes": 1 << 20 if rank == 0 else 64}}
+             "auto": {"algorithm": "auto" if rank == 0 else "naive"},
+             "segment_bytes": {"segment_bytes": 1 << 20 if rank == 0 else 64},
+             "broadcast_buffers": {"broadcast_buffers": rank == 0},
+             "rebuild_buckets": {"rebuild_buckets": rank == 0}}
+    group = torch.distributed.new_group()
     for name, kw in cases.items():
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3))
-        # A group of its own per case: after a refused call a group's worker refuses every later
-        # one (a rank may still have buckets queued), so the cases must not share one.
-        model = DistributedDataParallel(net, timeout=20, process_group=torch.distributed.new_group(), **kw)
         try:
-            model(torch.randn(8, 4)).sum().backward()
+            DistributedDataParallel(net, timeout=20, process_group=group, **kw)
             out[name] = None
         except ValueError as e:
             out[name] = str(e)
+    # Refused at construction, nothing was sent: the same group then serves a wrapper that agrees.
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 3))
+    model = DistributedDataParallel(net, timeout=20, process_group=group, algorithm="ring", bucket_cap_mb=0.0003)
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).sum().backward()
+    local = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad()
+    net(x).sum().backward()
+    for g in (p.grad for p in net.parameters()):
+        torch.distributed.all_reduce(g, group=group)
+    out["grads_are_the_mean"] = all(torch.allclose(a, b / 2, atol=1e-6) for a, b in zip(local, (p.grad for p in net.parameters())))
     return out
 
 
-def test_wrappers_with_another_communication_layout_are_told_on_every_rank():
+def test_wrappers_with_another_communication_layout_are_refused_at_construction_on_every_rank():
     results = launch(_mismatched_wrappers, 2, timeout=90)
-    for out in results:
-        assert "elements" in out["bucket_cap_mb"], out
-        assert "algorithm" in out["algorithm"], out
-        assert "segment_bytes" in out["segment_bytes"], out
+    for r, out in enumerate(results):
+        assert out["bucket_cap_mb"].startswith(f"rank {r}: DistributedDataParallel built differently across ranks")
+        assert "bucket_cap_mb 25.0..0.0003 (per rank: 25.0, 0.0003)" in out["bucket_cap_mb"], out
+        assert "buckets 1..4 (per rank: 1, 4)" in out["bucket_cap_mb"], out  # 0.0003 MiB: one bucket per parameter
+        assert "bucket elements" in out["bucket_cap_mb"], out
+        assert "algorithm ring..tree (per rank: ring, tree)" in out["algorithm"], out
+        assert "algorithm auto..naive (per rank: auto, naive)" in out["auto"], out
+        assert "segment_bytes 64..1048576 (per rank: 1048576, 64)" in out["segment_bytes"], out
+        assert "broadcast_buffers True..False (per rank: True, False)" in out["broadcast_buffers"], out
+        assert "rebuild_buckets True..False (per rank: True, False)" in out["rebuild_buckets"], out
+        for name in ("algorithm", "segment_bytes", "broadcast_buffers", "rebuild_buckets"):
+            assert "bucket_cap_mb" not in out[name] and "bucket elements" not in out[name], out[name]  # only what differs
+        assert out["grads_are_the_mean"]
 
 
 def _resume_cases(tmp):

@@ -27,8 +27,8 @@ from .p2p import DEFAULT_SEGMENT_BYTES, allreduce
 from .peers import SerialWorker, group_ranks, group_timeout, talking_to, wait
 from .tune import ENGINE_ALGORITHMS, resolve
 
-__all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "broadcast_from_rank0",
-           "group_worker"]
+__all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "check_same_layout",
+           "broadcast_from_rank0", "group_worker"]
 
 
 class NoParametersError(ValueError, RuntimeError):
@@ -130,7 +130,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         dim: accepted for compatibility: one device per process, so nothing is scattered.
         broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
             before each forward pass, as DDP does.
-        init_sync: check that the ranks hold the same model and broadcast rank 0's state.
+        init_sync: check that the ranks hold the same model and communication layout (buckets,
+            algorithm, segment size, flags; every rank raises on a difference) and broadcast rank 0's state.
         process_group: the group to average over (default: all ranks).
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
             parameter order; `None` gives one bucket per parameter. With the default (25), the
@@ -232,15 +233,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
         self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
 
-        if init_sync:
-            check_same_model(module, process_group, self.world_size)
-            broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
-                                 process_group, self.timeout)
-
         self._params = params
         self._first_bucket_mb = FIRST_BUCKET_CAP_MB if rebuild_buckets and bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else None
         self._ready = [] if rebuild_buckets else None  # ids of the parameters in the order their gradients came
-        self._set_buckets(assign_buckets(params, bucket_cap_mb, first_bucket_mb=self._first_bucket_mb))
+        layout = assign_buckets(params, bucket_cap_mb, first_bucket_mb=self._first_bucket_mb)
+        if init_sync:
+            check_same_model(module, process_group, self.world_size)
+            # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
+            check_same_layout(self._comm_layout(layout, rebuild_buckets), process_group, self.world_size)
+            broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
+                                 process_group, self.timeout)
+        self._set_buckets(layout)
+        if init_sync and algorithm == "auto":  # otherwise each bucket's is `algorithm`, compared above
+            check_same_layout({"bucket algorithms": self._algorithms}, process_group, self.world_size)
         self._start()
 
     def _set_buckets(self, layout: list[list[int]]) -> None:
@@ -250,6 +255,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         # "auto" may calibrate the first time, a collective: every rank resolves here, together.
         self._algorithms = [resolve(self.algorithm, b.flat.numel(), b.flat.element_size(), self.process_group,
                                     self.timeout) for b in self._buckets]
+
+    def _comm_layout(self, layout: list[list[int]], rebuild_buckets: bool) -> dict:
+        """What every rank's wrapper must agree on for their messages to pair up (see `check_same_layout`)."""
+        groups = [[self._params[i] for i in b] for b in layout]
+        return {"buckets": len(groups),
+                "bucket elements": [sum(p.numel() for p in g) for g in groups],
+                "bucket dtypes": [str(g[0].dtype).replace("torch.", "") for g in groups],
+                "bucket_cap_mb": self.bucket_cap_mb, "algorithm": self.algorithm, "segment_bytes": self.segment_bytes,
+                "rebuild_buckets": rebuild_buckets, "broadcast_buffers": self.broadcast_buffers,
+                "gradient_as_bucket_view": self.gradient_as_bucket_view, "static_graph": self.static_graph,
+                "find_unused_parameters": self.find_unused_parameters, "debug": self.debug}
 
     def _start(self) -> None:
         """The per-process state that neither deepcopy nor pickle carries: lookup table, worker, hooks."""
@@ -588,6 +604,41 @@ def check_same_model(module: nn.Module, group, world_size: int) -> None:
             detail = f"entry {i} is {everyone[0][i]} on rank 0 but {theirs[i]} on rank {r}"
         raise ValueError(f"DistributedDataParallel: the model differs across ranks ({detail}); "
                          "every rank must build the same model")
+
+
+def check_same_layout(layout: dict, group, world_size: int) -> None:
+    """Raise on every rank unless every rank gives the same `layout` (field name -> value).
+
+    The wrapper compares its communication layout at construction: buckets (count, element
+    counts, dtypes), bucket_cap_mb, algorithm (then each bucket's resolved one), segment_bytes
+    and the flags that change which messages are sent. Ranks that differ there would pair wrong
+    messages from the first backward on. The error names every differing field with each
+    rank's value, in `check_same_call`'s form (`manualdp.spmd.p2p`).
+    """
+    if not isinstance(layout, dict) or not all(isinstance(k, str) for k in layout):
+        raise TypeError(f"layout must be a dict from field names to values, got {layout!r}")
+    positive_int("world_size", world_size)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, layout, group=group)
+    if all(theirs == everyone[0] for theirs in everyone):
+        return
+    differ = []
+    for field in dict.fromkeys(k for theirs in everyone for k in theirs):
+        values = [_shown(theirs.get(field, "missing")) for theirs in everyone]
+        if len(set(values)) > 1:
+            differ.append(f"{field} {'..'.join(sorted(set(values), key=lambda v: (len(v), v)))} "
+                          f"(per rank: {', '.join(values)})")
+    raise ValueError(f"rank {dist.get_rank(group)}: DistributedDataParallel built differently across ranks: "
+                     f"{'; '.join(differ)}; every rank must construct the wrapper with the same arguments "
+                     "and the same model")
+
+
+def _shown(value) -> str:
+    """A layout value as the error shows it: lists in brackets without quotes."""
+    if isinstance(value, (list, tuple)):
+        return "[" + " ".join(map(str, value)) + "]"
+    return str(value)
+
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int], group, timeout) -> None:
     """Overwrite `tensors` with those of the group's rank 0, one flat message per dtype."""
