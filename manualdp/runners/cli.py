@@ -218,6 +218,7 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
 
     from ..guard import NonFiniteGradientError
     from ..spmd import PeerError, init_from_env, shard_loader
+    from ..spmd.postmortem import explain_peer_error
     from .loop import train_spmd
 
     try:
@@ -239,7 +240,8 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
         return 1
     except (PeerError, NonFiniteGradientError, ValueError) as e:
         # No destroy_process_group here: a dead peer could make it wait; exiting closes everything.
-        print(f"manualdp train: error: {e}", file=sys.stderr)
+        # A lost peer: leave our line in the store, and add the one it left, if it stopped before us.
+        print(f"manualdp train: error: {explain_peer_error(e) if isinstance(e, PeerError) else e}", file=sys.stderr)
         return 1
     except RuntimeError as e:  # anything else torch.distributed raised: one line, with the rank
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
