@@ -51,3 +51,27 @@ def test_two_nodes_of_two_ranks_train_end_to_end():
     assert [p.returncode for p in procs] == [0, 0], err0[-2000:] + err1[-2000:]
     assert "sec/epoch on 4 processes" in out0 + out1 and "on 4 ranks" in out0 + out1
 
+
+
+def test_a_node_killed_mid_run_is_named_by_the_other_and_both_resume_bitwise(tmp_path):
+    """Two nodes of one rank (bench/faults.py runs two of two): node 1's agent and worker get SIGKILL after a checkpoint."""
+    import re
+
+    from manualdp.benchmarks.nodes import kill_node_and_resume
+
+    r = kill_node_and_resume(str(tmp_path), nproc=1, num_train=512, every=4)
+    assert len(r["lost"]) == 1, r
+    lost, survivor = r["lost"][0], 1 - r["lost"][0]
+    # The surviving worker: one line, naming the dead peer as dead (not its timeout), and a failed exit.
+    assert r["survivor_rc"] not in (0, None), r
+    assert len(r["survivor_errors"]) == 1, r
+    lines = r["survivor_errors"][0].strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"manualdp train: error: rank {survivor}: step "), lines
+    assert f"no answer from rank {lost}: the connection was closed" in lines[0], lines
+    assert r["seconds_to_exit"] < 30, r  # --timeout is 30 s: the death was seen, not waited out
+    # Both nodes again with --resume: from a step mid-run, ending bitwise where the straight run ends.
+    assert r["rcs"] == [0, 0, 0, 0], r
+    step = int(re.search(r"\(epoch \d+, step (\d+)\)", r["resumed_from"]).group(1))
+    assert 0 < step < r["steps"] == 32, r
+    assert r["history_equal"] and r["state_equal"], r

@@ -268,7 +268,14 @@ CASES = [
     ("kill", "SIGKILL mid-run, resume", False, lambda tmp: _kill("SIGKILL", tmp)),
     ("kill", "SIGTERM mid-run, resume", False, lambda tmp: _kill("SIGTERM", tmp)),
     ("stop", "SIGSTOP one of 2 torchrun ranks", False, _stop),
+    ("kill", "SIGKILL node 2 of 2x2 ranks, resume", False, lambda tmp: _node(tmp)),
 ]
+
+
+def _node(tmp: str) -> str:
+    """Two torchrun nodes of 2 ranks on 127.0.0.1: node 2 killed whole mid-run, then both resume (nodes.py)."""
+    from .nodes import classify, kill_node_and_resume
+    return classify(kill_node_and_resume(tmp, nproc=2))
 
 
 def run_cases(quick: bool = False, show=print, only: str | None = None) -> dict:
