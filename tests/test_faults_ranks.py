@@ -174,3 +174,15 @@ def test_resume_after_an_eval_kill_or_a_damaged_file_on_one_rank_equals_a_straig
     assert any("resumed from" in line and "ckpt-00000004.pt" in line for line in results[0]["damaged_logs"])
     for r in range(2):
         assert results[r]["evalkill_equal"] and results[r]["damaged_equal"]
+
+
+def test_check_same_layout_refuses_bad_arguments_before_any_communication():
+    import pytest
+
+    from manualdp.spmd.ddp import check_same_layout
+    with pytest.raises(TypeError, match="layout must be a dict"):
+        check_same_layout([("buckets", 1)], None, 2)
+    with pytest.raises(TypeError, match="layout must be a dict"):
+        check_same_layout({1: "buckets"}, None, 2)
+    with pytest.raises(ValueError, match="world_size"):
+        check_same_layout({"buckets": 1}, None, 0)

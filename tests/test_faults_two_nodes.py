@@ -75,3 +75,18 @@ def test_a_node_killed_mid_run_is_named_by_the_other_and_both_resume_bitwise(tmp
     step = int(re.search(r"\(epoch \d+, step (\d+)\)", r["resumed_from"]).group(1))
     assert 0 < step < r["steps"] == 32, r
     assert r["history_equal"] and r["state_equal"], r
+
+
+def test_the_two_node_harness_refuses_bad_arguments_before_starting_anything(tmp_path):
+    import pytest
+
+    from manualdp.benchmarks.nodes import kill_node_and_resume, start_nodes
+    with pytest.raises(ValueError, match="nproc must be an int >= 1 and <= 2, got 3"):
+        start_nodes(["--epochs", "1"], 3, str(tmp_path))
+    with pytest.raises(ValueError, match="log_dir must not be empty"):
+        start_nodes(["--epochs", "1"], 1, "")
+    with pytest.raises(ValueError, match="every"):
+        kill_node_and_resume(str(tmp_path), nproc=1, every=0)
+    with pytest.raises(ValueError, match="limit"):
+        kill_node_and_resume(str(tmp_path), nproc=1, limit=float("inf"))
+    assert list(tmp_path.iterdir()) == []  # nothing was started, nothing written

@@ -23,7 +23,7 @@ import time
 import torch
 
 from ..support.checkpoint import read_checkpoint
-from ..validate import int_between, non_empty_path, positive_int
+from ..validate import int_between, non_empty_path, positive_int, positive_number
 
 __all__ = ["start_nodes", "kill_node", "end_nodes", "worker_stderr", "kill_node_and_resume", "classify"]
 
@@ -126,8 +126,10 @@ def kill_node_and_resume(tmp: str, nproc: int = 2, num_train: int = 512, every: 
     model and optimizer state), `steps` (the straight run's).
     """
     non_empty_path("tmp", tmp)
+    int_between("nproc", nproc, 1, 2)
     positive_int("num_train", num_train)
     positive_int("every", every)
+    positive_number("limit", limit, finite=True)
     args = ["--no-progress", "--model", "mlp", "--num-train", str(num_train), "--num-test", "64", "--batch-size", "32",
             "--epochs", "2", "--algorithm", "ring", "--threads", "1", "--timeout", "30", "--checkpoint-every", str(every)]
     straight_dir, ckpt = os.path.join(tmp, "straight"), os.path.join(tmp, "ckpt")
