@@ -10,25 +10,28 @@ __all__ = ["DEFAULT_BUCKET_CAP_MB", "assign_buckets", "flatten", "unflatten_"]
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 
 
-def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None) -> list[list[int]]:
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | list[float] | None) -> list[list[int]]:
     """Group parameter indices into buckets of at most `bucket_cap_mb` MiB, in reverse order.
 
     Reverse order, as DDP: backward produces the last layers' gradients first, so the first
     bucket fills first. A parameter larger than the cap gets a bucket of its own; a change
     of dtype or device starts a new bucket (a flat buffer has one of each).
-    `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop).
+    `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop). A list gives
+    bucket k a cap of its own, the last one for every later bucket (torch's `bucket_cap_mb_list`).
     """
-    positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
+    caps = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) and bucket_cap_mb else [bucket_cap_mb]
+    for cap in caps:
+        positive_number("bucket_cap_mb", cap, none_ok=not isinstance(bucket_cap_mb, (list, tuple)))
     order = list(range(len(params)))[::-1]
     if bucket_cap_mb is None:
         return [[i] for i in order]
-    cap = bucket_cap_mb * 2**20
     buckets: list[list[int]] = []
     size = 0
     for i in order:
         p = params[i]
         nbytes = p.numel() * p.element_size()
         first = params[buckets[-1][0]] if buckets else None
+        cap = caps[min(len(buckets), len(caps)) - 1] * 2**20  # the cap of the bucket being filled
         if first is None or size + nbytes > cap or p.dtype != first.dtype or p.device != first.device:
             buckets.append([])
             size = 0

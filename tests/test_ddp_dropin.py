@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from manualdp.buckets import assign_buckets
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import hooks, launch
 
@@ -183,6 +184,74 @@ def _no_sync_used_map():
     return [_flat(ours.parameters()), _flat(theirs.parameters())]
 
 
+def _unused_without_find_unused():
+    """Heads unused on one rank, find_unused_parameters=False: each wrapper's calls, and where they raise."""
+    rank = dist.get_rank()
+    out = {}
+    for name, wrapper in (("ours", DistributedDataParallel), ("theirs", TorchDDP)):
+        torch.manual_seed(0)
+        model = wrapper(_TwoHeads().double())
+        X, _ = _data(rank, steps=1)[0]
+        calls = [("backward", lambda: model(X, use_b=rank == 1).sum().backward()),
+                 ("forward without grad", lambda: torch.no_grad()(model)(X, use_b=False)),
+                 ("forward", lambda: model(X, use_b=False)), ("forward again", lambda: model(X, use_b=False))]
+        out[name] = []
+        for call, fn in calls:
+            try:
+                fn()
+                out[name].append((call, None))
+            except RuntimeError as e:
+                out[name].append((call, str(e)))
+    return out
+
+
+class _Proxy(nn.Module):
+    """`late` differs across ranks and is ignored by DDP (replaced later, as torch's tests do)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.early = nn.Linear(6, 8)
+        self.late = nn.Linear(8, 4 + rank)
+        self.late.register_buffer("scale", torch.full((3 + rank,), rank + 1.0))
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.early(x))) * self.late.scale[0]
+
+
+def _ignored():
+    """Parameters and buffers set aside with _set_params_and_buffers_to_ignore_for_model stay each rank's own."""
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # every rank starts from its own parameters: init_sync must reach only `early`
+    module = _Proxy(rank).double()
+    models = []
+    for wrapper in (DistributedDataParallel, TorchDDP):
+        copied = copy.deepcopy(module)
+        wrapper._set_params_and_buffers_to_ignore_for_model(copied, ["late.weight", "late.bias", "late.scale"])
+        models.append(wrapper(copied))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    rows = []
+    for X, _ in _data(rank):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            m(X).pow(2).mean().backward()
+            opt.step()
+        rows.append([_flat(m.parameters()) for m in models])
+    early = [_flat(m.module.early.parameters()) for m in models]
+    ours = models[0]
+    return {"rows": rows, "early": early, "late": _flat(ours.module.late.parameters()), "scale": ours.module.late.scale,
+            "ignored": (ours.parameters_to_ignore, models[1].parameters_to_ignore),
+            "group": ours.process_group is dist.group.WORLD}
+
+
+def _cap_list():
+    """bucket_cap_mb_list: a cap per bucket, the last for the rest; trains as torch's DDP with the same list."""
+    caps = [0.0002, 0.0004]  # 52 and 104 float64s
+    ours, theirs, opts = _pair(_mlp, {"bucket_cap_mb_list": caps}, {"bucket_cap_mb_list": caps})
+    rows = _train([ours, theirs], opts, _data(dist.get_rank()))
+    return {"rows": rows, "sizes": [b.offsets[-1] for b in ours._buckets],
+            "caps": (ours.bucket_bytes_cap_list, theirs.bucket_bytes_cap_list)}
+
+
 def _two_forwards_batchnorm():
     """Two forward passes before one backward with BatchNorm (a GAN step) run and match torch."""
     rank = dist.get_rank()
@@ -273,7 +342,9 @@ def _job(n):
                  "copies": _copies, "no_parameters": _no_parameters, "sparse": _sparse,
                  "no_sync_used_map": _no_sync_used_map, "two_forwards_bn": _two_forwards_batchnorm,
                  "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
-                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh}
+                 "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh,
+                 "unused_error": _unused_without_find_unused, "ignored": _ignored,
+                 "cap_list": _cap_list}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
     out = {}
@@ -364,3 +435,56 @@ def test_noop_hook_trains_each_rank_on_its_own():
     for r in range(2):
         _same_rows(rows[r])
     assert not torch.allclose(rows[0][-1][0], rows[1][-1][0])
+
+
+def test_unused_parameters_without_find_unused_raise_at_the_next_forward_as_torch_does():
+    for rank in range(2):
+        value = _get(2, rank, "unused_error")
+        ours, theirs = value["ours"], value["theirs"]
+        assert [(call, error is None) for call, error in ours] == [(call, error is None) for call, error in theirs]
+        assert [error is None for _, error in ours] == [True, True, False, False]
+        for _, error in ours[2:]:  # on every rank, both heads: each was left without a gradient on one rank
+            assert error.startswith("Expected to have finished reduction in the prior iteration")
+            assert "find_unused_parameters=True" in error
+            named = error[error.index("did not receive grad"):]
+            assert all(f"{p} (1 of 2)" in named for p in ("a.weight", "a.bias", "b.weight", "b.bias"))
+            assert "trunk" not in named
+
+
+def test_ignored_parameters_and_buffers_stay_local_as_with_torch():
+    late = [_get(2, r, "ignored")["late"] for r in range(2)]
+    assert late[0].numel() != late[1].numel()  # each rank kept its own shapes
+    early = []
+    for rank in range(2):
+        value = _get(2, rank, "ignored")
+        _same_rows(value["rows"])
+        assert value["ignored"][0] == value["ignored"][1] == {"late.weight", "late.bias", "late.scale"}
+        assert torch.equal(value["scale"], torch.full((3 + rank,), rank + 1.0, dtype=torch.float64))
+        assert value["group"]
+        early.append(value["early"][0])
+    assert torch.equal(early[0], early[1])  # the synchronised part agrees across ranks
+
+
+@pytest.mark.parametrize("names", ["late.weight", [1], None])
+def test_params_and_buffers_to_ignore_must_be_full_names(names):
+    with pytest.raises(TypeError, match="params_and_buffers_to_ignore"):
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(nn.Linear(2, 2), names)
+
+
+def test_bucket_cap_mb_list_caps_each_bucket_and_trains_like_torch():
+    for rank in range(2):
+        value = _get(2, rank, "cap_list")
+        _same_rows(value["rows"])
+        assert value["caps"][0] == value["caps"][1] == [int(0.0002 * 2**20), int(0.0004 * 2**20)]
+        # _mlp's gradients from the last: 4 | 32 + 8 | 128 | 16 | 96 (bucket 0 holds <= 26 float64s, the rest <= 52)
+        assert value["sizes"] == [4, 40, 128, 16, 96]
+
+
+def test_assign_buckets_takes_a_cap_per_bucket():
+    params = [torch.zeros(2**18) for _ in range(6)]  # 1 MiB each
+    assert assign_buckets(params, [1, 2]) == [[5], [4, 3], [2, 1], [0]]
+    assert assign_buckets(params, 2.0) == [[5, 4], [3, 2], [1, 0]]
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number, got -1"):
+        assign_buckets(params, [1, -1])
+    with pytest.raises(TypeError, match="bucket_cap_mb_list"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=2)
