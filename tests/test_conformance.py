@@ -15,7 +15,9 @@ SUITE = ["test_DistributedDataParallelCPU", "test_ddp_join_model_equivalence"]
 def test_selection_leaves_out_only_tests_that_read_torch_privates_or_cannot_run_on_cpu():
     chosen, left_out = conformance.select()
     assert len(chosen) > 40 and not set(chosen) & set(left_out)
-    assert all(why.startswith(("reads torch private", "skips on every CPU-only")) for why in left_out.values())
+    assert all(why.startswith(("reads torch private", "skips on every CPU-only", "asserts torch's implementation"))
+               for why in left_out.values())
+    assert set(conformance.IMPLEMENTATION) <= set(left_out)
     assert "test_DistributedDataParallel_SyncBatchNorm" in left_out
     assert "test_ddp_logging_data_cpu" in left_out and "test_ddp_uneven_inputs" in chosen
     assert set(conformance.FAST) <= set(chosen)
