@@ -87,7 +87,16 @@ def _device_mesh():
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     ours, theirs, opts = _pair(_mlp, {"device_mesh": mesh}, {"device_mesh": mesh})
-    return _train([ours, theirs], opts, _data(dist.get_rank()))
+    rows = _train([ours, theirs], opts, _data(dist.get_rank()))
+    errors = {}  # torch's RuntimeErrors for a group and a mesh both, and for a mesh of two dimensions
+    flat = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    for case, kwargs in (("both", {"device_mesh": mesh, "process_group": dist.group.WORLD}), ("2d", {"device_mesh": flat})):
+        for name, wrapper in (("ours", DistributedDataParallel), ("theirs", TorchDDP)):
+            try:
+                wrapper(_mlp(), **kwargs)
+            except RuntimeError as e:
+                errors[case, name] = str(e)
+    return {"rows": rows, "mesh": ours.device_mesh is mesh, "errors": errors}
 
 
 def _bucket_view():
@@ -488,3 +497,12 @@ def test_assign_buckets_takes_a_cap_per_bucket():
         assign_buckets(params, [1, -1])
     with pytest.raises(TypeError, match="bucket_cap_mb_list"):
         DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=2)
+
+
+def test_device_mesh_is_kept_and_refused_as_torch_refuses_it():
+    for rank in range(2):
+        value = _get(2, rank, "device_mesh")
+        assert value["mesh"]
+        errors = value["errors"]
+        assert errors["both", "ours"] == errors["both", "theirs"] == "Cannot specify both process_group and device_mesh arguments."
+        assert errors["2d", "ours"] == errors["2d", "theirs"] and errors["2d", "ours"].startswith("Only 1D device mesh")

@@ -168,7 +168,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 *, device_mesh=None, bucket_cap_mb_list: list[float] | None = None, algorithm: str = "auto", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+                 *, device_mesh=None, bucket_cap_mb_list: list[float] | None = None, algorithm: str = "auto",
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES,
                  timeout: float | None = None, debug: bool | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
@@ -190,9 +191,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if debug is not None:
             boolean("debug", debug)
         if device_mesh is not None:
-            if process_group is not None or not hasattr(device_mesh, "get_group"):
-                raise ValueError(f"device_mesh must be a DeviceMesh given instead of process_group, got {device_mesh!r} "
-                                 f"with process_group={process_group!r}")
+            if process_group is not None:  # torch's words
+                raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+            if not hasattr(device_mesh, "get_group") or not hasattr(device_mesh, "ndim"):
+                raise TypeError(f"device_mesh must be None or a DeviceMesh, got {device_mesh!r}")
+            if device_mesh.ndim != 1:
+                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
             process_group = device_mesh.get_group()
         # names set by `_set_params_and_buffers_to_ignore_for_model`: neither synchronised nor checked
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
@@ -220,6 +224,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
+        self.device_mesh = device_mesh
         self.algorithm = algorithm
         self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb
@@ -286,6 +291,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config"):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
+        state["device_mesh"] = None  # nor does a mesh's
         state["_comm_hook"] = None
         return state
 
