@@ -65,7 +65,7 @@ WHICH = re.compile(r"ddp|distributeddataparallel|join|comm_hook|no_sync|uneven|s
 # A test whose source touches one of these checks torch's implementation, not DDP's behaviour.
 PRIVATE = ("reducer", "_get_ddp_logging_data", "_set_static_graph", "_delay_all_reduce", "_register_builtin_comm_hook",
            "_register_fused_optim", "_get_data_parallel_params", "_set_ddp_runtime_logging_sample_rate",
-           "_set_params_and_buffers_to_ignore", "_module_wait_for_copy_hook", "_set_ddp_sink_clone",
+           "_module_wait_for_copy_hook", "_set_ddp_sink_clone",
            "_apply_optimizer_in_backward", "_check_sync_bufs", "_DDPSink", "_MixedPrecision", "mixed_precision",
            "_get_active_ddp_module", "_build_debug_param_to_name_mapping", "_ddp_init_helper", "_sync_buffers",
            "_passing_sync_batchnorm_handle", "_ddp_with_replicated_tensor", "_register_accum_grad_hook",
@@ -166,13 +166,22 @@ class TorchDDPTests(TestDistBackend, DistributedTest._DistTestBase):
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
+def _with_helpers(name: str, seen: set[str] | None = None) -> str:
+    """The source of test `name` and of the `self._test_*` helpers it calls, theirs too: private reads hide there."""
+    seen = set() if seen is None else seen
+    seen.add(name)
+    source = inspect.getsource(getattr(DistributedTest._DistTestBase, name))
+    helpers = sorted(set(re.findall(r"self\.(_test_\w+)\(", source)) - seen)
+    return source + "".join(_with_helpers(h, seen) for h in helpers if hasattr(DistributedTest._DistTestBase, h))
+
+
 def select() -> tuple[list[str], dict[str, str]]:
     """The DDP tests of `_DistTestBase`, and those left out with the reason (a private name read, torch's
     implementation asserted, or CUDA only)."""
     chosen, left_out = [], {}
     for name in sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_") and WHICH.search(n)):
         source = inspect.getsource(getattr(DistributedTest._DistTestBase, name))
-        private = next((p for p in PRIVATE if p in source), None)
+        private = next((p for p in PRIVATE if p in _with_helpers(name)), None)
         decorators = source.split("def ", 1)[0]
         if private is not None:
             left_out[name] = f"reads torch private `{private}`"
@@ -181,6 +190,8 @@ def select() -> tuple[list[str], dict[str, str]]:
         elif "skip_if_no_gpu" in decorators or "skipIf(IS_LINUX" in decorators:
             # TEST_CUDA and IS_LINUX are fixed when torch's module is imported: no shim reaches them
             left_out[name] = "skips on every CPU-only Linux machine, under the shim too"
+        elif 'skipIf(BACKEND != "nccl"' in decorators:
+            left_out[name] = "skips with gloo: it tests NCCL's metadata"
         else:
             chosen.append(name)
     return chosen, left_out
