@@ -90,7 +90,8 @@ def _device_mesh():
     rows = _train([ours, theirs], opts, _data(dist.get_rank()))
     errors = {}  # torch's RuntimeErrors for a group and a mesh both, and for a mesh of two dimensions
     flat = init_device_mesh("cpu", (dist.get_world_size(), 1))
-    for case, kwargs in (("both", {"device_mesh": mesh, "process_group": dist.group.WORLD}), ("2d", {"device_mesh": flat})):
+    cases = {"both": {"device_mesh": mesh, "process_group": dist.group.WORLD}, "2d": {"device_mesh": flat}}
+    for case, kwargs in cases.items():
         for name, wrapper in (("ours", DistributedDataParallel), ("theirs", TorchDDP)):
             try:
                 wrapper(_mlp(), **kwargs)
@@ -504,5 +505,6 @@ def test_device_mesh_is_kept_and_refused_as_torch_refuses_it():
         value = _get(2, rank, "device_mesh")
         assert value["mesh"]
         errors = value["errors"]
-        assert errors["both", "ours"] == errors["both", "theirs"] == "Cannot specify both process_group and device_mesh arguments."
+        both = "Cannot specify both process_group and device_mesh arguments."
+        assert errors["both", "ours"] == errors["both", "theirs"] == both
         assert errors["2d", "ours"] == errors["2d", "theirs"] and errors["2d", "ours"].startswith("Only 1D device mesh")

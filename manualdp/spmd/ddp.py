@@ -160,8 +160,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             process group's timeout).
 
     Sparse gradients are densified for the allreduce and written back sparse. With
-    `find_unused_parameters`, a parameter that no rank used keeps its `.grad` untouched (None after `zero_grad()`), as with DDP;
-    one that only some ranks used gets their average, the others counting as zero.
+    `find_unused_parameters`, a parameter that no rank used keeps its `.grad` untouched (None
+    after `zero_grad()`), as with DDP; one that only some ranks used gets their average, the
+    others counting as zero.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -259,7 +260,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             broadcast_from_rank0(_tensors(module, self.parameters_to_ignore, params=True), self.rank, self._peers,
                                  process_group, self.timeout)
 
-        self._buckets = [Bucket([params[i] for i in b]) for b in assign_buckets(params, list(bucket_cap_mb_list or ()) or bucket_cap_mb)]
+        caps = list(bucket_cap_mb_list) if bucket_cap_mb_list else bucket_cap_mb
+        self._buckets = [Bucket([params[i] for i in b]) for b in assign_buckets(params, caps)]
         # One schedule per bucket, decided now, together: "auto" may calibrate, a collective.
         self._algorithms = [resolve(algorithm, b.flat.numel(), b.flat.element_size(), process_group, self.timeout)
                             for b in self._buckets]
