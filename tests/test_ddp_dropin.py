@@ -459,6 +459,8 @@ def test_unused_parameters_without_find_unused_raise_at_the_next_forward_as_torc
             named = error[error.index("did not receive grad"):]
             assert all(f"{p} (1 of 2)" in named for p in ("a.weight", "a.bias", "b.weight", "b.bias"))
             assert "trunk" not in named
+            mine = "b.weight, b.bias" if rank == 0 else "a.weight, a.bias"  # torch names this rank's own
+            assert f"Parameters which did not receive grad for rank {rank}: {mine}\n" in error
 
 
 def test_ignored_parameters_and_buffers_stay_local_as_with_torch():

@@ -466,21 +466,23 @@ class DistributedDataParallel(nn.Module, Joinable):
         The ready flags were summed with the gradients, so every rank finds the same parameters
         missing and the next forward raises on all of them (torch's reducer raises there too).
         """
-        missing = [(self._index[id(p)], self._names[b][i], int(count))
-                   for b, bucket in enumerate(self._buckets)
-                   for i, (p, count) in enumerate(zip(bucket.params, bucket.ready.tolist())) if count < self._active]
+        missing = sorted((self._index[id(p)], self._names[b][i], int(count), bucket.arrived[i])
+                         for b, bucket in enumerate(self._buckets)
+                         for i, (p, count) in enumerate(zip(bucket.params, bucket.ready.tolist()))
+                         if count < self._active)
         if not missing:
             return
-        missing.sort()
+        here = [(k, name) for k, name, _, arrived in missing if not arrived]  # what torch's message names
         self._unfinished = (
             "Expected to have finished reduction in the prior iteration before starting a new one. This error "
             "indicates that your module has parameters that were not used in producing loss. You can enable unused "
             "parameter detection by passing the keyword argument `find_unused_parameters=True` to "
             "DistributedDataParallel, and by making sure all `forward` function outputs participate in calculating "
-            f"loss.\nParameter indices which did not receive grad on some of the {self._active} ranks: "
-            + " ".join(str(k) for k, _, _ in missing)
-            + "\nParameters which did not receive grad (with the number of ranks where they did): "
-            + ", ".join(f"{name} ({count} of {self._active})" for _, name, count in missing))
+            f"loss.\nParameter indices which did not receive grad for rank {self.rank}: "
+            + " ".join(str(k) for k, _ in here)
+            + f"\nParameters which did not receive grad for rank {self.rank}: " + ", ".join(name for _, name in here)
+            + f"\nOn all {self._active} ranks, those which did not receive grad somewhere (ranks where they did): "
+            + ", ".join(f"{name} ({count} of {self._active})" for _, name, count, _ in missing))
 
     def _reset_backward(self) -> None:
         """Forget the backward pass: every bucket empty, none launched."""
