@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -166,13 +167,25 @@ class TorchDDPTests(TestDistBackend, DistributedTest._DistTestBase):
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _source(name: str) -> str:
+    return inspect.getsource(_helper(name))
+
+
+def _helper(name: str):
+    """The function `name` of torch's test code: a `self._test_*` method or a module-level function, or None."""
+    found = getattr(DistributedTest._DistTestBase, name, None) or vars(distributed_test).get(name)
+    module = getattr(found, "__module__", None) or ""
+    return found if inspect.isfunction(found) and module.startswith("torch.testing._internal") else None
+
+
 def _with_helpers(name: str, seen: set[str] | None = None) -> str:
-    """The source of test `name` and of the `self._test_*` helpers it calls, theirs too: private reads hide there."""
+    """The source of test `name` and of torch's test helpers it calls, theirs too: private reads hide there."""
     seen = set() if seen is None else seen
     seen.add(name)
-    source = inspect.getsource(getattr(DistributedTest._DistTestBase, name))
-    helpers = sorted(set(re.findall(r"self\.(_test_\w+)\(", source)) - seen)
-    return source + "".join(_with_helpers(h, seen) for h in helpers if hasattr(DistributedTest._DistTestBase, h))
+    source = _source(name)
+    called = set(re.findall(r"self\.(_test_\w+)\(", source)) | set(re.findall(r"(?<![.\w])(\w+)\(", source))
+    return source + "".join(_with_helpers(h, seen) for h in sorted(called - seen) if _helper(h) is not None)
 
 
 def select() -> tuple[list[str], dict[str, str]]:
