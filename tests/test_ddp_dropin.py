@@ -262,6 +262,30 @@ def _cap_list():
             "caps": (ours.bucket_bytes_cap_list, theirs.bucket_bytes_cap_list)}
 
 
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+
+    def forward(self, x):
+        return (x * self.w).tanh().pow(2).sum()
+
+
+def _create_graph():
+    """backward(create_graph=True), gradients accumulating: averaged as torch's DDP averages them.
+
+    (torch's DDP itself refuses create_graph on an nn.Linear model: "a leaf Variable ... in-place".)
+    """
+    rank = dist.get_rank()
+    ours, theirs, _ = _pair(_Scale)
+    rows = []
+    for X, _ in _data(rank):
+        for m in (ours, theirs):
+            m(X).backward(create_graph=True)
+        rows.append([_flat(p.grad for p in m.parameters()) for m in (ours, theirs)])
+    return {"rows": rows, "grad_fn": [p.grad.grad_fn is not None for p in ours.parameters()]}
+
+
 def _two_forwards_batchnorm():
     """Two forward passes before one backward with BatchNorm (a GAN step) run and match torch."""
     rank = dist.get_rank()
@@ -354,7 +378,7 @@ def _job(n):
                  "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
                  "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh,
                  "unused_error": _unused_without_find_unused, "ignored": _ignored,
-                 "cap_list": _cap_list}
+                 "cap_list": _cap_list, "create_graph": _create_graph}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
     out = {}
@@ -510,3 +534,10 @@ def test_device_mesh_is_kept_and_refused_as_torch_refuses_it():
         both = "Cannot specify both process_group and device_mesh arguments."
         assert errors["both", "ours"] == errors["both", "theirs"] == both
         assert errors["2d", "ours"] == errors["2d", "theirs"] and errors["2d", "ours"].startswith("Only 1D device mesh")
+
+
+def test_create_graph_averages_as_torch_and_keeps_the_local_graph():
+    for rank in range(2):
+        value = _get(2, rank, "create_graph")
+        _same_rows(value["rows"])
+        assert all(value["grad_fn"])  # as with torch: higher-order graph kept, locally

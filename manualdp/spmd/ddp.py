@@ -360,7 +360,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Runs when the whole backward pass is done, also when some hooks never fire.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(param)]
-        if self._buckets[b].mark_ready(i, param.grad):
+        with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
+            full = self._buckets[b].mark_ready(i, param.grad)
+        if full:
             if self.recorder is not None:
                 self.recorder.instant(f"bucket {b} ready", "compute", bucket=b)
             self._launch_ready()
@@ -415,6 +417,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
                 f"{named}. Unused parameters: {unused}")
 
+    @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data
     def _finish_backward(self) -> None:
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
         try:
