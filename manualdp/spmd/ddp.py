@@ -249,6 +249,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._joined = False  # True while Join shadows this rank's steps
         self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
         self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
+        self._authoritative_rank = 0  # the group rank whose model every rank took at the end of the last Join
         self._active = self.world_size  # ranks training this step (fewer once some have joined)
         # Without find_unused_parameters, a backward pass that left a parameter without a gradient on
         # some rank: the error the next forward raises on every rank, as torch's reducer does.
@@ -568,7 +569,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._joined = False
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
-        root = self._peers[int(candidate)]
+        self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
+        root = self._peers[self._authoritative_rank]
         with torch.no_grad():
             for t in _tensors(self.module, self.parameters_to_ignore, params=True):
                 dist.broadcast(t.data, src=root, group=self.process_group)
