@@ -173,7 +173,7 @@ def _source(name: str) -> str:
 
 
 def _helper(name: str):
-    """The function `name` of torch's test code: a `self._test_*` method or a module-level function, or None."""
+    """The function `name` of torch's test code: a `self._*` method or a module-level function, or None."""
     found = getattr(DistributedTest._DistTestBase, name, None) or vars(distributed_test).get(name)
     module = getattr(found, "__module__", None) or ""
     return found if inspect.isfunction(found) and module.startswith("torch.testing._internal") else None
@@ -184,7 +184,7 @@ def _with_helpers(name: str, seen: set[str] | None = None) -> str:
     seen = set() if seen is None else seen
     seen.add(name)
     source = _source(name)
-    called = set(re.findall(r"self\.(_test_\w+)\(", source)) | set(re.findall(r"(?<![.\w])(\w+)\(", source))
+    called = set(re.findall(r"self\.(_\w+)\(", source)) | set(re.findall(r"(?<![.\w])(\w+)\(", source))
     return source + "".join(_with_helpers(h, seen) for h in sorted(called - seen) if _helper(h) is not None)
 
 
