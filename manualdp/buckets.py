@@ -11,21 +11,21 @@ DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 FIRST_BUCKET_CAP_MB = 1.0  # DDP's first bucket, when bucket_cap_mb is its default
 
 
-def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None, *, first_bucket_mb: float | None = None,
+def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | list[float] | None, *,
                    order: list[int] | None = None) -> list[list[int]]:
     """Group parameter indices into buckets of at most `bucket_cap_mb` MiB, in reverse order.
 
     Reverse order, as DDP: backward produces the last layers' gradients first, so the first
     bucket fills first. A parameter larger than the cap gets a bucket of its own; a change
     of dtype or device starts a new bucket (a flat buffer has one of each).
-    `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop).
-
-    Two refinements of DDP's: `first_bucket_mb` caps the first bucket alone (DDP: 1 MiB, so
-    that the first allreduce starts early in backward), and `order` replaces the reverse
-    order by the one the gradients were seen to become ready in.
+    `bucket_cap_mb=None` gives one bucket per parameter (the textbook's loop). A list gives
+    bucket k a cap of its own, the last one for every later bucket (torch's `bucket_cap_mb_list`;
+    DDP's default is `[1, 25]`: a small first bucket, so the first allreduce starts early).
+    `order` replaces the reverse order by the one the gradients were seen to become ready in.
     """
-    positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
-    positive_number("first_bucket_mb", first_bucket_mb, none_ok=True)
+    caps = list(bucket_cap_mb) if isinstance(bucket_cap_mb, (list, tuple)) and bucket_cap_mb else [bucket_cap_mb]
+    for cap in caps:
+        positive_number("bucket_cap_mb", cap, none_ok=not isinstance(bucket_cap_mb, (list, tuple)))
     if order is None:
         order = list(range(len(params)))[::-1]
     elif sorted(order) != list(range(len(params))):
@@ -38,7 +38,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | None, *, f
         p = params[i]
         nbytes = p.numel() * p.element_size()
         first = params[buckets[-1][0]] if buckets else None
-        cap = (first_bucket_mb if len(buckets) == 1 and first_bucket_mb is not None else bucket_cap_mb) * 2**20
+        cap = caps[min(len(buckets), len(caps)) - 1] * 2**20  # the cap of the bucket being filled
         if first is None or size + nbytes > cap or p.dtype != first.dtype or p.device != first.device:
             buckets.append([])
             size = 0

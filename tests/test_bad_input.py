@@ -38,7 +38,7 @@ CASES = [
     (lambda: cost(get_schedule("ring", 2), 8, alpha=-1.0, beta=0.0, gamma=0.0), ValueError, ["alpha", "-1.0"]),
     (lambda: assign_buckets([torch.zeros(2)], 0), ValueError, ["bucket_cap_mb must be a positive number", "0"]),
     (lambda: assign_buckets([torch.zeros(2)], -1.5), ValueError, ["bucket_cap_mb", "-1.5"]),
-    (lambda: assign_buckets([torch.zeros(2)], 1, first_bucket_mb=-2), ValueError, ["first_bucket_mb", "-2"]),
+    (lambda: assign_buckets([torch.zeros(2)], [1, -2]), ValueError, ["bucket_cap_mb", "-2"]),
     (lambda: assign_buckets([torch.zeros(2), torch.zeros(2)], 1, order=[1, 1]), ValueError, ["order must hold", "[1, 1]"]),
     (lambda: unflatten_(torch.zeros(3), [torch.zeros(2)]), ValueError, ["flat has 3 elements", "hold 2"]),
     (lambda: evaluate("net", []), TypeError, ["net must be an nn.Module", "str"]),

@@ -21,7 +21,7 @@ def layouts(draw):
 @given(layouts())
 def test_buckets_follow_the_order_and_respect_their_caps(case):
     params, order, cap, first = case
-    buckets = assign_buckets(params, cap, first_bucket_mb=first, order=order)
+    buckets = assign_buckets(params, cap if first is None else [first, cap], order=order)
     assert [i for b in buckets for i in b] == order  # every parameter once, in the given order
     for k, bucket in enumerate(buckets):
         limit = (first if k == 0 and first is not None else cap) * MIB
@@ -35,4 +35,4 @@ def test_buckets_follow_the_order_and_respect_their_caps(case):
 def test_default_order_is_reverse_and_first_bucket_is_small():
     params = [torch.empty(200_000, device="meta") for _ in range(5)]  # 0.76 MiB each
     assert assign_buckets(params, 25.0) == [[4, 3, 2, 1, 0]]
-    assert assign_buckets(params, 25.0, first_bucket_mb=1.0) == [[4], [3, 2, 1, 0]]
+    assert assign_buckets(params, [1.0, 25.0]) == [[4], [3, 2, 1, 0]]

@@ -33,7 +33,7 @@ def _agreeing():
     os.environ["MANUALDP_DEBUG"] = "1"
     torch.manual_seed(0)
     module = _TwoHeads().double()
-    ours = DistributedDataParallel(copy.deepcopy(module))
+    ours = DistributedDataParallel(copy.deepcopy(module), find_unused_parameters=True)
     del os.environ["MANUALDP_DEBUG"]
     theirs = TorchDDP(copy.deepcopy(module), find_unused_parameters=True)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]

@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from manualdp.buckets import assign_buckets
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import hooks, launch
 
@@ -86,7 +87,17 @@ def _device_mesh():
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     ours, theirs, opts = _pair(_mlp, {"device_mesh": mesh}, {"device_mesh": mesh})
-    return _train([ours, theirs], opts, _data(dist.get_rank()))
+    rows = _train([ours, theirs], opts, _data(dist.get_rank()))
+    errors = {}  # torch's RuntimeErrors for a group and a mesh both, and for a mesh of two dimensions
+    flat = init_device_mesh("cpu", (dist.get_world_size(), 1))
+    cases = {"both": {"device_mesh": mesh, "process_group": dist.group.WORLD}, "2d": {"device_mesh": flat}}
+    for case, kwargs in cases.items():
+        for name, wrapper in (("ours", DistributedDataParallel), ("theirs", TorchDDP)):
+            try:
+                wrapper(_mlp(), **kwargs)
+            except RuntimeError as e:
+                errors[case, name] = str(e)
+    return {"rows": rows, "mesh": ours.device_mesh is mesh, "errors": errors}
 
 
 def _bucket_view():
@@ -181,6 +192,98 @@ def _no_sync_used_map():
         _loss(lambda x: m(x, use_b=False), X2, y2).backward()
         opt.step()
     return [_flat(ours.parameters()), _flat(theirs.parameters())]
+
+
+def _unused_without_find_unused():
+    """Heads unused on one rank, find_unused_parameters=False: each wrapper's calls, and where they raise."""
+    rank = dist.get_rank()
+    out = {}
+    for name, wrapper in (("ours", DistributedDataParallel), ("theirs", TorchDDP)):
+        torch.manual_seed(0)
+        model = wrapper(_TwoHeads().double())
+        X, _ = _data(rank, steps=1)[0]
+        calls = [("backward", lambda: model(X, use_b=rank == 1).sum().backward()),
+                 ("forward without grad", lambda: torch.no_grad()(model)(X, use_b=False)),
+                 ("forward", lambda: model(X, use_b=False)), ("forward again", lambda: model(X, use_b=False))]
+        out[name] = []
+        for call, fn in calls:
+            try:
+                fn()
+                out[name].append((call, None))
+            except RuntimeError as e:
+                out[name].append((call, str(e)))
+    return out
+
+
+class _Proxy(nn.Module):
+    """`late` differs across ranks and is ignored by DDP (replaced later, as torch's tests do)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.early = nn.Linear(6, 8)
+        self.late = nn.Linear(8, 4 + rank)
+        self.late.register_buffer("scale", torch.full((3 + rank,), rank + 1.0))
+
+    def forward(self, x):
+        return self.late(torch.tanh(self.early(x))) * self.late.scale[0]
+
+
+def _ignored():
+    """Parameters and buffers set aside with _set_params_and_buffers_to_ignore_for_model stay each rank's own."""
+    rank = dist.get_rank()
+    torch.manual_seed(rank)  # every rank starts from its own parameters: init_sync must reach only `early`
+    module = _Proxy(rank).double()
+    models = []
+    for wrapper in (DistributedDataParallel, TorchDDP):
+        copied = copy.deepcopy(module)
+        wrapper._set_params_and_buffers_to_ignore_for_model(copied, ["late.weight", "late.bias", "late.scale"])
+        models.append(wrapper(copied))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    rows = []
+    for X, _ in _data(rank):
+        for m, opt in zip(models, opts):
+            opt.zero_grad()
+            m(X).pow(2).mean().backward()
+            opt.step()
+        rows.append([_flat(m.parameters()) for m in models])
+    early = [_flat(m.module.early.parameters()) for m in models]
+    ours = models[0]
+    return {"rows": rows, "early": early, "late": _flat(ours.module.late.parameters()), "scale": ours.module.late.scale,
+            "ignored": (ours.parameters_to_ignore, models[1].parameters_to_ignore),
+            "group": ours.process_group is dist.group.WORLD}
+
+
+def _cap_list():
+    """bucket_cap_mb_list: a cap per bucket, the last for the rest; trains as torch's DDP with the same list."""
+    caps = [0.0002, 0.0004]  # 52 and 104 float64s
+    ours, theirs, opts = _pair(_mlp, {"bucket_cap_mb_list": caps}, {"bucket_cap_mb_list": caps})
+    rows = _train([ours, theirs], opts, _data(dist.get_rank()))
+    return {"rows": rows, "sizes": [b.offsets[-1] for b in ours._buckets],
+            "caps": (ours.bucket_bytes_cap_list, theirs.bucket_bytes_cap_list)}
+
+
+class _Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 6, dtype=torch.float64))
+
+    def forward(self, x):
+        return (x * self.w).tanh().pow(2).sum()
+
+
+def _create_graph():
+    """backward(create_graph=True), gradients accumulating: averaged as torch's DDP averages them.
+
+    (torch's DDP itself refuses create_graph on an nn.Linear model: "a leaf Variable ... in-place".)
+    """
+    rank = dist.get_rank()
+    ours, theirs, _ = _pair(_Scale)
+    rows = []
+    for X, _ in _data(rank):
+        for m in (ours, theirs):
+            m(X).backward(create_graph=True)
+        rows.append([_flat(p.grad for p in m.parameters()) for m in (ours, theirs)])
+    return {"rows": rows, "grad_fn": [p.grad.grad_fn is not None for p in ours.parameters()]}
 
 
 def _two_forwards_batchnorm():
@@ -313,7 +416,8 @@ def _job(n):
                  "no_sync_used_map": _no_sync_used_map, "two_forwards_bn": _two_forwards_batchnorm,
                  "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
                  "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh,
-                 "rebuild": _rebuild}
+                 "rebuild": _rebuild, "unused_error": _unused_without_find_unused, "ignored": _ignored,
+                 "cap_list": _cap_list, "create_graph": _create_graph}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
     out = {}
@@ -419,3 +523,75 @@ def test_buckets_are_rebuilt_in_rank0s_ready_order_and_training_equals_torch():
     for value in (a, b):
         assert all(value["views"]), value["views"]  # gradient_as_bucket_view: .grad moved into the new buckets
         _same_rows(value["steps"])
+
+
+def test_unused_parameters_without_find_unused_raise_at_the_next_forward_as_torch_does():
+    for rank in range(2):
+        value = _get(2, rank, "unused_error")
+        ours, theirs = value["ours"], value["theirs"]
+        assert [(call, error is None) for call, error in ours] == [(call, error is None) for call, error in theirs]
+        assert [error is None for _, error in ours] == [True, True, False, False]
+        for _, error in ours[2:]:  # on every rank, both heads: each was left without a gradient on one rank
+            assert error.startswith("Expected to have finished reduction in the prior iteration")
+            assert "find_unused_parameters=True" in error
+            named = error[error.index("did not receive grad"):]
+            assert all(f"{p} (1 of 2)" in named for p in ("a.weight", "a.bias", "b.weight", "b.bias"))
+            assert "trunk" not in named
+            mine = "b.weight, b.bias" if rank == 0 else "a.weight, a.bias"  # torch names this rank's own
+            assert f"Parameters which did not receive grad for rank {rank}: {mine}\n" in error
+
+
+def test_ignored_parameters_and_buffers_stay_local_as_with_torch():
+    late = [_get(2, r, "ignored")["late"] for r in range(2)]
+    assert late[0].numel() != late[1].numel()  # each rank kept its own shapes
+    early = []
+    for rank in range(2):
+        value = _get(2, rank, "ignored")
+        _same_rows(value["rows"])
+        assert value["ignored"][0] == value["ignored"][1] == {"late.weight", "late.bias", "late.scale"}
+        assert torch.equal(value["scale"], torch.full((3 + rank,), rank + 1.0, dtype=torch.float64))
+        assert value["group"]
+        early.append(value["early"][0])
+    assert torch.equal(early[0], early[1])  # the synchronised part agrees across ranks
+
+
+@pytest.mark.parametrize("names", ["late.weight", [1], None])
+def test_params_and_buffers_to_ignore_must_be_full_names(names):
+    with pytest.raises(TypeError, match="params_and_buffers_to_ignore"):
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(nn.Linear(2, 2), names)
+
+
+def test_bucket_cap_mb_list_caps_each_bucket_and_trains_like_torch():
+    for rank in range(2):
+        value = _get(2, rank, "cap_list")
+        _same_rows(value["rows"])
+        assert value["caps"][0] == value["caps"][1] == [int(0.0002 * 2**20), int(0.0004 * 2**20)]
+        # _mlp's gradients from the last: 4 | 32 + 8 | 128 | 16 | 96 (bucket 0 holds <= 26 float64s, the rest <= 52)
+        assert value["sizes"] == [4, 40, 128, 16, 96]
+
+
+def test_assign_buckets_takes_a_cap_per_bucket():
+    params = [torch.zeros(2**18) for _ in range(6)]  # 1 MiB each
+    assert assign_buckets(params, [1, 2]) == [[5], [4, 3], [2, 1], [0]]
+    assert assign_buckets(params, 2.0) == [[5, 4], [3, 2], [1, 0]]
+    with pytest.raises(ValueError, match="bucket_cap_mb must be a positive number, got -1"):
+        assign_buckets(params, [1, -1])
+    with pytest.raises(TypeError, match="bucket_cap_mb_list"):
+        DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb_list=2)
+
+
+def test_device_mesh_is_kept_and_refused_as_torch_refuses_it():
+    for rank in range(2):
+        value = _get(2, rank, "device_mesh")
+        assert value["mesh"]
+        errors = value["errors"]
+        both = "Cannot specify both process_group and device_mesh arguments."
+        assert errors["both", "ours"] == errors["both", "theirs"] == both
+        assert errors["2d", "ours"] == errors["2d", "theirs"] and errors["2d", "ours"].startswith("Only 1D device mesh")
+
+
+def test_create_graph_averages_as_torch_and_keeps_the_local_graph():
+    for rank in range(2):
+        value = _get(2, rank, "create_graph")
+        _same_rows(value["rows"])
+        assert all(value["grad_fn"])  # as with torch: higher-order graph kept, locally

@@ -63,7 +63,8 @@ def _compare(divide, accumulate, generic):
                else ours.join(divide_by_initial_world_size=divide))
     mine = _train(ours, context, accumulate)
     reference = _train(theirs, theirs.join(divide_by_initial_world_size=divide), accumulate)
-    return {"ours": mine, "theirs": reference}
+    # the rank whose model every rank took at the end (torch's private name; its Join tests read it)
+    return {"ours": mine, "theirs": reference, "authority": (ours._authoritative_rank, theirs._authoritative_rank)}
 
 
 def _early_termination():
@@ -109,6 +110,7 @@ def test_uneven_inputs_train_like_torch_ddp_join(n, case):
         for step, (a, b) in enumerate(zip(ours_steps, theirs_steps)):
             assert torch.allclose(a, b, rtol=0, atol=1e-12), f"rank {rank} step {step}"
         assert torch.allclose(ours_final, theirs_final, rtol=0, atol=1e-12)
+        assert value["authority"] == (n - 1, n - 1)  # rank n-1 has the most batches: it joins last
         finals.append(ours_final)
     assert all(torch.equal(finals[0], f) for f in finals), "the ranks' final models differ"
 

@@ -229,7 +229,7 @@ class _TwoHeads(nn.Module):
 def _unused():
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    ours = DistributedDataParallel(_TwoHeads().double(), bucket_cap_mb=0.0002)
+    ours = DistributedDataParallel(_TwoHeads().double(), bucket_cap_mb=0.0002, find_unused_parameters=True)
     theirs = TorchDDP(copy.deepcopy(ours.module), find_unused_parameters=True)
     out = {}
     for model, key in ((ours, "ours"), (theirs, "theirs")):

@@ -9,13 +9,16 @@ distributed_test.py`, driven by torch's own multi-process machinery (`TestDistBa
 one spawned process per rank, a file rendezvous, exit codes collected by the parent). Each
 test runs twice: as the control, and with `DistributedDataParallel` swapped for manualdp's
 in the ranks' processes (the name the test module imported and `torch.nn.parallel`'s).
-Tests whose source reads torch's private internals are left out, each with the name it reads.
+Tests whose source reads torch's private internals are left out, each with the name it reads,
+and so are the few in `IMPLEMENTATION`, which assert how torch implements DDP (its profiler events).
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import inspect
+import json
 import os
 import re
 import sys
@@ -56,18 +59,24 @@ _importing.__exit__(None, None, None)
 from ..spmd.ddp import DistributedDataParallel as ManualDDP  # noqa: E402
 from ..validate import positive_int  # noqa: E402
 
-__all__ = ["TorchDDPTests", "select", "run_one", "main", "FAST"]
+__all__ = ["TorchDDPTests", "select", "run_one", "main", "FAST", "IMPLEMENTATION"]
 
 SWAP = "MANUALDP_CONFORMANCE_SWAP"  # set to 1 in the ranks' environment: they use manualdp's wrapper
 WHICH = re.compile(r"ddp|distributeddataparallel|join|comm_hook|no_sync|uneven|sync_bn|syncbatchnorm", re.I)
 # A test whose source touches one of these checks torch's implementation, not DDP's behaviour.
 PRIVATE = ("reducer", "_get_ddp_logging_data", "_set_static_graph", "_delay_all_reduce", "_register_builtin_comm_hook",
            "_register_fused_optim", "_get_data_parallel_params", "_set_ddp_runtime_logging_sample_rate",
-           "_set_params_and_buffers_to_ignore", "_module_wait_for_copy_hook", "_set_ddp_sink_clone",
+           "_module_wait_for_copy_hook", "_set_ddp_sink_clone",
            "_apply_optimizer_in_backward", "_check_sync_bufs", "_DDPSink", "_MixedPrecision", "mixed_precision",
            "_get_active_ddp_module", "_build_debug_param_to_name_mapping", "_ddp_init_helper", "_sync_buffers",
            "_passing_sync_batchnorm_handle", "_ddp_with_replicated_tensor", "_register_accum_grad_hook",
            "_get_ddp_logging", "_remove_autograd_hooks", "_register_buffer_comm_hook", "_check_reducer_finalized", "_set_sparse_metadata", "_update_process_group", "ddp_logging")
+# Tests that read no private name but assert how torch implements DDP, not what DDP does.
+IMPLEMENTATION = {
+    "test_ddp_profiling_torch_profiler": "asserts torch's implementation: exactly one `gloo:all_reduce` profiler event "
+    "per iteration and the reducer's `search_unused_parameters` range; manualdp allreduces by its own point-to-point "
+    "schedules (isend/irecv), by design, so those events are not there to count",
+}
 # Quick ones that cover construction, plain training, no_sync and the keywords.
 FAST = ("test_DistributedDataParallelCPU", "test_ddp_join_model_equivalence", "test_accumulate_gradients_no_sync",
         "test_ddp_hook_parity_allreduce")
@@ -158,18 +167,44 @@ class TorchDDPTests(TestDistBackend, DistributedTest._DistTestBase):
         super()._run(rank, test_name, file_name, pipe, **kwargs)
 
 
+@functools.lru_cache(maxsize=None)
+def _source(name: str) -> str:
+    return inspect.getsource(_helper(name))
+
+
+def _helper(name: str):
+    """The function `name` of torch's test code: a `self._*` method or a module-level function, or None."""
+    found = getattr(DistributedTest._DistTestBase, name, None) or vars(distributed_test).get(name)
+    module = getattr(found, "__module__", None) or ""
+    return found if inspect.isfunction(found) and module.startswith("torch.testing._internal") else None
+
+
+def _with_helpers(name: str, seen: set[str] | None = None) -> str:
+    """The source of test `name` and of torch's test helpers it calls, theirs too: private reads hide there."""
+    seen = set() if seen is None else seen
+    seen.add(name)
+    source = _source(name)
+    called = set(re.findall(r"self\.(_\w+)\(", source)) | set(re.findall(r"(?<![.\w])(\w+)\(", source))
+    return source + "".join(_with_helpers(h, seen) for h in sorted(called - seen) if _helper(h) is not None)
+
+
 def select() -> tuple[list[str], dict[str, str]]:
-    """The DDP tests of `_DistTestBase`, and those left out with the reason (a private name read, or CUDA only)."""
+    """The DDP tests of `_DistTestBase`, and those left out with the reason (a private name read, torch's
+    implementation asserted, or CUDA only)."""
     chosen, left_out = [], {}
     for name in sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_") and WHICH.search(n)):
         source = inspect.getsource(getattr(DistributedTest._DistTestBase, name))
-        private = next((p for p in PRIVATE if p in source), None)
+        private = next((p for p in PRIVATE if p in _with_helpers(name)), None)
         decorators = source.split("def ", 1)[0]
         if private is not None:
             left_out[name] = f"reads torch private `{private}`"
+        elif name in IMPLEMENTATION:
+            left_out[name] = IMPLEMENTATION[name]
         elif "skip_if_no_gpu" in decorators or "skipIf(IS_LINUX" in decorators:
             # TEST_CUDA and IS_LINUX are fixed when torch's module is imported: no shim reaches them
             left_out[name] = "skips on every CPU-only Linux machine, under the shim too"
+        elif 'skipIf(BACKEND != "nccl"' in decorators:
+            left_out[name] = "skips with gloo: it tests NCCL's metadata"
         else:
             chosen.append(name)
     return chosen, left_out
@@ -211,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fast", action="store_true", help=f"only the fast subset: {', '.join(FAST)}")
     parser.add_argument("--list", action="store_true", help="print the selection and the tests left out, run nothing")
     parser.add_argument("--limit", type=int, default=None, help="run at most this many tests")
+    parser.add_argument("--json", default=None, help="also write the rows, the counts and the left-out list here")
     parser.add_argument("--shard", default="0/1", help="K/N: run only every N-th test from the K-th (parallel runs)")
     args = parser.parse_args(argv)
     if args.limit is not None:
@@ -233,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     width = max([len(n) for n in chosen] + [4])
     print(f"{'test':<{width}}  torch  manualdp  error")
     counts = {"control": 0, "ours": 0, "both": 0}
+    rows = []
     for name in chosen:
         start = time.monotonic()
         control, control_error = run_one(name, manualdp=False)
@@ -241,9 +278,16 @@ def main(argv: list[str] | None = None) -> int:
         counts["ours"] += ours == "pass"
         counts["both"] += control == ours == "pass"
         error = our_error if ours != "pass" else control_error
+        rows.append({"test": name, "torch": control, "manualdp": ours, "error": error})
         print(f"{name:<{width}}  {control:<5}  {ours:<8}  {error}  ({time.monotonic() - start:.0f} s)", flush=True)
     print(f"selected: {len(chosen)}  control-passed: {counts['control']}  manualdp-passed: {counts['ours']}  "
           f"manualdp-passed where control passed: {counts['both']}")
+    if args.json is not None:
+        summary = {"selected": len(chosen), "control_passed": counts["control"], "manualdp_passed": counts["ours"],
+                   "manualdp_passed_where_control_passed": counts["both"]}
+        with open(args.json, "w") as f:
+            json.dump({"argv": sys.argv[1:] if argv is None else argv, "torch": torch.__version__, "counts": summary,
+                       "rows": rows, "left_out": left_out}, f, indent=1)
     return 0
 
 

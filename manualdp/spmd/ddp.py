@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
-from ..validate import (a_callable, boolean, nn_module, non_negative_int, one_of, positive_int,
+from ..validate import (a_callable, boolean, iterable, nn_module, non_negative_int, one_of, positive_int,
                         positive_number, timeout_seconds)
 from .hooks import GradBucket
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce
@@ -43,10 +43,13 @@ class Bucket:
         self.offsets = [0]  # where each parameter's gradient starts in `flat` (one extra entry: the end)
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        # the gradients, then one "used here" flag per parameter; after the allreduce their sums
-        self.flat = torch.zeros(self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device)
+        # the gradients, then two flags per parameter ("used", "ready"); after the allreduce their sums
+        k = len(params)
+        self.flat = torch.zeros(self.offsets[-1] + 2 * k, dtype=params[0].dtype, device=params[0].device)
         self.grads = self.flat[:self.offsets[-1]]  # what a comm hook sees
-        self.used = self.flat[self.offsets[-1]:]  # flag i: 1 where this rank's backward produced gradient i
+        self.flags = self.flat[self.offsets[-1]:]  # reduced apart from the gradients when a comm hook runs
+        self.used = self.flags[:k]  # flag i: 1 where this rank's backward produced gradient i (or a no_sync one did)
+        self.ready = self.flags[k:]  # flag i: 1 where gradient i's hook fired in this rank's backward pass
         self.arrived = [False] * len(params)  # whose gradient this backward pass has copied into `flat`
         self.sparse = [False] * len(params)  # whose gradient came sparse (densified here, sparse again after)
         self.pending = len(params)  # gradients still to arrive before the bucket can be sent
@@ -71,6 +74,7 @@ class Bucket:
             elif grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already in place
                 view.copy_(grad)
             self.used[i] = 1
+        self.ready[i] = 1
         self.arrived[i] = True
         self.pending -= 1
         return self.pending == 0
@@ -95,7 +99,7 @@ class Bucket:
 
     def reset(self) -> None:
         """Forget this backward pass: no gradient has arrived, nothing is running."""
-        self.used.zero_()
+        self.flags.zero_()
         self.arrived = [False] * len(self.params)
         self.pending = len(self.params)
         self.future = None
@@ -136,12 +140,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         bucket_cap_mb: gradients are fused into buckets of at most this many MiB, in reverse
             parameter order; `None` gives one bucket per parameter. With the default (25), the
             first bucket holds at most 1 MiB, as in DDP, so the first allreduce starts early.
-        find_unused_parameters: accepted for compatibility; unused parameters always work.
+        find_unused_parameters: allow parameters that a backward pass leaves without a gradient.
+            Without it (and without `static_graph`), such a parameter makes the next forward
+            raise on every rank, naming it, as torch's DDP does.
         check_reduction: deprecated in torch; ignored.
         gradient_as_bucket_view: `.grad` becomes a view into the bucket: no copy in or out.
         static_graph: the set of parameters used may not change after the first iteration
             (torch's errors otherwise); manualdp's buckets are static anyway.
         device_mesh: a one-dimensional `DeviceMesh`; its group replaces `process_group`.
+        bucket_cap_mb_list: a cap per bucket, in MiB (bucket 0 fills first); the last cap holds
+            for every later bucket. Replaces `bucket_cap_mb` when given.
         algorithm: a schedule of `manualdp.schedule` (`naive`, `ring`, `halving_doubling`, `tree`), or
             `auto` (default): for each bucket, the one the cost model predicts fastest on this
             transport (`manualdp.spmd.tune`).
@@ -157,22 +165,29 @@ class DistributedDataParallel(nn.Module, Joinable):
         timeout: seconds to wait for a silent peer before raising `PeerError` (default: the
             process group's timeout).
 
-    Sparse gradients are densified for the allreduce and written back sparse. A parameter
-    that no rank used keeps its `.grad` untouched (None after `zero_grad()`), as with DDP;
-    one that only some ranks used gets their average, the others counting as zero.
+    Sparse gradients are densified for the allreduce and written back sparse. With
+    `find_unused_parameters`, a parameter that no rank used keeps its `.grad` untouched (None
+    after `zero_grad()`), as with DDP; one that only some ranks used gets their average, the
+    others counting as zero.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 *, device_mesh=None, algorithm: str = "auto", segment_bytes: int = DEFAULT_SEGMENT_BYTES,
-                 timeout: float | None = None, debug: bool | None = None, rebuild_buckets: bool = True) -> None:
+                 *, device_mesh=None, bucket_cap_mb_list: list[float] | None = None, algorithm: str = "auto",
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, debug: bool | None = None,
+                 rebuild_buckets: bool = True) -> None:
         super().__init__()
         Joinable.__init__(self)
         nn_module("module", module)
         non_negative_int("dim", dim)
         positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
+        if bucket_cap_mb_list is not None:
+            if not isinstance(bucket_cap_mb_list, (list, tuple)):
+                raise TypeError(f"bucket_cap_mb_list must be None or a list of MiB, got {bucket_cap_mb_list!r}")
+            for cap in bucket_cap_mb_list:
+                positive_number("bucket_cap_mb_list", cap)
         one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         positive_int("segment_bytes", segment_bytes)
         timeout = timeout_seconds("timeout", timeout)
@@ -184,16 +199,21 @@ class DistributedDataParallel(nn.Module, Joinable):
         if debug is not None:
             boolean("debug", debug)
         if device_mesh is not None:
-            if process_group is not None or not hasattr(device_mesh, "get_group"):
-                raise ValueError(f"device_mesh must be a DeviceMesh given instead of process_group, got {device_mesh!r} "
-                                 f"with process_group={process_group!r}")
+            if process_group is not None:  # torch's words
+                raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+            if not hasattr(device_mesh, "get_group") or not hasattr(device_mesh, "ndim"):
+                raise TypeError(f"device_mesh must be None or a DeviceMesh, got {device_mesh!r}")
+            if device_mesh.ndim != 1:
+                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
             process_group = device_mesh.get_group()
-        params = [p for p in module.parameters() if p.requires_grad]
+        # names set by `_set_params_and_buffers_to_ignore_for_model`: neither synchronised nor checked
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        params = [p for _, p in _kept(module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
         if not params:
             raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
                                     "(DistributedDataParallel is not needed when a module doesn't have any "
                                     "parameter that requires a gradient)")
-        devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
+        devices = {t.device for t in _tensors(module, self.parameters_to_ignore, params=True)}
         if len(devices) != 1:
             raise ValueError(f"module must live on one device, its parameters and buffers are on {sorted(map(str, devices))}")
         self.device = devices.pop()
@@ -206,15 +226,19 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.rank, self._peers = group_ranks(process_group)
 
         self.module = module
-        self.process_group = process_group
+        # the group itself, as torch exposes it (torch's own helpers take `ddp.process_group`)
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = len(self._peers)
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
+        self.device_mesh = device_mesh
         self.algorithm = algorithm
         self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb
+        self.bucket_bytes_cap_list = [int(cap * 2**20) for cap in bucket_cap_mb_list or ()]  # as torch keeps it
         self.find_unused_parameters = find_unused_parameters
+        self.broadcast_bucket_size = 250 * 1024 * 1024  # torch's attribute, for torch's _sync_module_states
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.segment_bytes = segment_bytes
@@ -232,16 +256,24 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._joined = False  # True while Join shadows this rank's steps
         self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
         self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
+        self._authoritative_rank = 0  # the group rank whose model every rank took at the end of the last Join
+        self._active = self.world_size  # ranks training this step (fewer once some have joined)
+        # Without find_unused_parameters, a backward pass that left a parameter without a gradient on
+        # some rank: the error the next forward raises on every rank, as torch's reducer does.
+        self._unfinished: str | None = None
 
         self._params = params
-        self._first_bucket_mb = FIRST_BUCKET_CAP_MB if rebuild_buckets and bucket_cap_mb == DEFAULT_BUCKET_CAP_MB else None
+        self._caps = list(bucket_cap_mb_list) if bucket_cap_mb_list else bucket_cap_mb
+        if rebuild_buckets and not bucket_cap_mb_list and bucket_cap_mb == DEFAULT_BUCKET_CAP_MB:
+            self._caps = [FIRST_BUCKET_CAP_MB, DEFAULT_BUCKET_CAP_MB]  # DDP's small first bucket
         self._ready = [] if rebuild_buckets else None  # ids of the parameters in the order their gradients came
-        layout = assign_buckets(params, bucket_cap_mb, first_bucket_mb=self._first_bucket_mb)
+        layout = assign_buckets(params, self._caps)
         if init_sync:
-            check_same_model(module, process_group, self.world_size)
+            check_same_model(_Kept(module, self.parameters_to_ignore) if self.parameters_to_ignore else module,
+                             process_group, self.world_size)
             # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
             check_same_layout(self._comm_layout(layout, rebuild_buckets), process_group, self.world_size)
-            broadcast_from_rank0(list(module.parameters()) + list(module.buffers()), self.rank, self._peers,
+            broadcast_from_rank0(_tensors(module, self.parameters_to_ignore, params=True), self.rank, self._peers,
                                  process_group, self.timeout)
         self._set_buckets(layout)
         if init_sync and algorithm == "auto":  # otherwise each bucket's is `algorithm`, compared above
@@ -262,14 +294,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         return {"buckets": len(groups),
                 "bucket elements": [sum(p.numel() for p in g) for g in groups],
                 "bucket dtypes": [str(g[0].dtype).replace("torch.", "") for g in groups],
-                "bucket_cap_mb": self.bucket_cap_mb, "algorithm": self.algorithm, "segment_bytes": self.segment_bytes,
+                "bucket_cap_mb": self.bucket_cap_mb, "bucket caps (MiB)": self._caps, "algorithm": self.algorithm, "segment_bytes": self.segment_bytes,
                 "rebuild_buckets": rebuild_buckets, "broadcast_buffers": self.broadcast_buffers,
                 "gradient_as_bucket_view": self.gradient_as_bucket_view, "static_graph": self.static_graph,
                 "find_unused_parameters": self.find_unused_parameters, "debug": self.debug}
 
     def _start(self) -> None:
         """The per-process state that neither deepcopy nor pickle carries: lookup table, worker, hooks."""
-        self._index()
+        self._locate()
+        # each parameter's index among those synchronised, in module order: torch's reducer's index
+        kept = [p for _, p in _kept(self.module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
+        self._index = {id(p): k for k, p in enumerate(kept)}
         self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
         self._in_backward = False
@@ -277,7 +312,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
                        for bucket in self._buckets for p in bucket.params]
 
-    def _index(self) -> None:
+    def _locate(self) -> None:
         """Where each parameter sits in the buckets, and their names; `.grad` into the buckets if they are views."""
         self._where = {}  # id(param) -> (bucket index, index in the bucket)
         for b, bucket in enumerate(self._buckets):
@@ -294,6 +329,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config", "_ready"):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
+        state["device_mesh"] = None  # nor does a mesh's
         state["_comm_hook"] = None
         return state
 
@@ -303,13 +339,16 @@ class DistributedDataParallel(nn.Module, Joinable):
         for bucket in self._buckets:
             bucket.reset()
         self.rank, self._peers = group_ranks(None)
-        self.world_size = self._divisor = len(self._peers)
+        self.process_group = dist.group.WORLD
+        self.world_size = self._divisor = self._active = len(self._peers)
         self._ready = None  # a copy keeps the buckets it was made with
         self._start()
 
     # ---------------------------------------------------------------- training
 
     def forward(self, *inputs, **kwargs):
+        if self._unfinished is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
+            raise RuntimeError(self._unfinished)
         if self._in_backward:
             # The end-of-backward callback never ran: the last backward raised part-way, some
             # buckets may have gone out and others not, so this rank is out of step with its peers.
@@ -318,11 +357,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                                "gradient buckets were sent; the ranks are out of step, so training cannot go on")
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(list(self.module.buffers()), self.rank, self._peers, self.process_group, self.timeout)
+            broadcast_from_rank0(_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
+                                 self.process_group, self.timeout)
         if self._join_config.enable:
             # Joined ranks must know whether this step syncs, and how many ranks still train.
-            active, _ = self._agree_on_step(1, int(self.require_backward_grad_sync))
-            self._divisor = self.world_size if self._join_divide_by_initial else active
+            self._active, _ = self._agree_on_step(1, int(self.require_backward_grad_sync))
+            self._divisor = self.world_size if self._join_divide_by_initial else self._active
         if self.move_inputs:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         self._sync_this_backward = self.require_backward_grad_sync
@@ -359,7 +399,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             # Runs when the whole backward pass is done, also when some hooks never fire.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         b, i = self._where[id(param)]
-        if self._buckets[b].mark_ready(i, param.grad):
+        with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
+            full = self._buckets[b].mark_ready(i, param.grad)
+        if full:
             if self.recorder is not None:
                 self.recorder.instant(f"bucket {b} ready", "compute", bucket=b)
             self._launch_ready()
@@ -386,7 +428,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         result = result[0] if isinstance(result, (list, tuple)) else result
         if result.data_ptr() != bucket.grads.data_ptr():
             bucket.grads.copy_(result)
-        allreduce(bucket.used, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
+        allreduce(bucket.flags, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
                   timeout=self.timeout)
 
     def _check_in_step(self, index: int, bucket: Bucket) -> None:
@@ -414,6 +456,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                 f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
                 f"{named}. Unused parameters: {unused}")
 
+    @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data
     def _finish_backward(self) -> None:
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
         try:
@@ -436,6 +479,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._step += 1
             if self.static_graph:
                 self._check_static(used)
+            elif not self.find_unused_parameters:
+                self._check_all_ready()
         finally:
             self._reset_backward()
         if self._ready is not None:
@@ -456,13 +501,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
         self._executor.submit(broadcast_from_rank0, [agreed], self.rank, self._peers, self.process_group,
                               self.timeout).result()  # on the worker: in line with every other collective of the group
-        layout = assign_buckets(self._params, self.bucket_cap_mb, first_bucket_mb=self._first_bucket_mb,
-                                order=agreed.tolist())
+        layout = assign_buckets(self._params, self._caps, order=agreed.tolist())
         if layout == self._layout:
             return
         static = None if self._static_used is None else [id(self._buckets[b].params[i]) for b, i in self._static_used]
         self._set_buckets(layout)
-        self._index()
+        self._locate()
         if static is not None:
             self._static_used = frozenset(self._where[i] for i in static)
 
@@ -483,6 +527,30 @@ class DistributedDataParallel(nn.Module, Joinable):
                                "one parameter is used in first iteration, but then got unused in the second "
                                "iteration. this is not compatible with static_graph set to True.\nParameters which "
                                f"did not receive grad for rank {self.rank}: {names(self._static_used - used)}")
+
+    def _check_all_ready(self) -> None:
+        """Without find_unused_parameters every rank's backward must reach every parameter, as torch requires.
+
+        The ready flags were summed with the gradients, so every rank finds the same parameters
+        missing and the next forward raises on all of them (torch's reducer raises there too).
+        """
+        missing = sorted((self._index[id(p)], self._names[b][i], int(count), bucket.arrived[i])
+                         for b, bucket in enumerate(self._buckets)
+                         for i, (p, count) in enumerate(zip(bucket.params, bucket.ready.tolist()))
+                         if count < self._active)
+        if not missing:
+            return
+        here = [(k, name) for k, name, _, arrived in missing if not arrived]  # what torch's message names
+        self._unfinished = (
+            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
+            "indicates that your module has parameters that were not used in producing loss. You can enable unused "
+            "parameter detection by passing the keyword argument `find_unused_parameters=True` to "
+            "DistributedDataParallel, and by making sure all `forward` function outputs participate in calculating "
+            f"loss.\nParameter indices which did not receive grad for rank {self.rank}: "
+            + " ".join(str(k) for k, _ in here)
+            + f"\nParameters which did not receive grad for rank {self.rank}: " + ", ".join(name for _, name in here)
+            + f"\nOn all {self._active} ranks, those which did not receive grad somewhere (ranks where they did): "
+            + ", ".join(f"{name} ({count} of {self._active})" for _, name, count, _ in missing))
 
     def _reset_backward(self) -> None:
         """Forget the backward pass: every bucket empty, none launched."""
@@ -543,7 +611,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _shadow_step(self) -> None:
         """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
         if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(list(self.module.buffers()), self.rank, self._peers, self.process_group, self.timeout)
+            broadcast_from_rank0(_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
+                                 self.process_group, self.timeout)
         active, syncing = self._agree_on_step(0, 0)
         self.require_forward_param_sync = syncing > 0
         if not syncing:
@@ -564,10 +633,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._joined = False
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
         dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
-        root = self._peers[int(candidate)]
+        self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
+        root = self._peers[self._authoritative_rank]
         with torch.no_grad():
-            for t in list(self.module.parameters()) + list(self.module.buffers()):
+            for t in _tensors(self.module, self.parameters_to_ignore, params=True):
                 dist.broadcast(t.data, src=root, group=self.process_group)
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
+        """torch's (private) way to exclude parameters and buffers, by full name, from a later wrapper's syncing."""
+        nn_module("module", module)
+        names = list(iterable("params_and_buffers_to_ignore", params_and_buffers_to_ignore))
+        if isinstance(params_and_buffers_to_ignore, str) or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"params_and_buffers_to_ignore must hold full names (str), got {names!r}")
+        module._ddp_params_and_buffers_to_ignore = names
 
     def __del__(self) -> None:
         for handle in self.__dict__.get("_hooks", ()):
@@ -659,6 +738,36 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int
             unflatten_(flat, [t.data for t in same])
 
 
+
+
+def _kept(named, ignored: set[str]) -> list:
+    """The (name, tensor) pairs of `named` whose name is not in `ignored`."""
+    return [(n, t) for n, t in named if n not in ignored]
+
+
+def _tensors(module: nn.Module, ignored: set[str], params: bool = False) -> list[torch.Tensor]:
+    """The module's buffers (and parameters first, with `params`) that are not ignored."""
+    kept = _kept(module.named_buffers(), ignored)
+    return [t for _, t in (_kept(module.named_parameters(), ignored) if params else []) + kept]
+
+
+class _Kept:
+    """`module` as `check_same_model` sees it: without the parameters and buffers that are ignored."""
+
+    def __init__(self, module: nn.Module, ignored: set[str]) -> None:
+        self.module, self.ignored = module, ignored
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(_kept(self.module.named_parameters(*args, **kwargs), self.ignored))
+
+    def named_buffers(self, *args, **kwargs):
+        return iter(_kept(self.module.named_buffers(*args, **kwargs), self.ignored))
+
+    def parameters(self, *args, **kwargs):
+        return iter(t for _, t in self.named_parameters(*args, **kwargs))
+
+    def buffers(self, *args, **kwargs):
+        return iter(t for _, t in self.named_buffers(*args, **kwargs))
 
 
 def _weak_hook(wrapper: DistributedDataParallel):
