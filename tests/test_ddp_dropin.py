@@ -100,10 +100,9 @@ def _device_mesh():
     return {"rows": rows, "mesh": ours.device_mesh is mesh, "errors": errors}
 
 
-def _bucket_view():
-    """gradient_as_bucket_view: `.grad` is a view into the bucket, and training equals torch's."""
-    rank = dist.get_rank()
-    ours, theirs, opts = _pair(_mlp, {"gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True})
+def _train_keeping_grads(ours, theirs, opts, rank):
+    """Train both with `.grad` kept between steps; the parameters after each step, and whether
+    each of ours' `.grad` lives in one of its buckets."""
     steps = []
     for X, y in _data(rank):
         for m, opt in zip((ours, theirs), opts):
@@ -112,7 +111,13 @@ def _bucket_view():
             opt.step()
         steps.append([_flat(ours.parameters()), _flat(theirs.parameters())])
     storages = {b.flat.untyped_storage().data_ptr() for b in ours._buckets}
-    views = [p.grad.untyped_storage().data_ptr() in storages for p in ours.module.parameters()]
+    return steps, [p.grad.untyped_storage().data_ptr() in storages for p in ours.module.parameters()]
+
+
+def _bucket_view():
+    """gradient_as_bucket_view: `.grad` is a view into the bucket, and training equals torch's."""
+    ours, theirs, opts = _pair(_mlp, {"gradient_as_bucket_view": True}, {"gradient_as_bucket_view": True})
+    steps, views = _train_keeping_grads(ours, theirs, opts, dist.get_rank())
     return {"steps": steps, "views": views}
 
 
@@ -396,17 +401,9 @@ def _rebuild():
     theirs = TorchDDP(copy.deepcopy(module), gradient_as_bucket_view=True)
     initial = copy.deepcopy(ours._layout)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-    steps = []
-    for X, y in _data(rank):
-        for m, opt in zip((ours, theirs), opts):
-            opt.zero_grad(set_to_none=False)
-            _loss(m, X, y).backward()
-            opt.step()
-        steps.append([_flat(ours.parameters()), _flat(theirs.parameters())])
-    storages = {b.flat.untyped_storage().data_ptr() for b in ours._buckets}
+    steps, views = _train_keeping_grads(ours, theirs, opts, rank)
     names = [n for n, _ in ours.module.named_parameters()]
-    return {"steps": steps, "initial": initial, "layout": ours._layout, "names": names,
-            "views": [p.grad.untyped_storage().data_ptr() in storages for p in ours.module.parameters()],
+    return {"steps": steps, "initial": initial, "layout": ours._layout, "names": names, "views": views,
             "first_bytes": ours._buckets[0].grads.numel() * 8}
 
 

@@ -331,10 +331,10 @@ def _cost_job(steps: int, rounds: int) -> dict:
     # The check alone, as each bucket's allreduce runs it: steadier than the difference of two
     # step times, which swings by several percent between blocks on a shared machine.
     calls = []
-    for bucket in model._buckets:
+    for bucket, algorithm in zip(model._buckets, model._algorithms):
         for i in range(CHECK_CALLS + 5):
             start = time.perf_counter()
-            p2p.check_same_call(bucket.flat, model._algorithms[0], model.segment_bytes, None, 60)
+            p2p.check_same_call(bucket.flat, algorithm, model.segment_bytes, None, 60)
             if i >= 5:
                 calls.append(time.perf_counter() - start)
     return {"on": statistics.median(on), "off": statistics.median(off), "buckets": len(model._buckets),
