@@ -186,3 +186,30 @@ def test_check_same_layout_refuses_bad_arguments_before_any_communication():
         check_same_layout({1: "buckets"}, None, 2)
     with pytest.raises(ValueError, match="world_size"):
         check_same_layout({"buckets": 1}, None, 0)
+
+
+def _checks_per_step():
+    """A 3-bucket wrapper for 3 steps: what goes through the worker, in order."""
+    from manualdp.spmd import ddp
+    from manualdp.spmd.ddp import DistributedDataParallel
+    seen = []
+    check, reduce = ddp.check_same_call, ddp.allreduce
+    ddp.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)), check(t, *a, numel=numel, **k))[1]
+    ddp.allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel(), k.get("check"))), reduce(t, *a, **k))[1]
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+        model = DistributedDataParallel(net, bucket_cap_mb=0.005, algorithm="ring", rebuild_buckets=False)
+        sizes = [b.flat.numel() for b in model._buckets]
+        for step in range(3):
+            model(torch.randn(8, 4)).sum().backward()
+        return seen, sizes
+    finally:
+        ddp.check_same_call, ddp.allreduce = check, reduce
+
+
+def test_the_wrapper_checks_each_step_once_ahead_of_its_buckets_which_go_unchecked():
+    for seen, sizes in launch(_checks_per_step, 2, timeout=60):
+        assert len(sizes) == 3
+        step = [("check", sum(sizes))] + [("bucket", n, False) for n in sizes]
+        assert seen == step * 3

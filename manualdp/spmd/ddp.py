@@ -6,6 +6,10 @@ bucket is handed to the process group's worker thread, which runs `manualdp.spmd
 from C++, with asynchronous collectives and no Python thread). At the end of backward the
 averages are written into `.grad`. Every wrapper on one process group shares one worker, so
 their messages never interleave.
+
+The ranks compare their calls once per step, not once per bucket: the first gradient hook
+queues `check_same_call` for the whole step ahead of the buckets, so it runs while backward
+computes, and the buckets go out unchecked (their sizes were compared at construction).
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ..validate import (a_callable, boolean, iterable, nn_module, non_negative_int, one_of, positive_int,
                         positive_number, timeout_seconds)
 from .hooks import GradBucket
-from .p2p import DEFAULT_SEGMENT_BYTES, allreduce
+from . import p2p
+from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
 from .peers import SerialWorker, group_ranks, group_timeout, talking_to, wait
 from .tune import ENGINE_ALGORITHMS, resolve
 
@@ -308,6 +313,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
         self._in_backward = False
+        self._step_check: concurrent.futures.Future | None = None  # this step's call check, queued ahead of its buckets
         self._executor = group_worker(self.process_group)
         self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self))
                        for bucket in self._buckets for p in bucket.params]
@@ -326,7 +332,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config", "_ready"):
+        for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config", "_ready",
+                    "_step_check"):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
         state["device_mesh"] = None  # nor does a mesh's
@@ -398,6 +405,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._in_backward = True
             # Runs when the whole backward pass is done, also when some hooks never fire.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._step_check = self._check_step()
         b, i = self._where[id(param)]
         with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
             full = self._buckets[b].mark_ready(i, param.grad)
@@ -414,13 +422,35 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket.future = self._executor.submit(run, self._next_launch, bucket)
             self._next_launch += 1
 
+    def _check_step(self) -> concurrent.futures.Future | None:
+        """Queue the step's call check on the worker, ahead of the step's buckets.
+
+        One `check_same_call` for all buckets (their total size, bucket 0's algorithm): a rank
+        that is out of step, or calls some other allreduce meanwhile, meets this fixed-size
+        table instead of a bucket, and every rank raises in one line. It is queued at the
+        first gradient hook, so it runs while the rest of backward computes.
+        """
+        if self.world_size == 1 or self.debug or not p2p.CHECK_SAME_CALL:  # debug: each bucket is checked, in more words
+            return None
+        first, total = self._buckets[0].flat, sum(b.flat.numel() for b in self._buckets)
+        run = check_same_call
+        if self.recorder is not None:
+            recorder = self.recorder
+            def run(*args, **kwargs):  # noqa: E306
+                with recorder.span("step check", "comm", cat="comm"):
+                    return check_same_call(*args, **kwargs)
+        return self._executor.submit(run, first, self._algorithms[0], self.segment_bytes, self.process_group,
+                                     self.timeout, numel=total)
+
     def _reduce(self, index: int, bucket: Bucket) -> None:
         """On the worker: sum `bucket.flat` over the group, or run the comm hook and sum only the used flags."""
+        if self._step_check is not None:
+            self._step_check.result()  # done (the worker runs in order); raises if the ranks called differently
         if self.debug:
             self._check_in_step(index, bucket)
         if self._comm_hook is None:
             allreduce(bucket.flat, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
-                      timeout=self.timeout)
+                      timeout=self.timeout, check=False)
             return
         state, hook = self._comm_hook
         view = GradBucket(index, bucket.grads, bucket.params, bucket.offsets, index == len(self._buckets) - 1)
@@ -429,7 +459,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if result.data_ptr() != bucket.grads.data_ptr():
             bucket.grads.copy_(result)
         allreduce(bucket.flags, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
-                  timeout=self.timeout)
+                  timeout=self.timeout, check=False)
 
     def _check_in_step(self, index: int, bucket: Bucket) -> None:
         """Debug mode: every rank must be about to reduce the same bucket of the same step; else all raise."""
@@ -559,6 +589,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._used_in_no_sync.clear()
         self._next_launch = 0
         self._in_backward = False
+        self._step_check = None
 
     def _write_grads(self, bucket: Bucket) -> None:
         divisor = 1 if self._comm_hook is not None else self._divisor  # a hook hands back averages
@@ -619,6 +650,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             return
         self._divisor = self.world_size if self._join_divide_by_initial else active
         self._joined = True
+        self._step_check = self._check_step()  # as the training ranks' first gradient hook does
         for b, bucket in enumerate(self._buckets):
             bucket.flat.zero_()
             bucket.future = self._executor.submit(self._reduce, b, bucket)

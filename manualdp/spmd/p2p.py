@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
-from ..validate import check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
+from ..validate import boolean, check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
 from .peers import group_ranks, group_timeout, talking_to, wait
 from .tune import ENGINE_ALGORITHMS, resolve
 
@@ -223,12 +223,18 @@ def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int]
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
     """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
 
     Every rank must call it with a tensor of the same shape and dtype, as with
     `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
     silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
+
+    `check` (default True): first compare the calls (`check_same_call`), one small naive
+    allreduce, so that ranks called differently all raise instead of pairing wrong messages.
+    It costs about as much as a small allreduce itself; pass False only where the calls are
+    known to match, as `DistributedDataParallel` does for its buckets after checking each
+    step once (every rank's buckets were compared at construction).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -236,12 +242,13 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
+    boolean("check", check)
     rank, peers = group_ranks(group)
     if len(peers) == 1 or tensor.numel() == 0:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
     algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout)  # "auto": the cost model's pick
-    if CHECK_SAME_CALL:
+    if check and CHECK_SAME_CALL:
         check_same_call(tensor, algorithm, segment_bytes, group, timeout)
     _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
@@ -254,8 +261,12 @@ _DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, t
                   torch.int32, torch.int64), key=str)
 
 
-def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None) -> None:
+def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
+                    numel: int | None = None) -> None:
     """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm and segment size.
+
+    `numel` (default `tensor.numel()`): the size to compare, for a caller that checks a whole
+    sequence of calls at once (`DistributedDataParallel`: all of a step's buckets).
 
     Every rank writes its row of a small table of fixed shape, and one allreduce of it,
     before any data moves, shows every rank's call to every rank. That allreduce is the
@@ -269,7 +280,7 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     rank, peers = group_ranks(group)
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     table = torch.zeros(len(peers), len(_FIELDS), dtype=torch.int64, device=tensor.device)
-    table[rank] = torch.tensor([tensor.numel(), dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
+    table[rank] = torch.tensor([tensor.numel() if numel is None else numel, dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
     _allreduce(table, "naive", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
     rows = table.tolist()
