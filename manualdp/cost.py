@@ -57,7 +57,7 @@ def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str,
 
 
 def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, element_size: int = 1,
-         duplex: float = 0.0) -> float:
+         duplex: float = 0.0, parallel: int = 0) -> float:
     """Alpha-beta-gamma time estimate in seconds.
 
     Each round lasts as long as its busiest device: alpha per message it sends or receives,
@@ -65,10 +65,16 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     costs the larger of the two plus `duplex` times the smaller: 0 for a full-duplex link
     (the textbook's), 1 where both directions share one resource, as two processes on one
     CPU share its cores (`manualdp.spmd.tune` measures it).
+
+    `parallel`: how many devices can work at once; 0 (the textbook's) for all of them. With
+    fewer (4 processes on 2 cores), a round also lasts at least the work of all its devices
+    divided by `parallel`, so schedules where every device is busy every round (ring,
+    halving-doubling) pay for it against those where most wait (tree, naive).
     """
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
         non_negative_number(name, v)
     fraction("duplex", duplex)
+    non_negative_int("parallel", parallel)
     both = lambda a, b: max(a, b) + duplex * min(a, b)  # noqa: E731
     total = 0.0
     for rnd in schedule.rounds:
@@ -77,8 +83,7 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
         msgs_in = [0] * schedule.num_devices
         for _src, dst in {(x.src, x.dst) for x in rnd}:
             msgs_in[dst] += 1
-        total += max(
-            alpha * both(m, mi) + beta * both(s, r) + gamma * red
-            for m, mi, s, r, red in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])
-        )
+        work = [alpha * both(m, mi) + beta * both(s, r) + gamma * red
+                for m, mi, s, r, red in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])]
+        total += max(max(work), sum(work) / parallel) if 0 < parallel < len(work) else max(work)
     return total

@@ -109,7 +109,7 @@ def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeyp
         assert r["predicted_us"] > 0
         same = {"naive": "tree", "tree": "naive"}  # one schedule at two ranks
         assert r["pick_is_fastest"] == (r["fastest"] in (r["pick"], same.get(r["pick"])))
-    assert result["link"] == {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0}
+    assert result["link"] == {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0}
     checked = [r for r in result["rows"] if r["algorithm"] == "auto+check"]  # auto as users call it, also timed
     assert [r["size"] for r in checked] == [4096, 16384] and all(r["wrong"] == 0 for r in checked)
     assert result["target"]["checked_vs_gloo_min"] is None  # the target counts sizes from 64 KiB only

@@ -136,6 +136,26 @@ def test_explain_auto_shows_every_prediction_and_the_pick(capsys, monkeypatch, t
         assert pick in (("ring", "halving_doubling") if duplex == "0" else ("naive", "tree"))
 
 
+def test_explain_auto_with_ranks_sharing_cores_prefers_the_schedules_where_most_ranks_wait(capsys, monkeypatch):
+    from manualdp.spmd.tune import Link, choose
+
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    size = 1 << 20
+    common = ["auto", "--devices", "4", "--size", str(size), "--alpha", "1e-4", "--beta", "5e-10", "--gamma", "4e-11",
+              "--duplex", "1"]
+    assert main(common + ["--parallel", "2"]) == 0
+    out = capsys.readouterr().out
+    shared = Link(1e-4, 5e-10, 4e-11, 1.0, 2)
+    assert "2 ranks at once" in out and f"pick: {choose(4, size, shared)};" in out
+    # Every rank of a ring or halving-doubling round works; in a tree round half of them wait.
+    assert choose(4, size, shared) in ("naive", "tree")
+    assert main(common) == 0
+    assert "ranks at once" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["ring", "--devices", "4", "--parallel", "2"])
+    assert "--parallel is for explain auto" in capsys.readouterr().err
+
+
 def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given_ones(capsys, monkeypatch, tmp_path):
     import json
 

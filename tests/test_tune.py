@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from manualdp.cost import traffic
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch
-from manualdp.spmd.tune import Link, cache_path, choose, predict
+from manualdp.spmd.tune import Link, cache_path, choose, host_parallel, predict
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4),
@@ -65,6 +65,41 @@ def test_a_link_that_takes_turns_makes_the_naive_schedule_win_at_two_ranks():
     sizes = [4 << k for k in range(0, 25, 2)]
     assert {choose(2, s, turns) for s in sizes} <= {"naive", "tree"}  # the same schedule at two ranks
     assert choose(2, 64 << 20, full) in ("ring", "halving_doubling")
+
+
+@given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4), alpha=st.floats(0, 1e-3),
+       beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 1), parallel=st.integers(1, 8))
+def test_fewer_ranks_at_once_never_make_a_schedule_faster(n, nbytes, alpha, beta, gamma, duplex, parallel):
+    for a in ALGORITHMS:
+        free = predict(a, n, nbytes, Link(alpha, beta, gamma, duplex))
+        shared = predict(a, n, nbytes, Link(alpha, beta, gamma, duplex, parallel))
+        assert shared >= free * (1 - 1e-12)
+        if parallel >= n:  # every rank has a core: the textbook's model
+            assert shared == free
+        assert shared <= free * n / min(parallel, n) * (1 + 1e-12) + 1e-18  # at worst all ranks' work over the cores
+
+
+@pytest.mark.parametrize("n,parallel", [(4, 2), (4, 1), (8, 2), (8, 3)])
+def test_a_ring_on_shared_cores_costs_every_ranks_messages_over_the_cores(n, parallel):
+    # Every ring round, each rank sends one message and receives one: alpha each (full duplex).
+    # n ranks on `parallel` cores: each round lasts n * alpha / parallel, and there are 2(n - 1).
+    alpha = 1e-4
+    assert math.isclose(predict("ring", n, 1 << 20, Link(alpha, 0.0, 0.0, 0.0, parallel)),
+                        2 * (n - 1) * n * alpha / parallel)
+
+
+def test_host_parallel_counts_cores_per_host(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert host_parallel("gloo", 2) == 0  # a core per rank
+    assert host_parallel("gloo", 4) == 2  # 4 ranks take turns on 2 cores
+    assert host_parallel("nccl", 4) == 0  # each rank has its own GPU
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert host_parallel("gloo", 8) == 4  # two hosts of 4 ranks on 2 cores each
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert host_parallel("gloo", 8) == 0
+    with pytest.raises(ValueError, match="parallel must be a non-negative int"):
+        Link(1e-6, 1e-9, 0.0, 0.0, -1)
 
 
 def _agree(links: list, sizes: list, cache: str):

@@ -3,7 +3,6 @@
 One spawned job per world size (gloo on 127.0.0.1, one thread per rank, killed after a
 timeout) returns the parameters after every step; the assertions run here, in the parent.
 """
-import copy
 import functools
 
 import pytest

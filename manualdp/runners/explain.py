@@ -197,7 +197,8 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     rounds = {a: get_schedule(a, num_devices).rounds for a in ALGORITHMS}
     out = [f"algorithm='auto' for an allreduce of {size_bytes} bytes on {num_devices} ranks",
            f"  link{f' ({source})' if source else ''}: alpha {_us(link.alpha)} per message, beta {link.beta:.3g} s/B"
-           f"{_rate(link.beta)}, gamma {link.gamma:.3g} s/B{_rate(link.gamma)}, duplex {link.duplex:.2f}",
+           f"{_rate(link.beta)}, gamma {link.gamma:.3g} s/B{_rate(link.gamma)}, duplex {link.duplex:.2f}"
+           + (f", {link.parallel} ranks at once" if 0 < link.parallel < num_devices else ""),
            "", "  {:<18}{:>8}{:>16}".format("algorithm", "rounds", "predicted")]
     for a in ALGORITHMS:
         same = [b for b in ALGORITHMS if b != a and rounds[b] == rounds[a]]
@@ -205,7 +206,8 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
         out.append("  {:<18}{:>8}{:>16}".format(a, len(rounds[a]), _us(predict(a, num_devices, size_bytes, link,
                                                                                 element_size))) + note)
     out += ["", f"pick: {pick}; the model is manualdp.cost.cost, each round as long as its busiest rank, "
-                "sending and receiving at once charged (1 + duplex) times the larger"]
+                "sending and receiving at once charged (1 + duplex) times the larger"
+            + (f", and at least the work of all ranks over {link.parallel}" if 0 < link.parallel < num_devices else "")]
     return "\n".join(out)
 
 
@@ -243,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=float, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
     parser.add_argument("--duplex", type=float, help="auto only: extra cost of sending and receiving at once, "
                         "0 (full duplex, default) to 1 (the directions take turns)")
+    parser.add_argument("--parallel", type=int, help="auto only: ranks that can work at once, 0 for all (default: "
+                        "this host's cores for cached constants, else 0)")
     parser.add_argument("--plot", metavar="PATH", help="also draw the rounds as a PNG")
     state = parser.add_mutually_exclusive_group()
     state.add_argument("--state", dest="show_state", action="store_true", default=None, help="always print the chunk tables")
@@ -250,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.algorithm == "auto":
         return _main_auto(parser, args)
+    if args.parallel is not None:
+        parser.error("--parallel is for explain auto (it only matters to auto's pick)")
     if args.duplex is not None:
         parser.error("--duplex is for explain auto (the schedules print per round, duplex only matters to auto's pick)")
     args.alpha = DEFAULT_ALPHA if args.alpha is None else args.alpha
@@ -278,14 +284,15 @@ def _main_auto(parser, args) -> int:
         if any(given):
             if not all(given):
                 raise ValueError("give --alpha, --beta and --gamma together, or none (this host's measured constants)")
-            link, source = Link(args.alpha, args.beta, args.gamma, args.duplex or 0.0), "given"
+            link, source = Link(args.alpha, args.beta, args.gamma, args.duplex or 0.0, args.parallel or 0), "given"
         else:
             link, source = known_link("gloo", args.devices)
             if link is None:
-                link = Link(DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, args.duplex or 0.0)
+                link = Link(DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, args.duplex or 0.0, args.parallel or 0)
                 source = f"defaults: nothing measured yet at {source}"
-            elif args.duplex is not None:
-                link = Link(link.alpha, link.beta, link.gamma, args.duplex)
+            else:
+                link = Link(link.alpha, link.beta, link.gamma, link.duplex if args.duplex is None else args.duplex,
+                            link.parallel if args.parallel is None else args.parallel)
         text = explain_auto(args.devices, args.size, link, args.element_size, source)
     except ValueError as e:
         parser.error(str(e))

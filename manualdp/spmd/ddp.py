@@ -433,14 +433,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.world_size == 1 or self.debug or not p2p.CHECK_SAME_CALL:  # debug: each bucket is checked, in more words
             return None
         first, total = self._buckets[0].flat, sum(b.flat.numel() for b in self._buckets)
-        run = check_same_call
-        if self.recorder is not None:
-            recorder = self.recorder
-            def run(*args, **kwargs):  # noqa: E306
-                with recorder.span("step check", "comm", cat="comm"):
-                    return check_same_call(*args, **kwargs)
-        return self._executor.submit(run, first, self._algorithms[0], self.segment_bytes, self.process_group,
-                                     self.timeout, numel=total)
+        recorder, call = self.recorder, (first, self._algorithms[0], self.segment_bytes, self.process_group, self.timeout)
+
+        def run() -> None:
+            with recorder.span("step check", "comm", cat="comm") if recorder is not None else contextlib.nullcontext():
+                check_same_call(*call, numel=total)
+        return self._executor.submit(run)
 
     def _reduce(self, index: int, bucket: Bucket) -> None:
         """On the worker: sum `bucket.flat` over the group, or run the comm hook and sum only the used flags."""

@@ -6,7 +6,10 @@ element give alpha (the time of a message), one large transfer gives beta (the t
 byte), and a local addition gives gamma (the time per byte added). One large exchange, both
 ranks sending at once, gives `duplex`: 0 if a link carries both directions at full speed,
 1 if they take turns. Two processes on one 2-core machine measure about 1, and then the ring
-at two ranks, two rounds of exchange, loses to the naive schedule at every size. Every rank must choose
+at two ranks, two rounds of exchange, loses to the naive schedule at every size. `parallel` is
+not measured but counted: with more ranks on a host than it has cores (4 processes on 2 cores),
+only that many ranks work at once, and the model charges each round at least the work of all
+its ranks over that number (`host_parallel`). Every rank must choose
 alike, so rank 0 decides the constants (from `MANUALDP_LINK`, its cache or a calibration)
 and broadcasts them; each rank then computes the same argmin from the same numbers.
 """
@@ -18,7 +21,7 @@ import os
 import socket
 import statistics
 import time
-from dataclasses import asdict, astuple, dataclass, fields
+from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -30,10 +33,10 @@ from ..validate import fraction, non_negative_int, non_negative_number, positive
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
-           "resolve"]
+           "resolve", "host_parallel"]
 
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
-ENV = "MANUALDP_LINK"  # "alpha,beta,gamma[,duplex]" in s, s/byte, s/byte, 0..1: skips the calibration
+ENV = "MANUALDP_LINK"  # "alpha,beta,gamma[,duplex[,parallel]]" in s, s/byte, s/byte, 0..1, ranks: skips the calibration
 
 
 @dataclass(frozen=True)
@@ -44,18 +47,40 @@ class Link:
     beta: float   # seconds per byte sent or received
     gamma: float  # seconds per byte added
     duplex: float = 0.0  # what sending and receiving at once costs on top of the larger: 0 (free) to 1 (in turn)
+    parallel: int = 0  # ranks that can work at once, 0 for all; counted from the host (`host_parallel`), not cached
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             non_negative_number(name, getattr(self, name))
         fraction("duplex", self.duplex)
+        non_negative_int("parallel", self.parallel)
+
+
+MEASURED = ("alpha", "beta", "gamma", "duplex")  # what a calibration measures and the cache keeps
+
+
+def host_parallel(backend: str, world_size: int) -> int:
+    """How many of `world_size` ranks can work at once: 0 (all) unless a host has fewer cores than ranks.
+
+    On GPUs (NCCL) every rank has its own device: 0. On CPUs, each host runs
+    `LOCAL_WORLD_SIZE` ranks (torchrun sets it; otherwise all ranks are on this host) on this
+    host's cores, one core per rank at most.
+    """
+    positive_int("world_size", world_size)
+    if backend == "nccl":
+        return 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if local <= 0 or cores >= local:
+        return 0
+    return max(1, world_size // local) * cores
 
 
 def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_size: int = 4) -> float:
     """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`."""
     nbytes -= nbytes % element_size
     return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size,
-                link.duplex)
+                link.duplex, link.parallel)
 
 
 @functools.lru_cache(maxsize=1024)  # a training run asks for the same few bucket sizes again and again
@@ -102,36 +127,42 @@ def _agree(group, timeout: float | None) -> Link:
     device = _device(group)
     known = _own_constants(group, len(peers)) if rank == 0 else None
     # First: does rank 0 know the constants? If not, ranks 0 and 1 measure them.
-    message = torch.tensor([0.0] * 5 if known is None else [1.0, *astuple(known)], dtype=torch.float64, device=device)
+    message = torch.tensor([0.0] * (1 + len(fields(Link))) if known is None else [1.0, *astuple(known)],
+                           dtype=torch.float64, device=device)
     _broadcast(message, peers, rank, group, timeout)
     if message[0] == 0:
         measured = calibrate(group, timeout) if rank in (0, 1) else None
         if rank == 0:
             _save(group, len(peers), measured)
+            measured = replace(measured, parallel=host_parallel(dist.get_backend(group), len(peers)))
             message = torch.tensor([1.0, *astuple(measured)], dtype=torch.float64, device=device)
         _broadcast(message, peers, rank, group, timeout)
-    return Link(*(float(v) for v in message[1:].tolist()))
+    *values, parallel = message[1:].tolist()
+    return Link(*(float(v) for v in values), int(parallel))
 
 
 def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
     """The constants known without measuring, and where from: `MANUALDP_LINK`, else this host's cache.
 
     (None, cache path) when neither has them; a cache written by an older manualdp, whose
-    model had fewer constants, counts as none.
+    model had fewer constants, counts as none. `parallel` comes from the variable when it
+    gives one (else 0), from the host (`host_parallel`) with the cache.
     """
     if os.environ.get(ENV):
         try:
-            return Link(*(float(v) for v in os.environ[ENV].split(","))), f"${ENV}"
+            values = os.environ[ENV].split(",")
+            parallel = int(values.pop()) if len(values) == 5 else 0
+            return Link(*(float(v) for v in values), parallel=parallel), f"${ENV}"
         except (TypeError, ValueError) as e:
-            raise ValueError(f"{ENV} must be 'alpha,beta,gamma[,duplex]' (non-negative numbers, duplex from 0 "
-                             f"to 1), got {os.environ[ENV]!r}") from e
+            raise ValueError(f"{ENV} must be 'alpha,beta,gamma[,duplex[,parallel]]' (non-negative numbers, duplex "
+                             f"from 0 to 1, parallel a whole number of ranks), got {os.environ[ENV]!r}") from e
     path = cache_path(backend, world_size)
     try:
         with open(path) as f:
             saved = json.load(f)
-        if sorted(saved) != sorted(f.name for f in fields(Link)):
+        if sorted(saved) != sorted(MEASURED):
             return None, path
-        return Link(**saved), path
+        return Link(**saved, parallel=host_parallel(backend, world_size)), path
     except (OSError, ValueError, TypeError, AttributeError):
         return None, path
 
@@ -145,7 +176,7 @@ def _save(group, world_size: int, link: Link) -> None:
     path = cache_path(dist.get_backend(group), world_size)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json_atomic(path, asdict(link))
+        write_json_atomic(path, {k: v for k, v in asdict(link).items() if k in MEASURED})
     except OSError:  # a read-only home costs a calibration per run, nothing more
         pass
 
