@@ -202,14 +202,20 @@ def _checks_per_step():
         model = DistributedDataParallel(net, bucket_cap_mb=0.005, algorithm="ring", rebuild_buckets=False)
         sizes = [b.flat.numel() for b in model._buckets]
         for step in range(3):
+            if step == 2 and torch.distributed.get_rank() == 0:
+                model(torch.randn(8, 4))  # a forward without backward, on one rank only: its check waits for this step
             model(torch.randn(8, 4)).sum().backward()
-        return seen, sizes
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        return seen, sizes, grads
     finally:
         ddp.check_same_call, ddp.allreduce = check, reduce
 
 
 def test_the_wrapper_checks_each_step_once_ahead_of_its_buckets_which_go_unchecked():
-    for seen, sizes in launch(_checks_per_step, 2, timeout=60):
+    # Queued by the forward pass; a second forward before the backward queues no second check.
+    results = launch(_checks_per_step, 2, timeout=60)
+    for seen, sizes, _ in results:
         assert len(sizes) == 3
         step = [("check", sum(sizes))] + [("bucket", n, False) for n in sizes]
         assert seen == step * 3
+    assert torch.equal(results[0][2], results[1][2])  # the steps paired up: equal averaged gradients

@@ -7,9 +7,10 @@ from C++, with asynchronous collectives and no Python thread). At the end of bac
 averages are written into `.grad`. Every wrapper on one process group shares one worker, so
 their messages never interleave.
 
-The ranks compare their calls once per step, not once per bucket: the first gradient hook
-queues `check_same_call` for the whole step ahead of the buckets, so it runs while backward
-computes, and the buckets go out unchecked (their sizes were compared at construction).
+The ranks compare their calls once per step, not once per bucket: the forward pass (or else
+the first gradient hook) queues `check_same_call` for the whole step ahead of the buckets, so
+it runs while forward and backward compute, and the buckets go out unchecked (their sizes were
+compared at construction). A forward without a backward leaves it queued for the next step's.
 """
 from __future__ import annotations
 
@@ -373,6 +374,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.move_inputs:
             inputs, kwargs = _to_device((inputs, kwargs), self.device)
         self._sync_this_backward = self.require_backward_grad_sync
+        if torch.is_grad_enabled() and self._sync_this_backward and self._step_check is None:
+            self._step_check = self._check_step()  # runs on the worker while this forward and backward compute
         out = self.module(*inputs, **kwargs)
         self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         return out
@@ -405,7 +408,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._in_backward = True
             # Runs when the whole backward pass is done, also when some hooks never fire.
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._step_check = self._check_step()
+            if self._step_check is None:  # a backward whose forward did not queue it (the module called directly)
+                self._step_check = self._check_step()
         b, i = self._where[id(param)]
         with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
             full = self._buckets[b].mark_ready(i, param.grad)
@@ -427,8 +431,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
         One `check_same_call` for all buckets (their total size, bucket 0's algorithm): a rank
         that is out of step, or calls some other allreduce meanwhile, meets this fixed-size
-        table instead of a bucket, and every rank raises in one line. It is queued at the
-        first gradient hook, so it runs while the rest of backward computes.
+        table instead of a bucket, and every rank raises in one line. Queued by the forward
+        pass, it runs while forward and backward compute.
         """
         if self.world_size == 1 or self.debug or not p2p.CHECK_SAME_CALL:  # debug: each bucket is checked, in more words
             return None
