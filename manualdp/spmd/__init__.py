@@ -3,7 +3,9 @@
 Read in this order:
 - `peers.py`: waiting on other ranks with a deadline; `PeerError` names who is silent;
 - `p2p.py`: the book's schedules run by one rank as `isend`/`irecv` messages;
-- `ddp.py`: `DistributedDataParallel`, the drop-in for torch's (Join included);
+- `ddp.py`: `DistributedDataParallel`, the drop-in for torch's: buckets, hooks, the worker;
+  `ddp_sync.py` (the ranks compare and copy the model at construction), `ddp_checks.py`
+  (debug, static graph, unused parameters) and `ddp_join.py` (uneven inputs) are its parts;
 - `hooks.py`: comm hooks (allreduce, fp16/bf16 compression, PowerSGD, no-op);
 - `syncbn.py`: `SyncBatchNorm`, statistics over the process group;
 - `launch.py`: joining torchrun's group, starting ranks on this machine, `shard`;

@@ -22,15 +22,18 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets, flatten, unflatten_
+from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ..validate import (a_callable, boolean, iterable, nn_module, non_negative_int, one_of, positive_int,
                         positive_number, timeout_seconds)
 from .hooks import GradBucket
 from . import p2p
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
-from .peers import SerialWorker, group_ranks, group_timeout, talking_to, wait
+from .ddp_checks import StepChecks
+from .ddp_join import UnevenInputs
+from .ddp_sync import _Kept, _kept, _tensors, broadcast_from_rank0, check_same_layout, check_same_model
+from .peers import SerialWorker, group_ranks, group_timeout
 from .tune import ENGINE_ALGORITHMS, resolve
 
 __all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "check_same_layout",
@@ -128,7 +131,7 @@ def group_worker(group=None) -> SerialWorker:
     return worker
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
     """A drop-in for `torch.nn.parallel.DistributedDataParallel`, allreducing with manualdp's schedules.
 
     The positional arguments come in torch's order.
@@ -185,7 +188,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, debug: bool | None = None,
                  rebuild_buckets: bool = True) -> None:
         super().__init__()
-        Joinable.__init__(self)
+        UnevenInputs.__init__(self)
         nn_module("module", module)
         non_negative_int("dim", dim)
         positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
@@ -343,7 +346,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        Joinable.__init__(self)
+        UnevenInputs.__init__(self)
         for bucket in self._buckets:
             bucket.reset()
         self.rank, self._peers = group_ranks(None)
@@ -463,31 +466,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         allreduce(bucket.flags, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,
                   timeout=self.timeout, check=False)
 
-    def _check_in_step(self, index: int, bucket: Bucket) -> None:
-        """Debug mode: every rank must be about to reduce the same bucket of the same step; else all raise."""
-        mine = {"step": self._step, "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype),
-                "params": self._names[index], "joined": self._joined,
-                "unused": [n for n, arrived in zip(self._names[index], bucket.arrived) if not arrived]}
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        training = [(r, f) for r, f in enumerate(everyone) if not f["joined"]]
-        keys = ("bucket", "numel", "dtype", "params") + (("step",) if len(training) == self.world_size else ())
-        first_rank, first = training[0] if training else (0, everyone[0])
-        for r, theirs in training:
-            wrong = [k for k in keys if theirs[k] != first[k]]
-            if not wrong:
-                continue
-            a, b = first["params"], theirs["params"]
-            differs = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            named = (f"parameter {differs} of the bucket is {a[differs] if differs < len(a) else 'missing'!r} on rank "
-                     f"{first_rank} but {b[differs] if differs < len(b) else 'missing'!r} on rank {r}")
-            unused = "; ".join(f"rank {q}: {f['unused'] or 'none'}" for q, f in enumerate(everyone))
-            raise RuntimeError(
-                f"DistributedDataParallel desync: rank {first_rank} is at step {first['step']} bucket {first['bucket']} "
-                f"({first['numel']} elements, {first['dtype']}), rank {r} at step {theirs['step']} bucket "
-                f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
-                f"{named}. Unused parameters: {unused}")
-
     @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data
     def _finish_backward(self) -> None:
         """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
@@ -542,48 +520,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         if static is not None:
             self._static_used = frozenset(self._where[i] for i in static)
 
-    def _check_static(self, used: frozenset) -> None:
-        """static_graph: the parameters used must be those of the first iteration, as torch insists."""
-        if self._static_used is None:
-            self._static_used = used
-            return
-        names = lambda keys: sorted(self._names[b][i] for b, i in keys)  # noqa: E731
-        if used - self._static_used:
-            raise RuntimeError("Your training graph has changed in this iteration, e.g., one parameter is unused "
-                               "in first iteration, but then got used in the second iteration. this is not "
-                               "compatible with static_graph set to True. Newly used: "
-                               f"{names(used - self._static_used)}")
-        if self._static_used - used:
-            raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. "
-                               "This error indicates that your training graph has changed in this iteration, e.g., "
-                               "one parameter is used in first iteration, but then got unused in the second "
-                               "iteration. this is not compatible with static_graph set to True.\nParameters which "
-                               f"did not receive grad for rank {self.rank}: {names(self._static_used - used)}")
-
-    def _check_all_ready(self) -> None:
-        """Without find_unused_parameters every rank's backward must reach every parameter, as torch requires.
-
-        The ready flags were summed with the gradients, so every rank finds the same parameters
-        missing and the next forward raises on all of them (torch's reducer raises there too).
-        """
-        missing = sorted((self._index[id(p)], self._names[b][i], int(count), bucket.arrived[i])
-                         for b, bucket in enumerate(self._buckets)
-                         for i, (p, count) in enumerate(zip(bucket.params, bucket.ready.tolist()))
-                         if count < self._active)
-        if not missing:
-            return
-        here = [(k, name) for k, name, _, arrived in missing if not arrived]  # what torch's message names
-        self._unfinished = (
-            "Expected to have finished reduction in the prior iteration before starting a new one. This error "
-            "indicates that your module has parameters that were not used in producing loss. You can enable unused "
-            "parameter detection by passing the keyword argument `find_unused_parameters=True` to "
-            "DistributedDataParallel, and by making sure all `forward` function outputs participate in calculating "
-            f"loss.\nParameter indices which did not receive grad for rank {self.rank}: "
-            + " ".join(str(k) for k, _ in here)
-            + f"\nParameters which did not receive grad for rank {self.rank}: " + ", ".join(name for _, name in here)
-            + f"\nOn all {self._active} ranks, those which did not receive grad somewhere (ranks where they did): "
-            + ", ".join(f"{name} ({count} of {self._active})" for _, name, count, _ in missing))
-
     def _reset_backward(self) -> None:
         """Forget the backward pass: every bucket empty, none launched."""
         for bucket in self._buckets:
@@ -612,67 +548,6 @@ class DistributedDataParallel(nn.Module, Joinable):
                 else:
                     torch.div(view, divisor, out=p.grad)
 
-    # ---------------------------------------------------------------- Join: uneven inputs
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """A context for uneven inputs: ranks out of data shadow the others' collectives until all are done."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs) -> JoinHook:
-        """What this wrapper does while its rank has joined (`divide_by_initial_world_size`: default True)."""
-        divide = kwargs.get("divide_by_initial_world_size", True)
-        boolean("divide_by_initial_world_size", divide)
-        self._join_divide_by_initial = divide
-        return _JoinedRank(self)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return self.process_group
-
-    def _agree_on_step(self, active: int, syncing: int) -> tuple[int, int]:
-        """Allreduce (ranks still training, ranks whose step syncs gradients); joined ranks add zeros."""
-        counts = torch.tensor([active, syncing], dtype=torch.int64, device=self.device)
-        dist.all_reduce(counts, group=self.process_group)
-        return int(counts[0]), int(counts[1])
-
-    def _shadow_step(self) -> None:
-        """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
-        if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
-                                 self.process_group, self.timeout)
-        active, syncing = self._agree_on_step(0, 0)
-        self.require_forward_param_sync = syncing > 0
-        if not syncing:
-            return
-        self._divisor = self.world_size if self._join_divide_by_initial else active
-        self._joined = True
-        self._step_check = self._check_step()  # as the training ranks' first gradient hook does
-        for b, bucket in enumerate(self._buckets):
-            bucket.flat.zero_()
-            bucket.future = self._executor.submit(self._reduce, b, bucket)
-        try:
-            for bucket in self._buckets:
-                bucket.future.result()
-        finally:
-            self._reset_backward()
-
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """Every rank takes the model of the last rank to join (the highest such rank)."""
-        self._joined = False
-        candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
-        self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
-        root = self._peers[self._authoritative_rank]
-        with torch.no_grad():
-            for t in _tensors(self.module, self.parameters_to_ignore, params=True):
-                dist.broadcast(t.data, src=root, group=self.process_group)
-
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
         """torch's (private) way to exclude parameters and buffers, by full name, from a later wrapper's syncing."""
@@ -685,123 +560,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def __del__(self) -> None:
         for handle in self.__dict__.get("_hooks", ()):
             handle.remove()  # the module may outlive its wrapper: its backward must stop syncing
-
-
-class _JoinedRank(JoinHook):
-    """Join's hook for the wrapper: shadow each training step, then agree on the final model."""
-
-    def __init__(self, ddp: DistributedDataParallel) -> None:
-        self.ddp = ddp
-
-    def main_hook(self) -> None:
-        self.ddp._shadow_step()
-
-    def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._sync_final_model(is_last_joiner)
-
-
-def check_same_model(module: nn.Module, group, world_size: int) -> None:
-    """Raise on every rank unless every rank has the same parameter and buffer names, shapes and dtypes."""
-    mine = [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)
-            for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
-            for name, t in named]
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    for r, theirs in enumerate(everyone):
-        if theirs == everyone[0]:
-            continue
-        if len(theirs) != len(everyone[0]):
-            detail = f"rank 0 has {len(everyone[0])} parameters and buffers, rank {r} has {len(theirs)}"
-        else:
-            i = next(i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b)
-            detail = f"entry {i} is {everyone[0][i]} on rank 0 but {theirs[i]} on rank {r}"
-        raise ValueError(f"DistributedDataParallel: the model differs across ranks ({detail}); "
-                         "every rank must build the same model")
-
-
-def check_same_layout(layout: dict, group, world_size: int) -> None:
-    """Raise on every rank unless every rank gives the same `layout` (field name -> value).
-
-    The wrapper compares its communication layout at construction: buckets (count, element
-    counts, dtypes), bucket_cap_mb, algorithm (then each bucket's resolved one), segment_bytes
-    and the flags that change which messages are sent. Ranks that differ there would pair wrong
-    messages from the first backward on. The error names every differing field with each
-    rank's value, in `check_same_call`'s form (`manualdp.spmd.p2p`).
-    """
-    if not isinstance(layout, dict) or not all(isinstance(k, str) for k in layout):
-        raise TypeError(f"layout must be a dict from field names to values, got {layout!r}")
-    positive_int("world_size", world_size)
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, layout, group=group)
-    if all(theirs == everyone[0] for theirs in everyone):
-        return
-    differ = []
-    for field in dict.fromkeys(k for theirs in everyone for k in theirs):
-        values = [_shown(theirs.get(field, "missing")) for theirs in everyone]
-        if len(set(values)) > 1:
-            differ.append(f"{field} {'..'.join(sorted(set(values), key=lambda v: (len(v), v)))} "
-                          f"(per rank: {', '.join(values)})")
-    raise ValueError(f"rank {dist.get_rank(group)}: DistributedDataParallel built differently across ranks: "
-                     f"{'; '.join(differ)}; every rank must construct the wrapper with the same arguments "
-                     "and the same model")
-
-
-def _shown(value) -> str:
-    """A layout value as the error shows it: lists in brackets without quotes."""
-    if isinstance(value, (list, tuple)):
-        return "[" + " ".join(map(str, value)) + "]"
-    return str(value)
-
-
-def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int], group, timeout) -> None:
-    """Overwrite `tensors` with those of the group's rank 0, one flat message per dtype."""
-    if len(peers) == 1:
-        return
-    with torch.no_grad():
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            same = [t for t in tensors if t.dtype == dtype and t.numel()]
-            if not same:
-                continue
-            flat = flatten(same)
-            root = peers[0]
-            peer = root if rank != 0 else None
-            with talking_to(peer, timeout):
-                work = dist.broadcast(flat, src=root, group=group, async_op=True)
-            wait(work, peer, timeout)
-            # .data: autograd may have saved these buffers (BatchNorm, two forwards before one backward)
-            unflatten_(flat, [t.data for t in same])
-
-
-
-
-def _kept(named, ignored: set[str]) -> list:
-    """The (name, tensor) pairs of `named` whose name is not in `ignored`."""
-    return [(n, t) for n, t in named if n not in ignored]
-
-
-def _tensors(module: nn.Module, ignored: set[str], params: bool = False) -> list[torch.Tensor]:
-    """The module's buffers (and parameters first, with `params`) that are not ignored."""
-    kept = _kept(module.named_buffers(), ignored)
-    return [t for _, t in (_kept(module.named_parameters(), ignored) if params else []) + kept]
-
-
-class _Kept:
-    """`module` as `check_same_model` sees it: without the parameters and buffers that are ignored."""
-
-    def __init__(self, module: nn.Module, ignored: set[str]) -> None:
-        self.module, self.ignored = module, ignored
-
-    def named_parameters(self, *args, **kwargs):
-        return iter(_kept(self.module.named_parameters(*args, **kwargs), self.ignored))
-
-    def named_buffers(self, *args, **kwargs):
-        return iter(_kept(self.module.named_buffers(*args, **kwargs), self.ignored))
-
-    def parameters(self, *args, **kwargs):
-        return iter(t for _, t in self.named_parameters(*args, **kwargs))
-
-    def buffers(self, *args, **kwargs):
-        return iter(t for _, t in self.named_buffers(*args, **kwargs))
 
 
 def _weak_hook(wrapper: DistributedDataParallel):

@@ -1,0 +1,122 @@
+"""A wrapper's state across ranks: compare it (model, communication layout) and copy rank 0's.
+
+At construction every rank must hold the same model and build the same buckets with the same
+settings, or their messages would pair up wrong; these checks make every rank raise instead,
+naming what differs. `broadcast_from_rank0` then gives every rank rank 0's parameters, and
+before each forward its buffers.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..buckets import flatten, unflatten_
+from ..validate import positive_int
+from .peers import talking_to, wait
+
+__all__ = ["check_same_model", "check_same_layout", "broadcast_from_rank0"]
+
+
+def check_same_model(module: nn.Module, group, world_size: int) -> None:
+    """Raise on every rank unless every rank has the same parameter and buffer names, shapes and dtypes."""
+    mine = [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)
+            for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers()))
+            for name, t in named]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)
+    for r, theirs in enumerate(everyone):
+        if theirs == everyone[0]:
+            continue
+        if len(theirs) != len(everyone[0]):
+            detail = f"rank 0 has {len(everyone[0])} parameters and buffers, rank {r} has {len(theirs)}"
+        else:
+            i = next(i for i, (a, b) in enumerate(zip(everyone[0], theirs)) if a != b)
+            detail = f"entry {i} is {everyone[0][i]} on rank 0 but {theirs[i]} on rank {r}"
+        raise ValueError(f"DistributedDataParallel: the model differs across ranks ({detail}); "
+                         "every rank must build the same model")
+
+
+def check_same_layout(layout: dict, group, world_size: int) -> None:
+    """Raise on every rank unless every rank gives the same `layout` (field name -> value).
+
+    The wrapper compares its communication layout at construction: buckets (count, element
+    counts, dtypes), bucket_cap_mb, algorithm (then each bucket's resolved one), segment_bytes
+    and the flags that change which messages are sent. Ranks that differ there would pair wrong
+    messages from the first backward on. The error names every differing field with each
+    rank's value, in `check_same_call`'s form (`manualdp.spmd.p2p`).
+    """
+    if not isinstance(layout, dict) or not all(isinstance(k, str) for k in layout):
+        raise TypeError(f"layout must be a dict from field names to values, got {layout!r}")
+    positive_int("world_size", world_size)
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, layout, group=group)
+    if all(theirs == everyone[0] for theirs in everyone):
+        return
+    differ = []
+    for field in dict.fromkeys(k for theirs in everyone for k in theirs):
+        values = [_shown(theirs.get(field, "missing")) for theirs in everyone]
+        if len(set(values)) > 1:
+            differ.append(f"{field} {'..'.join(sorted(set(values), key=lambda v: (len(v), v)))} "
+                          f"(per rank: {', '.join(values)})")
+    raise ValueError(f"rank {dist.get_rank(group)}: DistributedDataParallel built differently across ranks: "
+                     f"{'; '.join(differ)}; every rank must construct the wrapper with the same arguments "
+                     "and the same model")
+
+
+def _shown(value) -> str:
+    """A layout value as the error shows it: lists in brackets without quotes."""
+    if isinstance(value, (list, tuple)):
+        return "[" + " ".join(map(str, value)) + "]"
+    return str(value)
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int], group, timeout) -> None:
+    """Overwrite `tensors` with those of the group's rank 0, one flat message per dtype."""
+    if len(peers) == 1:
+        return
+    with torch.no_grad():
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            same = [t for t in tensors if t.dtype == dtype and t.numel()]
+            if not same:
+                continue
+            flat = flatten(same)
+            root = peers[0]
+            peer = root if rank != 0 else None
+            with talking_to(peer, timeout):
+                work = dist.broadcast(flat, src=root, group=group, async_op=True)
+            wait(work, peer, timeout)
+            # .data: autograd may have saved these buffers (BatchNorm, two forwards before one backward)
+            unflatten_(flat, [t.data for t in same])
+
+
+
+
+def _kept(named, ignored: set[str]) -> list:
+    """The (name, tensor) pairs of `named` whose name is not in `ignored`."""
+    return [(n, t) for n, t in named if n not in ignored]
+
+
+def _tensors(module: nn.Module, ignored: set[str], params: bool = False) -> list[torch.Tensor]:
+    """The module's buffers (and parameters first, with `params`) that are not ignored."""
+    kept = _kept(module.named_buffers(), ignored)
+    return [t for _, t in (_kept(module.named_parameters(), ignored) if params else []) + kept]
+
+
+class _Kept:
+    """`module` as `check_same_model` sees it: without the parameters and buffers that are ignored."""
+
+    def __init__(self, module: nn.Module, ignored: set[str]) -> None:
+        self.module, self.ignored = module, ignored
+
+    def named_parameters(self, *args, **kwargs):
+        return iter(_kept(self.module.named_parameters(*args, **kwargs), self.ignored))
+
+    def named_buffers(self, *args, **kwargs):
+        return iter(_kept(self.module.named_buffers(*args, **kwargs), self.ignored))
+
+    def parameters(self, *args, **kwargs):
+        return iter(t for _, t in self.named_parameters(*args, **kwargs))
+
+    def buffers(self, *args, **kwargs):
+        return iter(t for _, t in self.named_buffers(*args, **kwargs))
