@@ -32,7 +32,7 @@ from . import p2p
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
 from .ddp_checks import StepChecks
 from .ddp_join import UnevenInputs
-from .ddp_sync import _Kept, _kept, _tensors, broadcast_from_rank0, check_same_layout, check_same_model
+from .ddp_sync import KeptModule, kept_named, state_tensors, broadcast_from_rank0, check_same_layout, check_same_model
 from .peers import SerialWorker, group_ranks, group_timeout
 from .tune import ENGINE_ALGORITHMS, resolve
 
@@ -217,12 +217,12 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             process_group = device_mesh.get_group()
         # names set by `_set_params_and_buffers_to_ignore_for_model`: neither synchronised nor checked
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        params = [p for _, p in _kept(module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
+        params = [p for _, p in kept_named(module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
         if not params:
             raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
                                     "(DistributedDataParallel is not needed when a module doesn't have any "
                                     "parameter that requires a gradient)")
-        devices = {t.device for t in _tensors(module, self.parameters_to_ignore, params=True)}
+        devices = {t.device for t in state_tensors(module, self.parameters_to_ignore, params=True)}
         if len(devices) != 1:
             raise ValueError(f"module must live on one device, its parameters and buffers are on {sorted(map(str, devices))}")
         self.device = devices.pop()
@@ -278,11 +278,11 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         self._ready = [] if rebuild_buckets else None  # ids of the parameters in the order their gradients came
         layout = assign_buckets(params, self._caps)
         if init_sync:
-            check_same_model(_Kept(module, self.parameters_to_ignore) if self.parameters_to_ignore else module,
+            check_same_model(KeptModule(module, self.parameters_to_ignore) if self.parameters_to_ignore else module,
                              process_group, self.world_size)
             # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
             check_same_layout(self._comm_layout(layout, rebuild_buckets), process_group, self.world_size)
-            broadcast_from_rank0(_tensors(module, self.parameters_to_ignore, params=True), self.rank, self._peers,
+            broadcast_from_rank0(state_tensors(module, self.parameters_to_ignore, params=True), self.rank, self._peers,
                                  process_group, self.timeout)
         self._set_buckets(layout)
         if init_sync and algorithm == "auto":  # otherwise each bucket's is `algorithm`, compared above
@@ -312,7 +312,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         """The per-process state that neither deepcopy nor pickle carries: lookup table, worker, hooks."""
         self._locate()
         # each parameter's index among those synchronised, in module order: torch's reducer's index
-        kept = [p for _, p in _kept(self.module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
+        kept = [p for _, p in kept_named(self.module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
         self._index = {id(p): k for k, p in enumerate(kept)}
         self._used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
         self._next_launch = 0  # buckets launch strictly in order, the same on every rank
@@ -368,7 +368,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
                                "gradient buckets were sent; the ranks are out of step, so training cannot go on")
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
+            broadcast_from_rank0(state_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
                                  self.process_group, self.timeout)
         if self._join_config.enable:
             # Joined ranks must know whether this step syncs, and how many ranks still train.

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import boolean
-from .ddp_sync import _tensors, broadcast_from_rank0
+from .ddp_sync import state_tensors, broadcast_from_rank0
 
 __all__ = ["UnevenInputs"]
 
@@ -50,7 +50,7 @@ class UnevenInputs(Joinable):
     def _shadow_step(self) -> None:
         """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
         if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
+            broadcast_from_rank0(state_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
                                  self.process_group, self.timeout)
         active, syncing = self._agree_on_step(0, 0)
         self.require_forward_param_sync = syncing > 0
@@ -76,7 +76,7 @@ class UnevenInputs(Joinable):
         self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
         root = self._peers[self._authoritative_rank]
         with torch.no_grad():
-            for t in _tensors(self.module, self.parameters_to_ignore, params=True):
+            for t in state_tensors(self.module, self.parameters_to_ignore, params=True):
                 dist.broadcast(t.data, src=root, group=self.process_group)
 
 

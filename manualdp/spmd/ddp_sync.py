@@ -92,28 +92,28 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int
 
 
 
-def _kept(named, ignored: set[str]) -> list:
+def kept_named(named, ignored: set[str]) -> list:
     """The (name, tensor) pairs of `named` whose name is not in `ignored`."""
     return [(n, t) for n, t in named if n not in ignored]
 
 
-def _tensors(module: nn.Module, ignored: set[str], params: bool = False) -> list[torch.Tensor]:
+def state_tensors(module: nn.Module, ignored: set[str], params: bool = False) -> list[torch.Tensor]:
     """The module's buffers (and parameters first, with `params`) that are not ignored."""
-    kept = _kept(module.named_buffers(), ignored)
-    return [t for _, t in (_kept(module.named_parameters(), ignored) if params else []) + kept]
+    kept = kept_named(module.named_buffers(), ignored)
+    return [t for _, t in (kept_named(module.named_parameters(), ignored) if params else []) + kept]
 
 
-class _Kept:
+class KeptModule:
     """`module` as `check_same_model` sees it: without the parameters and buffers that are ignored."""
 
     def __init__(self, module: nn.Module, ignored: set[str]) -> None:
         self.module, self.ignored = module, ignored
 
     def named_parameters(self, *args, **kwargs):
-        return iter(_kept(self.module.named_parameters(*args, **kwargs), self.ignored))
+        return iter(kept_named(self.module.named_parameters(*args, **kwargs), self.ignored))
 
     def named_buffers(self, *args, **kwargs):
-        return iter(_kept(self.module.named_buffers(*args, **kwargs), self.ignored))
+        return iter(kept_named(self.module.named_buffers(*args, **kwargs), self.ignored))
 
     def parameters(self, *args, **kwargs):
         return iter(t for _, t in self.named_parameters(*args, **kwargs))
