@@ -229,7 +229,7 @@ def _stop(tmp: str) -> str:
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [torchrun, "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0",
-           "-m", "manualdp", "train", *SMALL, "--epochs", "3", "--timeout", "5"]
+           "-m", "manualdp", "train", *SMALL, "--epochs", "100", "--timeout", "5"]  # still training at the stop
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"LeNet step, 2 ranks: {r['on'] * 1e3:.2f} ms with the rank checks, {r['off'] * 1e3:.2f} ms without: "
               f"{100 * r['overhead']:+.2f}%; the check alone: {r['check_s'] * 1e6:.0f} us, once per step for its "
               f"{r['buckets']} bucket(s) = {100 * r['check_share']:.2f}% of the step without it (target < 2%), "
-              "less in the step, where it runs while backward computes")
+              "less in the step, where it runs while forward and backward compute")
         save_outputs(r, args.json, None)
         return 0
     print(f"  {'category':<13}{'case':<40}outcome")
