@@ -57,7 +57,7 @@ def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str,
 
 
 def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, element_size: int = 1,
-         duplex: float = 0.0, parallel: int = 0) -> float:
+         duplex: float = 0.0, parallel: int = 0, segment_bytes: int | None = None) -> float:
     """Alpha-beta-gamma time estimate in seconds.
 
     Each round lasts as long as its busiest device: alpha per message it sends or receives,
@@ -70,11 +70,24 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     fewer (4 processes on 2 cores), a round also lasts at least the work of all its devices
     divided by `parallel`, so schedules where every device is busy every round (ring,
     halving-doubling) pay for it against those where most wait (tree, naive).
+
+    `segment_bytes`: messages cut into segments of this size, a receiver adding one segment
+    while the next is in flight (as `manualdp.spmd.p2p` does). Within a round, additions then
+    overlap transfers: a device with k segments to receive spends the larger of its transfer
+    and addition times plus 1/k of the smaller. None (the textbook's): one after the other.
     """
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
         non_negative_number(name, v)
     fraction("duplex", duplex)
     non_negative_int("parallel", parallel)
+    if segment_bytes is not None:
+        positive_int("segment_bytes", segment_bytes)
+
+    def busy(m, mi, s, r, red):  # one device's time in one round
+        move, add = beta * both(s, r), gamma * red
+        k = -(-r // segment_bytes) if segment_bytes and r else 1  # segments received: the pipeline's depth
+        return alpha * both(m, mi) + max(move, add) + min(move, add) / k
+
     both = lambda a, b: max(a, b) + duplex * min(a, b)  # noqa: E731
     total = 0.0
     for rnd in schedule.rounds:
@@ -83,7 +96,6 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
         msgs_in = [0] * schedule.num_devices
         for _src, dst in {(x.src, x.dst) for x in rnd}:
             msgs_in[dst] += 1
-        work = [alpha * both(m, mi) + beta * both(s, r) + gamma * red
-                for m, mi, s, r, red in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])]
+        work = [busy(*x) for x in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])]
         total += max(max(work), sum(work) / parallel) if 0 < parallel < len(work) else max(work)
     return total

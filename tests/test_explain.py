@@ -154,6 +154,11 @@ def test_explain_auto_with_ranks_sharing_cores_prefers_the_schedules_where_most_
     with pytest.raises(SystemExit):
         main(["ring", "--devices", "4", "--parallel", "2"])
     assert "--parallel is for explain auto" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["ring", "--devices", "4", "--segment-bytes", "4096"])
+    assert "--segment-bytes is for explain auto" in capsys.readouterr().err
+    assert main(common + ["--segment-bytes", str(size)]) == 0  # one segment: additions after transfers
+    assert f"pick: {choose(4, size, Link(1e-4, 5e-10, 4e-11, 1.0), segment_bytes=size)};" in capsys.readouterr().out
 
 
 def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given_ones(capsys, monkeypatch, tmp_path):

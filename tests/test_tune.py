@@ -88,6 +88,29 @@ def test_a_ring_on_shared_cores_costs_every_ranks_messages_over_the_cores(n, par
                         2 * (n - 1) * n * alpha / parallel)
 
 
+@given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4), alpha=st.floats(0, 1e-3),
+       beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 1), segment=st.integers(4, 1 << 24))
+def test_segments_overlap_additions_with_transfers_and_nothing_else(n, nbytes, alpha, beta, gamma, duplex, segment):
+    link = Link(alpha, beta, gamma, duplex)
+    for a in ALGORITHMS:
+        textbook = predict(a, n, nbytes, link, segment_bytes=None)
+        pipelined = predict(a, n, nbytes, link, segment_bytes=segment)
+        assert pipelined <= textbook * (1 + 1e-12)
+        if segment >= n * nbytes or gamma == 0:  # one segment per round, or nothing to add: nothing overlaps
+            assert math.isclose(pipelined, textbook, rel_tol=1e-12, abs_tol=1e-18)
+        # The overlap saves at most the additions: every byte is still moved.
+        assert pipelined >= predict(a, n, nbytes, Link(alpha, beta, 0.0, duplex), segment_bytes=None) * (1 - 1e-12)
+
+
+def test_naive_at_two_ranks_with_segments_pipelined_beats_the_ring_at_every_size():
+    # At two ranks ring's only gain over naive is that each rank adds half; with additions
+    # overlapped by the transfers that gain is gone, and ring's exchanges cost two messages a round.
+    link = Link(1e-4, 5e-10, 7e-11, duplex=1.0)
+    sizes = [4 << k for k in range(0, 25, 2)]
+    assert {choose(2, s, link) for s in sizes} <= {"naive", "tree"}
+    assert choose(2, 64 << 20, link, segment_bytes=None) == "ring"  # the textbook's sum: ring's halved additions win
+
+
 def test_host_parallel_counts_cores_per_host(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

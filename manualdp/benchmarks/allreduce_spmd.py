@@ -71,7 +71,8 @@ def _rank_main(config: dict) -> dict:
                 if i >= config["warmup"]:
                     times[name].append(seconds)
                     wrong[name] = max(wrong[name], int((work != expected).sum()))
-        out[size] = {"times": times, "wrong": wrong, "pick": resolve("auto", numel, element_size)}
+        out[size] = {"times": times, "wrong": wrong, "pick": resolve("auto", numel, element_size,
+                                                                             segment_bytes=config["segment_bytes"])}
     out["link"] = vars(link)
     return out
 
@@ -103,7 +104,7 @@ def run(config: dict) -> dict:
         auto = next(r for r in block if r["algorithm"] == "auto")
         explicit = [r for r in block if r["algorithm"] in config["algorithms"]]
         auto["pick"] = per_rank[0][size]["pick"]
-        auto["predicted_us"] = 1e6 * predict(auto["pick"], n, size, link, element_size)
+        auto["predicted_us"] = 1e6 * predict(auto["pick"], n, size, link, element_size, config["segment_bytes"])
         fastest = min(explicit, key=lambda r: r["time_us"])
         auto["fastest"] = fastest["algorithm"]
         # At two ranks naive and tree are one schedule (the same transfers): either counts as the other.

@@ -15,7 +15,7 @@ from collections import Counter
 
 from ..cost import cost, traffic
 from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective, get_schedule
-from ..spmd.tune import Link, choose, known_link, predict
+from ..spmd.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int
 
 __all__ = ["NAMES", "plot", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain",
@@ -187,13 +187,15 @@ def explain(
     return "\n".join(out)
 
 
-def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: int = 4, source: str = "") -> str:
+def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: int = 4, source: str = "",
+                 segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> str:
     """What `algorithm="auto"` picks for an allreduce of `size_bytes` on `num_devices` ranks: every prediction."""
     positive_int("num_devices", num_devices)
     non_negative_int("size_bytes", size_bytes)
+    positive_int("segment_bytes", segment_bytes)
     if num_devices > MAX_DEVICES:
         raise ValueError(f"num_devices must be at most {MAX_DEVICES}, got {num_devices}")
-    pick = choose(num_devices, size_bytes, link, element_size)
+    pick = choose(num_devices, size_bytes, link, element_size, segment_bytes)
     rounds = {a: get_schedule(a, num_devices).rounds for a in ALGORITHMS}
     out = [f"algorithm='auto' for an allreduce of {size_bytes} bytes on {num_devices} ranks",
            f"  link{f' ({source})' if source else ''}: alpha {_us(link.alpha)} per message, beta {link.beta:.3g} s/B"
@@ -204,9 +206,10 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
         same = [b for b in ALGORITHMS if b != a and rounds[b] == rounds[a]]
         note = ("  <- pick" if a == pick else "") + (f"  (same transfers as {', '.join(same)})" if same else "")
         out.append("  {:<18}{:>8}{:>16}".format(a, len(rounds[a]), _us(predict(a, num_devices, size_bytes, link,
-                                                                                element_size))) + note)
+                                                                                element_size, segment_bytes))) + note)
     out += ["", f"pick: {pick}; the model is manualdp.cost.cost, each round as long as its busiest rank, "
-                "sending and receiving at once charged (1 + duplex) times the larger"
+                "sending and receiving at once charged (1 + duplex) times the larger, additions overlapping "
+                f"transfers segment by segment ({segment_bytes} B)"
             + (f", and at least the work of all ranks over {link.parallel}" if 0 < link.parallel < num_devices else "")]
     return "\n".join(out)
 
@@ -245,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gamma", type=float, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
     parser.add_argument("--duplex", type=float, help="auto only: extra cost of sending and receiving at once, "
                         "0 (full duplex, default) to 1 (the directions take turns)")
+    parser.add_argument("--segment-bytes", type=int, help=f"auto only: the executor's message segments "
+                        f"(default {DEFAULT_SEGMENT_BYTES})")
     parser.add_argument("--parallel", type=int, help="auto only: ranks that can work at once, 0 for all (default: "
                         "this host's cores for cached constants, else 0)")
     parser.add_argument("--plot", metavar="PATH", help="also draw the rounds as a PNG")
@@ -254,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.algorithm == "auto":
         return _main_auto(parser, args)
+    if args.segment_bytes is not None:
+        parser.error("--segment-bytes is for explain auto (the schedules print per round, segments only matter to auto's pick)")
     if args.parallel is not None:
         parser.error("--parallel is for explain auto (it only matters to auto's pick)")
     if args.duplex is not None:
@@ -293,7 +300,8 @@ def _main_auto(parser, args) -> int:
             else:
                 link = Link(link.alpha, link.beta, link.gamma, link.duplex if args.duplex is None else args.duplex,
                             link.parallel if args.parallel is None else args.parallel)
-        text = explain_auto(args.devices, args.size, link, args.element_size, source)
+        text = explain_auto(args.devices, args.size, link, args.element_size, source,
+                            DEFAULT_SEGMENT_BYTES if args.segment_bytes is None else args.segment_bytes)
     except ValueError as e:
         parser.error(str(e))
     print(text)

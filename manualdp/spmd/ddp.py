@@ -295,7 +295,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         self._buckets = [Bucket([self._params[i] for i in b]) for b in layout]
         # "auto" may calibrate the first time, a collective: every rank resolves here, together.
         self._algorithms = [resolve(self.algorithm, b.flat.numel(), b.flat.element_size(), self.process_group,
-                                    self.timeout) for b in self._buckets]
+                                    self.timeout, self.segment_bytes) for b in self._buckets]
 
     def _comm_layout(self, layout: list[list[int]], rebuild_buckets: bool) -> dict:
         """What every rank's wrapper must agree on for their messages to pair up (see `check_same_layout`)."""

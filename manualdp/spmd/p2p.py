@@ -20,12 +20,11 @@ import torch.distributed as dist
 from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 from ..validate import boolean, check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
 from .peers import group_ranks, group_timeout, talking_to, wait
-from .tune import ENGINE_ALGORITHMS, resolve
+from .tune import DEFAULT_SEGMENT_BYTES, ENGINE_ALGORITHMS, resolve
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
            "may_post_early", "allreduce", "run_schedule", "check_same_call"]
 
-DEFAULT_SEGMENT_BYTES = 1 << 20
 
 
 class Message(NamedTuple):
@@ -247,7 +246,8 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     if len(peers) == 1 or tensor.numel() == 0:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
-    algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout)  # "auto": the cost model's pick
+    algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout,
+                        segment_bytes)  # "auto": the cost model's pick
     if check and CHECK_SAME_CALL:
         check_same_call(tensor, algorithm, segment_bytes, group, timeout)
     _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",

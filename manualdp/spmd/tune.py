@@ -33,8 +33,9 @@ from ..validate import fraction, non_negative_int, non_negative_number, positive
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
-           "resolve", "host_parallel"]
+           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES"]
 
+DEFAULT_SEGMENT_BYTES = 1 << 20  # the executor's segments (`manualdp.spmd.p2p`): the model pipelines additions with them
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
 ENV = "MANUALDP_LINK"  # "alpha,beta,gamma[,duplex[,parallel]]" in s, s/byte, s/byte, 0..1, ranks: skips the calibration
 
@@ -76,27 +77,30 @@ def host_parallel(backend: str, world_size: int) -> int:
     return max(1, world_size // local) * cores
 
 
-def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_size: int = 4) -> float:
-    """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`."""
+def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_size: int = 4,
+            segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> float:
+    """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`, cut into `segment_bytes`."""
     nbytes -= nbytes % element_size
     return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size,
-                link.duplex, link.parallel)
+                link.duplex, link.parallel, segment_bytes)
 
 
 @functools.lru_cache(maxsize=1024)  # a training run asks for the same few bucket sizes again and again
-def choose(world_size: int, nbytes: int, link: Link, element_size: int = 4) -> str:
+def choose(world_size: int, nbytes: int, link: Link, element_size: int = 4,
+           segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> str:
     """The algorithm with the lowest predicted time; ties go to the first in `ALGORITHMS`' order."""
     positive_int("world_size", world_size)
     non_negative_int("nbytes", nbytes)
-    return min(ALGORITHMS, key=lambda a: predict(a, world_size, nbytes, link, element_size))
+    return min(ALGORITHMS, key=lambda a: predict(a, world_size, nbytes, link, element_size, segment_bytes))
 
 
-def resolve(algorithm: str, numel: int, element_size: int, group=None, timeout: float | None = None) -> str:
+def resolve(algorithm: str, numel: int, element_size: int, group=None, timeout: float | None = None,
+            segment_bytes: int = DEFAULT_SEGMENT_BYTES) -> str:
     """`algorithm` itself, or for "auto" the choice for a buffer of `numel` elements in `group`."""
     if algorithm != "auto":
         return algorithm
     rank, peers = group_ranks(group)
-    return choose(len(peers), numel * element_size, link_for(group, timeout), element_size)
+    return choose(len(peers), numel * element_size, link_for(group, timeout), element_size, segment_bytes)
 
 
 # ---------------------------------------------------------------- the agreed constants of a group
