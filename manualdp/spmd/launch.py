@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import tempfile
 import time
 
@@ -77,10 +78,17 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir):
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(*args)
-    finally:
+    except BaseException:
         if dist.is_initialized():
             dist.destroy_process_group()
+        raise
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    # Done: leave without tearing the group down. gloo's teardown, while a peer tears down its
+    # side at the same moment, once aborted a rank whose work was finished ("terminate called
+    # without an active exception"); the result is saved, the parent reads it, the OS closes the rest.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1, init: bool = True) -> list:
