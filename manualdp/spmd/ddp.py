@@ -27,12 +27,13 @@ from torch.distributed.algorithms.join import Join
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ..validate import (a_callable, boolean, iterable, nn_module, non_negative_int, one_of, positive_int,
                         positive_number, timeout_seconds)
-from .hooks import GradBucket
 from . import p2p
-from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
 from .ddp_checks import StepChecks
 from .ddp_join import UnevenInputs
-from .ddp_sync import KeptModule, kept_named, state_tensors, broadcast_from_rank0, check_same_layout, check_same_model
+from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, kept_named,
+                       state_tensors)
+from .hooks import GradBucket
+from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
 from .peers import SerialWorker, group_ranks, group_timeout
 from .tune import ENGINE_ALGORITHMS, resolve
 

@@ -26,7 +26,6 @@ __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_mess
            "may_post_early", "allreduce", "run_schedule", "check_same_call"]
 
 
-
 class Message(NamedTuple):
     peer: int     # group rank of the other side
     lo: int       # first element of the slice of the flat buffer
@@ -280,7 +279,8 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     rank, peers = group_ranks(group)
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
     table = torch.zeros(len(peers), len(_FIELDS), dtype=torch.int64, device=tensor.device)
-    table[rank] = torch.tensor([tensor.numel() if numel is None else numel, dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
+    size = tensor.numel() if numel is None else numel
+    table[rank] = torch.tensor([size, dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
     _allreduce(table, "naive", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
     rows = table.tolist()
