@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_ranks", "group_timeout", "wait", "SerialWorker"]
+__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_ranks", "group_timeout", "wait", "talking_to", "peer_error", "SerialWorker"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds; gloo's own default is 30 minutes of silence
 
@@ -106,10 +106,18 @@ def talking_to(peer: int | None, timeout: float | None):
     try:
         yield
     except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
-        if isinstance(e, PeerError):
-            raise
-        rank = dist.get_rank() if dist.is_initialized() else -1
-        raise PeerError(rank, peer, _timed_out(e), timeout, _first_line(e)) from e
+        raise peer_error(e, peer, timeout) from e
+
+
+def peer_error(error: RuntimeError, peer: int | None, timeout: float | None) -> RuntimeError:
+    """`error` of a send, receive or wait involving `peer` as a `PeerError` (itself if it is one already).
+
+    For loops too hot for a `talking_to` around every message: they catch once and raise this.
+    """
+    if isinstance(error, PeerError):
+        return error
+    rank = dist.get_rank() if dist.is_initialized() else -1
+    return PeerError(rank, peer, _timed_out(error), timeout, _first_line(error))
 
 
 def wait(work, peer: int | None, timeout: float | None) -> None:
