@@ -3,6 +3,7 @@
     python bench/faults.py                 # every case (a few minutes)
     python bench/faults.py --quick         # the in-process cases only (seconds): what the tests run
     python bench/faults.py --check-cost    # what the always-on rank checks cost per LeNet step
+    python bench/faults.py --check-cost --model mlp --world-size 4
 
 Each case returns what happened: `handled` (refused in one line, or resumed exactly),
 `silent` (a wrong result with no error), `crash` (a traceback or an abort), `hang` (no end
@@ -301,12 +302,12 @@ def run_cases(quick: bool = False, show=print, only: str | None = None) -> dict:
 
 # ---------------------------------------------------------------- cost of the always-on rank checks
 
-def _cost_job(steps: int, rounds: int) -> dict:
+def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
     from ..spmd import p2p
     from ..spmd.ddp import DistributedDataParallel
     from ..support.models import get_model
     torch.manual_seed(0)
-    model = DistributedDataParallel(get_model("lenet"), timeout=60)
+    model = DistributedDataParallel(get_model(model_name), timeout=60)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(torch.distributed.get_rank())
     X, y = torch.randn(128, 1, 28, 28, generator=g), torch.randint(0, 10, (128,), generator=g)
@@ -344,10 +345,16 @@ def _cost_job(steps: int, rounds: int) -> dict:
 CHECK_CALLS = 200  # timed calls of the check alone
 
 
-def check_cost(steps: int, rounds: int) -> dict:
-    """Median LeNet step time (2 ranks, gloo, per-rank batch 128) with and without the per-call check."""
+def check_cost(steps: int, rounds: int, model: str = "lenet", world_size: int = 2) -> dict:
+    """Median step time of `model` (gloo, per-rank batch 128) with and without the per-step check."""
     from ..spmd import launch
-    result = launch(_cost_job, 2, (steps, rounds), timeout=600)[0]
+    from ..support.models import MODELS
+    if model not in MODELS:
+        raise ValueError(f"model must be one of {sorted(MODELS)}, got {model!r}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or not 2 <= world_size <= 8:
+        raise ValueError(f"world_size must be an int from 2 to 8, got {world_size!r}")
+    result = launch(_cost_job, world_size, (steps, rounds, model), timeout=600)[0]
+    result.update(model=model, world_size=world_size)
     result["overhead"] = result["on"] / result["off"] - 1
     result["check_share"] = result["check_s"] / result["off"]  # one check per step, whatever the buckets
     return result
@@ -361,14 +368,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check-cost", action="store_true", help="measure the always-on rank checks instead")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed block for --check-cost (default 20)")
     parser.add_argument("--rounds", type=int, default=5, help="timed blocks per setting for --check-cost (default 5)")
+    from ..support.models import MODELS
+    parser.add_argument("--model", choices=sorted(MODELS), default="lenet",
+                        help="model for --check-cost (default lenet)")
+    parser.add_argument("--world-size", type=int, default=2, help="ranks for --check-cost (default 2, at most 8)")
     parser.add_argument("--json", metavar="PATH", help="write the rows as JSON")
     args = parser.parse_args(argv)
     check_output_paths(parser, args)
     if args.steps < 1 or args.rounds < 1:
         parser.error(f"--steps and --rounds must be >= 1, got {args.steps} and {args.rounds}")
+    if not 2 <= args.world_size <= 8:
+        parser.error(f"--world-size must be from 2 to 8, got {args.world_size}")
     if args.check_cost:
-        r = check_cost(args.steps, args.rounds)
-        print(f"LeNet step, 2 ranks: {r['on'] * 1e3:.2f} ms with the rank checks, {r['off'] * 1e3:.2f} ms without: "
+        r = check_cost(args.steps, args.rounds, args.model, args.world_size)
+        print(f"{args.model} step, {args.world_size} ranks: {r['on'] * 1e3:.2f} ms with the rank checks, {r['off'] * 1e3:.2f} ms without: "
               f"{100 * r['overhead']:+.2f}%; the check alone: {r['check_s'] * 1e6:.0f} us, once per step for its "
               f"{r['buckets']} bucket(s) = {100 * r['check_share']:.2f}% of the step without it (target < 2%), "
               "less in the step, where it runs while forward and backward compute")
