@@ -60,6 +60,13 @@ class Bucket:
         self.flags = self.flat[self.offsets[-1]:]  # reduced apart from the gradients when a comm hook runs
         self.used = self.flags[:k]  # flag i: 1 where this rank's backward produced gradient i (or a no_sync one did)
         self.ready = self.flags[k:]  # flag i: 1 where gradient i's hook fired in this rank's backward pass
+        # The flags are kept in lists while gradients arrive and written once, by `seal`: a write
+        # into a tensor element is a torch call, two per parameter per step otherwise.
+        self.used_here = [0] * k
+        self.ready_here = [0] * k
+        # Each parameter's slice of `flat`, made once: slicing and reshaping in every hook costs as
+        # much as copying a small gradient.
+        self.views = [self.flat[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
         self.arrived = [False] * len(params)  # whose gradient this backward pass has copied into `flat`
         self.sparse = [False] * len(params)  # whose gradient came sparse (densified here, sparse again after)
         self.pending = len(params)  # gradients still to arrive before the bucket can be sent
@@ -67,7 +74,7 @@ class Bucket:
 
     def view(self, i: int) -> torch.Tensor:
         """Parameter `i`'s slice of `flat`, shaped like the parameter."""
-        return self.flat[self.offsets[i]:self.offsets[i + 1]].view(self.params[i].shape)
+        return self.views[i]
 
     def mark_ready(self, i: int, grad: torch.Tensor | None) -> bool:
         """Copy parameter `i`'s finished gradient in; True when it was the last one missing."""
@@ -83,8 +90,8 @@ class Bucket:
                 view.copy_(grad.to_dense())
             elif grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already in place
                 view.copy_(grad)
-            self.used[i] = 1
-        self.ready[i] = 1
+            self.used_here[i] = 1
+        self.ready_here[i] = 1
         self.arrived[i] = True
         self.pending -= 1
         return self.pending == 0
@@ -104,12 +111,18 @@ class Bucket:
             elif p.grad.data_ptr() != self.view(i).data_ptr():
                 self.view(i).copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
             if id(p) in used_earlier:
-                self.used[i] = 1
+                self.used_here[i] = 1
         self.pending = 0
+
+    def seal(self) -> None:
+        """Every gradient is in: write this rank's flags into `flat`, to be summed with the gradients."""
+        self.flags.copy_(torch.tensor(self.used_here + self.ready_here, dtype=self.flags.dtype))
 
     def reset(self) -> None:
         """Forget this backward pass: no gradient has arrived, nothing is running."""
         self.flags.zero_()
+        self.used_here = [0] * len(self.params)
+        self.ready_here = [0] * len(self.params)
         self.arrived = [False] * len(self.params)
         self.pending = len(self.params)
         self.future = None
@@ -426,6 +439,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         """Start the allreduce of every full bucket, in bucket order (every rank must send them in the same order)."""
         while self._next_launch < len(self._buckets) and self._buckets[self._next_launch].pending == 0:
             bucket = self._buckets[self._next_launch]
+            bucket.seal()
             run = self._reduce if self.recorder is None else _recorded(self._reduce, self.recorder, self._next_launch)
             bucket.future = self._executor.submit(run, self._next_launch, bucket)
             self._next_launch += 1
