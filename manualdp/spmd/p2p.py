@@ -3,7 +3,9 @@
 Every rank runs the same schedule and keeps the transfers where it is `src` or `dst`:
 1. `plan` merges them into messages and cuts those into segments (a pure function, tested
    without processes);
-2. an executor posts them as `isend`/`irecv` of `torch.distributed` and adds what arrives.
+2. an executor posts them as non-blocking sends and receives of `torch.distributed` and adds
+   what arrives: on gloo the process group's own `send`/`recv` (what `dist.isend`/`dist.irecv`
+   call, without their per-message checks), on NCCL `dist.batch_isend_irecv`.
 
 Every wait has a deadline (`timeout`, default: the process group's): a peer that dies or
 hangs ends in a `manualdp.spmd.peers.PeerError` naming it, never in a hang.
