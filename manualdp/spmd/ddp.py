@@ -58,12 +58,12 @@ class Bucket:
         self.flat = torch.zeros(self.offsets[-1] + 2 * k, dtype=params[0].dtype, device=params[0].device)
         self.grads = self.flat[:self.offsets[-1]]  # what a comm hook sees
         self.flags = self.flat[self.offsets[-1]:]  # reduced apart from the gradients when a comm hook runs
-        self.used = self.flags[:k]  # flag i: 1 where this rank's backward produced gradient i (or a no_sync one did)
-        self.ready = self.flags[k:]  # flag i: 1 where gradient i's hook fired in this rank's backward pass
-        # The flags are kept in lists while gradients arrive and written once, by `seal`: a write
+        # This rank's flags while gradients arrive, written into `flags` once, by `seal`: a write
         # into a tensor element is a torch call, two per parameter per step otherwise.
-        self.used_here = [0] * k
-        self.ready_here = [0] * k
+        self.used_here = [0] * k  # 1 where this rank's backward produced gradient i (or a no_sync one did)
+        self.ready_here = [0] * k  # 1 where gradient i's hook fired in this rank's backward pass
+        self.used = self.flags[:k]  # `used_here` once sealed; after the allreduce, how many ranks used gradient i
+        self.ready = self.flags[k:]  # `ready_here` once sealed; after the allreduce, how many ranks' hooks fired
         # Each parameter's slice of `flat`, made once: slicing and reshaping in every hook costs as
         # much as copying a small gradient.
         self.views = [self.flat[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]

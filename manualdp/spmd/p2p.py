@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 from ..validate import boolean, check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
-from .peers import group_ranks, group_timeout, peer_error, talking_to, wait
+from .peers import PeerError, group_ranks, group_timeout, peer_error, talking_to, wait
 from .tune import DEFAULT_SEGMENT_BYTES, ENGINE_ALGORITHMS, resolve
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
@@ -214,6 +214,8 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int], 
                 wait_for(work)
             spent += [w for *_, w in pending] + [w for _, w in sends]
             pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
+    except PeerError:
+        raise
     except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
         raise peer_error(e, peer, timeout) from e
     _keep_until_next_call(spent)

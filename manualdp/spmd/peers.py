@@ -105,17 +105,17 @@ def talking_to(peer: int | None, timeout: float | None):
     """
     try:
         yield
+    except PeerError:
+        raise
     except RuntimeError as e:  # gloo raises plain RuntimeErrors; torch's DistError types derive from it
         raise peer_error(e, peer, timeout) from e
 
 
 def peer_error(error: RuntimeError, peer: int | None, timeout: float | None) -> RuntimeError:
-    """`error` of a send, receive or wait involving `peer` as a `PeerError` (itself if it is one already).
+    """`error` (not a `PeerError`) of a send, receive or wait involving `peer`, as a `PeerError`.
 
     For loops too hot for a `talking_to` around every message: they catch once and raise this.
     """
-    if isinstance(error, PeerError):
-        return error
     rank = dist.get_rank() if dist.is_initialized() else -1
     return PeerError(rank, peer, _timed_out(error), timeout, _first_line(error))
 
