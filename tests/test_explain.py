@@ -164,7 +164,7 @@ def test_explain_auto_with_ranks_sharing_cores_prefers_the_schedules_where_most_
 def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given_ones(capsys, monkeypatch, tmp_path):
     import json
 
-    from manualdp.spmd.tune import cache_path
+    from manualdp.spmd.tune import CALIBRATION, cache_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -173,7 +173,11 @@ def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given
     assert "defaults: nothing measured yet" in capsys.readouterr().out
     (tmp_path / "manualdp").mkdir()
     with open(path, "w") as f:
-        json.dump({"alpha": 2e-4, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5}, f)
+        json.dump({"alpha": 2e-4, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5}, f)  # an older calibration's
+    main(["auto", "--devices", "3"])
+    assert "defaults: nothing measured yet" in capsys.readouterr().out
+    with open(path, "w") as f:
+        json.dump({"alpha": 2e-4, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": CALIBRATION}, f)
     main(["auto", "--devices", "3"])
     out = capsys.readouterr().out
     assert path in out and "alpha 200.0 us" in out and "duplex 0.50" in out

@@ -11,7 +11,7 @@ from hypothesis import given, strategies as st
 from manualdp.cost import traffic
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch
-from manualdp.spmd.tune import Link, cache_path, choose, host_parallel, predict
+from manualdp.spmd.tune import CALIBRATION, Link, cache_path, choose, host_parallel, predict
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4),
@@ -157,10 +157,10 @@ def _calibrate_twice(cache: str):
 
     os.environ["XDG_CACHE_HOME"] = cache
     os.environ.pop("MANUALDP_LINK", None)
-    if dist.get_rank() == 0:  # a cache of an older manualdp, without duplex: it must be measured again
+    if dist.get_rank() == 0:  # a cache of an older calibration (no "calibration" in it): it must be measured again
         os.makedirs(os.path.dirname(tune.cache_path("gloo", 2)), exist_ok=True)
         with open(tune.cache_path("gloo", 2), "w") as f:
-            json.dump({"alpha": 9.0, "beta": 9.0, "gamma": 9.0}, f)
+            json.dump({"alpha": 9.0, "beta": 9.0, "gamma": 9.0, "duplex": 0.0}, f)
     first = tune.link_for()
     tune._LINKS.clear()  # a new run: the constants now come from rank 0's cache, not a calibration
     tune.calibrate = None  # calling it would fail
@@ -177,4 +177,5 @@ def test_calibration_measures_once_and_rank_zero_caches_it(tmp_path, monkeypatch
     assert link.alpha != 9.0 and 0 <= link.duplex <= 1  # measured, not read from the old cache
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with open(cache_path("gloo", 2)) as f:
-        assert Link(**json.load(f)) == link
+        saved = json.load(f)
+    assert saved.pop("calibration") == CALIBRATION and Link(**saved) == link

@@ -1,12 +1,13 @@
 """`algorithm="auto"`: pick the schedule with the lowest predicted time, as NCCL's tuner does.
 
 The prediction is `manualdp.cost.cost`, the alpha-beta-gamma model, with constants fitted
-to this transport by a short calibration between two ranks: a few ping-pongs of one
-element give alpha (the time of a message), one large transfer gives beta (the time per
-byte), and a local addition gives gamma (the time per byte added). One large exchange, both
-ranks sending at once, gives `duplex`: 0 if a link carries both directions at full speed,
-1 if they take turns. Two processes on one 2-core machine measure about 1, and then the ring
-at two ranks, two rounds of exchange, loses to the naive schedule at every size. `parallel` is
+to this transport by a short calibration between two ranks, sending as the executor sends
+(`calibrate`): a few ping-pongs of one element give alpha (the time of a message), one large
+transfer gives beta (the time per byte), and a local addition gives gamma (the time per byte
+added). A ring of two ranks on a large buffer, both ranks sending at once, gives `duplex`: 0
+if a link carries both directions at full speed, 1 if they take turns. Two processes on one
+2-core machine measure 1, and then the ring at two ranks, two rounds of exchange, loses to the
+naive schedule at every size. `parallel` is
 not measured but counted: with more ranks on a host than it has cores (4 processes on 2 cores),
 only that many ranks work at once, and the model charges each round at least the work of all
 its ranks over that number (`host_parallel`). Every rank must choose
@@ -27,13 +28,13 @@ import torch
 import torch.distributed as dist
 
 from ..cost import cost
-from ..schedule import ALGORITHMS, get_schedule
+from ..schedule import ALGORITHMS, Schedule, Transfer, get_schedule
 from ..support.files import write_json_atomic
 from ..validate import fraction, non_negative_int, non_negative_number, positive_int
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
-           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES"]
+           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES", "CALIBRATION"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20  # the executor's segments (`manualdp.spmd.p2p`): the model pipelines additions with them
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
@@ -58,6 +59,7 @@ class Link:
 
 
 MEASURED = ("alpha", "beta", "gamma", "duplex")  # what a calibration measures and the cache keeps
+CALIBRATION = 2  # the cache's "calibration": bumped when the measurement changes, so older caches are measured again
 
 
 def host_parallel(backend: str, world_size: int) -> int:
@@ -149,7 +151,7 @@ def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
     """The constants known without measuring, and where from: `MANUALDP_LINK`, else this host's cache.
 
     (None, cache path) when neither has them; a cache written by an older manualdp, whose
-    model had fewer constants, counts as none. `parallel` comes from the variable when it
+    model had fewer constants or whose calibration measured otherwise, counts as none. `parallel` comes from the variable when it
     gives one (else 0), from the host (`host_parallel`) with the cache.
     """
     if os.environ.get(ENV):
@@ -164,7 +166,7 @@ def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
     try:
         with open(path) as f:
             saved = json.load(f)
-        if sorted(saved) != sorted(MEASURED):
+        if saved.pop("calibration", None) != CALIBRATION or sorted(saved) != sorted(MEASURED):
             return None, path
         return Link(**saved, parallel=host_parallel(backend, world_size)), path
     except (OSError, ValueError, TypeError, AttributeError):
@@ -180,7 +182,7 @@ def _save(group, world_size: int, link: Link) -> None:
     path = cache_path(dist.get_backend(group), world_size)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        write_json_atomic(path, {k: v for k, v in asdict(link).items() if k in MEASURED})
+        write_json_atomic(path, {**{k: v for k, v in asdict(link).items() if k in MEASURED}, "calibration": CALIBRATION})
     except OSError:  # a read-only home costs a calibration per run, nothing more
         pass
 
@@ -199,60 +201,72 @@ def _device(group) -> torch.device:
 # ---------------------------------------------------------------- measuring
 
 SMALL_REPEATS = 20
-LARGE_BYTES = 4 << 20
+LARGE_BYTES = 16 << 20
 LARGE_REPEATS = 9
+WARMUP = 2
 
 
 def calibrate(group=None, timeout: float | None = None) -> Link:
-    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, duplex by an exchange, gamma by an add.
+    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, duplex by a ring of two, gamma by an add.
 
-    Only those two ranks call it. Medians, after one untimed exchange of each size.
+    Only those two ranks call it. The bytes move as an allreduce moves them: through the
+    executor (`manualdp.spmd.p2p.run_schedule`), in its segments, receives posted ahead where
+    it posts them. A single 4 MiB `isend` answered by an `irecv` posted only then measured 2 to
+    3 times the time per byte that the executor takes (2 ranks on one 2-core host), and the
+    predictions for large buffers came out that much too slow. Medians, after `WARMUP`
+    untimed runs of each: the first transfers of a fresh process are the slowest.
     """
     rank, peers = group_ranks(group)
     if rank not in (0, 1):
         raise ValueError(f"calibrate runs on the group's ranks 0 and 1, not on rank {rank}")
-    other = peers[1 - rank]
     device = _device(group)
     small = torch.zeros(1, dtype=torch.float32, device=device)
     large = torch.zeros(LARGE_BYTES // 4, dtype=torch.float32, device=device)
-    alpha = _one_way(small, other, rank == 0, SMALL_REPEATS, group, timeout)
-    one_way_large = _one_way(large, other, rank == 0, LARGE_REPEATS, group, timeout)
+    alpha, = _timed([(small, _PING_PONG)], SMALL_REPEATS, group, peers, timeout)
+    # Both ways at once, LARGE_BYTES each way per round, as a ring of two runs it: one round adding what
+    # arrives, one overwriting. By the model of `manualdp.cost.cost` each round costs (1 + duplex)
+    # one-way transfers. (Exchanges without the additions measured 0.4 to 0.9 on 2 cores, with them
+    # 1.3 to 1.6: a rank's own thread both sends and adds, so the rounds of a ring cost more than
+    # the exchange alone says.) The two are timed in turns, so that the machine's noise hits both.
+    both = torch.zeros(2 * large.numel(), dtype=torch.float32, device=device)
+    one_way_large, two_way = _timed([(large, _PING_PONG), (both, _TWO_WAY)], LARGE_REPEATS, group, peers, timeout)
     beta = max(one_way_large - alpha, 0.0) / LARGE_BYTES
-    # Both ways at once: (1 + duplex) times one way, by the model of `manualdp.cost.cost`.
-    exchange = _exchange(large, torch.zeros_like(large), other, LARGE_REPEATS, group, timeout)
-    duplex = min(max(exchange / one_way_large - 1.0, 0.0), 1.0) if one_way_large > 0 else 0.0
+    duplex = min(max(two_way / one_way_large - 1.0, 0.0), 1.0) if one_way_large > 0 else 0.0
     add_times = []
-    for _ in range(LARGE_REPEATS + 1):
+    for _ in range(LARGE_REPEATS + WARMUP):
         start = time.perf_counter()
         large.add_(large)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         add_times.append(time.perf_counter() - start)
-    gamma = statistics.median(add_times[1:]) / LARGE_BYTES
+    gamma = statistics.median(add_times[WARMUP:]) / LARGE_BYTES
     return Link(alpha, beta, gamma, duplex)
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, peer: int, repeats: int, group, timeout: float | None) -> float:
-    """Median time for this rank and `peer` to send each other a buffer at the same time."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        with talking_to(peer, timeout):
-            works = [dist.irecv(recv, peer, group), dist.isend(send, peer, group)]
-        for work in works:
-            wait(work, peer, timeout)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+# Two-rank schedules for the calibration: there and back (one chunk), and both ways at once (two).
+# (chunks, rounds); the group's other ranks take no part.
+_PING_PONG = (1, ((Transfer(0, 1, 0, False),), (Transfer(1, 0, 0, False),)))
+_TWO_WAY = (2, ((Transfer(0, 1, 0, True), Transfer(1, 0, 1, True)),     # each sends one half, adds the other's
+                (Transfer(0, 1, 1, False), Transfer(1, 0, 0, False))))  # each sends back the half it summed
 
 
-def _one_way(buf: torch.Tensor, peer: int, first: bool, repeats: int, group, timeout: float | None) -> float:
-    """Half the median round trip of `buf` between this rank and `peer`."""
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        for send in ((True, False) if first else (False, True)):
-            with talking_to(peer, timeout):
-                work = (dist.isend if send else dist.irecv)(buf, peer, group)
-            wait(work, peer, timeout)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:]) / 2
+def _timed(jobs: list[tuple[torch.Tensor, tuple]], repeats: int, group, peers: list[int],
+           timeout: float | None) -> list[float]:
+    """Per (buffer, schedule shape) of `jobs`, run in turns: the median seconds of one round of it.
+
+    Ranks 0 and 1 of the group run each shape with the executor; both shapes have two rounds.
+    """
+    from .p2p import run_schedule  # p2p imports this module for "auto"
+
+    rank = peers.index(dist.get_rank())
+    early = dist.get_backend(group) == "gloo"
+    schedules = [Schedule("calibration", len(peers), chunks, rounds, ("",) * len(rounds)) for _, (chunks, rounds) in jobs]
+    times: list[list[float]] = [[] for _ in jobs]
+    for _ in range(repeats + WARMUP):
+        for (buf, _), schedule, out in zip(jobs, schedules, times):
+            start = time.perf_counter()
+            run_schedule(buf, schedule, group, rank, peers, DEFAULT_SEGMENT_BYTES, early, timeout)
+            if buf.device.type == "cuda":
+                torch.cuda.synchronize(buf.device)
+            out.append((time.perf_counter() - start) / len(schedule.rounds))
+    return [statistics.median(t[WARMUP:]) for t in times]
