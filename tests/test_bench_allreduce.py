@@ -113,3 +113,6 @@ def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeyp
     checked = [r for r in result["rows"] if r["algorithm"] == "auto+check"]  # auto as users call it, also timed
     assert [r["size"] for r in checked] == [4096, 16384] and all(r["wrong"] == 0 for r in checked)
     assert result["target"]["checked_vs_gloo_min"] is None  # the target counts sizes from 64 KiB only
+    missed = [r["pick_vs_fastest"] for r in autos if not r["pick_is_fastest"]]
+    assert result["target"]["pick_vs_fastest_max"] == (max(missed) if missed else None)
+    assert all(x >= 1.0 for x in missed)  # a miss took at least as long as the fastest
