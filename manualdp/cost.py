@@ -9,7 +9,7 @@ from __future__ import annotations
 from .schedule import Schedule, chunk_sizes
 from .validate import fraction, non_negative_int, non_negative_number, positive_int
 
-__all__ = ["check_schedule", "traffic", "cost"]
+__all__ = ["check_schedule", "traffic", "cost", "shared_cores"]
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -67,9 +67,10 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     CPU share its cores (`manualdp.spmd.tune` measures it).
 
     `parallel`: how many devices can work at once; 0 (the textbook's) for all of them. With
-    fewer (4 processes on 2 cores), a round also lasts at least the work of all its devices
-    divided by `parallel`, so schedules where every device is busy every round (ring,
-    halving-doubling) pay for it against those where most wait (tree, naive).
+    fewer (4 processes on 2 cores), the busy devices of a round share the cores equally, as
+    the operating system shares them (`shared_cores`): a round where every device is busy
+    (ring, halving-doubling) lasts all their work over `parallel`, and one device with most
+    of the work (naive's root) is slowed while the others share its core, then finishes alone.
 
     `segment_bytes`: messages cut into segments of this size, a receiver adding one segment
     while the next is in flight (as `manualdp.spmd.p2p` does). Within a round, additions then
@@ -97,5 +98,25 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
         for _src, dst in {(x.src, x.dst) for x in rnd}:
             msgs_in[dst] += 1
         work = [busy(*x) for x in zip(t["messages"], msgs_in, t["sent"], t["received"], t["reduced"])]
-        total += max(max(work), sum(work) / parallel) if 0 < parallel < len(work) else max(work)
+        total += shared_cores(work, parallel)
     return total
+
+
+def shared_cores(work: list[float], parallel: int = 0) -> float:
+    """How long devices with these amounts of `work` (seconds on a core of their own) take on
+    `parallel` cores shared equally among the busy ones; 0 for a core each (the longest work).
+
+    Processor sharing: while m > `parallel` devices are busy, each runs at `parallel`/m of a core;
+    as each finishes, the others speed up. Equal work takes sum(work)/`parallel`; a device with
+    more than the rest takes longer than its own work, which is what a schedule that makes one
+    device do most of a round (naive's root) costs when there are fewer cores than devices.
+    """
+    non_negative_int("parallel", parallel)
+    busy = sorted(w for w in work if w > 0)
+    if not busy or parallel == 0 or parallel >= len(busy):
+        return busy[-1] if busy else 0.0
+    elapsed = done = 0.0
+    for i, w in enumerate(busy):  # the i-th to finish: len(busy) - i are busy until then
+        elapsed += (w - done) * max(1.0, (len(busy) - i) / parallel)
+        done = w
+    return elapsed

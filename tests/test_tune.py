@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from hypothesis import given, strategies as st
 
-from manualdp.cost import traffic
+from manualdp.cost import shared_cores, traffic
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch
 from manualdp.spmd.tune import CALIBRATION, Link, cache_path, choose, host_parallel, predict
@@ -86,6 +86,43 @@ def test_a_ring_on_shared_cores_costs_every_ranks_messages_over_the_cores(n, par
     alpha = 1e-4
     assert math.isclose(predict("ring", n, 1 << 20, Link(alpha, 0.0, 0.0, 0.0, parallel)),
                         2 * (n - 1) * n * alpha / parallel)
+
+
+@given(work=st.lists(st.floats(0, 10), max_size=8), parallel=st.integers(0, 8))
+def test_shared_cores_lies_between_the_two_bounds_of_scheduling_on_fewer_cores(work, parallel):
+    t = shared_cores(work, parallel)
+    assert shared_cores(sorted(work, reverse=True), parallel) == t  # who is who does not matter
+    busy = [w for w in work if w > 0]
+    if not busy:
+        assert t == 0.0
+        return
+    if parallel == 0 or parallel >= len(busy):  # a core each: the longest work
+        assert t == max(busy)
+        return
+    lower = max(max(busy), sum(busy) / parallel)  # no core does more than all of it; no device runs faster than one core
+    graham = sum(busy) / parallel + (1 - 1 / parallel) * max(busy)  # Graham's bound for any schedule that never idles a core
+    assert lower * (1 - 1e-12) <= t <= graham * (1 + 1e-12)
+    if len(set(busy)) == 1:  # equal work packs the cores exactly
+        assert math.isclose(t, sum(busy) / parallel, rel_tol=1e-12)
+
+
+def test_shared_cores_rejects_a_negative_number_of_cores():
+    with pytest.raises(ValueError, match="parallel must be a non-negative int"):
+        shared_cores([1.0], -1)
+
+
+def test_on_two_cores_naive_root_waits_its_turn_and_tree_wins_at_four_ranks():
+    # Moving n bytes costs beta*n on each side; sending and receiving take turns (duplex 1); no alpha, no adds.
+    # naive: 3 senders with n each and a root with 3n share 2 cores, so each runs at half speed until the
+    # senders finish (2n of time, the root has done n) and the root does its other 2n alone: 4n a round,
+    # two rounds. tree: four rounds; the first and last have 4 busy ranks with n each (2n over 2 cores),
+    # the middle two one pair (n). ring: six rounds of 4 ranks each moving n/4 both ways (n/2): n a round.
+    beta, n = 1e-9, 1 << 20
+    shared = Link(0.0, beta, 0.0, duplex=1.0, parallel=2)
+    times = {a: predict(a, 4, n, shared, segment_bytes=None) / (beta * n) for a in ("naive", "tree", "ring")}
+    assert times == pytest.approx({"naive": 8.0, "tree": 6.0, "ring": 6.0}, rel=1e-12)
+    assert predict("naive", 4, n, Link(0.0, beta, 0.0, duplex=1.0), segment_bytes=None) == pytest.approx(6 * beta * n)
+    assert choose(4, n, Link(1e-4, beta, 0.0, duplex=1.0, parallel=2)) == "tree"  # fewer messages than ring
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4), alpha=st.floats(0, 1e-3),

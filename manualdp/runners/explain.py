@@ -210,7 +210,7 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     out += ["", f"pick: {pick}; the model is manualdp.cost.cost, each round as long as its busiest rank, "
                 "sending and receiving at once charged (1 + duplex) times the larger, additions overlapping "
                 f"transfers segment by segment ({segment_bytes} B)"
-            + (f", and at least the work of all ranks over {link.parallel}" if 0 < link.parallel < num_devices else "")]
+            + (f", and the busy ranks sharing {link.parallel} cores equally" if 0 < link.parallel < num_devices else "")]
     return "\n".join(out)
 
 

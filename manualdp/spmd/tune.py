@@ -8,9 +8,10 @@ added). A ring of two ranks on a large buffer, both ranks sending at once, gives
 if a link carries both directions at full speed, 1 if they take turns. Two processes on one
 2-core machine measure 1, and then the ring at two ranks, two rounds of exchange, loses to the
 naive schedule at every size. `parallel` is
-not measured but counted: with more ranks on a host than it has cores (4 processes on 2 cores),
-only that many ranks work at once, and the model charges each round at least the work of all
-its ranks over that number (`host_parallel`). Every rank must choose
+not measured but counted (`host_parallel`): with more ranks on a host than it has cores (4
+processes on 2 cores), the busy ranks of a round share the cores (`manualdp.cost.shared_cores`),
+which favours schedules that spread a round's work (tree) over one rank doing most of it
+(naive's root). Every rank must choose
 alike, so rank 0 decides the constants (from `MANUALDP_LINK`, its cache or a calibration)
 and broadcasts them; each rank then computes the same argmin from the same numbers.
 """
