@@ -119,8 +119,8 @@ def format_table(result: dict) -> str:
     for name in NAMES:
         s = result["results"][name]
         lines.append(fmt(name, f"{s['samples_per_s']:.1f}", f"{s['p50_ms']:.2f}", f"{s['p90_ms']:.2f}"))
-    ok = "met" if result["ratio"] >= 0.95 else "NOT met"
-    lines += [f"ratio manualdp/DDP (samples/s): {result['ratio']:.3f}  (target >= 0.95: {ok}); "
+    ok = "met" if result["ratio"] >= 1.0 else "NOT met"  # at least as fast as torch's DDP on the same engine
+    lines += [f"ratio manualdp/DDP (samples/s): {result['ratio']:.3f}  (target >= 1.00: {ok}); "
               f"median of per-round ratios {result['paired_ratio']:.3f}",
               f"max |parameter difference| after {result['steps_per_model']} steps each: {result['max_param_diff']:.3g}"]
     return "\n".join(lines)
