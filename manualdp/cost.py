@@ -112,6 +112,8 @@ def shared_cores(work: list[float], parallel: int = 0) -> float:
     device do most of a round (naive's root) costs when there are fewer cores than devices.
     """
     non_negative_int("parallel", parallel)
+    for i, w in enumerate(work):
+        non_negative_number(f"work[{i}]", w)
     busy = sorted(w for w in work if w > 0)
     if not busy or parallel == 0 or parallel >= len(busy):
         return busy[-1] if busy else 0.0

@@ -106,9 +106,12 @@ def test_shared_cores_lies_between_the_two_bounds_of_scheduling_on_fewer_cores(w
         assert math.isclose(t, sum(busy) / parallel, rel_tol=1e-12)
 
 
-def test_shared_cores_rejects_a_negative_number_of_cores():
+def test_shared_cores_rejects_a_negative_number_of_cores_and_work_that_is_not_a_time():
     with pytest.raises(ValueError, match="parallel must be a non-negative int"):
         shared_cores([1.0], -1)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"work\[1\] must be a non-negative number"):
+            shared_cores([1.0, bad], 2)
 
 
 def test_on_two_cores_naive_root_waits_its_turn_and_tree_wins_at_four_ranks():
