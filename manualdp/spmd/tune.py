@@ -6,8 +6,9 @@ to this transport by a short calibration between two ranks, sending as the execu
 transfer gives beta (the time per byte), and a local addition gives gamma (the time per byte
 added). A ring of two ranks on a large buffer, both ranks sending at once, gives `duplex`: 0
 if a link carries both directions at full speed, 1 if they take turns. Two processes on one
-2-core machine measure 1, and then the ring at two ranks, two rounds of exchange, loses to the
-naive schedule at every size. `parallel` is
+2-core machine measure about 1, and then the ring at two ranks, two rounds of exchange, loses to
+the naive schedule at every size; on a busy machine the reading swings (0.5 to 1.3 from one
+calibration to the next), and below 1 it makes ring the pick for large buffers. `parallel` is
 not measured but counted (`host_parallel`): with more ranks on a host than it has cores (4
 processes on 2 cores), the busy ranks of a round share the cores (`manualdp.cost.shared_cores`),
 which favours schedules that spread a round's work (tree) over one rank doing most of it
