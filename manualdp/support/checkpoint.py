@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import fcntl
 import glob
 import hashlib
 import io
@@ -184,40 +185,67 @@ def check_same_config(saved: dict, now: dict, where: str, allowed=ALLOWED_CHANGE
 
 
 def lock_path(directory: str) -> str:
-    """Where `directory`'s lock lives: beside it (`ckpt.lock`), so the folder holds checkpoints only."""
-    return os.path.normpath(os.path.abspath(directory)) + ".lock"
+    """Where `directory`'s lock lives: beside it (`ckpt.lock`), so the folder holds checkpoints only.
+
+    The path is resolved first (symlinks, `..`, the working folder), so every name of one folder
+    gives the same lock.
+    """
+    return os.path.realpath(directory) + ".lock"
 
 
 def lock_checkpoint_dir(directory: str):
     """Take `directory`'s lock file, or raise if a live run holds it; return a function that releases it.
 
-    A lock whose process is gone (same host, pid not running) is stale: it is taken over with a
-    warning, so a killed run never blocks its own resume.
+    A lock whose process is gone (same host, pid not running, or a zombie) is stale: it is taken
+    over with a warning, so a killed run never blocks its own resume. The lock appears with its
+    contents at once (a hard link to a file already written), and a stale one is removed only by
+    the process holding `flock` on it, so of several processes taking one stale lock, one wins.
     """
     os.makedirs(directory, exist_ok=True)
     lock = lock_path(directory)
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
-    for _ in range(3):
-        try:
-            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            owner = _read_lock(lock)
-            if owner is not None and _alive(owner):
-                raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by process {owner.get('pid')} on "
-                                 f"{owner.get('host')}; wait for it, or delete {lock} if that run is gone") from None
-            warnings.warn(f"taking over the stale lock {lock} of a run that is gone ({owner})")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(lock)
-            continue
-        with os.fdopen(fd, "w") as f:
-            json.dump(me, f)
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "token": uuid.uuid4().hex}
+    mine = f"{lock}.{me['token']}.tmp"
+    with open(mine, "w") as f:
+        json.dump(me, f)
+    try:
+        for _ in range(10):
+            try:
+                os.link(mine, lock)  # fails if the lock exists: exactly one process creates it
+            except FileExistsError:
+                owner = _read_lock(lock)
+                if owner is not None and _alive(owner):
+                    raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by process {owner.get('pid')} "
+                                     f"on {owner.get('host')}; wait for it, or delete {lock} if that run is gone") from None
+                _remove_if_stale(lock)
+                continue
 
-        def release():
-            if (_read_lock(lock) or {}).get("pid") == me["pid"]:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(lock)
-        return release
+            def release():
+                if _read_lock(lock) == me:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(lock)
+            return release
+    finally:
+        os.remove(mine)
     raise ValueError(f"could not take the lock {lock}: another run keeps taking it")
+
+
+def _remove_if_stale(lock: str) -> None:
+    """Remove `lock` if it still is a dead run's, holding `flock` on it so that one process decides."""
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except FileNotFoundError:
+        return  # another process removed it first
+    with os.fdopen(fd) as f:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # released when f closes
+        try:
+            if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+                return  # removed, and maybe taken, while we waited: look again
+        except FileNotFoundError:
+            return
+        owner = _read_lock(lock)
+        if owner is None or not _alive(owner):
+            warnings.warn(f"taking over the stale lock {lock} of a run that is gone ({owner})")
+            os.remove(lock)
 
 
 def _read_lock(lock: str) -> dict | None:
@@ -225,7 +253,7 @@ def _read_lock(lock: str) -> dict | None:
         with open(lock) as f:
             return json.load(f)
     except (OSError, ValueError):
-        return None  # unreadable or half-written: a writer killed between create and write
+        return None  # unreadable or damaged
 
 
 def _alive(owner: dict) -> bool:
@@ -242,7 +270,11 @@ def _alive(owner: dict) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    try:  # a zombie has exited; only its parent has not collected it yet
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
 
 
 def rng_state() -> dict:
@@ -376,8 +408,9 @@ class TrainingState:
         """Continue from `state`, a checkpoint `save` wrote."""
         if state.get("identity") is not None:
             self.run_id = state["identity"]["run_id"]
-        for r, opt in zip(replicas, optimizers):
+        for r in replicas:
             r.load_state_dict(state["model"])
+        for opt in optimizers:  # one per replica, or one that holds every device's shard (ZeRO)
             # deepcopy: load_state_dict keeps the very tensors it is given (momentum buffers) when
             # device and dtype match, and replicas must never share storage.
             opt.load_state_dict(copy.deepcopy(state["optimizer"]))

@@ -1,0 +1,114 @@
+"""The checkpoint lock: one run per folder, whatever the folder is called, and one winner of a stale lock."""
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import pytest
+
+from manualdp.support.checkpoint import lock_checkpoint_dir, lock_path
+
+DEAD_PID = 2**22 + 12345  # above Linux's largest pid_max: never a running process
+
+
+def _held_by_me():
+    return pytest.raises(ValueError, match=f"in use by process {os.getpid()}")
+
+
+def test_a_symlink_to_a_locked_folder_is_locked(tmp_path):
+    real = tmp_path / "ckpt"
+    release = lock_checkpoint_dir(str(real))
+    try:
+        os.symlink(real, tmp_path / "link")
+        with _held_by_me():
+            lock_checkpoint_dir(str(tmp_path / "link"))
+    finally:
+        release()
+    assert not os.path.exists(lock_path(str(real)))
+
+
+def test_a_relative_path_to_a_locked_folder_is_locked(tmp_path, monkeypatch):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    os.symlink(tmp_path / "a" / "b", tmp_path / "up")
+    monkeypatch.chdir(tmp_path)
+    release = lock_checkpoint_dir("a/ckpt")
+    try:
+        # "up/.." is "a", not ".": only resolving the symlink sees that this is the same folder
+        for name in ["up/../ckpt", str(tmp_path / "a" / "ckpt"), "a/./ckpt/"]:
+            with _held_by_me():
+                lock_checkpoint_dir(name)
+    finally:
+        release()
+
+
+def _race(folder, barrier, wins, trials):
+    warnings.simplefilter("ignore")
+    for trial in range(trials):
+        barrier.wait()  # the parent has written a stale lock
+        try:
+            release = lock_checkpoint_dir(folder)
+        except ValueError as e:
+            assert "in use" in str(e), e
+            release = None
+        with wins.get_lock():
+            wins[trial] += release is not None
+        barrier.wait()  # everyone has tried
+        if release is not None:
+            release()
+        barrier.wait()  # the winner has let go
+
+
+def test_of_processes_taking_one_stale_lock_at_once_exactly_one_wins(tmp_path):
+    procs, trials = 4, 20
+    folder = str(tmp_path / "ckpt")
+    ctx = mp.get_context("fork")  # the children touch files only; fork keeps the test fast
+    barrier, wins = ctx.Barrier(procs + 1, timeout=60), ctx.Array("i", trials)
+    workers = [ctx.Process(target=_race, args=(folder, barrier, wins, trials)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    try:
+        for _ in range(trials):
+            with open(lock_path(folder), "w") as f:
+                json.dump({"pid": DEAD_PID, "host": os.uname().nodename}, f)
+            barrier.wait()
+            barrier.wait()
+            barrier.wait()
+            assert not os.path.exists(lock_path(folder))
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.kill()
+    assert [w.exitcode for w in workers] == [0] * procs
+    assert list(wins) == [1] * trials
+
+
+def test_a_lock_whose_owner_is_a_zombie_is_taken_over(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])  # never waited for until the end: a zombie
+    try:
+        deadline = time.monotonic() + 30
+        while open(f"/proc/{zombie.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with open(lock_path(folder), "w") as f:
+            json.dump({"pid": zombie.pid, "host": os.uname().nodename}, f)
+        with pytest.warns(UserWarning, match="stale lock"):
+            release = lock_checkpoint_dir(folder)
+        assert json.load(open(lock_path(folder)))["pid"] == os.getpid()
+        release()
+    finally:
+        zombie.wait()
+    assert not os.path.exists(lock_path(folder))
+
+
+def test_a_live_owner_keeps_its_lock_and_nothing_is_left_beside_the_folder(tmp_path):
+    folder = str(tmp_path / "ckpt")
+    release = lock_checkpoint_dir(folder)
+    with _held_by_me():
+        lock_checkpoint_dir(folder)
+    release()
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
