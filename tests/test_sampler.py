@@ -2,7 +2,7 @@
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 from manualdp.spmd import ShardedBatchSampler, launch, shard_loader
 
@@ -56,6 +56,17 @@ def test_bad_arguments_are_named():
         ShardedBatchSampler(range(4), 2, False, 2, 2)
     with pytest.raises(TypeError, match="loader must be a torch DataLoader"):
         shard_loader([1, 2], 0, 2)
+
+
+def test_a_loader_shuffled_by_the_global_generator_is_refused():
+    # Ranks' global generators differ, so without its own generator each rank would shuffle its own way.
+    data = TensorDataset(torch.arange(8.0))
+    unseeded = [DataLoader(data, batch_size=4, shuffle=True),
+                DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(8)))]
+    for loader in unseeded:
+        with pytest.raises(ValueError, match="global random generator .* generator=torch.Generator"):
+            shard_loader(loader, 0, 2)
+    assert len(shard_loader(DataLoader(data, batch_size=4), 0, 2)) == 2  # in order: nothing random to agree on
 
 
 def _train(sharded: bool):

@@ -65,10 +65,15 @@ def shard_loader(loader: DataLoader, rank: int, world_size: int) -> DataLoader:
     """A loader that yields rank `rank`'s shard of each global batch that `loader` yields.
 
     It keeps `loader`'s dataset, sampler (so its generator and shuffle order), collate
-    function and workers; only the batching changes.
+    function and workers; only the batching changes. A sampler that shuffles with torch's
+    global generator is refused: that generator differs between ranks, and so would the order.
     """
     if not isinstance(loader, DataLoader) or loader.batch_size is None:
         raise TypeError(f"loader must be a torch DataLoader with a batch_size, got {loader!r:.80}")
+    if getattr(loader.sampler, "generator", ...) is None:  # RandomSampler, SubsetRandomSampler, ... without one
+        raise ValueError(f"loader shuffles with torch's global random generator ({type(loader.sampler).__name__} "
+                         "without a generator), so every rank would draw its own order; give the DataLoader "
+                         "generator=torch.Generator().manual_seed(seed), with the same seed on every rank")
     batches = ShardedBatchSampler(loader.sampler, loader.batch_size, loader.drop_last, rank, world_size)
     return DataLoader(loader.dataset, batch_sampler=batches, collate_fn=loader.collate_fn,
                       num_workers=loader.num_workers, pin_memory=loader.pin_memory, generator=loader.generator)
