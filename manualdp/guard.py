@@ -35,9 +35,13 @@ class NonFiniteGuard:
     pass wrote, so the step leaves no trace; `None` lets everything through.
     """
 
-    def __init__(self, mode: str | None, modules: list[nn.Module], optimizers: list, where: str = "") -> None:
+    def __init__(self, mode: str | None, modules: list[nn.Module], optimizers: list, where: str = "",
+                 reduced: bool = True) -> None:
         self.mode = one_of("nonfinite", mode, NONFINITE)
         self.modules = modules        # the replicas (single controller) or [this rank's module]
+        # After an allreduce one replica speaks for all; before it (ZeRO-2 sums in its step) a
+        # NaN on any device poisons the sum, so every replica is read.
+        self.reduced = reduced
         self.optimizers = optimizers  # their optimizers, to clear the gradients of a skipped step
         self.where = where            # e.g. "rank 1: ", put before the message
         # Only a skip needs the statistics as they were before the forward pass.
@@ -47,7 +51,8 @@ class NonFiniteGuard:
         """True to take the update; False after undoing a skipped step; raises in mode "raise"."""
         if self.mode is None:
             return True
-        bad = first_nonfinite(self.modules[0])
+        bad = next((b for m in self.modules[:1 if self.reduced else None] if (b := first_nonfinite(m)) is not None),
+                   None)
         if bad is None:
             return True
         at = f" at step {step}" if step is not None else ""

@@ -12,19 +12,29 @@ optimizer state of its chunk only:
 
 Reduce-scatter + all-gather is the ring allreduce cut in two (`manualdp.schedule.ring`),
 with the optimizer step moved into the middle: the same bytes on the wire, 1/N of the state.
-The optimizers torch offers are elementwise (SGD, Adam, AdamW), so stepping a chunk gives
+
+Three details make it equal to plain data parallelism, not merely close:
+- the parameters *are* views of the flat buffers, so that loading a checkpoint into the
+  model, or any other write to a parameter, is what the shards see;
+- a device's chunk is handed to its optimizer as one piece per parameter it overlaps, in
+  that parameter's group, so that a parameter with no gradient is skipped (as torch's
+  optimizers skip it) and each parameter group keeps its own options;
+- one flat buffer per (parameter group, dtype), so that float32 and float64 stay apart.
+The optimizers torch offers are elementwise (SGD, Adam, AdamW), so stepping pieces gives
 exactly the numbers that stepping whole parameters would.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
-from .buckets import flatten, unflatten_
-from .collectives import all_gather, reduce_scatter, shard
+from .collectives import all_gather, reduce_scatter
+from .schedule import chunk_bounds, owned_chunk
 from .validate import factory, one_of
 
-__all__ = ["ZeroRedundancyOptimizer", "make_optimizer", "state_bytes"]
+__all__ = ["ShardPlan", "ZeroRedundancyOptimizer", "check_shard_fits", "make_optimizer", "param_groups_of", "state_bytes"]
 
 
 def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer:
@@ -32,13 +42,124 @@ def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer
     return factory("optimizer_class", optimizer_class)(params, **defaults)
 
 
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes held in `optimizer`'s state tensors (momentum, exp_avg, ...), counted from the tensors themselves."""
+    if optimizer is None:
+        return 0
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if isinstance(v, torch.Tensor))
 
 
-class ZeroRedundancyOptimizer:
+def param_groups_of(params, name: str = "params") -> list[dict]:
+    """`params` as torch's optimizers take them (tensors, or dicts with "params"), as a list of group dicts.
+
+    Only parameters that require grad are kept; a parameter named twice is refused, as torch refuses it.
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"{name} must be an iterable of tensors or of dicts, got a single tensor")
+    items = list(params)
+    groups = [dict(g) for g in items] if items and all(isinstance(g, dict) for g in items) else [{"params": items}]
+    seen = set()
+    for i, g in enumerate(groups):
+        if "params" not in g:
+            raise ValueError(f"{name}[{i}] has no 'params' key")
+        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
+        for p in ps:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{name}[{i}] holds a {type(p).__name__}, not a tensor")
+            if id(p) in seen:
+                raise ValueError(f"{name}: a parameter appears twice (in group {i})")
+            seen.add(id(p))
+        g["params"] = [p for p in ps if p.requires_grad]
+    if not any(g["params"] for g in groups):
+        raise ValueError(f"{name} must hold at least one parameter that requires grad, got none")
+    return groups
+
+
+class ShardPlan:
+    """Where every parameter's elements go: flat buffers, and each device's pieces of them.
+
+    Built from one model's parameter groups (every replica, every rank has the same shapes).
+    Parameter j (counting through the groups in order) lives in buffer `buffer_of[j]` at
+    `[start, end)`; each buffer holds the parameters of one group that share a dtype.
+    """
+
+    def __init__(self, groups: list[list[torch.Tensor]], num_devices: int) -> None:
+        self.num_devices = num_devices
+        self.group_of: list[int] = []
+        self.buffers: list[list[int]] = []        # parameter indices in each buffer
+        self.where: list[tuple[int, int, int]] = []  # (buffer, start, end) of each parameter
+        for g, params in enumerate(groups):
+            by_dtype: dict[torch.dtype, list[int]] = {}
+            for p in params:
+                by_dtype.setdefault(p.dtype, []).append(len(self.group_of))
+                self.group_of.append(g)
+                self.where.append((-1, 0, 0))
+            self.buffers += by_dtype.values()
+        self.sizes = []
+        flat_params = [p for ps in groups for p in ps]
+        for b, members in enumerate(self.buffers):
+            at = 0
+            for j in members:
+                self.where[j] = (b, at, at + flat_params[j].numel())
+                at += flat_params[j].numel()
+            self.sizes.append(at)
+
+    def bounds(self, buffer: int, device: int) -> tuple[int, int]:
+        """The slice of buffer `buffer` that `device` owns (what reduce-scatter sums there)."""
+        return chunk_bounds(self.sizes[buffer], self.num_devices)[owned_chunk(device, self.num_devices)]
+
+    def pieces(self, device: int) -> list[tuple[int, int, int]]:
+        """(parameter, lo, hi) for every parameter that overlaps `device`'s chunks, [lo, hi) in its buffer."""
+        out = []
+        for j, (b, start, end) in enumerate(self.where):
+            lo, hi = self.bounds(b, device)
+            if max(start, lo) < min(end, hi):
+                out.append((j, max(start, lo), min(end, hi)))
+        return out
+
+    @torch.no_grad()
+    def bind(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Move `params` into new flat buffers, one per buffer of the plan, and make them views of those."""
+        flats = []
+        for members in self.buffers:
+            flat = torch.cat([params[j].detach().reshape(-1) for j in members])
+            for j in members:
+                _, start, end = self.where[j]
+                params[j].data = flat[start:end].view_as(params[j])
+            flats.append(flat)
+        return flats
+
+    def flat_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients as new flat buffers laid out as the parameters are (zeros where a grad is None)."""
+        return [torch.cat([(params[j].grad if params[j].grad is not None else torch.zeros_like(params[j])).reshape(-1)
+                           for j in members]) for members in self.buffers]
+
+
+def check_shard_fits(saved: dict | None, optimizer: torch.optim.Optimizer | None, what: str, whose: str) -> None:
+    """Refuse an optimizer state whose tensors are not the sizes of `optimizer`'s pieces (another shard's state)."""
+    if (saved is None) != (optimizer is None):
+        raise ValueError(f"{what} does not fit {whose} shard ({'no' if saved is None else 'a'} state for "
+                         f"{'a' if saved is None else 'no'} shard)")
+    if saved is None:
+        return
+    pieces = [p for g in optimizer.param_groups for p in g["params"]]
+    groups = saved.get("param_groups", [])
+    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(f"{what} has {sum(len(g['params']) for g in groups)} pieces in {len(groups)} groups; "
+                         f"{whose} shard has {len(pieces)} in {len(optimizer.param_groups)}")
+    for k, values in saved.get("state", {}).items():
+        for name, v in values.items():
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and (k >= len(pieces) or v.numel() != pieces[k].numel()):
+                raise ValueError(f"{what} holds {name} of {v.numel()} elements for piece {k}; "
+                                 f"{whose} piece {k} has {pieces[k].numel() if k < len(pieces) else 'none'}")
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """A sharded optimizer for `replicas` (one model per device, as from `manualdp.replicate`).
 
     Args:
@@ -46,23 +167,48 @@ class ZeroRedundancyOptimizer:
         stage: 1 shards the optimizer state and expects summed gradients (after
             `allreduce_gradients`); 2 also shards the gradients: `step` reduce-scatters them.
         algorithm: of the reduce-scatter and the all-gather (`manualdp.schedule.COLLECTIVES`).
+        param_groups: optional groups over `replicas[0]`'s parameters, as torch's optimizers
+            take them (`[{"params": [...], "lr": ...}, ...]`); the other replicas follow by position.
         defaults: keyword arguments for the optimizer (`lr=...`, `betas=...`).
 
+    It is a `torch.optim.Optimizer` whose `param_groups` are replica 0's parameters, so
+    learning-rate schedulers work: their options reach every device's optimizer at `step`.
     `train_batch` takes `zero.per_device()` in place of its list of optimizers.
     """
 
     def __init__(self, replicas: list[nn.Module], optimizer_class, *, stage: int = 1, algorithm: str = "ring",
-                 **defaults) -> None:
+                 param_groups=None, **defaults) -> None:
         if isinstance(replicas, nn.Module) or not replicas or not all(isinstance(r, nn.Module) for r in replicas):
             raise TypeError(f"replicas must be a non-empty list of nn.Module, got {replicas!r:.80}")
         self.stage = one_of("stage", stage, (1, 2))
+        factory("optimizer_class", optimizer_class)
         self.algorithm = algorithm
-        self.params = [[p for p in r.parameters() if p.requires_grad] for r in replicas]
+        groups = param_groups_of(replicas[0].parameters() if param_groups is None else param_groups, "param_groups")
+        first = list(replicas[0].parameters())
+        index = {id(p): k for k, p in enumerate(first)}
+        for g in groups:
+            if any(id(p) not in index for p in g["params"]):
+                raise ValueError("param_groups must hold parameters of replicas[0] only")
+        positions = [[index[id(p)] for p in g["params"]] for g in groups]
         n = self.num_devices = len(replicas)
-        with torch.no_grad():
-            # Device i's shard: its chunk of the flat parameters, a leaf the optimizer owns.
-            self.shards = [shard(flatten(ps), i, n).clone().requires_grad_() for i, ps in enumerate(self.params)]
-        self.optimizers = [make_optimizer(optimizer_class, [s], **defaults) for s in self.shards]
+        self.plan = ShardPlan([g["params"] for g in groups], n)
+        self.params = []  # device i's trainable parameters, in the plan's order
+        for i, r in enumerate(replicas):
+            ps = list(r.parameters())
+            if len(ps) != len(first) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ps, first)):
+                raise ValueError(f"replicas[{i}] does not have replicas[0]'s parameters (shapes, dtypes)")
+            self.params.append([ps[k] for pos in positions for k in pos])
+        self.flats = [self.plan.bind(ps) for ps in self.params]
+        # Device i's optimizer steps views of its own chunks: one piece per parameter it overlaps.
+        self.pieces, self.optimizers = [], []
+        for i in range(n):
+            pieces = [(j, lo, hi, self.flats[i][self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(i)]
+            inner = [{"params": [v for j, _, _, v in pieces if self.plan.group_of[j] == g], **_hyper(group)}
+                     for g, group in enumerate(groups)]
+            self.pieces.append(pieces)
+            self.optimizers.append(make_optimizer(optimizer_class, inner, **defaults) if pieces else None)
+        template = next(o for o in self.optimizers if o is not None)
+        super().__init__([{"params": g["params"], **_hyper(t)} for g, t in zip(groups, template.param_groups)], {})
         self._stepped: set[int] = set()
 
     @property
@@ -81,35 +227,63 @@ class ZeroRedundancyOptimizer:
             elif p.grad is not None:
                 p.grad.zero_()
 
+    def _sync_options(self) -> None:
+        """Copy the options of `self.param_groups` (a scheduler may have changed `lr`) to every device's optimizer."""
+        for opt in self.optimizers:
+            if opt is not None:
+                for outer, inner in zip(self.param_groups, opt.param_groups):
+                    inner.update(_hyper(outer))
+
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None) -> None:
         """Update every device's shard, then all-gather the parameters."""
-        grads = [flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in ps]) for ps in self.params]
-        n = self.num_devices
-        # Stage 2: only the own chunk of the sum is needed; stage 1: the gradients are already summed.
-        mine = reduce_scatter(grads, self.algorithm) if self.reduces_gradients else [
-            shard(g, i, n) for i, g in enumerate(grads)]
-        for s, g, opt in zip(self.shards, mine, self.optimizers):
-            s.grad = g
-            opt.step()
-            s.grad = None  # a view of a buffer freed at the end of this step
-        flats = [torch.empty_like(g) for g in grads]
-        for i, (flat, s) in enumerate(zip(flats, self.shards)):
-            shard(flat, i, n).copy_(s)
-        all_gather(flats, self.algorithm)
-        for flat, ps in zip(flats, self.params):
-            unflatten_(flat, ps)
+        if closure is not None:
+            raise ValueError("closure is not supported: ZeRO steps after the gradients are reduced")
+        # A parameter no device has a gradient for is skipped, as torch's optimizers skip it.
+        used = [any(ps[j].grad is not None for ps in self.params) for j in range(len(self.params[0]))]
+        grads = [self.plan.flat_grads(ps) for ps in self.params]
+        if self.reduces_gradients:  # stage 2: only the own chunk of the sum is needed
+            for b in range(len(self.plan.buffers)):
+                reduce_scatter([g[b] for g in grads], self.algorithm)
+        self._sync_options()
+        for pieces, opt, g in zip(self.pieces, self.optimizers, grads):
+            for j, lo, hi, piece in pieces:
+                piece.grad = g[self.plan.where[j][0]][lo:hi] if used[j] else None
+            if opt is not None:
+                opt.step()
+            for *_, piece in pieces:
+                piece.grad = None  # views of buffers freed at the end of this step
+        for b in range(len(self.plan.buffers)):
+            all_gather([flats[b] for flats in self.flats], self.algorithm)
 
     def state_bytes(self) -> list[int]:
         """Optimizer-state bytes on each device."""
         return [state_bytes(opt) for opt in self.optimizers]
 
     def state_dict(self) -> dict:
-        return {"stage": self.stage, "shards": [opt.state_dict() for opt in self.optimizers]}
+        """Every device's shard of the state, and the options of `param_groups` (a scheduler's `lr`)."""
+        return {"stage": self.stage, "num_devices": self.num_devices,
+                "param_groups": [_hyper(g) for g in self.param_groups],
+                "shards": [opt.state_dict() if opt is not None else None for opt in self.optimizers]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load what `state_dict` gave; refuses a state of another stage or number of devices, changing nothing."""
+        if not isinstance(state, dict) or "shards" not in state:
+            raise ValueError("state is not a ZeroRedundancyOptimizer state_dict (it has no 'shards')")
+        if (state.get("stage"), state.get("num_devices")) != (self.stage, self.num_devices):
+            raise ValueError(f"state is ZeRO-{state.get('stage')} on {state.get('num_devices')} devices; "
+                             f"this is ZeRO-{self.stage} on {self.num_devices}")
+        if len(state.get("param_groups", ())) != len(self.param_groups):
+            raise ValueError(f"state has {len(state.get('param_groups', ()))} parameter groups, "
+                             f"this optimizer {len(self.param_groups)}")
+        for i, (opt, s) in enumerate(zip(self.optimizers, state["shards"])):  # check all before loading any
+            check_shard_fits(s, opt, f"state's shard {i}", f"device {i}'s")
         for opt, s in zip(self.optimizers, state["shards"]):
-            opt.load_state_dict(s)
+            if opt is not None:
+                opt.load_state_dict(copy.deepcopy(s))  # replicas must never share storage
+        for outer, saved in zip(self.param_groups, state["param_groups"]):
+            outer.update(saved)
+        self._sync_options()
 
     def per_device(self) -> list["DeviceShard"]:
         """One handle per device with an optimizer's `zero_grad` and `step`, for `train_batch`."""
@@ -121,6 +295,7 @@ class DeviceShard:
 
     The single controller steps the devices one after another; the collectives need every
     device's gradients at once, so the step waits until every device has asked for it.
+    Checkpoints hold the whole optimizer (`zero.state_dict()`), never one device's handle.
     """
 
     def __init__(self, zero: ZeroRedundancyOptimizer, device: int) -> None:
@@ -135,9 +310,3 @@ class DeviceShard:
         if len(self.zero._stepped) == self.zero.num_devices:
             self.zero._stepped.clear()
             self.zero.step()
-
-    def state_dict(self) -> dict:
-        return self.zero.optimizers[self.device].state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.zero.optimizers[self.device].load_state_dict(state)

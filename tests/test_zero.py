@@ -91,7 +91,8 @@ def test_adam_state_per_device_is_its_shard(n, stage):
     params = len(list(_net().parameters()))
     assert state_bytes(plain[0]) == 2 * 8 * total + params * step
     sizes = chunk_sizes(total, n)
-    assert zero.state_bytes() == [2 * 8 * sizes[owned_chunk(i, n)] + step for i in range(n)]
+    # one piece per parameter a device's chunk overlaps, each with its own step count
+    assert zero.state_bytes() == [2 * 8 * sizes[owned_chunk(i, n)] + step * len(zero.pieces[i]) for i in range(n)]
     assert max(zero.state_bytes()) <= state_bytes(plain[0]) / n + 2 * 8 + step
 
 
@@ -108,8 +109,12 @@ def test_stage_2_does_not_allreduce():
 def test_each_device_owns_its_chunk_of_the_parameters():
     replicas = replicate(_net(), cpu_devices(3))
     zero = ZeroRedundancyOptimizer(replicas, OPTIMIZERS["adam"])
-    for i, s in enumerate(zero.shards):
-        assert torch.equal(s.detach(), shard(_flat(replicas[i]), i, 3))
+    for i, pieces in enumerate(zero.pieces):
+        mine = torch.cat([piece.detach() for *_, piece in pieces])
+        assert torch.equal(mine, shard(_flat(replicas[i]), i, 3))
+        # the pieces are views of the replica's own parameters, not copies
+        first = dict(zip(range(len(zero.params[i])), zero.params[i]))[pieces[0][0]]
+        assert pieces[0][3].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -162,3 +167,188 @@ def test_cli_trains_with_zero_and_adam_and_refuses_a_bad_stage():
     assert "sec/epoch on 2 simulated CPU devices" in good.stdout
     bad = run("--zero", "3")
     assert bad.returncode == 2 and "--zero" in bad.stderr
+
+
+# --- what a new user tries: resume, unused parameters, NaN, groups, schedulers, dtypes, uneven shards ---
+
+def _uneven_net():
+    """56 + 45 + 24 + 2 = 127 elements, 1 mod 3: ceil(127/3) = 43-element chunks would leave the last 41."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    net.register_parameter("unused", nn.Parameter(torch.zeros(2, dtype=torch.float64)))  # never gets a gradient
+    return net
+
+
+def test_shards_are_balanced_when_the_size_is_1_mod_3():
+    net = _uneven_net()
+    total = sum(p.numel() for p in net.parameters())
+    assert total % 3 == 1
+    zero = ZeroRedundancyOptimizer(replicate(net, cpu_devices(3)), OPTIMIZERS["sgd"])
+    sizes = [sum(hi - lo for _, lo, hi, _ in pieces) for pieces in zero.pieces]
+    assert sum(sizes) == total and max(sizes) - min(sizes) <= 1, sizes
+
+
+def _resume_loaders():
+    from torch.utils.data import DataLoader, TensorDataset
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(52, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (52,), generator=g)
+    return (DataLoader(TensorDataset(X, y), batch_size=13, shuffle=True, generator=torch.Generator().manual_seed(4)),
+            DataLoader(TensorDataset(X, y), batch_size=26))
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAt(nn.CrossEntropyLoss):
+    def __init__(self, at):
+        super().__init__(reduction="sum")
+        self.calls, self.at = 0, at
+
+    def forward(self, out, y):
+        self.calls += 1
+        if self.calls == self.at:
+            raise _Stop()
+        return super().forward(out, y)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name, kw", [("sgd", dict(momentum=0.9, weight_decay=1e-2)), ("adam", {}),
+                                      ("adamw", dict(weight_decay=0.1))])
+def test_resume_equals_an_uninterrupted_run_on_uneven_shards(tmp_path, stage, name, kw):
+    from manualdp import train
+    cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name]
+    n, epochs = 3, 2  # 4 batches an epoch; the stop comes mid-epoch 2, after a checkpoint at step 6
+
+    def run(**extra):
+        net = _uneven_net()
+        train(net, *_resume_loaders(), cpu_devices(n), epochs, 1e-2, optimizer=cls, zero=stage, progress=False,
+              log=None, **kw, **extra)
+        return _flat(net)
+
+    ref = run()
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(_Stop):
+        run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=_StopAt(7 * n + 1))
+    resumed = run(checkpoint_dir=ckpt, checkpoint_every=3, resume=True)
+    assert torch.equal(resumed, ref), "a resumed ZeRO run differs from an uninterrupted one"
+    assert not torch.equal(ref, _flat(_uneven_net()))
+
+
+class _Branchy(nn.Module):
+    """`side` gets no gradient in odd steps: torch's optimizers then leave it (and its momentum) alone."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.side = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
+        self.use_side = True
+
+    def forward(self, x):
+        return self.body(x) + (self.side(x) if self.use_side else 0)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_parameter_with_no_gradient_is_skipped_as_torch_skips_it(stage, name):
+    devices = cpu_devices(3)
+    make = OPTIMIZERS[name]
+    plain, sharded = replicate(_Branchy(), devices), replicate(_Branchy(), devices)
+    opts = [make(r.parameters()) for r in plain]
+    zero = ZeroRedundancyOptimizer(sharded, make, stage=stage)
+    for step, (X, y) in enumerate(_batches(12, steps=5)):
+        for r in plain + sharded:
+            r.use_side = step % 2 == 0
+        train_batch(X, y, plain, opts, devices)
+        train_batch(X, y, sharded, zero.per_device(), devices)
+        assert all(p.grad is None for p in plain[0].side.parameters()) == (step % 2 == 1)
+        for p, q in zip(plain[0].parameters(), sharded[0].parameters()):
+            torch.testing.assert_close(q, p, rtol=0, atol=1e-12, msg=f"step {step}")
+
+
+@pytest.mark.parametrize("mode", ["raise", "skip"])
+def test_zero_2_with_a_nan_on_one_device_raises_or_skips(mode):
+    from manualdp.guard import NonFiniteGradientError
+    devices = cpu_devices(3)
+    replicas = replicate(_net(), devices)
+    zero = ZeroRedundancyOptimizer(replicas, OPTIMIZERS["sgd"], stage=2)
+    before = _flat(replicas[0])
+    X, y = _batches(12, steps=1)[0]
+    X[-1, 0] = float("nan")  # the last shard only: devices 0 and 1 hold finite gradients
+    if mode == "raise":
+        with pytest.raises(NonFiniteGradientError):
+            train_batch(X, y, replicas, zero.per_device(), devices, nonfinite="raise")
+    else:
+        assert train_batch(X, y, replicas, zero.per_device(), devices, nonfinite="skip").skipped
+    for r in replicas:
+        assert torch.isfinite(_flat(r)).all() and torch.equal(_flat(r), before)
+
+
+def test_param_groups_and_a_scheduler_work_as_on_plain_data_parallelism():
+    devices = cpu_devices(3)
+    plain, sharded = replicate(_net(), devices), replicate(_net(), devices)
+
+    def groups(net):  # the last layer learns 10x slower, without weight decay
+        return [{"params": list(net[0].parameters()) + list(net[2].parameters())},
+                {"params": list(net[4].parameters()), "lr": 1e-3, "weight_decay": 0.0}]
+
+    opts = [torch.optim.SGD(groups(r), lr=1e-2, momentum=0.9, weight_decay=1e-2) for r in plain]
+    zero = ZeroRedundancyOptimizer(sharded, torch.optim.SGD, param_groups=groups(sharded[0]), lr=1e-2, momentum=0.9,
+                                   weight_decay=1e-2)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
+    zsched = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.5)
+    for X, y in _batches(12, steps=4):
+        train_batch(X, y, plain, opts, devices)
+        train_batch(X, y, sharded, zero.per_device(), devices)
+        for s in scheds + [zsched]:
+            s.step()
+    assert [g["lr"] for g in zero.param_groups] == [g["lr"] for g in opts[0].param_groups] == [1e-2 / 16, 1e-3 / 16]
+    torch.testing.assert_close(_flat(sharded[0]), _flat(plain[0]), rtol=0, atol=1e-12)
+
+
+def test_mixed_float32_and_float64_keep_their_dtypes():
+    def net():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 4).double())
+        return m
+
+    class Cast(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = net()
+
+        def forward(self, x):
+            return self.net[1](self.net[0](x.float()).double())
+
+    devices = cpu_devices(2)
+    plain, sharded = replicate(Cast(), devices), replicate(Cast(), devices)
+    opts = [OPTIMIZERS["adam"](r.parameters()) for r in plain]
+    zero = ZeroRedundancyOptimizer(sharded, OPTIMIZERS["adam"], stage=2)
+    for X, y in _batches(10, steps=3):
+        train_batch(X, y, plain, opts, devices)
+        train_batch(X, y, sharded, zero.per_device(), devices)
+    assert [p.dtype for p in sharded[0].parameters()] == [p.dtype for p in plain[0].parameters()] == \
+        [torch.float32] * 2 + [torch.float64] * 2
+    for p, q in zip(plain[0].parameters(), sharded[0].parameters()):
+        torch.testing.assert_close(q, p, rtol=0, atol=1e-6 if p.dtype == torch.float32 else 1e-12)
+
+
+def test_load_state_dict_refuses_another_devices_shard_and_changes_nothing():
+    replicas = replicate(_uneven_net(), cpu_devices(3))
+    zero = ZeroRedundancyOptimizer(replicas, OPTIMIZERS["adam"])
+    X, y = _batches(12, steps=1)[0]
+    train_batch(X, y, replicas, zero.per_device(), cpu_devices(3))
+    state = zero.state_dict()
+    sizes = [sum(hi - lo for _, lo, hi, _ in p) for p in zero.pieces]
+    i, j = next((i, j) for i in range(3) for j in range(3) if sizes[i] != sizes[j])
+    swapped = dict(state, shards=list(state["shards"]))
+    swapped["shards"][i], swapped["shards"][j] = state["shards"][j], state["shards"][i]
+    before = [{k: v.clone() for k, v in s.items() if isinstance(v, torch.Tensor)}
+              for opt in zero.optimizers for s in opt.state.values()]
+    with pytest.raises(ValueError, match="shard"):
+        zero.load_state_dict(swapped)
+    after = [{k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for opt in zero.optimizers
+             for s in opt.state.values()]
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(before, after) for k in a)
+    with pytest.raises(ValueError, match="devices"):
+        zero.load_state_dict(dict(state, num_devices=2))

@@ -36,7 +36,7 @@ from ..zero import ZeroRedundancyOptimizer
 from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, learning_rate, mapping_or_none,
                         nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds,
                         xy_pair)
-from .agree import agree_all_succeed, agree_on_checkpoint, agree_on_run_id
+from .agree import agree_all_saved, agree_all_succeed, agree_on_checkpoint, agree_on_run_id
 from .timeline import Timeline, merge_ranks
 
 __all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank", "optimizer_factory"]
@@ -89,7 +89,8 @@ def train(
         check_layout(checkpoint_dir, per_rank=False)
     identity = {"num_devices": len(devices), "device_type": devices[0].type, "num_epochs": num_epochs, "lr": lr,
                 "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "momentum": momentum,
-                "weight_decay": weight_decay, "nonfinite": nonfinite, "model": type(net).__name__, **(config or {})}
+                "weight_decay": weight_decay, "nonfinite": nonfinite, "model": type(net).__name__,
+                "optimizer": optimizer_name(optimizer), "zero": zero or None, **(config or {})}
     release = lock_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else (lambda: None)
     try:
         return _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
@@ -108,21 +109,22 @@ def _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorit
     replicas = replicate(net, devices)
     make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
     if zero:
-        optimizers = ZeroRedundancyOptimizer(replicas, make, stage=zero, **kwargs).per_device()
+        sharded = ZeroRedundancyOptimizer(replicas, make, stage=zero, **kwargs)
+        optimizers, saved = sharded.per_device(), [sharded]  # a checkpoint holds every device's shard
     else:
-        optimizers = [make(r.parameters(), **kwargs) for r in replicas]
+        optimizers = saved = [make(r.parameters(), **kwargs) for r in replicas]
     history = History(config={"devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
                                "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb})
     loop = TrainingState(train_iter, checkpoint_dir, identity)
     if resume:
-        state = loop.resume(replicas, optimizers, history)
+        state = loop.resume(replicas, saved, history)
         if log:
             log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
                 if state is not None else f"no checkpoint in {checkpoint_dir}: starting from the beginning")
     timeline = (Timeline(Trace(), replicas, [f"dev{i}" for i in range(len(devices))], optimizers, single_controller=True)
                 if trace is not None else None)
     mode = SingleController(replicas, optimizers, devices, summed_loss(loss_fn), algorithm, bucket_cap_mb,
-                            nonfinite, test_iter)
+                            nonfinite, test_iter, saved)
     run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
     if timeline is not None:
         history.config["timeline"] = timeline.trace.summary(timeline.steps)
@@ -199,7 +201,8 @@ def train_spmd(
     identity = {"world_size": world_size, "backend": dist.get_backend(), "device_type": device.type,
                 "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
                 "momentum": momentum, "weight_decay": weight_decay, "nonfinite": nonfinite,
-                "model": type(net).__name__, **(config or {})}
+                "model": type(net).__name__, "optimizer": optimizer_name(optimizer), "zero": zero or None,
+                **(config or {})}
     rank_dir = os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None
     if checkpoint_dir is not None:
         check_layout(checkpoint_dir, per_rank=True)
@@ -302,8 +305,10 @@ class SingleController:
     everywhere = ""  # nothing to add to "update skipped"
     suffix = ""
 
-    def __init__(self, replicas, optimizers, devices, loss_fn, algorithm, bucket_cap_mb, nonfinite, test_iter):
+    def __init__(self, replicas, optimizers, devices, loss_fn, algorithm, bucket_cap_mb, nonfinite, test_iter,
+                 saved=None):
         self.replicas, self.optimizers, self.devices = replicas, optimizers, devices
+        self.saved = saved if saved is not None else optimizers  # what a checkpoint holds (ZeRO: the whole optimizer)
         self.loss_fn, self.algorithm, self.bucket_cap_mb = loss_fn, algorithm, bucket_cap_mb
         self.nonfinite, self.test_iter = nonfinite, test_iter
         self.parts = len(devices)
@@ -329,7 +334,7 @@ class SingleController:
         return evaluate(self.replicas[0], self.test_iter, self.devices[0])
 
     def save(self, loop, history) -> None:
-        loop.save(self.replicas, self.optimizers, history)
+        loop.save(self.replicas, self.saved, history)
 
 
 class OneRank:
@@ -393,7 +398,12 @@ class OneRank:
         return evaluate(self.model.module, self.test_iter, self.device)
 
     def save(self, loop, history) -> None:
-        loop.save([self.model.module], [self.optimizer], history, world_size=self.model.world_size)
+        error = None
+        try:
+            loop.save([self.model.module], [self.optimizer], history, world_size=self.model.world_size)
+        except OSError as e:  # a full disk: every rank names it, rather than losing this rank at the next step
+            error = e
+        agree_all_saved(error, loop.checkpoint_dir, self.device, self.algorithm, self.timeout)
 
 
 def _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
@@ -428,6 +438,14 @@ def _progress(iterable_, enabled: bool, desc: str, total: int | None = None):
         return iterable_
     from tqdm.auto import tqdm
     return tqdm(iterable_, desc=desc, total=total, leave=False, dynamic_ncols=True)
+
+
+def optimizer_name(optimizer) -> str:
+    """The optimizer's name for a run's identity: the class (or a partial's function), default SGD."""
+    if optimizer is None:
+        return "SGD"
+    func = getattr(optimizer, "func", optimizer)  # functools.partial
+    return getattr(func, "__qualname__", None) or type(func).__name__
 
 
 def optimizer_factory(optimizer, lr: float, momentum: float, weight_decay: float, zero):
