@@ -87,3 +87,60 @@ def test_sync_batchnorm_in_one_process_is_batchnorm():
 def test_sync_batchnorm_bad_arguments_name_themselves(kwargs, words):
     with pytest.raises((TypeError, ValueError), match=words):
         SyncBatchNorm(**kwargs)
+
+
+# ---------------------------------------------------------------- numerics and eval mode (issue 20)
+
+def _offset_job():
+    """Float32 activations around 1e4 (a spread of 1): E[x²] - E[x]² would lose every digit of the variance."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(5)
+    x = 1e4 + torch.randn(8, 3, 4, 4, generator=g)
+    w = torch.randn(8, 3, 4, 4, generator=g)
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3)
+    sync = convert_sync_batchnorm(copy.deepcopy(bn))
+    mine = shard(x, w, rank, n)
+    xs = mine[0].clone().requires_grad_()
+    (sync(xs) * mine[1]).sum().backward()  # the sum over ranks of these losses is the global one
+    return {"y": sync(xs.detach()).detach(), "grad": xs.grad, "mean": sync.running_mean, "var": sync.running_var}
+
+
+def test_sync_batchnorm_is_stable_far_from_zero_and_matches_batchnorm_on_the_global_batch():
+    g = torch.Generator().manual_seed(5)
+    x = 1e4 + torch.randn(8, 3, 4, 4, generator=g)
+    w = torch.randn(8, 3, 4, 4, generator=g)
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3)
+    xg = x.clone().requires_grad_()
+    (bn(xg) * w).sum().backward()
+    y = bn(x).detach()  # a second step, as the job takes: its running statistics too
+    ranks = launch(_offset_job, 2, (), timeout=60.0)
+    # float32 holds 1e4 to about 1e-3: the means may differ by that much, the outputs by that over the spread
+    assert torch.allclose(torch.cat([r["y"] for r in ranks]), y, rtol=0, atol=2e-3)
+    assert torch.allclose(torch.cat([r["grad"] for r in ranks]), xg.grad, rtol=0, atol=1e-3)
+    for r in ranks:
+        assert torch.allclose(r["mean"], bn.running_mean, rtol=1e-6)
+        assert torch.allclose(r["var"], bn.running_var, rtol=1e-4)
+
+
+def _eval_alone_job(track_running_stats):
+    """A training step on every rank, then only rank 0 evaluates (as a runner testing on rank 0 does)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(9)
+    x, probe = torch.randn(8, 3, generator=g) * 3 + 1, torch.randn(5, 3, generator=g)
+    bn = nn.BatchNorm1d(3, track_running_stats=track_running_stats)
+    sync = convert_sync_batchnorm(copy.deepcopy(bn))
+    bn(x)  # the global batch, as the ranks' shards together
+    sync(shard(x, x, rank, n)[0])
+    out = None
+    if rank == 0:  # rank 1 goes straight to the barrier: a pooled forward would wait for it there
+        out = (bn.eval()(probe).detach(), sync.eval()(probe).detach())
+    dist.barrier()
+    return out
+
+
+@pytest.mark.parametrize("track_running_stats", [True, False])
+def test_sync_batchnorm_in_eval_mode_is_local_and_does_not_wait_for_other_ranks(track_running_stats):
+    expected, ours = launch(_eval_alone_job, 2, (track_running_stats,), timeout=30.0)[0]
+    assert torch.allclose(ours, expected, rtol=0, atol=1e-6)

@@ -1,10 +1,15 @@
 """`SyncBatchNorm`: BatchNorm whose batch statistics are taken over every rank's samples.
 
-The per-channel sums (of x, of x², and the count) are summed over the process group with
-manualdp's allreduce; that sum is an autograd function whose backward is the same allreduce
-of the gradients, so autograd derives the rest of BatchNorm's backward by itself. Both go
-through the group's one ordered worker, so they never interleave with the DDP wrapper's
-bucket messages in the same backward pass.
+Each rank takes its own per-channel count, mean and sum of squared deviations (M2), and the
+ranks' rows are summed over the process group with manualdp's allreduce (each rank fills its
+row of a table, zeros elsewhere: an all-gather); every rank then combines them as Chan et
+al.'s parallel variance does. Raw sums of x and x² would be simpler, but E[x²] - E[x]² loses
+every digit of the variance when the mean is large against the spread (float32 around 1e4).
+That sum is an autograd function whose backward is the same allreduce of the gradients, so
+autograd derives the rest of BatchNorm's backward by itself. Both go through the group's one
+ordered worker, so they never interleave with the DDP wrapper's bucket messages in the same
+backward pass. In eval mode nothing is pooled, as in torch: the running statistics, or
+without them this rank's batch.
 """
 from __future__ import annotations
 
@@ -77,12 +82,8 @@ class SyncBatchNorm(nn.Module):
         shape = [1, -1] + [1] * (x.dim() - 2)
         dims = [0] + list(range(2, x.dim()))
         if self.training or not self.track_running_stats:
-            count = torch.full((1,), x.numel() / x.shape[1], dtype=x.dtype, device=x.device)
-            local = torch.cat([x.sum(dims), (x * x).sum(dims), count])
-            pooled = _GroupSum.apply(local, self.process_group) if _distributed(self.process_group) else local
-            n = pooled[-1]
-            mean = pooled[:self.num_features] / n
-            var = pooled[self.num_features:2 * self.num_features] / n - mean * mean  # biased, as BatchNorm normalizes
+            pool = self.training and _distributed(self.process_group)  # eval never waits for other ranks
+            mean, var, n = _batch_stats(x, dims, self.process_group, pool)
             if self.training and self.track_running_stats:
                 self._update_running(mean.detach(), var.detach() * n.detach() / (n.detach() - 1).clamp_min(1))
         else:
@@ -101,6 +102,24 @@ class SyncBatchNorm(nn.Module):
     def convert_sync_batchnorm(cls, module: nn.Module, process_group=None) -> nn.Module:
         """`module` with every BatchNorm layer replaced by a SyncBatchNorm holding the same state."""
         return convert_sync_batchnorm(module, process_group)
+
+
+def _batch_stats(x: torch.Tensor, dims: list[int], group, pool: bool):
+    """Per-channel mean and biased variance of this rank's batch, or with `pool` of every rank's; and the count."""
+    shape = [1, -1] + [1] * (x.dim() - 2)
+    n = torch.full((1,), x.numel() // x.shape[1], dtype=x.dtype, device=x.device)
+    mean = x.sum(dims) / n.clamp_min(1)
+    m2 = (x - mean.view(shape)).square().sum(dims)
+    if pool:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        row = torch.cat([n, mean, m2]).unsqueeze(0)
+        table = _GroupSum.apply(nn.functional.pad(row, (0, 0, rank, world - rank - 1)), group)  # row r: rank r's
+        c = x.shape[1]
+        counts, means, m2s = table[:, :1], table[:, 1:c + 1], table[:, c + 1:]
+        n = counts.sum(0)
+        mean = (counts * means).sum(0) / n
+        m2 = (m2s + counts * (means - mean).square()).sum(0)  # Chan et al.: each rank's M2 about the global mean
+    return mean, m2 / n.clamp_min(1), n
 
 
 def _distributed(group) -> bool:
