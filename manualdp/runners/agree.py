@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..spmd.p2p import allreduce
 from ..support.checkpoint import checkpoint_path, load_latest, read_checkpoint
 
-__all__ = ["agree_on_checkpoint", "agree_on_run_id", "agree_all_succeed"]
+__all__ = ["agree_on_checkpoint", "agree_on_run_id", "agree_all_succeed", "agree_all_saved"]
 
 
 def _exchange(value: int, device, algorithm: str, timeout: float | None) -> list[int]:
@@ -45,6 +45,23 @@ def agree_all_succeed(error: Exception | None, device, algorithm: str, timeout: 
         raise error
     if any(failed):
         raise ValueError(f"rank(s) {[r for r, f in enumerate(failed) if f]} could not start (see their error)")
+
+
+def agree_all_saved(error: OSError | None, directory: str, device, algorithm: str, timeout: float | None) -> None:
+    """Raise on every rank if any rank could not write its checkpoint into its `directory` (`.../rank<r>`).
+
+    A full disk on one rank is then named on every rank, with that rank's folder and the reason,
+    instead of the others losing a peer at their next step.
+    """
+    codes = _exchange(-1 if error is None else error.errno or 0, device, algorithm, timeout)
+    if error is not None:
+        raise error
+    failed = [r for r, code in enumerate(codes) if code >= 0]
+    if failed:
+        r, code = failed[0], codes[failed[0]]
+        folder = os.path.join(os.path.dirname(directory), f"rank{r}")
+        raise OSError(code, f"rank {r} could not write its checkpoint in {folder}: "
+                            f"{os.strerror(code) if code else 'an OS error'} (see its own error)")
 
 
 def agree_on_run_id(run_id: str, device, algorithm: str, timeout: float | None) -> str:
