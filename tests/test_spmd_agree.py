@@ -44,3 +44,25 @@ def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
         assert kind == "OSError" and code == errno.ENOSPC, (rank, kind, message)
         assert "No space left on device" in message and os.path.join(ckpt, "rank0") in message, (rank, message)
         assert epochs == (2 if rank == 0 else 0)  # rank 0 recorded its epochs (rank 1's History is not kept)
+
+
+def _train_with_settings_that_differ():
+    import functools
+
+    from manualdp.runners.loop import train_spmd
+    rank = dist.get_rank()
+    adam = functools.partial(torch.optim.Adam, betas=(0.9, 0.99 - 0.09 * rank))
+    torch.manual_seed(0)
+    try:
+        train_spmd(nn.Linear(4, 2), _data(), _data(), 1, 0.1 * (rank + 1), optimizer=adam, timeout=20,
+                   progress=False, log=None)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_given_different_learning_rates_or_betas_are_found_on_every_rank():
+    for message in launch(_train_with_settings_that_differ, 2, timeout=60):
+        assert message is not None and "different settings" in message
+        assert "lr (rank 0: 0.1, rank 1: 0.2)" in message, message
+        assert "betas (group 0) (rank 0: (0.9, 0.99), rank 1: (0.9, 0.9))" in message, message

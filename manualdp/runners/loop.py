@@ -36,7 +36,7 @@ from ..zero import ZeroRedundancyOptimizer
 from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, learning_rate, mapping_or_none,
                         nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds,
                         xy_pair)
-from .agree import agree_all_saved, agree_all_succeed, agree_on_checkpoint, agree_on_run_id
+from .agree import agree_all_saved, agree_all_succeed, agree_on_checkpoint, agree_on_run_id, agree_on_settings
 from .timeline import Timeline, merge_ranks
 
 __all__ = ["train", "train_spmd", "run_epochs", "SingleController", "OneRank", "optimizer_factory"]
@@ -203,6 +203,8 @@ def train_spmd(
                 "momentum": momentum, "weight_decay": weight_decay, "nonfinite": nonfinite,
                 "model": type(net).__name__, "optimizer": optimizer_name(optimizer), "zero": zero or None,
                 **(config or {})}
+    hyper = {f"{k} (group {i})": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
+    agree_on_settings({**identity, **hyper}, device, algorithm, timeout)  # e.g. a learning rate that differs
     rank_dir = os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None
     if checkpoint_dir is not None:
         check_layout(checkpoint_dir, per_rank=True)
