@@ -138,3 +138,166 @@ def test_train_spmd_with_zero_equals_train_spmd_without():
             assert torch.equal(results[r][zero], results[0][zero])
         assert "nonfinite" in results[r]["refused"]
     assert not torch.equal(results[0][None], _flat(_mlp()))
+
+
+# --- what a new user tries across processes: resume, unused parameters, groups, dtypes, stages ---
+
+def _uneven_mlp():
+    """56 + 45 + 24 = 125 elements, 2 mod 3: at 3 ranks the chunks differ in size."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopAt(nn.CrossEntropyLoss):
+    def __init__(self, at):
+        super().__init__(reduction="sum")
+        self.calls, self.at = 0, at
+
+    def forward(self, out, y):
+        self.calls += 1
+        if self.calls == self.at:
+            raise _Stop()
+        return super().forward(out, y)
+
+
+RESUME_CASES = [(stage, name) for stage in (1, 2) for name in ("sgd", "adam", "adamw")]
+
+
+def _resume_job(root):
+    import os
+
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from manualdp import train_spmd
+    g = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randn(52, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (52,), generator=g))
+    out = {}
+    for stage, name in RESUME_CASES:
+        cls, kw = OPTIMIZERS[name]
+        kw = dict(kw)
+        lr = kw.pop("lr")
+
+        def run(**extra):
+            net = _uneven_mlp()
+            train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=26), 2, lr, optimizer=cls,
+                       zero=stage, nonfinite=None, progress=False, log=None, **kw, **extra)
+            return _flat(net)
+
+        ckpt = os.path.join(root, f"{stage}-{name}")
+        ref = run()
+        try:  # 4 steps an epoch; stop in step 7, after the checkpoint of step 6
+            run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=_StopAt(7))
+        except _Stop:
+            pass
+        out[stage, name] = (ref, run(checkpoint_dir=ckpt, checkpoint_every=3, resume=True))
+    return out
+
+
+def test_resume_under_torchrun_equals_an_uninterrupted_run_on_uneven_shards(tmp_path):
+    results = launch(_resume_job, 3, args=(str(tmp_path),), timeout=240.0)
+    for case in RESUME_CASES:
+        for r in range(3):
+            ref, resumed = results[r][case]
+            assert torch.equal(resumed, ref), f"{case}: rank {r}'s resumed run differs"
+        assert not torch.equal(results[0][case][0], _flat(_uneven_mlp()))
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.side = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
+        self.use_side = True
+
+    def forward(self, x):
+        return self.body(x) + (self.side(x) if self.use_side else 0)
+
+
+def _features_job():
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {"unused": {}, "groups": None, "dtypes": None}
+    # 1. A parameter no rank has a gradient for is skipped, as torch's optimizers skip it.
+    for name, (cls, kw) in OPTIMIZERS.items():
+        nets = {k: _Branchy() for k in ("plain", "stage1", "stage2")}
+        models = {k: DistributedDataParallel(m, find_unused_parameters=True) for k, m in nets.items()}
+        opts = {"plain": cls(models["plain"].parameters(), **kw),
+                "stage1": ZeroRedundancyOptimizer(models["stage1"].parameters(), cls, **kw),
+                "stage2": ZeroRedundancyOptimizer(models["stage2"].parameters(), cls, stage=2, **kw)}
+        for step, (X, y) in enumerate(_batches(12) + _batches(12)):
+            for k, model in models.items():
+                nets[k].use_side = step % 2 == 0
+                opts[k].zero_grad()
+                if k == "stage2":
+                    with model.no_sync():
+                        _shard_loss(model, X, y, rank, n).backward()
+                else:
+                    _shard_loss(model, X, y, rank, n).backward()
+                opts[k].step()
+        out["unused"][name] = {k: _flat(m) for k, m in nets.items()}
+    # 2. Parameter groups as torch takes them, and a scheduler.
+    nets = {k: _mlp() for k in ("plain", "zero")}
+    groups = lambda m: [{"params": list(m[0].parameters())}, {"params": list(m[4].parameters()) +
+                                                              list(m[2].parameters()), "lr": 1e-3, "momentum": 0.0}]
+    models = {k: DistributedDataParallel(m) for k, m in nets.items()}
+    opts = {"plain": torch.optim.SGD(groups(nets["plain"]), lr=0.1, momentum=0.9),
+            "zero": ZeroRedundancyOptimizer(groups(nets["zero"]), torch.optim.SGD, lr=0.1, momentum=0.9)}
+    scheds = {k: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for k, o in opts.items()}
+    for X, y in _batches():
+        for k, model in models.items():
+            opts[k].zero_grad()
+            _shard_loss(model, X, y, rank, n).backward()
+            opts[k].step()
+            scheds[k].step()
+    out["groups"] = {k: _flat(m) for k, m in nets.items()} | {
+        "lrs": {k: [g["lr"] for g in o.param_groups] for k, o in opts.items()}}
+    # 3. float32 and float64 parameters keep their dtypes.
+    torch.manual_seed(0)
+    mixed = nn.Sequential(nn.Linear(6, 8).double(), nn.Linear(8, 4).float())
+    zero = ZeroRedundancyOptimizer(mixed.parameters(), torch.optim.Adam, stage=2, lr=1e-2)
+    X, y = _batches()[0]
+    zero.zero_grad()
+    nn.functional.cross_entropy(mixed[1](mixed[0](X).float()), y, reduction="sum").backward()
+    zero.step()
+    out["dtypes"] = [p.dtype for p in mixed.parameters()]
+    # 4. Another rank's state is refused.
+    try:
+        zero.load_state_dict(dict(zero.state_dict(), rank=(rank + 1) % n))
+    except ValueError as e:
+        out["refused"] = str(e)
+    # 5. Ranks asking for different stages raise, naming them (last: it must not leave gloo broken).
+    try:
+        ZeroRedundancyOptimizer(_mlp().parameters(), torch.optim.SGD, stage=1 + (rank == n - 1), lr=0.1)
+    except ValueError as e:
+        out["stages"] = str(e)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _features():
+    return launch(_features_job, 3, timeout=180.0)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_a_parameter_no_rank_has_a_gradient_for_is_skipped(name):
+    for r in range(3):
+        got = _features()[r]["unused"][name]
+        for stage in ("stage1", "stage2"):
+            torch.testing.assert_close(got[stage], got["plain"], rtol=0, atol=1e-12, msg=f"{name} {stage} rank {r}")
+
+
+def test_param_groups_and_a_scheduler_match_plain_ddp():
+    got = _features()[0]["groups"]
+    torch.testing.assert_close(got["zero"], got["plain"], rtol=0, atol=1e-12)
+    assert got["lrs"]["zero"] == got["lrs"]["plain"] == [0.1 / 8, 1e-3 / 8]
+
+
+def test_mixed_dtypes_kept_another_ranks_state_refused_and_different_stages_named():
+    for r in range(3):
+        got = _features()[r]
+        assert got["dtypes"] == [torch.float64] * 2 + [torch.float32] * 2
+        assert "rank" in got["refused"] and f"this is rank {r} of 3" in got["refused"]
+        assert "different ZeRO stages" in got["stages"] and "{0: 1, 1: 1, 2: 2}" in got["stages"]

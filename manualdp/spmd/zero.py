@@ -1,7 +1,8 @@
 """ZeRO-1 and ZeRO-2 across processes: each rank keeps the optimizer state of one shard.
 
 The SPMD twin of `manualdp.zero`, with torch's `ZeroRedundancyOptimizer` interface where
-it makes sense (`optimizer_class`, keyword defaults, `step`, `zero_grad`, `state_dict`):
+it makes sense (`optimizer_class`, parameter groups, keyword defaults, `step`, `zero_grad`,
+`state_dict`, learning-rate schedulers):
 
     model = DistributedDataParallel(net)                           # stage 1: DDP averages the gradients
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
@@ -11,100 +12,119 @@ it makes sense (`optimizer_class`, keyword defaults, `step`, `zero_grad`, `state
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=2, lr=1e-3)
 
 torch shards whole parameters (each rank owns some tensors); we shard the flat vector into
-near-equal chunks, as the ring does. Elementwise optimizers give the same numbers either way.
-The parameters and gradients are moved into two flat buffers (as torch's
-`parameters_as_bucket_view` and DDP's `gradient_as_bucket_view` do); the gradients are
-zeroed in place, never set to None, so that they stay there.
+near-equal chunks, as the ring does, with the layout of `manualdp.zero.ShardPlan`: one flat
+buffer per (parameter group, dtype), the parameters made views of it, and this rank's chunk
+handed to its optimizer as one piece per parameter it overlaps. Elementwise optimizers give
+the same numbers either way, and a parameter no rank has a gradient for is skipped.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
-from ..buckets import flatten
-from ..collectives import shard
-from ..validate import one_of, timeout_seconds
-from ..zero import make_optimizer, state_bytes
+from ..validate import factory, one_of, timeout_seconds
+from ..zero import ShardPlan, check_shard_fits, make_optimizer, param_groups_of, state_bytes
 from .collectives import all_gather, reduce_scatter
+from .p2p import allreduce
 from .peers import group_ranks
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer:
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     """Shard `params`' optimizer state (stage 1) and gradients (stage 2) over the ranks of `group`.
 
     Args:
+        params: tensors, or parameter groups (dicts with "params"), as torch's optimizers take them.
         optimizer_class: e.g. `torch.optim.Adam`, or a factory `f(params, **defaults)`.
         stage: 1 expects averaged gradients (from the DDP wrapper); 2 expects this rank's own
             gradients (backward under `no_sync()`) and averages them by reduce-scatter.
         algorithm: of the reduce-scatter and the all-gather (`manualdp.schedule.COLLECTIVES`).
+
+    Every rank must build it with the same stage and the same parameter shapes: the ranks
+    compare them at construction and all raise, naming the ranks that differ.
     """
 
     def __init__(self, params, optimizer_class, *, stage: int = 1, algorithm: str = "ring", group=None,
                  timeout: float | None = None, **defaults) -> None:
-        self.params = [p for p in params if p.requires_grad]
-        if not self.params:
-            raise ValueError("params must hold at least one parameter that requires grad, got none")
+        groups = param_groups_of(params)
         self.stage = one_of("stage", stage, (1, 2))
+        factory("optimizer_class", optimizer_class)
         self.algorithm, self.group, self.timeout = algorithm, group, timeout_seconds("timeout", timeout)
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
-        with torch.no_grad():
-            # The parameters and their gradients become views of two flat buffers, so that
-            # the collectives and the optimizer work in place: no copy of the model is made.
-            self.flat = flatten(self.params)
-            self.flat_grad = torch.zeros_like(self.flat)
-            for p, view in zip(self.params, self._views(self.flat)):
-                p.data = view
-            self._point_grads_at_buffer()
-        # This rank's shard is a slice of the flat parameters: stepping it updates them in place.
-        self.shard = shard(self.flat, self.rank, self.world_size)
-        self.optimizer = make_optimizer(optimizer_class, [self.shard], **defaults)
+        self.params = [p for g in groups for p in g["params"]]
+        self.plan = ShardPlan([g["params"] for g in groups], self.world_size)
+        self._agree_on_setup()
+        # The parameters become views of flat buffers, so that the collectives and the
+        # optimizer work in place and a checkpoint loaded into the model is what they see.
+        self.flats = self.plan.bind(self.params)
+        self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(self.rank)]
+        inner = [{"params": [v for j, _, _, v in self.pieces if self.plan.group_of[j] == g], **_hyper(group)}
+                 for g, group in enumerate(groups)]
+        # A rank whose chunks are empty (more ranks than elements) has nothing to step.
+        self.optimizer = make_optimizer(optimizer_class, inner, **defaults) if self.pieces else None
+        template = (self.optimizer if self.optimizer is not None
+                    else make_optimizer(optimizer_class, [dict(g) for g in groups], **defaults))
+        super().__init__([{"params": g["params"], **_hyper(t)} for g, t in zip(groups, template.param_groups)], {})
 
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, at = [], 0
-        for p in self.params:
-            out.append(flat[at:at + p.numel()].view_as(p))
-            at += p.numel()
-        return out
-
-    def _point_grads_at_buffer(self) -> None:
-        """Make every `p.grad` a view of `flat_grad` again, keeping what it holds (autograd and DDP then write there)."""
-        for p, view in zip(self.params, self._views(self.flat_grad)):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)
-            p.grad = view
+    def _agree_on_setup(self) -> None:
+        """Every rank sends (stage, buffers, elements, parameters); a rank that differs is named on all of them."""
+        fields = ("stage", "buffers", "elements", "parameters")
+        table = torch.zeros(self.world_size, len(fields), dtype=torch.float64, device=self.params[0].device)
+        table[self.rank] = torch.tensor([self.stage, len(self.plan.sizes), sum(self.plan.sizes), len(self.params)],
+                                        dtype=torch.float64)
+        allreduce(table.view(-1), self.algorithm, group=self.group, timeout=self.timeout)
+        table = table.cpu().long()
+        for k, field in enumerate(fields):
+            values = {r: int(table[r, k]) for r in range(self.world_size)}
+            if len(set(values.values())) > 1:
+                what = "ZeRO stages" if field == "stage" else f"numbers of {field} to shard"
+                raise ValueError(f"ranks ask for different {what}: {values} (rank: {field}); every rank must pass "
+                                 "the same")
 
     @property
     def reduces_gradients(self) -> bool:
         """True at stage 2: the gradients must not be averaged before `step`, which reduce-scatters them."""
         return self.stage == 2
 
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups  # so that learning-rate schedulers work
-
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients in place, whatever `set_to_none` says: they must stay views of the flat buffer."""
-        self.flat_grad.zero_()
-        self._point_grads_at_buffer()
+        for p in self.params:
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
 
     @torch.no_grad()
-    def step(self) -> None:
+    def step(self, closure=None) -> None:
         """Reduce-scatter (stage 2) the gradients, update this rank's shard, all-gather the parameters."""
+        if closure is not None:
+            raise ValueError("closure is not supported: ZeRO steps after the gradients are reduced")
         kw = {"algorithm": self.algorithm, "group": self.group, "timeout": self.timeout}
-        self._point_grads_at_buffer()  # in case a caller replaced a p.grad
+        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
+                            device=self.flats[0].device)
+        grads = self.plan.flat_grads(self.params)
         if self.reduces_gradients:
-            # Sum, then divide, as the DDP wrapper does: DDP hands the optimizer averages.
-            mine = reduce_scatter(self.flat_grad, **kw).div_(self.world_size)
-        else:
-            mine = shard(self.flat_grad, self.rank, self.world_size)
-        self.shard.grad = mine
-        self.optimizer.step()
-        self.shard.grad = None
-        all_gather(self.flat, **kw)
+            # Which parameters has any rank a gradient for? Those no rank used are skipped.
+            allreduce(used, **kw)
+            for g in grads:  # sum, then divide, as the DDP wrapper does: DDP hands the optimizer averages
+                reduce_scatter(g, **kw).div_(self.world_size)
+        used = used.tolist()
+        if self.optimizer is not None:
+            for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
+                inner.update(_hyper(outer))  # a scheduler may have changed lr
+            for j, lo, hi, piece in self.pieces:
+                piece.grad = grads[self.plan.where[j][0]][lo:hi] if used[j] else None
+            self.optimizer.step()
+            for *_, piece in self.pieces:
+                piece.grad = None
+        for flat in self.flats:
+            all_gather(flat, **kw)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank."""
@@ -113,10 +133,20 @@ class ZeroRedundancyOptimizer:
     def state_dict(self) -> dict:
         """This rank's shard of the state (each rank saves its own, as a sharded checkpoint)."""
         return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
-                "shard": self.optimizer.state_dict()}
+                "param_groups": [_hyper(g) for g in self.param_groups],
+                "shard": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
+        """Load this rank's shard; another rank's, stage's or world size's is refused, changing nothing."""
+        if not isinstance(state, dict) or "shard" not in state:
+            raise ValueError("state is not a ZeroRedundancyOptimizer state_dict (it has no 'shard')")
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
             raise ValueError(f"state is rank {state.get('rank')} of {state.get('world_size')}; "
                              f"this is rank {self.rank} of {self.world_size}")
-        self.optimizer.load_state_dict(state["shard"])
+        if state.get("stage") != self.stage:
+            raise ValueError(f"state is ZeRO-{state.get('stage')}; this is ZeRO-{self.stage}")
+        check_shard_fits(state["shard"], self.optimizer, "state's shard", f"rank {self.rank}'s")
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(state["shard"]))
+        for outer, saved in zip(self.param_groups, state.get("param_groups", ())):
+            outer.update(saved)
