@@ -202,3 +202,25 @@ def test_saving_never_deletes_the_checkpoint_just_written(tmp_path):
         save_checkpoint(str(tmp_path), step, {"run": "old"})
     path = save_checkpoint(str(tmp_path), 4, {"run": "new"}, keep=2)
     assert os.path.exists(path)
+
+
+@pytest.mark.parametrize("before, after, option", [
+    (dict(optimizer=torch.optim.Adam), dict(optimizer=torch.optim.AdamW), "optimizer 'Adam' -> 'AdamW'"),
+    (dict(), dict(optimizer=torch.optim.Adam), "optimizer 'SGD' -> 'Adam'"),
+    (dict(zero=1), dict(), "zero 1 -> None"),
+    (dict(), dict(zero=2), "zero None -> 2"),
+    (dict(zero=1), dict(zero=2), "zero 1 -> 2"),
+])
+def test_resume_refuses_a_changed_optimizer_or_zero_stage_in_one_line(tmp_path, before, after, option):
+    from manualdp.support.checkpoint import ConfigChanged
+    ckpt = str(tmp_path / "ckpt")
+    train(_net(), _loader(), _loader(1), cpu_devices(2), num_epochs=1, lr=0.01, progress=False, log=None,
+          checkpoint_dir=ckpt, **before)
+    files = {f: os.path.getmtime(os.path.join(ckpt, f)) for f in os.listdir(ckpt)}
+    net = _net()
+    with pytest.raises(ConfigChanged) as e:
+        train(net, _loader(), _loader(1), cpu_devices(2), num_epochs=2, lr=0.01, progress=False, log=None,
+              checkpoint_dir=ckpt, resume=True, **after)
+    assert option in str(e.value) and "\n" not in str(e.value)
+    assert {f: os.path.getmtime(os.path.join(ckpt, f)) for f in os.listdir(ckpt)} == files
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters()))
