@@ -186,3 +186,33 @@ def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given
     with pytest.raises(SystemExit):
         main(["auto", "--devices", "3", "--alpha", "1e-4"])
     assert "give --alpha, --beta and --gamma together" in capsys.readouterr().err
+
+
+def test_explain_auto_at_100000_ranks_answers_with_every_algorithms_rounds(capsys, monkeypatch):
+    import signal
+
+    from manualdp.spmd.tune import Link, predict
+
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    signal.alarm(60)  # the schedules of 100,000 ranks are billions of transfers: building one must not be how
+    try:
+        assert main(["auto", "--devices", "100000", "--alpha", "1e-5", "--beta", "1e-9", "--gamma", "1e-10"]) == 0
+    finally:
+        signal.alarm(0)
+    out = capsys.readouterr().out
+    link = Link(1e-5, 1e-9, 1e-10)
+    # naive: gather and scatter; ring: 2(n-1); tree: 2 ceil(log2 n); halving-doubling: 2 log2(65536) and the fold in and out.
+    for a, rounds in [("naive", 2), ("ring", 199998), ("halving_doubling", 34), ("tree", 34)]:
+        line = next(x for x in out.splitlines() if x.strip().startswith(a + " "))
+        assert line.split()[1] == str(rounds)
+        assert f"{predict(a, 100000, 1 << 20, link) * 1e6:.1f} us" in line
+        assert "same transfers" not in line
+
+
+def test_plot_refuses_more_devices_than_its_tables_hold_and_writes_nothing(tmp_path, capsys):
+    from manualdp.runners.explain import STATE_LIMIT
+
+    with pytest.raises(SystemExit):
+        main(["ring", "--devices", str(STATE_LIMIT + 1), "--plot", str(tmp_path / "x.png")])
+    assert f"at most {STATE_LIMIT} devices, got {STATE_LIMIT + 1}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -13,7 +13,7 @@ import argparse
 import string
 from collections import Counter
 
-from ..cost import cost, traffic
+from ..cost import allreduce_loads, cost, traffic
 from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective, get_schedule
 from ..spmd.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int
@@ -140,7 +140,8 @@ def explain(
         raise ValueError(f"size_bytes must be a non-negative multiple of element_size={element_size}, got {size_bytes!r}")
     if num_devices > MAX_DEVICES:
         raise ValueError(f"num_devices must be at most {MAX_DEVICES} to be explained line by line, got {num_devices}; "
-                         "the bytes and time of larger rings follow the formulas printed for smaller ones")
+                         "the bytes and time of larger rings follow the formulas printed for smaller ones, "
+                         f"and 'explain auto --devices {num_devices}' predicts every allreduce's time")
     if show_state and num_devices > STATE_LIMIT:
         raise ValueError(f"the chunk tables (--state) are drawn for at most {STATE_LIMIT} devices, got {num_devices}")
     collective, name = NAMES[algorithm]
@@ -193,19 +194,19 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     positive_int("num_devices", num_devices)
     non_negative_int("size_bytes", size_bytes)
     positive_int("segment_bytes", segment_bytes)
-    if num_devices > MAX_DEVICES:
-        raise ValueError(f"num_devices must be at most {MAX_DEVICES}, got {num_devices}")
     pick = choose(num_devices, size_bytes, link, element_size, segment_bytes)
-    rounds = {a: get_schedule(a, num_devices).rounds for a in ALGORITHMS}
+    rounds = {a: sum(repeats for _, repeats in allreduce_loads(a, num_devices, 0)) for a in ALGORITHMS}
+    # Two algorithms can be one schedule (naive and tree at two ranks); past MAX_DEVICES none are, and building them is slow.
+    schedules = {a: get_schedule(a, num_devices).rounds if num_devices <= MAX_DEVICES else a for a in ALGORITHMS}
     out = [f"algorithm='auto' for an allreduce of {size_bytes} bytes on {num_devices} ranks",
            f"  link{f' ({source})' if source else ''}: alpha {_us(link.alpha)} per message, beta {link.beta:.3g} s/B"
            f"{_rate(link.beta)}, gamma {link.gamma:.3g} s/B{_rate(link.gamma)}, duplex {link.duplex:.2f}"
            + (f", {link.parallel} ranks at once" if 0 < link.parallel < num_devices else ""),
            "", "  {:<18}{:>8}{:>16}".format("algorithm", "rounds", "predicted")]
     for a in ALGORITHMS:
-        same = [b for b in ALGORITHMS if b != a and rounds[b] == rounds[a]]
+        same = [b for b in ALGORITHMS if b != a and schedules[b] == schedules[a]]
         note = ("  <- pick" if a == pick else "") + (f"  (same transfers as {', '.join(same)})" if same else "")
-        out.append("  {:<18}{:>8}{:>16}".format(a, len(rounds[a]), _us(predict(a, num_devices, size_bytes, link,
+        out.append("  {:<18}{:>8}{:>16}".format(a, rounds[a], _us(predict(a, num_devices, size_bytes, link,
                                                                                 element_size, segment_bytes))) + note)
     out += ["", f"pick: {pick}; the model is manualdp.cost.cost, each round as long as its busiest rank, "
                 "sending and receiving at once charged (1 + duplex) times the larger, additions overlapping "
@@ -220,6 +221,8 @@ def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
 
     one_of("algorithm", algorithm, NAMES)
     positive_int("num_devices", num_devices)
+    if num_devices > STATE_LIMIT:
+        raise ValueError(f"the rounds are drawn with their chunk tables, for at most {STATE_LIMIT} devices, got {num_devices}")
     collective, name = NAMES[algorithm]
     schedule = get_collective(collective, name, num_devices, root)
     states = trace(schedule)

@@ -29,8 +29,8 @@ from dataclasses import asdict, astuple, dataclass, fields, replace
 import torch
 import torch.distributed as dist
 
-from ..cost import cost
-from ..schedule import ALGORITHMS, Schedule, Transfer, get_schedule
+from ..cost import allreduce_loads, loads_cost
+from ..schedule import ALGORITHMS, Schedule, Transfer
 from ..support.files import write_json_atomic
 from ..validate import fraction, non_negative_int, non_negative_number, positive_int
 from .peers import group_ranks, talking_to, wait
@@ -83,10 +83,16 @@ def host_parallel(backend: str, world_size: int) -> int:
 
 def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_size: int = 4,
             segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> float:
-    """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`, cut into `segment_bytes`."""
+    """Predicted seconds for an allreduce of `nbytes` per rank with `algorithm`, cut into `segment_bytes`.
+
+    `manualdp.cost.cost` of the schedule, from its loads written down without building it
+    (`allreduce_loads`), so that 100,000 ranks take no longer than 8.
+    """
+    non_negative_int("nbytes", nbytes)
+    positive_int("element_size", element_size)
     nbytes -= nbytes % element_size
-    return cost(get_schedule(algorithm, world_size), nbytes, link.alpha, link.beta, link.gamma, element_size,
-                link.duplex, link.parallel, segment_bytes)
+    return loads_cost(allreduce_loads(algorithm, world_size, nbytes, element_size), link.alpha, link.beta, link.gamma,
+                      link.duplex, link.parallel, segment_bytes)
 
 
 @functools.lru_cache(maxsize=1024)  # a training run asks for the same few bucket sizes again and again
