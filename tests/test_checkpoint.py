@@ -224,3 +224,13 @@ def test_resume_refuses_a_changed_optimizer_or_zero_stage_in_one_line(tmp_path, 
     assert option in str(e.value) and "\n" not in str(e.value)
     assert {f: os.path.getmtime(os.path.join(ckpt, f)) for f in os.listdir(ckpt)} == files
     assert all(torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters()))
+
+
+def test_a_resume_keeps_the_run_id_of_the_first_start(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(Crash):
+        _run(tmp_path, 2, checkpoint_dir=ckpt, checkpoint_every=2, loss_fn=CrashingLoss(5 * 2 + 1))
+    first = load_latest(ckpt)["identity"]["run_id"]
+    _run(tmp_path, 2, checkpoint_dir=ckpt, checkpoint_every=2, resume=True)
+    assert load_latest(ckpt)["global_step"] == 15
+    assert load_latest(ckpt)["identity"]["run_id"] == first

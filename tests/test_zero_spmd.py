@@ -173,6 +173,7 @@ def _resume_job(root):
     from torch.utils.data import DataLoader, TensorDataset
 
     from manualdp import train_spmd
+    from manualdp.support.checkpoint import load_latest
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(52, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (52,), generator=g))
     out = {}
@@ -193,7 +194,10 @@ def _resume_job(root):
             run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=_StopAt(7))
         except _Stop:
             pass
+        rank_dir = os.path.join(ckpt, f"rank{dist.get_rank()}")
+        before = load_latest(rank_dir)["identity"]["run_id"]
         out[stage, name] = (ref, run(checkpoint_dir=ckpt, checkpoint_every=3, resume=True))
+        out["run_id", stage, name] = (before, load_latest(rank_dir)["identity"]["run_id"])
     return out
 
 
@@ -203,6 +207,8 @@ def test_resume_under_torchrun_equals_an_uninterrupted_run_on_uneven_shards(tmp_
         for r in range(3):
             ref, resumed = results[r][case]
             assert torch.equal(resumed, ref), f"{case}: rank {r}'s resumed run differs"
+            # one run id for the whole run: rank 0's, kept across the resume
+            assert results[r][("run_id", *case)] == (results[0][("run_id", *case)][0],) * 2
         assert not torch.equal(results[0][case][0], _flat(_uneven_mlp()))
 
 
