@@ -7,8 +7,7 @@ shards. An average of per-shard means would not be (`summed_loss`).
 from __future__ import annotations
 
 import copy
-import inspect
-import warnings
+import math
 
 import torch
 from torch import nn
@@ -21,9 +20,12 @@ def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
 
     The sum over a shard divided by the global batch size makes N devices compute exactly
     the one-device gradient, even with uneven shards; an average of per-shard means would not.
+    A custom loss module is checked by behaviour at its first call (`_ChecksSum`).
     """
     if loss_fn is None:
         return _CrossEntropyOfLogits(reduction="sum")
+    if isinstance(loss_fn, (_CrossEntropyOfLogits, _PerExample, _ChecksSum)):
+        return loss_fn  # summed already: `train` hands its summed loss to `train_batch`
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not hasattr(loss_fn, "reduction"):
@@ -31,24 +33,47 @@ def summed_loss(loss_fn: nn.Module | None) -> nn.Module:
     if loss_fn.reduction != "sum":
         loss_fn = copy.copy(loss_fn)
         loss_fn.reduction = "sum"  # a "mean" or "none" loss gets summed here
-    if _ignores_reduction(loss_fn):
-        warnings.warn(f"loss_fn {type(loss_fn).__name__}'s forward neither reads self.reduction nor calls its parent: "
-                      "if it returns a mean, that mean is divided by the batch again (gradients too small); make it "
-                      "honour reduction='sum'", stacklevel=3)
-    return loss_fn
-
-
-def _ignores_reduction(loss_fn) -> bool:
-    """True for a custom loss whose own forward never looks at `reduction` (read from its source, not by calling it:
-    a second call could change a loss that counts its calls)."""
     forward = getattr(type(loss_fn), "forward", None)
-    if forward is None or getattr(forward, "__module__", "").startswith("torch."):
-        return False
+    if getattr(forward, "__module__", "").startswith("torch."):
+        return loss_fn  # torch's own losses honour reduction
+    return _ChecksSum(loss_fn)
+
+
+class _ChecksSum:
+    """A custom loss with `reduction="sum"`, asked at its first call whether it really sums.
+
+    A copy of it (so that a loss counting its calls is not disturbed) scores the first shard
+    and that shard twice: a sum doubles, a mean stays. A mean would be divided by the batch
+    again (gradients too small), so it is refused before any update.
+    """
+
+    def __init__(self, fn):
+        self.fn, self.checked = fn, False
+
+    def __call__(self, out, y):
+        if not self.checked:
+            self.checked = True
+            once, twice = _score_twice(self.fn, out, y)
+            if once is not None and once != 0 and abs(twice - once) <= 1e-3 * abs(once):
+                raise ValueError(f"loss_fn {type(self.fn).__name__} ignores reduction='sum': it gives a batch and "
+                                 f"that batch twice the same loss ({once:.4g}), so it averages, and the average "
+                                 "would be divided by the batch again; make its forward honour self.reduction")
+        return self.fn(out, y)
+
+
+def _score_twice(loss_fn, out, y) -> tuple[float | None, float | None]:
+    """A copy of `loss_fn` on (`out`, `y`) and on them twice over; (None, None) where that cannot be asked."""
+    if not isinstance(out, torch.Tensor) or not isinstance(y, torch.Tensor) or len(out) != len(y) or len(y) == 0:
+        return None, None
     try:
-        source = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return False
-    return "reduction" not in source and "super()" not in source
+        probe = copy.deepcopy(loss_fn)
+        with torch.no_grad():
+            out = out.detach()
+            once, twice = probe(out, y), probe(torch.cat([out, out]), torch.cat([y, y]))
+        once, twice = float(once), float(twice)
+    except Exception:  # a loss that cannot be copied, or is not one number: not ours to judge here
+        return None, None
+    return (once, twice) if math.isfinite(once) and math.isfinite(twice) else (None, None)
 
 
 def logits_of(out):

@@ -1,4 +1,5 @@
 """The API cases: tuple and dict outputs, non-finite by default, double division, shared optimizers, dict batches, meta tensors."""
+import functools
 import warnings
 
 import pytest
@@ -65,15 +66,62 @@ class _AlwaysMean(nn.Module):
         return nn.functional.cross_entropy(out, y)
 
 
-def test_a_custom_loss_that_ignores_reduction_is_warned_about():
+class _ReadsReductionButMeans(nn.CrossEntropyLoss):
+    """Reads `reduction` and calls its parent: reading its source would find nothing wrong."""
+
+    def forward(self, out, y):
+        if self.reduction == "none":
+            return super().forward(out, y)
+        return nn.functional.cross_entropy(out, y, reduction="none").mean()  # "sum" too: a mean
+
+
+class _SumsQuietly(nn.Module):
+    """Honours `reduction` through a dict of options: its source never says the word."""
+
+    def __init__(self):
+        super().__init__()
+        self.reduction, self.calls = "mean", 0
+
+    def forward(self, out, y):
+        self.calls += 1
+        return nn.functional.cross_entropy(out, y, **{k: getattr(self, k) for k in vars(self) if k[:3] == "red"})
+
+
+@pytest.mark.parametrize("mean", [_AlwaysMean, _ReadsReductionButMeans])
+def test_a_custom_loss_that_ignores_reduction_is_refused_before_any_update(mean):
     X, y = _data()
     replicas = replicate(nn.Linear(4, 3), cpu_devices(2))
     opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
-    with pytest.warns(UserWarning, match="divided by the batch again"):
-        train_batch(X, y, replicas, opts, cpu_devices(2), _AlwaysMean())
+    before = [p.clone() for r in replicas for p in r.parameters()]
+    with pytest.raises(ValueError, match=f"loss_fn {mean.__name__} ignores reduction='sum'.*honour self.reduction"):
+        train_batch(X, y, replicas, opts, cpu_devices(2), mean())
+    assert all(torch.equal(a, b) for a, b in zip(before, [p for r in replicas for p in r.parameters()]))
+    with pytest.raises(ValueError, match="ignores reduction='sum'"):
+        train(nn.Linear(4, 3), _loader(), _loader(), cpu_devices(2), 1, 0.1, loss_fn=mean(), progress=False, log=None)
+
+
+def test_a_custom_loss_that_sums_is_accepted_and_called_once_per_shard():
+    X, y = _data()
+    replicas = replicate(nn.Linear(4, 3), cpu_devices(2))
+    opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
+    loss = _SumsQuietly()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        train_batch(X, y, replicas, opts, cpu_devices(2), loss)
         train_batch(X, y, replicas, opts, cpu_devices(2), nn.CrossEntropyLoss())
+    counting = _SumsQuietly()
+    counting.reduction = "sum"
+    train(nn.Linear(4, 3), _loader(), _loader(), cpu_devices(2), 1, 0.1, loss_fn=counting, progress=False, log=None)
+    assert counting.calls == 4 * 2  # 4 batches, 2 shards each: the check called a copy, never the loss itself
+
+
+def test_train_takes_a_loss_function_that_returns_one_loss_per_example():
+    per_example = functools.partial(nn.functional.cross_entropy, reduction="none")
+    nets = [nn.Linear(4, 3), nn.Linear(4, 3)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    for net, loss in zip(nets, (per_example, nn.CrossEntropyLoss())):
+        train(net, _loader(), _loader(), cpu_devices(2), 1, 0.1, loss_fn=loss, progress=False, log=None)
+    assert all(torch.equal(a, b) for a, b in zip(nets[0].parameters(), nets[1].parameters()))
 
 
 def test_one_optimizer_shared_by_two_replicas_is_refused_and_nothing_changes():
