@@ -3,6 +3,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import pytest
 from manualdp.runners.cli import main
@@ -101,3 +102,65 @@ def test_cpu_threads_default_to_one_for_simulated_devices_and_share_cores_under_
     assert cpu_threads(None, 4) == 4  # two ranks on this machine share its 8 cores
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
     assert cpu_threads(None, 16) == 1
+
+
+# ---------------------------------------------------------------- traces and outputs (issue 20)
+
+TINY = ["--no-progress", "--num-train", "256", "--num-test", "64", "--batch-size", "64", "--epochs", "1"]
+
+
+def test_trace_to_a_fifo_with_plot_trace_ends_and_plots_the_events_it_wrote(tmp_path):
+    fifo, png = str(tmp_path / "trace.fifo"), tmp_path / "trace.png"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(open(fifo).read()), daemon=True)
+    reader.start()
+    try:
+        out = _manualdp("train", *TINY, "--trace", fifo, "--plot-trace", str(png), timeout=60)
+    finally:
+        if reader.is_alive():  # the run never opened the FIFO: let the reader go
+            with open(fifo, "w"):
+                pass
+        reader.join(10)
+    assert out.returncode == 0, out.stderr
+    events = json.loads(got[0])["traceEvents"]
+    assert {e["name"] for e in events} >= {"forward", "backward", "step"}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_trace_to_stdout_with_plot_trace_ends_and_plots(tmp_path):
+    png = tmp_path / "trace.png"
+    out = _manualdp("train", *TINY, "--trace", "/dev/stdout", "--plot-trace", str(png), timeout=60)
+    assert out.returncode == 0, out.stderr
+    trace = json.JSONDecoder().raw_decode(out.stdout[out.stdout.index('{\n  "traceEvents"'):])[0]
+    assert any(e["name"] == "backward" for e in trace["traceEvents"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("first, second, how", [
+    ("--json", "--trace", "same"), ("--plot", "--plot-trace", "same"), ("--json", "--trace", "relative"),
+    ("--trace", "--json", "symlink"), ("--json", "--checkpoint-dir", "same"),
+])
+def test_outputs_naming_one_file_are_refused_before_training(tmp_path, monkeypatch, capsys, first, second, how):
+    monkeypatch.chdir(tmp_path)
+    name = "out.png"
+    os.mkdir("sub")
+    other = {"same": name, "relative": os.path.join("sub", "..", name), "symlink": "link.png"}[how]
+    if how == "symlink":
+        os.symlink(os.path.join(str(tmp_path), name), other)
+    argv = ["train", first, name, second, other] + (["--trace", "t.json"] if second == "--plot-trace" else [])
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and first in err and second in err and "same file" in err
+    assert not os.path.exists(name)  # refused before anything was written
+
+
+def test_distinct_outputs_and_dev_null_twice_are_accepted(tmp_path):
+    from manualdp.runners.cli import build_parser, check_train_args
+
+    distinct = build_parser().parse_args(["train", "--json", str(tmp_path / "a.json"), "--trace", str(tmp_path / "b.json")])
+    assert check_train_args(distinct) is None
+    null = build_parser().parse_args(["train", "--json", os.devnull, "--trace", os.devnull])
+    assert check_train_args(null) is None

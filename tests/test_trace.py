@@ -66,6 +66,7 @@ def test_single_controller_trace_has_one_ordered_track_per_device(tmp_path):
         assert c["ts"] == pytest.approx(last["ts"] + last["dur"]) and c["ts"] + c["dur"] <= firsts[s]["ts"] + 1e-3
     assert history.config["timeline"]["steps"] == steps
     assert history.config["timeline"]["overlap_fraction"] == 0.0
+    assert json.loads(json.dumps(history.trace)) == data  # the events in memory, for a plot that cannot read a FIFO
     plot_trace(data, str(tmp_path / "trace.png"))
     assert (tmp_path / "trace.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -74,7 +75,7 @@ def _spmd_job(path):
     from manualdp import train_spmd
     train_iter, test_iter = _data()
     history = train_spmd(_net(), train_iter, test_iter, 1, 0.1, bucket_cap_mb=0.002, trace=path, progress=False, log=None)
-    return history.config["timeline"] if history is not None else None
+    return (history.config["timeline"], history.trace) if history is not None else None
 
 
 def test_spmd_trace_has_each_buckets_ready_allreduce_and_wait_in_order(tmp_path):
@@ -101,6 +102,7 @@ def test_spmd_trace_has_each_buckets_ready_allreduce_and_wait_in_order(tmp_path)
                 first_ready = [e for e in ready if e["args"]["bucket"] == b]
                 assert any(r["ts"] <= send["ts"] for r in first_ready), "a bucket was sent before it was ready"
                 assert send["ts"] <= wait["ts"] + wait["dur"] and send["ts"] + send["dur"] <= wait["ts"] + wait["dur"] + 1e-3
-    s = summaries[0]
+    s, events = summaries[0]
+    assert json.loads(json.dumps(events)) == data  # rank 0 keeps every rank's events in memory, for the plot
     assert 0.0 <= s["overlap_fraction"] <= 1.0 and s["steps"] == steps
     assert s["exposed_comm_ms_per_step"] <= s["comm_ms_per_step"] + 1e-9

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -153,7 +152,7 @@ def check_train_args(args) -> str | None:
         return f"--plot: {args.plot!r} must end in .png"
     if args.plot_trace and (not args.trace or not args.plot_trace.lower().endswith(".png")):
         return f"--plot-trace: {args.plot_trace!r} must end in .png and needs --trace"
-    problem = _output_problems(args)
+    problem = _shared_output(args) or _output_problems(args)
     if problem:
         return problem
     ranks = world_size if world_size > 1 else args.devices
@@ -172,6 +171,21 @@ def check_train_args(args) -> str | None:
 
 # Bytes a checkpoint of each model takes, about: parameters, momentum-free SGD state, RNG (x2 for the payload copy).
 _CHECKPOINT_BYTES = {"lenet": 1 << 20, "mlp": 4 << 20, "resnet18": 100 << 20}
+
+
+def _shared_output(args) -> str | None:
+    """Two outputs naming one file (also through a symlink or a relative path): one would overwrite the other."""
+    seen: dict[str, tuple[str, str]] = {}
+    for option, path in (("--json", args.json), ("--plot", args.plot), ("--trace", args.trace),
+                         ("--plot-trace", args.plot_trace), ("--checkpoint-dir", args.checkpoint_dir)):
+        if path is None:
+            continue
+        real = os.path.realpath(path)
+        if real in seen and real != os.devnull:  # /dev/null takes any number of outputs
+            first, first_path = seen[real]
+            return f"{first} {first_path!r} and {option} {path!r} name the same file: give each output its own path"
+        seen[real] = (option, path)
+    return None
 
 
 def _output_problems(args) -> str | None:
@@ -285,8 +299,7 @@ def _report_trace(args, history) -> None:
     if args.plot_trace:
         from ..support.trace import plot_trace
 
-        with open(args.trace) as f:
-            plot_trace(json.load(f), args.plot_trace)
+        plot_trace(history.trace, args.plot_trace)  # the events in memory: --trace may be a FIFO or /dev/stdout
         print(f"wrote {args.plot_trace}")
 
 

@@ -71,7 +71,8 @@ def train(
     `optimizer` (a torch.optim class or factory, default SGD) is built with `lr`, and with
     `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`).
     `trace=PATH` writes a Chrome trace (Perfetto) of every step, one track per device, and
-    puts its summary (overlap, exposed communication) in `history.config["timeline"]`.
+    puts its summary (overlap, exposed communication) in `history.config["timeline"]` and its
+    events in `history.trace` (in memory only, for `manualdp.support.trace.plot_trace`).
 
     With `checkpoint_dir`, a checkpoint is written after every epoch and every
     `checkpoint_every` steps; `resume=True` continues from the newest readable one, and the
@@ -128,6 +129,7 @@ def _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorit
     run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
     if timeline is not None:
         history.config["timeline"] = timeline.trace.summary(timeline.steps)
+        history.trace = timeline.trace.to_dict()  # for a plot: `trace` may be a FIFO or stdout, never read back
         timeline.trace.save(trace)
     copy_params_(net, replicas[0])
     return history
@@ -247,6 +249,7 @@ def train_spmd(
             merged = merge_ranks(timeline.trace)
             if merged is not None:
                 write_json_atomic(trace, merged)
+                history.trace = merged  # rank 0's, as in `train`
     finally:
         release()
     return history if rank == 0 else None
