@@ -6,7 +6,7 @@ import copy
 import torch
 from torch import nn
 
-from .validate import check_devices, check_tensors, index, nn_module, tensor_list
+from .validate import check_devices, check_tensors, index, initialized, nn_module, tensor_list
 
 __all__ = ["replicate", "replicate_params", "broadcast", "broadcast_buffers", "copy_params_"]
 
@@ -23,6 +23,7 @@ def replicate_params(params, device) -> list[torch.Tensor]:
 def replicate(module: nn.Module, devices) -> list[nn.Module]:
     """Return one independent copy of `module` per device; replicas never share storage."""
     nn_module("module", module)
+    initialized("module", module)  # a lazy one would give every replica its own random values
     devices = check_devices(devices)
     # deepcopy gives new storage even where .to(device) would be a no-op.
     return [copy.deepcopy(module).to(d) for d in devices]

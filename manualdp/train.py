@@ -17,7 +17,7 @@ from .loss import correct_tensor, count_correct, logits_of, summed_loss
 from .replicate import broadcast_buffers
 from .schedule import ALGORITHMS
 from .split import split_batch
-from .validate import check_devices, iterable, nn_module, one_of, positive_number, xy_pair
+from .validate import check_devices, iterable, nn_module, one_of, positive_number, trainable, xy_pair
 
 __all__ = ["StepResult", "allreduce_gradients", "train_batch", "evaluate"]
 
@@ -132,6 +132,7 @@ def _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, no
     if len(replicas) != len(devices) or len(optimizers) != len(devices):
         raise ValueError(f"need one replica and one optimizer per device: {len(devices)} devices, "
                          f"{len(replicas)} replicas, {len(optimizers)} optimizers")
+    trainable("replicas[0]", replicas[0])
     # An optimizer shared by replicas, or holding another replica's parameters, steps some of
     # them twice and others never: the replicas drift apart with no error.
     for i, (net, opt) in enumerate(zip(replicas, optimizers)):

@@ -16,7 +16,7 @@ from torch import nn
 __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
     "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
-    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "iterable", "callable_or_none",
+    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "initialized", "trainable", "iterable", "callable_or_none",
     "factory", "a_callable", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch", "xy_pair",
 ]
@@ -109,6 +109,26 @@ def nn_module(name: str, value) -> nn.Module:
     if isinstance(value, nn.Module):
         return value
     raise TypeError(f"{name} must be an nn.Module, got {type(value).__name__}")
+
+
+def initialized(name: str, module: nn.Module) -> nn.Module:
+    """A module whose parameters all have shapes and values: no lazy module (LazyLinear) before its first forward."""
+    lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ValueError(f"{name} has uninitialized parameters ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: "
+                         "a lazy module such as LazyLinear); run one forward pass on a batch first, so that they "
+                         "get their shapes and values")
+    return module
+
+
+def trainable(name: str, module: nn.Module) -> nn.Module:
+    """An initialized module with at least one parameter that requires grad: something to train."""
+    initialized(name, module)
+    params = list(module.parameters())
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"{name} has no parameters that require grad "
+                         f"({f'all {len(params)} are frozen' if params else 'it has none'}): there is nothing to train")
+    return module
 
 
 def iterable(name: str, value):

@@ -1,4 +1,6 @@
 """Every public boundary: bad input is a clear error naming the argument and the value, inputs unchanged."""
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -59,6 +61,34 @@ def test_bad_input_is_a_clear_error(call, error, words):
         call()
     for w in words:
         assert w in str(info.value)
+
+
+NOTHING_TO_TRAIN = {
+    "frozen": (lambda: nn.Linear(4, 3).requires_grad_(False), "net has no parameters that require grad (all 2 are frozen)"),
+    "parameterless": (lambda: nn.Softmax(dim=1), "net has no parameters that require grad (it has none)"),
+    "lazy": (lambda: nn.Sequential(nn.LazyLinear(3)), "net has uninitialized parameters (0.weight, 0.bias: a lazy"),
+}
+
+
+@pytest.mark.parametrize("kind", NOTHING_TO_TRAIN)
+def test_a_model_with_nothing_to_train_is_one_clear_error_in_both_modes(kind):
+    from manualdp.runners.loop import train_spmd
+    make, words = NOTHING_TO_TRAIN[kind]
+    data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))]
+    with pytest.raises(ValueError, match=re.escape(words)):
+        train(make(), data, data, cpu_devices(2), 1, 0.1, progress=False, log=None)
+    with pytest.raises(ValueError, match=re.escape(words)):  # checked before it looks for a process group
+        train_spmd(make(), data, data, 1, 0.1, progress=False, log=None)
+
+
+def test_the_book_refuses_lazy_and_frozen_models_before_touching_them():
+    # Replicas of a lazy module would each draw their own values at their first forward pass.
+    with pytest.raises(ValueError, match="module has uninitialized parameters .* run one forward pass"):
+        replicate(nn.Sequential(nn.LazyLinear(3)), cpu_devices(2))
+    replicas = replicate(nn.Linear(4, 3).requires_grad_(False), cpu_devices(2))
+    opts = [torch.optim.SGD(r.parameters(), lr=0.1) for r in replicas]
+    with pytest.raises(ValueError, match=re.escape("replicas[0] has no parameters that require grad")):
+        train_batch(torch.randn(8, 4), torch.randint(0, 3, (8,)), replicas, opts, cpu_devices(2))
 
 
 @pytest.mark.parametrize("bad", [

@@ -74,6 +74,7 @@ def test_plan_messages_match_and_compute_the_single_controller_sum(algorithm, n,
     (lambda: DistributedDataParallel(nn.Linear(2, 2), algorithm="fast"), ValueError, "'fast'"),
     (lambda: DistributedDataParallel(nn.Linear(2, 2), broadcast_buffers="yes"), TypeError, "broadcast_buffers"),
     (lambda: DistributedDataParallel(nn.Linear(2, 2).requires_grad_(False)), ValueError, "no parameters"),
+    (lambda: DistributedDataParallel(nn.Sequential(nn.LazyLinear(2))), ValueError, "uninitialized .* forward pass"),
     (lambda: DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1]), ValueError, "device_ids"),
     (lambda: DistributedDataParallel(nn.Linear(2, 2)), RuntimeError, "not initialised"),
 ])

@@ -35,7 +35,7 @@ from ..train import StepResult, evaluate, train_batch
 from ..zero import ZeroRedundancyOptimizer
 from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, learning_rate, mapping_or_none,
                         nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds,
-                        xy_pair)
+                        trainable, xy_pair)
 from .agree import agree_all_saved, agree_all_succeed, agree_on_checkpoint, agree_on_run_id, agree_on_settings
 from .timeline import Timeline, merge_ranks
 
@@ -80,7 +80,7 @@ def train(
     checkpoint written with other options (only `num_epochs` may change); `config` adds
     options the loop cannot see (seed, batch size, data) to that identity.
     """
-    nn_module("net", net)
+    trainable("net", nn_module("net", net))
     devices = check_devices(devices)
     _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
                      nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
@@ -173,7 +173,7 @@ def train_spmd(
     guard, since before its reduce-scatter the ranks hold different gradients and would disagree:
     the default, `"auto"`, is `"raise"` without ZeRO-2 and no check with it.
     """
-    nn_module("net", net)
+    trainable("net", nn_module("net", net))
     one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
     if nonfinite == "auto":  # the default: check wherever every rank holds the averaged gradients
         nonfinite = None if zero == 2 else "raise"

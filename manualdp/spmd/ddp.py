@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
-from ..validate import (a_callable, boolean, iterable, nn_module, non_negative_int, one_of, positive_int,
-                        positive_number, timeout_seconds)
+from ..validate import (a_callable, boolean, initialized, iterable, nn_module, non_negative_int, one_of,
+                        positive_int, positive_number, timeout_seconds)
 from . import p2p
 from .ddp_checks import StepChecks
 from .ddp_join import UnevenInputs
@@ -203,7 +203,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
                  rebuild_buckets: bool = True) -> None:
         super().__init__()
         UnevenInputs.__init__(self)
-        nn_module("module", module)
+        initialized("module", nn_module("module", module))  # as torch: run a forward pass before wrapping
         non_negative_int("dim", dim)
         positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
         if bucket_cap_mb_list is not None:
