@@ -35,13 +35,12 @@ class NonFiniteGuard:
     pass wrote, so the step leaves no trace; `None` lets everything through.
     """
 
-    def __init__(self, mode: str | None, modules: list[nn.Module], optimizers: list, where: str = "",
-                 reduced: bool = True) -> None:
+    def __init__(self, mode: str | None, modules: list[nn.Module], optimizers: list, where: str = "") -> None:
         self.mode = one_of("nonfinite", mode, NONFINITE)
         self.modules = modules        # the replicas (single controller) or [this rank's module]
-        # After an allreduce one replica speaks for all; before it (ZeRO-2 sums in its step) a
-        # NaN on any device poisons the sum, so every replica is read.
-        self.reduced = reduced
+        # After an allreduce one replica speaks for all; when the optimizer sums the gradients in
+        # its step (ZeRO-2), a NaN on any device poisons the sum, so every replica is read.
+        self.reduced = not any(getattr(opt, "reduces_gradients", False) for opt in optimizers)
         self.optimizers = optimizers  # their optimizers, to clear the gradients of a skipped step
         self.where = where            # e.g. "rank 1: ", put before the message
         # Only a skip needs the statistics as they were before the forward pass.

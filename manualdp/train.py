@@ -49,9 +49,7 @@ def train_batch(
     """
     devices = _check_step_args(replicas, optimizers, devices, algorithm, bucket_cap_mb, nonfinite)
     loss_fn = summed_loss(loss_fn)
-    reduced = not any(getattr(opt, "reduces_gradients", False) for opt in optimizers)  # ZeRO-2 sums in its step
-    # Made before the forward pass: a skipped step puts back the BatchNorm statistics it wrote.
-    guard = NonFiniteGuard(nonfinite, replicas, optimizers, reduced=reduced)
+    guard = NonFiniteGuard(nonfinite, replicas, optimizers)  # before the forward pass: it may restore BatchNorm stats
     # 1. Split the global batch: shard i goes to device i.
     X_shards, y_shards = split_batch(X, y, devices)
     # 2. + 3. Forward, backward on every replica: shard loss sum / global batch, so gradients add up to one device's.
@@ -64,7 +62,7 @@ def train_batch(
         losses.append(loss.detach())
         corrects.append(correct_tensor(logits_of(out).detach(), ys))
     # 4. Allreduce: every replica now holds the sum of all gradients (ZeRO-2 reduce-scatters it in its step).
-    if reduced:
+    if not any(getattr(opt, "reduces_gradients", False) for opt in optimizers):
         allreduce_gradients(replicas, algorithm, bucket_cap_mb)
     result = StepResult(sum(v.item() for v in losses) * len(X), sum(int(c) for c in corrects), skipped=False)
     if not guard.passes(step):  # NaN or Inf: raise, or undo the step (the replicas agree, they hold the same sums)

@@ -13,15 +13,12 @@ optimizer state of its chunk only:
 Reduce-scatter + all-gather is the ring allreduce cut in two (`manualdp.schedule.ring`),
 with the optimizer step moved into the middle: the same bytes on the wire, 1/N of the state.
 
-Three details make it equal to plain data parallelism, not merely close:
-- the parameters *are* views of the flat buffers, so that loading a checkpoint into the
-  model, or any other write to a parameter, is what the shards see;
-- a device's chunk is handed to its optimizer as one piece per parameter it overlaps, in
-  that parameter's group, so that a parameter with no gradient is skipped (as torch's
-  optimizers skip it) and each parameter group keeps its own options;
-- one flat buffer per (parameter group, dtype), so that float32 and float64 stay apart.
-The optimizers torch offers are elementwise (SGD, Adam, AdamW), so stepping pieces gives
-exactly the numbers that stepping whole parameters would.
+The layout (`manualdp.shards`) makes it equal to plain data parallelism, not merely close:
+the parameters *are* views of flat buffers, so loading a checkpoint into the model is what
+the shards see; each device steps one piece per parameter its chunk overlaps, so a parameter
+with no gradient is skipped and each parameter group keeps its options; float32 and float64
+stay in buffers of their own. The optimizers torch offers are elementwise (SGD, Adam, AdamW),
+so stepping pieces gives exactly the numbers that stepping whole parameters would.
 """
 from __future__ import annotations
 
@@ -31,10 +28,10 @@ import torch
 from torch import nn
 
 from .collectives import all_gather, reduce_scatter
-from .schedule import chunk_bounds, owned_chunk
+from .shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from .validate import factory, one_of
 
-__all__ = ["ShardPlan", "ZeroRedundancyOptimizer", "check_shard_fits", "make_optimizer", "param_groups_of", "state_bytes"]
+__all__ = ["ZeroRedundancyOptimizer", "make_optimizer", "state_bytes"]
 
 
 def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer:
@@ -44,119 +41,8 @@ def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer
 
 def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes held in `optimizer`'s state tensors (momentum, exp_avg, ...), counted from the tensors themselves."""
-    if optimizer is None:
-        return 0
-    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+    return sum(v.numel() * v.element_size() for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
                if isinstance(v, torch.Tensor))
-
-
-def param_groups_of(params, name: str = "params") -> list[dict]:
-    """`params` as torch's optimizers take them (tensors, or dicts with "params"), as a list of group dicts.
-
-    Only parameters that require grad are kept; a parameter named twice is refused, as torch refuses it.
-    """
-    if isinstance(params, torch.Tensor):
-        raise TypeError(f"{name} must be an iterable of tensors or of dicts, got a single tensor")
-    items = list(params)
-    groups = [dict(g) for g in items] if items and all(isinstance(g, dict) for g in items) else [{"params": items}]
-    seen = set()
-    for i, g in enumerate(groups):
-        if "params" not in g:
-            raise ValueError(f"{name}[{i}] has no 'params' key")
-        ps = [g["params"]] if isinstance(g["params"], torch.Tensor) else list(g["params"])
-        for p in ps:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{name}[{i}] holds a {type(p).__name__}, not a tensor")
-            if id(p) in seen:
-                raise ValueError(f"{name}: a parameter appears twice (in group {i})")
-            seen.add(id(p))
-        g["params"] = [p for p in ps if p.requires_grad]
-    if not any(g["params"] for g in groups):
-        raise ValueError(f"{name} must hold at least one parameter that requires grad, got none")
-    return groups
-
-
-class ShardPlan:
-    """Where every parameter's elements go: flat buffers, and each device's pieces of them.
-
-    Built from one model's parameter groups (every replica, every rank has the same shapes).
-    Parameter j (counting through the groups in order) lives in buffer `buffer_of[j]` at
-    `[start, end)`; each buffer holds the parameters of one group that share a dtype.
-    """
-
-    def __init__(self, groups: list[list[torch.Tensor]], num_devices: int) -> None:
-        self.num_devices = num_devices
-        self.group_of: list[int] = []
-        self.buffers: list[list[int]] = []        # parameter indices in each buffer
-        self.where: list[tuple[int, int, int]] = []  # (buffer, start, end) of each parameter
-        for g, params in enumerate(groups):
-            by_dtype: dict[torch.dtype, list[int]] = {}
-            for p in params:
-                by_dtype.setdefault(p.dtype, []).append(len(self.group_of))
-                self.group_of.append(g)
-                self.where.append((-1, 0, 0))
-            self.buffers += by_dtype.values()
-        self.sizes = []
-        flat_params = [p for ps in groups for p in ps]
-        for b, members in enumerate(self.buffers):
-            at = 0
-            for j in members:
-                self.where[j] = (b, at, at + flat_params[j].numel())
-                at += flat_params[j].numel()
-            self.sizes.append(at)
-
-    def bounds(self, buffer: int, device: int) -> tuple[int, int]:
-        """The slice of buffer `buffer` that `device` owns (what reduce-scatter sums there)."""
-        return chunk_bounds(self.sizes[buffer], self.num_devices)[owned_chunk(device, self.num_devices)]
-
-    def pieces(self, device: int) -> list[tuple[int, int, int]]:
-        """(parameter, lo, hi) for every parameter that overlaps `device`'s chunks, [lo, hi) in its buffer."""
-        out = []
-        for j, (b, start, end) in enumerate(self.where):
-            lo, hi = self.bounds(b, device)
-            if max(start, lo) < min(end, hi):
-                out.append((j, max(start, lo), min(end, hi)))
-        return out
-
-    @torch.no_grad()
-    def bind(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Move `params` into new flat buffers, one per buffer of the plan, and make them views of those."""
-        flats = []
-        for members in self.buffers:
-            flat = torch.cat([params[j].detach().reshape(-1) for j in members])
-            for j in members:
-                _, start, end = self.where[j]
-                params[j].data = flat[start:end].view_as(params[j])
-            flats.append(flat)
-        return flats
-
-    def flat_grads(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients as new flat buffers laid out as the parameters are (zeros where a grad is None)."""
-        return [torch.cat([(params[j].grad if params[j].grad is not None else torch.zeros_like(params[j])).reshape(-1)
-                           for j in members]) for members in self.buffers]
-
-
-def check_shard_fits(saved: dict | None, optimizer: torch.optim.Optimizer | None, what: str, whose: str) -> None:
-    """Refuse an optimizer state whose tensors are not the sizes of `optimizer`'s pieces (another shard's state)."""
-    if (saved is None) != (optimizer is None):
-        raise ValueError(f"{what} does not fit {whose} shard ({'no' if saved is None else 'a'} state for "
-                         f"{'a' if saved is None else 'no'} shard)")
-    if saved is None:
-        return
-    pieces = [p for g in optimizer.param_groups for p in g["params"]]
-    groups = saved.get("param_groups", [])
-    if [len(g["params"]) for g in groups] != [len(g["params"]) for g in optimizer.param_groups]:
-        raise ValueError(f"{what} has {sum(len(g['params']) for g in groups)} pieces in {len(groups)} groups; "
-                         f"{whose} shard has {len(pieces)} in {len(optimizer.param_groups)}")
-    for k, values in saved.get("state", {}).items():
-        for name, v in values.items():
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and (k >= len(pieces) or v.numel() != pieces[k].numel()):
-                raise ValueError(f"{what} holds {name} of {v.numel()} elements for piece {k}; "
-                                 f"{whose} piece {k} has {pieces[k].numel() if k < len(pieces) else 'none'}")
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -203,12 +89,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         self.pieces, self.optimizers = [], []
         for i in range(n):
             pieces = [(j, lo, hi, self.flats[i][self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(i)]
-            inner = [{"params": [v for j, _, _, v in pieces if self.plan.group_of[j] == g], **_hyper(group)}
+            inner = [{"params": [v for j, _, _, v in pieces if self.plan.group_of[j] == g], **options_of(group)}
                      for g, group in enumerate(groups)]
             self.pieces.append(pieces)
             self.optimizers.append(make_optimizer(optimizer_class, inner, **defaults) if pieces else None)
         template = next(o for o in self.optimizers if o is not None)
-        super().__init__([{"params": g["params"], **_hyper(t)} for g, t in zip(groups, template.param_groups)], {})
+        super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, template.param_groups)], {})
         self._stepped: set[int] = set()
 
     @property
@@ -232,7 +118,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         for opt in self.optimizers:
             if opt is not None:
                 for outer, inner in zip(self.param_groups, opt.param_groups):
-                    inner.update(_hyper(outer))
+                    inner.update(options_of(outer))
 
     @torch.no_grad()
     def step(self, closure=None) -> None:
@@ -263,7 +149,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """Every device's shard of the state, and the options of `param_groups` (a scheduler's `lr`)."""
         return {"stage": self.stage, "num_devices": self.num_devices,
-                "param_groups": [_hyper(g) for g in self.param_groups],
+                "param_groups": [options_of(g) for g in self.param_groups],
                 "shards": [opt.state_dict() if opt is not None else None for opt in self.optimizers]}
 
     def load_state_dict(self, state: dict) -> None:

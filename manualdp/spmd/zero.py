@@ -12,7 +12,7 @@ it makes sense (`optimizer_class`, parameter groups, keyword defaults, `step`, `
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=2, lr=1e-3)
 
 torch shards whole parameters (each rank owns some tensors); we shard the flat vector into
-near-equal chunks, as the ring does, with the layout of `manualdp.zero.ShardPlan`: one flat
+near-equal chunks, as the ring does, with the layout of `manualdp.shards.ShardPlan`: one flat
 buffer per (parameter group, dtype), the parameters made views of it, and this rank's chunk
 handed to its optimizer as one piece per parameter it overlaps. Elementwise optimizers give
 the same numbers either way, and a parameter no rank has a gradient for is skipped.
@@ -24,16 +24,13 @@ import copy
 import torch
 
 from ..validate import factory, one_of, timeout_seconds
-from ..zero import ShardPlan, check_shard_fits, make_optimizer, param_groups_of, state_bytes
+from ..shards import ShardPlan, check_shard_fits, options_of, param_groups_of
+from ..zero import make_optimizer, state_bytes
 from .collectives import all_gather, reduce_scatter
 from .p2p import allreduce
 from .peers import group_ranks
 
 __all__ = ["ZeroRedundancyOptimizer"]
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 class ZeroRedundancyOptimizer(torch.optim.Optimizer):
@@ -65,13 +62,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         # optimizer work in place and a checkpoint loaded into the model is what they see.
         self.flats = self.plan.bind(self.params)
         self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(self.rank)]
-        inner = [{"params": [v for j, _, _, v in self.pieces if self.plan.group_of[j] == g], **_hyper(group)}
+        inner = [{"params": [v for j, _, _, v in self.pieces if self.plan.group_of[j] == g], **options_of(group)}
                  for g, group in enumerate(groups)]
         # A rank whose chunks are empty (more ranks than elements) has nothing to step.
         self.optimizer = make_optimizer(optimizer_class, inner, **defaults) if self.pieces else None
         template = (self.optimizer if self.optimizer is not None
                     else make_optimizer(optimizer_class, [dict(g) for g in groups], **defaults))
-        super().__init__([{"params": g["params"], **_hyper(t)} for g, t in zip(groups, template.param_groups)], {})
+        super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, template.param_groups)], {})
 
     def _agree_on_setup(self) -> None:
         """Every rank sends (stage, buffers, elements, parameters); a rank that differs is named on all of them."""
@@ -117,7 +114,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         used = used.tolist()
         if self.optimizer is not None:
             for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
-                inner.update(_hyper(outer))  # a scheduler may have changed lr
+                inner.update(options_of(outer))  # a scheduler may have changed lr
             for j, lo, hi, piece in self.pieces:
                 piece.grad = grads[self.plan.where[j][0]][lo:hi] if used[j] else None
             self.optimizer.step()
@@ -133,7 +130,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """This rank's shard of the state (each rank saves its own, as a sharded checkpoint)."""
         return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
-                "param_groups": [_hyper(g) for g in self.param_groups],
+                "param_groups": [options_of(g) for g in self.param_groups],
                 "shard": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
