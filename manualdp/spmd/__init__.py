@@ -13,6 +13,10 @@ Read in this order:
 - `tune.py`: `algorithm="auto"`, the cost model's pick with constants fitted to the transport;
 - `collectives.py`, `zero.py`: reduce-scatter, all-gather, broadcast, reduce, and ZeRO-1/2.
 """
+from .naive import NaiveDDP
+from .flat import FlatDDP
+from .overlapped import OverlappedDDP
+from .bucketed import BucketedDDP
 from .ddp import Bucket, DistributedDataParallel
 from .hooks import GradBucket, PowerSGDState
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm
@@ -22,7 +26,7 @@ from .peers import DEFAULT_TIMEOUT, PeerError
 from .sampler import ShardedBatchSampler, shard_loader
 
 __all__ = [
-    "Bucket", "DistributedDataParallel", "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
+    "NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "Bucket", "DistributedDataParallel", "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
     "init_from_env", "launch", "rank_device", "shard",
     "DEFAULT_SEGMENT_BYTES", "Message", "Round", "allreduce", "plan", "DEFAULT_TIMEOUT", "PeerError",
     "ShardedBatchSampler", "shard_loader",

@@ -1,0 +1,30 @@
+"""Rung 2 of the ladder: after backward, every gradient in one flat buffer, one allreduce.
+
+Rung 1 pays one latency (alpha) per parameter; a ResNet has about a hundred parameters, so
+that is a hundred rounds of messages where one would do. Here the gradients are copied into
+one buffer (one per dtype), allreduced once and copied back: more memory traffic, far fewer
+messages. Backward still finishes before the first byte is sent.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..buckets import flatten, unflatten_
+from .naive import NaiveDDP, by_dtype
+from .p2p import allreduce
+
+__all__ = ["FlatDDP"]
+
+
+class FlatDDP(NaiveDDP):
+    """`NaiveDDP` with one allreduce of all the gradients (per dtype) instead of one per parameter."""
+
+    def sync_gradients(self, params: list[torch.Tensor] | None = None) -> None:
+        params = self.params if params is None else params
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        for grads in by_dtype([p.grad for p in params]):
+            flat = flatten(grads)
+            allreduce(flat, self.algorithm, self.group, timeout=self.timeout, check=False)
+            unflatten_(flat.div_(self.world_size), grads)
