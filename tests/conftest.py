@@ -1,3 +1,7 @@
+import contextlib
+import signal
+
+import pytest
 import torch
 from hypothesis import settings
 
@@ -5,3 +9,20 @@ from hypothesis import settings
 torch.set_num_threads(1)
 settings.register_profile("ci", deadline=None, max_examples=30)
 settings.load_profile("ci")
+
+
+@pytest.fixture
+def deadline():
+    """`with deadline(seconds):` fails the test with TimeoutError where a call hangs (a FIFO read, a runaway loop)."""
+    @contextlib.contextmanager
+    def within(seconds: int):
+        def stop(*_):
+            raise TimeoutError(f"took more than {seconds} s")
+        previous = signal.signal(signal.SIGALRM, stop)
+        signal.alarm(seconds)
+        try:
+            yield
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, previous)
+    return within

@@ -1,7 +1,5 @@
 """The standard allreduces' loads written down without their schedules: equal to the schedules', and fast at any size."""
 import math
-import signal
-from contextlib import contextmanager
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -9,20 +7,6 @@ from hypothesis import given, settings, strategies as st
 from manualdp.cost import allreduce_loads, cost, round_loads
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd.tune import Link, choose, predict
-
-
-@contextmanager
-def deadline(seconds):
-    """Fail instead of hanging (or swapping) when a call that should be immediate is not."""
-    def stop(*_):
-        raise TimeoutError(f"took more than {seconds} s")
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @settings(max_examples=300, deadline=None)
@@ -49,7 +33,7 @@ def test_a_round_count_of_devices_and_rounds_adds_up():
     assert ag == {(1, 1, 12, 8, 0): 1, (1, 1, 12, 12, 0): 1, (1, 1, 8, 12, 0): 1, (1, 1, 8, 8, 0): 1}
 
 
-def test_100000_ranks_are_predicted_at_once_and_as_the_textbook_counts():
+def test_100000_ranks_are_predicted_at_once_and_as_the_textbook_counts(deadline):
     n, alpha, beta = 100_000, 1e-5, 1e-9
     nbytes = n * 4 * 64  # 64 floats per chunk of a ring: its every rank moves 2(n-1)/n of the buffer
     with deadline(60):

@@ -188,17 +188,12 @@ def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given
     assert "give --alpha, --beta and --gamma together" in capsys.readouterr().err
 
 
-def test_explain_auto_at_100000_ranks_answers_with_every_algorithms_rounds(capsys, monkeypatch):
-    import signal
-
+def test_explain_auto_at_100000_ranks_answers_with_every_algorithms_rounds(capsys, monkeypatch, deadline):
     from manualdp.spmd.tune import Link, predict
 
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
-    signal.alarm(60)  # the schedules of 100,000 ranks are billions of transfers: building one must not be how
-    try:
+    with deadline(60):  # the schedules of 100,000 ranks are billions of transfers: building one must not be how
         assert main(["auto", "--devices", "100000", "--alpha", "1e-5", "--beta", "1e-9", "--gamma", "1e-10"]) == 0
-    finally:
-        signal.alarm(0)
     out = capsys.readouterr().out
     link = Link(1e-5, 1e-9, 1e-10)
     # naive: gather and scatter; ring: 2(n-1); tree: 2 ceil(log2 n); halving-doubling: 2 log2(65536) and the fold in and out.

@@ -219,3 +219,142 @@ def test_calibration_measures_once_and_rank_zero_caches_it(tmp_path, monkeypatch
     with open(cache_path("gloo", 2)) as f:
         saved = json.load(f)
     assert saved.pop("calibration") == CALIBRATION and Link(**saved) == link
+
+
+# ---------------------------------------------------------------- a hostile cache, a bad MANUALDP_LINK
+
+def _json(text):
+    def write(path):
+        with open(path, "w") as f:
+            f.write(text)
+    return write
+
+
+GOOD = '"beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": %d' % CALIBRATION
+HOSTILE_CACHES = {
+    "huge float": _json('{"alpha": 1e308, %s}' % GOOD),                     # overflows every prediction to inf
+    "float past the largest": _json('{"alpha": 1e999, %s}' % GOOD),         # json reads inf
+    "int of 4000 digits": _json('{"alpha": %s, %s}' % ("9" * 4000, GOOD)),  # fits the file; no float holds it
+    "int of a million digits": _json('{"alpha": %s, %s}' % ("9" * 10**6, GOOD)),
+    "NaN": _json('{"alpha": NaN, %s}' % GOOD),
+    "negative": _json('{"alpha": -1e-6, %s}' % GOOD),
+    "string": _json('{"alpha": "fast", %s}' % GOOD),
+    "bool": _json('{"alpha": true, %s}' % GOOD),
+    "list": _json('{"alpha": [1e-6], %s}' % GOOD),
+    "duplex past 1": _json('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "duplex": 2, "calibration": %d}' % CALIBRATION),
+    "extra key": _json('{"alpha": 1e-6, "parallel": 1, %s}' % GOOD),
+    "missing key": _json('{%s}' % GOOD),
+    "calibration not a number": _json('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": [2]}'),
+    "top level a list": _json("[1e-6, 1e-9, 1e-10, 0.5]"),
+    "top level a number": _json("1e308"),
+    "nested 2000 deep": _json("[" * 2000 + "]" * 2000),                 # fits the file; json raises RecursionError
+    "nested 100000 deep": _json("[" * 100000 + "]" * 100000),
+    "truncated": _json('{"alpha": 1e-6, "be'),
+    "empty": _json(""),
+    "not UTF-8": lambda path: open(path, "wb").write(b'{"alpha": "\xff\xfe"}'),
+    "a FIFO": os.mkfifo,                                                   # opened for reading, it blocks for a writer
+    "a link to /dev/zero": lambda path: os.symlink("/dev/zero", path),     # read to the end, it never ends
+    "a directory": os.mkdir,
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_CACHES))
+def test_a_hostile_cache_is_named_in_one_warning_and_measured_again(case, tmp_path, monkeypatch, deadline):
+    import warnings
+
+    from manualdp.spmd.tune import known_link
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    path = cache_path("gloo", 2)
+    os.makedirs(os.path.dirname(path))
+    HOSTILE_CACHES[case](path)
+    with deadline(20), warnings.catch_warnings(record=True) as caught:  # a FIFO or /dev/zero read as a file would hang
+        warnings.simplefilter("always")
+        assert known_link("gloo", 2) == (None, path)  # None: the link is measured again
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert path in message and "\n" not in message and len(message) < 500 + len(path)
+
+
+def test_an_older_manualdps_cache_is_measured_again_without_a_warning(tmp_path, monkeypatch):
+    import warnings
+
+    from manualdp.spmd.tune import known_link
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    path = cache_path("gloo", 2)
+    os.makedirs(os.path.dirname(path))
+    for old in ('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10}', '{"alpha": 1e-6, %s}' % GOOD.replace(
+            f'"calibration": {CALIBRATION}', '"calibration": 1')):
+        _json(old)(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert known_link("gloo", 2) == (None, path)
+    _json('{"alpha": 1e-6, %s}' % GOOD)(path)  # and this version's is read
+    assert known_link("gloo", 2)[0] == Link(1e-6, 1e-9, 1e-10, 0.5, host_parallel("gloo", 2))
+
+
+@pytest.mark.parametrize("case", ["a FIFO", "a link to /dev/zero", "nested 100000 deep"])
+def test_the_calibration_replaces_a_hostile_cache(case, tmp_path, monkeypatch, deadline):
+    import manualdp.spmd.tune as tune
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    monkeypatch.setattr(tune.dist, "get_backend", lambda group=None: "gloo")
+    path = cache_path("gloo", 2)
+    os.makedirs(os.path.dirname(path))
+    HOSTILE_CACHES[case](path)
+    measured = Link(2e-5, 3e-10, 4e-11, 0.25)
+    with deadline(20):  # writing into a FIFO blocks until someone reads it
+        tune._save(None, 2, measured)
+    assert os.path.isfile(path) and not os.path.islink(path)
+    assert tune.known_link("gloo", 2)[0] == Link(2e-5, 3e-10, 4e-11, 0.25, host_parallel("gloo", 2))
+
+
+@pytest.mark.parametrize("value, words", [
+    ("1e308,0,0", "alpha must be at most 1.0"),
+    ("0,1e400,0", "beta must be a non-negative number, got inf"),
+    ("nan,0,0", "alpha must be a non-negative number, got nan"),
+    ("-1e-6,0,0", "got -1e-06"),
+    ("1e-6,1e-9", "2 values, not 3 to 5"),
+    ("1e-6,1e-9,0,0,2,7", "6 values, not 3 to 5"),
+    ("1e-6,1e-9,0,1.5", "duplex must be a number from 0 to 1"),
+    ("1e-6,1e-9,0,0,2.5", "invalid literal for int"),
+    ("1e-6,1e-9,0,0," + "9" * 4000, "parallel must be at most"),
+    ("1e-6,1e-9,0,0," + "9" * 10**6, "Exceeds the limit"),
+    ("1" * 10**6 + ",0,0", "alpha must be a non-negative number, got inf"),
+    ("fast,0,0", "could not convert string to float: 'fast'"),
+])
+def test_a_bad_manualdp_link_is_one_line_naming_the_variable_and_its_value(value, words, monkeypatch):
+    from manualdp.spmd.tune import known_link
+
+    monkeypatch.setenv("MANUALDP_LINK", value)
+    with pytest.raises(ValueError) as e:
+        known_link("gloo", 2)
+    message = str(e.value)
+    assert message.startswith("MANUALDP_LINK must be 'alpha,beta,gamma[,duplex[,parallel]]'") and words in message
+    assert repr(value)[:60] in message and "\n" not in message and len(message) < 500
+
+
+def _agree_with_a_bad_link(cache: str):
+    from manualdp.spmd.tune import link_for
+
+    os.environ["XDG_CACHE_HOME"] = cache
+    if dist.get_rank() == 0:
+        os.environ["MANUALDP_LINK"] = "1e308,0,0"
+    else:
+        os.environ.pop("MANUALDP_LINK", None)
+    try:
+        link_for()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_bad_manualdp_link_on_rank_zero_stops_every_rank_with_a_value_error(tmp_path):
+    first, second = launch(_agree_with_a_bad_link, 2, (str(tmp_path),), timeout=60)
+    assert first.startswith("MANUALDP_LINK must be") and "'1e308,0,0'" in first
+    assert second == "rank 0 refused its MANUALDP_LINK (its error names it); nothing was measured"
+    assert not os.path.exists(os.path.join(str(tmp_path), "manualdp"))  # nothing measured, nothing cached

@@ -22,8 +22,10 @@ import functools
 import json
 import os
 import socket
+import stat
 import statistics
 import time
+import warnings
 from dataclasses import asdict, astuple, dataclass, fields, replace
 
 import torch
@@ -32,7 +34,7 @@ import torch.distributed as dist
 from ..cost import allreduce_loads, loads_cost
 from ..schedule import ALGORITHMS, Schedule, Transfer
 from ..support.files import write_json_atomic
-from ..validate import fraction, non_negative_int, non_negative_number, positive_int
+from ..validate import fraction, is_int, non_negative_int, non_negative_number, positive_int
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
@@ -55,13 +57,20 @@ class Link:
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
-            non_negative_number(name, getattr(self, name))
+            if non_negative_number(name, getattr(self, name)) > MAX_SECONDS:
+                raise ValueError(f"{name} must be at most {MAX_SECONDS} s (per message or byte), got {getattr(self, name)!r}")
         fraction("duplex", self.duplex)
-        non_negative_int("parallel", self.parallel)
+        if non_negative_int("parallel", self.parallel) > MAX_PARALLEL:
+            raise ValueError(f"parallel must be at most {MAX_PARALLEL} ranks, got {self.parallel!r}")
 
 
+# A second per message or per byte is no link (a typo or a corrupt cache), and larger constants overflow
+# the predictions to inf. Ranks receive `parallel` as a float64, exact up to 2**53.
+MAX_SECONDS = 1.0
+MAX_PARALLEL = 1 << 53
 MEASURED = ("alpha", "beta", "gamma", "duplex")  # what a calibration measures and the cache keeps
 CALIBRATION = 2  # the cache's "calibration": bumped when the measurement changes, so older caches are measured again
+MAX_CACHE_BYTES = 4096  # a cache is a few numbers; a larger file is not one (and /dev/zero never ends)
 
 
 def host_parallel(backend: str, world_size: int) -> int:
@@ -139,11 +148,19 @@ def _agree(group, timeout: float | None) -> Link:
     if len(peers) == 1:
         return Link(0.0, 0.0, 0.0)  # nothing is ever sent
     device = _device(group)
-    known = _own_constants(group, len(peers)) if rank == 0 else None
-    # First: does rank 0 know the constants? If not, ranks 0 and 1 measure them.
-    message = torch.tensor([0.0] * (1 + len(fields(Link))) if known is None else [1.0, *astuple(known)],
+    known = refused = None
+    if rank == 0:
+        try:
+            known = _own_constants(group, len(peers))
+        except ValueError as e:  # a bad MANUALDP_LINK: every rank stops, none waits for rank 0
+            refused = e
+    # First: does rank 0 know the constants (1), must ranks 0 and 1 measure them (0), or does it refuse (-1)?
+    flag = -1.0 if refused else 0.0 if known is None else 1.0
+    message = torch.tensor([flag, *(astuple(known) if known else [0.0] * len(fields(Link)))],
                            dtype=torch.float64, device=device)
     _broadcast(message, peers, rank, group, timeout)
+    if message[0] < 0:
+        raise refused or ValueError(f"rank {peers[0]} refused its {ENV} (its error names it); nothing was measured")
     if message[0] == 0:
         measured = calibrate(group, timeout) if rank in (0, 1) else None
         if rank == 0:
@@ -158,27 +175,68 @@ def _agree(group, timeout: float | None) -> Link:
 def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
     """The constants known without measuring, and where from: `MANUALDP_LINK`, else this host's cache.
 
-    (None, cache path) when neither has them; a cache written by an older manualdp, whose
-    model had fewer constants or whose calibration measured otherwise, counts as none. `parallel` comes from the variable when it
-    gives one (else 0), from the host (`host_parallel`) with the cache.
+    (None, cache path) when neither has them; a cache written by another version of manualdp,
+    whose model had other constants or whose calibration measured otherwise, counts as none. A
+    cache that cannot be read as one (not a regular file, too large, not its JSON, constants out
+    of range) counts as none too, with a one-line warning that names it. A bad `MANUALDP_LINK` is
+    a `ValueError`. `parallel` comes from the variable when it gives one (else 0), from the host
+    (`host_parallel`) with the cache.
     """
     if os.environ.get(ENV):
-        try:
-            values = os.environ[ENV].split(",")
-            parallel = int(values.pop()) if len(values) == 5 else 0
-            return Link(*(float(v) for v in values), parallel=parallel), f"${ENV}"
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{ENV} must be 'alpha,beta,gamma[,duplex[,parallel]]' (non-negative numbers, duplex "
-                             f"from 0 to 1, parallel a whole number of ranks), got {os.environ[ENV]!r}") from e
+        return _parse_env(os.environ[ENV]), f"${ENV}"
     path = cache_path(backend, world_size)
     try:
-        with open(path) as f:
-            saved = json.load(f)
-        if saved.pop("calibration", None) != CALIBRATION or sorted(saved) != sorted(MEASURED):
-            return None, path
-        return Link(**saved, parallel=host_parallel(backend, world_size)), path
-    except (OSError, ValueError, TypeError, AttributeError):
+        saved = _read_json(path)
+    except FileNotFoundError:
         return None, path
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: deeply nested lists
+        return _ignored(path, e)
+    if not isinstance(saved, dict):
+        return _ignored(path, f"a JSON {type(saved).__name__}, not an object")
+    version = saved.pop("calibration", None)
+    if version is None or (is_int(version) and version != CALIBRATION):
+        return None, path  # another version's: measured again, silently
+    if version != CALIBRATION or sorted(saved) != sorted(MEASURED):
+        return _ignored(path, f"keys {sorted(saved)[:8]}, calibration {version!r:.20}; expected {sorted(MEASURED)}")
+    try:
+        return Link(**saved, parallel=host_parallel(backend, world_size)), path
+    except (TypeError, ValueError) as e:
+        return _ignored(path, e)
+
+
+def _parse_env(value: str) -> Link:
+    try:
+        values = value.split(",")
+        if not 3 <= len(values) <= 5:
+            raise ValueError(f"{len(values)} values, not 3 to 5")
+        parallel = int(values.pop()) if len(values) == 5 else 0
+        return Link(*(float(v) for v in values), parallel=parallel)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{ENV} must be 'alpha,beta,gamma[,duplex[,parallel]]' (numbers from 0 to {MAX_SECONDS} s, "
+                         f"duplex from 0 to 1, parallel a whole number of ranks), got {_short(value)} ({_short(e)})") from e
+
+
+def _short(x, limit: int = 100) -> str:
+    """`x` on one line, cut to about `limit` characters: a value can be a million digits long."""
+    text = repr(x) if isinstance(x, str) else " ".join(str(x).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _read_json(path: str):
+    """The JSON in the regular file `path` of at most MAX_CACHE_BYTES; never reads a FIFO (it would block) or a device."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO without a writer: opens at once
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a regular file")
+        data = f.read(MAX_CACHE_BYTES + 1)
+    if len(data) > MAX_CACHE_BYTES:
+        raise ValueError(f"larger than {MAX_CACHE_BYTES} bytes")
+    return json.loads(data)
+
+
+def _ignored(path: str, reason) -> tuple[None, str]:
+    warnings.warn(f"ignoring the tuner's cache {path}: {_short(reason, 200)}; the link is measured again", stacklevel=3)
+    return None, path
 
 
 def _own_constants(group, world_size: int) -> Link | None:
@@ -190,6 +248,8 @@ def _save(group, world_size: int, link: Link) -> None:
     path = cache_path(dist.get_backend(group), world_size)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO would block the write, a device swallow it
+            os.remove(path)
         write_json_atomic(path, {**{k: v for k, v in asdict(link).items() if k in MEASURED}, "calibration": CALIBRATION})
     except OSError:  # a read-only home costs a calibration per run, nothing more
         pass
