@@ -116,3 +116,27 @@ def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeyp
     missed = [r["pick_vs_fastest"] for r in autos if not r["pick_is_fastest"]]
     assert result["target"]["pick_vs_fastest_max"] == (max(missed) if missed else None)
     assert all(x >= 1.0 for x in missed)  # a miss took at least as long as the fastest
+
+
+def test_spmd_sweep_busbw_is_algbw_times_2_n_minus_1_over_n(monkeypatch):
+    # At two ranks 2(n-1)/n is 1 and the factor cannot be seen: four ranks, whose times are given.
+    import manualdp.spmd
+    from manualdp.benchmarks.allreduce_spmd import CHECKED, GLOO, run
+
+    names = ["ring", "auto", CHECKED, GLOO]
+    seconds = {0: 1e-3, 1: 2e-3, 2: 1.5e-3, 3: 0.5e-3}  # the collective takes as long as its slowest rank: 2 ms
+
+    def fake_launch(fn, world_size, args, **kwargs):
+        return [{4096: {"times": {name: [seconds[r]] for name in names}, "wrong": dict.fromkeys(names, 0), "pick": "ring"},
+                 "link": {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0}}
+                for r in range(world_size)]
+
+    monkeypatch.setattr(manualdp.spmd, "launch", fake_launch)
+    config = {"world_size": 4, "sizes": [4096], "dtype": "float32", "algorithms": ["ring"], "iters": 1, "warmup": 0,
+              "segment_bytes": 1 << 20, "timeout": 60.0, "threads": 1}
+    rows = run(config)["rows"]
+    assert [r["algorithm"] for r in rows] == names
+    for r in rows:
+        assert r["time_us"] == pytest.approx(2000.0)
+        assert r["algbw"] == pytest.approx(4096 / 2e-3 / 1e9)          # 0.002048 GB/s
+        assert r["busbw"] == pytest.approx(4096 / 2e-3 / 1e9 * 6 / 4)  # 2(n-1)/n = 6/4 at four ranks: 0.003072
