@@ -18,6 +18,7 @@ from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch
 
 JOB_TIMEOUT = 240.0
+STEP_TIMEOUT = 20.0  # a wrapper waits this long for a peer: a rank out of step fails the test in seconds
 
 
 def _mlp():
@@ -120,3 +121,28 @@ def test_throw_on_early_termination_raises_on_every_rank(n):
     for rank in range(n):
         message = _results(n)[rank]["early"]
         assert message is not None and ("exhausted all inputs" in message if rank == 0 else "exhausted inputs" in message)
+
+
+def _raise_inside_join(raiser, at):
+    torch.manual_seed(0)
+    ours = DistributedDataParallel(_mlp(), timeout=STEP_TIMEOUT)
+    rank = dist.get_rank()
+    try:
+        with ours.join():
+            for i, (X, y) in enumerate(_batches(rank)):
+                if rank == raiser and i == at:
+                    raise KeyError("a bad batch")
+                nn.functional.cross_entropy(ours(X), y).backward()
+    except Exception as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_an_exception_inside_join_is_a_peer_error_naming_it_on_the_other_ranks():
+    # Rank 0 (2 batches) has joined and shadows the others; rank 1 (4) trains; rank 2 (6) raises at its 4th.
+    results = launch(_raise_inside_join, 3, (2, 3), timeout=JOB_TIMEOUT)
+    assert results[2] == ("KeyError", "'a bad batch'")
+    for rank in (0, 1):
+        kind, message = results[rank]
+        assert kind == "PeerError" and "rank 2" in message, (rank, message)
+        assert "raised KeyError: 'a bad batch' inside Join" in message, (rank, message)

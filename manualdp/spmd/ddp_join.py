@@ -4,8 +4,13 @@ torch's `Join` context calls the wrapper's `join_hook`: while some ranks still t
 that has run out of batches answers each of their steps with the same collectives (the
 buffer broadcast, the step's call check and zero buckets), so the training ranks' messages
 always find a partner. At the end every rank takes the model of the last rank to join.
+
+A rank that raises inside `join()` leaves its reason in the group's store before it leaves;
+the others, whose next wait then fails, raise a `PeerError` that names it and says why.
 """
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -13,6 +18,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import boolean
 from .ddp_sync import state_tensors, broadcast_from_rank0
+from .peers import PeerError, talking_to, wait
+from .postmortem import store_key
 
 __all__ = ["UnevenInputs"]
 
@@ -23,8 +30,8 @@ class UnevenInputs(Joinable):
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
         """A context for uneven inputs: ranks out of data shadow the others' collectives until all are done."""
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        return _Join([self], enable, throw_on_early_termination, self.timeout,
+                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs) -> JoinHook:
         """What this wrapper does while its rank has joined (`divide_by_initial_world_size`: default True)."""
@@ -44,8 +51,14 @@ class UnevenInputs(Joinable):
     def _agree_on_step(self, active: int, syncing: int) -> tuple[int, int]:
         """Allreduce (ranks still training, ranks whose step syncs gradients); joined ranks add zeros."""
         counts = torch.tensor([active, syncing], dtype=torch.int64, device=self.device)
-        dist.all_reduce(counts, group=self.process_group)
+        self._join_collective(dist.all_reduce, counts)
         return int(counts[0]), int(counts[1])
+
+    def _join_collective(self, collective, tensor: torch.Tensor, **kwargs) -> None:
+        """A collective of the group's ranks, waited for with the wrapper's timeout: a `PeerError` if one is lost."""
+        with talking_to(None, self.timeout):
+            work = collective(tensor, group=self.process_group, async_op=True, **kwargs)
+        wait(work, None, self.timeout)
 
     def _shadow_step(self) -> None:
         """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
@@ -72,12 +85,12 @@ class UnevenInputs(Joinable):
         """Every rank takes the model of the last rank to join (the highest such rank)."""
         self._joined = False
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
-        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
+        self._join_collective(dist.all_reduce, candidate, op=dist.ReduceOp.MAX)
         self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
         root = self._peers[self._authoritative_rank]
         with torch.no_grad():
             for t in state_tensors(self.module, self.parameters_to_ignore, params=True):
-                dist.broadcast(t.data, src=root, group=self.process_group)
+                self._join_collective(dist.broadcast, t.data, src=root)
 
 
 class _JoinedRank(JoinHook):
@@ -91,3 +104,62 @@ class _JoinedRank(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         self.ddp._sync_final_model(is_last_joiner)
+
+
+class _Join(Join):
+    """torch's `Join`, whose ranks name a rank that raised inside it, and wait for each other with a timeout."""
+
+    def __init__(self, joinables, enable: bool, throw_on_early_termination: bool, timeout: float | None, **kwargs):
+        super().__init__(joinables, enable, throw_on_early_termination, **kwargs)
+        self._timeout = timeout
+
+    def _get_num_nonjoined_procs(self):
+        count = torch.zeros(1, device=self._device)
+        with talking_to(None, self._timeout):
+            work = dist.all_reduce(count, group=self._process_group, async_op=True)
+        wait(work, None, self._timeout)
+        return count.item()
+
+    def __exit__(self, type, value, traceback):
+        if isinstance(value, PeerError):
+            raise _named(value, self._process_group) from value
+        if value is not None:
+            if self._enable:
+                _leave_reason(value)
+            return None  # the exception goes on, as with torch's Join
+        try:
+            return super().__exit__(type, value, traceback)
+        except PeerError as e:  # lost while shadowing the others' steps
+            raise _named(e, self._process_group) from e
+
+
+def _store(timeout: float = 2.0):
+    """The default group's store, whose operations give up after `timeout` s (it may be gone with a machine)."""
+    store = dist.distributed_c10d._get_default_store()  # torch has no public getter
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    return store
+
+
+def _leave_reason(error: BaseException) -> None:
+    """Before this rank leaves with `error`: its reason, where the others look when their waits fail."""
+    text = (str(error).strip().splitlines() or [""])[0][:200]
+    rank = dist.get_rank()
+    try:
+        _store().set(store_key(rank), f"rank {rank}: raised {type(error).__name__}: {text} inside Join")
+    except Exception:  # no store to tell: the others still get a PeerError, without the reason
+        pass
+
+
+def _named(error: PeerError, group) -> PeerError:
+    """`error`, naming the rank that raised inside Join and why, where that rank left its reason."""
+    me = dist.get_rank()
+    try:
+        store = _store()
+        peers = [error.peer] if error.peer is not None else dist.get_process_group_ranks(group)
+        for peer in (p for p in peers if p != me):
+            if store.check([store_key(peer)]):
+                reason = store.get(store_key(peer)).decode().removeprefix(f"rank {peer}: ")
+                return PeerError(me, peer, error.timed_out, error.timeout, reason, error.where)
+    except Exception:
+        pass
+    return error
