@@ -1,7 +1,7 @@
 """Ranks that load only their shard: the same global batches as one loader, cut as split_batch cuts them."""
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from torch.utils.data import DataLoader, Dataset, SubsetRandomSampler, TensorDataset
 
 from manualdp.spmd import ShardedBatchSampler, launch, shard_loader
@@ -28,6 +28,17 @@ def test_shards_of_every_rank_put_together_are_the_global_batches(n, batch_size,
         assert sizes == sorted(sizes, reverse=True) and sizes[0] - sizes[-1] <= 1  # split_batch's rule
         sampler = shard_loader(_loader(n, batch_size, drop_last), 0, world_size).batch_sampler
         assert sampler.global_size(i) == len(batch)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 60), batch_size=st.integers(1, 17), world_size=st.integers(1, 4), drop_last=st.booleans())
+@example(n=10, batch_size=4, world_size=2, drop_last=True)   # a short last batch, dropped
+@example(n=10, batch_size=4, world_size=2, drop_last=False)  # a short last batch, kept
+@example(n=9, batch_size=4, world_size=2, drop_last=False)   # a last batch of 1: fewer than the ranks, dropped
+def test_len_is_the_number_of_batches_each_rank_yields(n, batch_size, world_size, drop_last):
+    for rank in range(world_size):
+        loader = shard_loader(_loader(n, batch_size, drop_last), rank, world_size)
+        assert len(loader) == len(list(loader))
 
 
 class Counting(Dataset):
