@@ -58,7 +58,7 @@ class _nothing:
 def _compare(divide, accumulate, generic):
     torch.manual_seed(0)
     module = _mlp()
-    ours = DistributedDataParallel(copy.deepcopy(module))
+    ours = DistributedDataParallel(copy.deepcopy(module), timeout=STEP_TIMEOUT)
     theirs = TorchDDP(copy.deepcopy(module))
     context = (Join([ours], divide_by_initial_world_size=divide) if generic
                else ours.join(divide_by_initial_world_size=divide))
@@ -71,7 +71,7 @@ def _compare(divide, accumulate, generic):
 def _early_termination():
     """throw_on_early_termination: every rank raises once the first one (rank 0) runs out."""
     torch.manual_seed(0)
-    ours = DistributedDataParallel(_mlp())
+    ours = DistributedDataParallel(_mlp(), timeout=STEP_TIMEOUT)
     try:
         _train(ours, ours.join(throw_on_early_termination=True), accumulate=False)
     except RuntimeError as e:
@@ -84,12 +84,14 @@ CASES = {"plain": (True, False, False), "fewer": (False, False, False), "no_sync
 
 
 def _job():
-    out = {}
+    # A case that fails leaves the ranks out of step: stop there, or every later case would wait out its timeouts.
+    out = dict.fromkeys([*CASES, "early"], "not run: an earlier case failed")
     for name, args in CASES.items():
         try:
             out[name] = _compare(*args)
         except Exception:
             out[name] = "ERROR " + traceback.format_exc()
+            return out
     out["early"] = _early_termination()
     return out
 
