@@ -4,7 +4,8 @@ import math
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from manualdp.cost import allreduce_loads, cost, round_loads
+from manualdp.cost import cost, round_loads
+from manualdp.loads import allreduce_loads
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd.tune import Link, choose, predict
 

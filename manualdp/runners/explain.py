@@ -13,7 +13,8 @@ import argparse
 import string
 from collections import Counter
 
-from ..cost import allreduce_loads, cost, traffic
+from ..cost import cost, traffic
+from ..loads import allreduce_loads
 from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective, get_schedule
 from ..spmd.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int

@@ -31,7 +31,8 @@ from dataclasses import asdict, astuple, dataclass, fields, replace
 import torch
 import torch.distributed as dist
 
-from ..cost import allreduce_loads, loads_cost
+from ..cost import loads_cost
+from ..loads import allreduce_loads
 from ..schedule import ALGORITHMS, Schedule, Transfer
 from ..support.files import write_json_atomic
 from ..validate import fraction, is_int, non_negative_int, non_negative_number, positive_int
