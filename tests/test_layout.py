@@ -1,7 +1,10 @@
 """The architecture of DESIGN.md, held by tests: which layer may import which, and a book a student can read."""
 import ast
 import inspect
+import json
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -100,3 +103,25 @@ def test_book_functions_fit_on_one_screen(fn):
     body = tree.body[1:] if isinstance(tree.body[0], ast.Expr) else tree.body  # without the docstring
     lines = body[-1].end_lineno - body[0].lineno + 1
     assert lines <= 25, f"{fn.__name__} has a body of {lines} lines"
+
+
+def loaded_after(code: str) -> list[str]:
+    """The modules below `manualdp` that a fresh interpreter holds after running `code`."""
+    code += "; import json, sys; print(json.dumps(sorted(m for m in sys.modules if m.startswith('manualdp.'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return [m[len("manualdp."):] for m in json.loads(out.stdout.splitlines()[-1])]
+
+
+@pytest.mark.parametrize("code", ["import manualdp.split", "from manualdp import split_batch, train_batch, allreduce"])
+def test_importing_the_book_loads_the_book_only(code):
+    loaded = loaded_after(code)
+    assert {"split", "train", "allreduce"} <= set(loaded)
+    beyond = [m for m in loaded if m in COMPAT or layer(m) not in ("book", "checks")]
+    assert beyond == [], f"{code!r} loads {beyond}"  # spmd.peers among them would register the engine's exit hook
+
+
+def test_the_rest_of_the_package_loads_when_first_used():
+    loaded = loaded_after("import manualdp; manualdp.train; manualdp.History; "
+                          "from manualdp.distributed import DistributedDataParallel")
+    assert {"runners.loop", "support.history", "distributed", "spmd.ddp"} <= set(loaded)
