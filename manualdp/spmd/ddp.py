@@ -32,9 +32,9 @@ from .ddp_checks import StepChecks
 from .ddp_join import UnevenInputs
 from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, kept_named,
                        state_tensors)
-from .hooks import GradBucket
+from .hooks import GradBucket, hook_result
 from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
-from .peers import SerialWorker, group_ranks, group_timeout
+from .peers import DEFAULT_TIMEOUT, SerialWorker, group_ranks, group_timeout
 from .tune import ENGINE_ALGORITHMS, resolve
 
 __all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "check_same_layout",
@@ -272,6 +272,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         self.require_forward_param_sync = True  # as DDP: the last forward pass will be followed by a sync
         self._sync_this_backward = True  # decided by the forward pass, as in DDP
         self._comm_hook = None  # (state, hook) from register_comm_hook, or None: manualdp's allreduce
+        self._hooks_compared = False  # the ranks compare their comm hooks at the first synchronised step
         self.debug = debug if debug is not None else (os.environ.get("MANUALDP_DEBUG", "0") not in ("", "0")
                                                       or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL")
         self._step = 0  # synchronised backward passes so far: part of the desync fingerprint
@@ -355,7 +356,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
         state["device_mesh"] = None  # nor does a mesh's
-        state["_comm_hook"] = None
+        state["_comm_hook"], state["_hooks_compared"] = None, False
         return state
 
     def __setstate__(self, state) -> None:
@@ -412,6 +413,9 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         a_callable("hook", hook)
         if self._comm_hook is not None:
             raise RuntimeError("register_comm_hook can only be called once")
+        if self._hooks_compared:
+            raise RuntimeError("register_comm_hook must be called before training (the first forward or backward "
+                               "pass that synchronises gradients), as torch's DDP asks: the ranks compare hooks there")
         self._comm_hook = (state, hook)
 
     def _grad_ready(self, param: nn.Parameter) -> None:
@@ -450,16 +454,22 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         One `check_same_call` for all buckets (their total size, bucket 0's algorithm): a rank
         that is out of step, or calls some other allreduce meanwhile, meets this fixed-size
         table instead of a bucket, and every rank raises in one line. Queued by the forward
-        pass, it runs while forward and backward compute.
+        pass, it runs while forward and backward compute. At the first synchronised step the
+        ranks also compare their comm hooks: one rank's hook would send other messages.
         """
-        if self.world_size == 1 or self.debug or not p2p.CHECK_SAME_CALL:  # debug: each bucket is checked, in more words
+        hooks, self._hooks_compared = not self._hooks_compared, True
+        calls = not (self.debug or not p2p.CHECK_SAME_CALL)  # debug: each bucket is checked, in more words
+        if self.world_size == 1 or not (hooks or calls):
             return None
         first, total = self._buckets[0].flat, sum(b.flat.numel() for b in self._buckets)
         recorder, call = self.recorder, (first, self._algorithms[0], self.segment_bytes, self.process_group, self.timeout)
+        compare_hooks = self._check_same_hook if hooks else lambda: None
 
         def run() -> None:
-            with recorder.span("step check", "comm", cat="comm") if recorder is not None else contextlib.nullcontext():
-                check_same_call(*call, numel=total)
+            compare_hooks()
+            if calls:
+                with recorder.span("step check", "comm", cat="comm") if recorder is not None else contextlib.nullcontext():
+                    check_same_call(*call, numel=total)
         return self._executor.submit(run)
 
     def _reduce(self, index: int, bucket: Bucket) -> None:
@@ -474,8 +484,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             return
         state, hook = self._comm_hook
         view = GradBucket(index, bucket.grads, bucket.params, bucket.offsets, index == len(self._buckets) - 1)
-        result = hook(state, view).wait()
-        result = result[0] if isinstance(result, (list, tuple)) else result
+        result = hook_result(hook, hook(state, view), bucket.grads.numel(), self.timeout or DEFAULT_TIMEOUT)
         if result.data_ptr() != bucket.grads.data_ptr():
             bucket.grads.copy_(result)
         allreduce(bucket.flags, self._algorithms[index], self.process_group, segment_bytes=self.segment_bytes,

@@ -1,18 +1,43 @@
 """What a `DistributedDataParallel` step checks at run time, in torch's words where torch has some.
 
+- at the first synchronised step: every rank runs the same comm hook (or none);
 - `debug`: before each bucket, every rank shows (step, bucket, size, parameters) to every rank;
 - `static_graph`: the parameters used must stay those of the first iteration;
 - otherwise, without `find_unused_parameters`: every rank's backward must reach every parameter.
 """
 from __future__ import annotations
 
+import zlib
+
+import torch
 import torch.distributed as dist
+
+from .hooks import hook_name
+from .p2p import allreduce
 
 __all__ = ["StepChecks"]
 
 
 class StepChecks:
     """The run-time checks of `DistributedDataParallel` (a mixin: they read the wrapper's buckets)."""
+
+    def _check_same_hook(self) -> None:
+        """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them.
+
+        A hook on one rank only would send other messages than its peers' allreduce (gloo aborts).
+        The ranks sum a table of one fingerprint each, and only on a mismatch gather the names.
+        """
+        mine = hook_name(self._comm_hook[1]) if self._comm_hook is not None else "none (manualdp's allreduce)"
+        table = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
+        table[self.rank] = zlib.crc32(mine.encode())
+        allreduce(table, "naive", self.process_group, timeout=self.timeout, check=False)
+        if len(set(table.tolist())) == 1:
+            return
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.process_group)
+        raise ValueError(f"rank {self.rank}: DistributedDataParallel: the ranks registered different comm hooks ("
+                         + ", ".join(f"rank {r}: {name}" for r, name in enumerate(everyone))
+                         + "); call register_comm_hook with the same hook on every rank")
 
     def _check_in_step(self, index: int, bucket) -> None:
         """Debug mode: every rank must be about to reduce the same bucket of the same step; else all raise."""

@@ -1,21 +1,27 @@
 """Communication hooks: how a bucket of gradients becomes their average, as a plug-in.
 
 A hook is `hook(state, bucket) -> torch.futures.Future` of the averaged flat gradients, with
-torch's signature, so torch's own hooks (`torch.distributed.algorithms.ddp_comm_hooks`) and
-these work on either wrapper. The wrapper calls hooks on its per-group worker thread, one
-bucket at a time in bucket order, so a hook may block. `state` is the process group (or
-None: all ranks) unless the hook says otherwise.
+torch's signature, so torch's own hooks (`torch.distributed.algorithms.ddp_comm_hooks`) run on
+manualdp's wrapper and these run on torch's (`torch_ddp.register_comm_hook(None,
+allreduce_hook)`). One exception: torch's DDP refuses any hook named `bf16_compress_hook`
+without NCCL, ours as its own. manualdp's wrapper calls hooks on its per-group worker thread,
+one bucket at a time in bucket order, so a hook may block; it checks what the future holds
+(`hook_result`). `state` is the process group (or None: all ranks) unless the hook says otherwise.
+The annotations are torch's (`dist.GradBucket`), as torch's DDP insists; manualdp's wrapper
+passes its own `GradBucket`, which has the same methods.
 """
-from __future__ import annotations
+import functools
+import threading
 
 import torch
 import torch.distributed as dist
 
 from ..validate import positive_int
 from .p2p import allreduce
+from .peers import PeerError
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook",
-           "PowerSGDState", "powerSGD_hook"]
+           "PowerSGDState", "powerSGD_hook", "hook_name", "hook_result"]
 
 
 class GradBucket:
@@ -62,30 +68,32 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def allreduce_hook(group, bucket: GradBucket) -> torch.futures.Future:
+def allreduce_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The default: sum over the group with manualdp's ring, then divide."""
     tensor = bucket.buffer()
     allreduce(tensor, "ring", group)
     return _done(tensor.div_(_size(group)))
 
 
-def _compressed(dtype: torch.dtype):
-    def hook(group, bucket: GradBucket) -> torch.futures.Future:
-        tensor = bucket.buffer()
-        # Divide before the sum, in the narrow type: the sum of n gradients may overflow fp16.
-        small = tensor.to(dtype).div_(_size(group))
-        allreduce(small, "ring", group)
-        return _done(tensor.copy_(small))
-    return hook
+def _compressed(dtype: torch.dtype, group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    tensor = bucket.buffer()
+    # Divide before the sum, in the narrow type: the sum of n gradients may overflow fp16.
+    small = tensor.to(dtype).div_(_size(group))
+    allreduce(small, "ring", group)
+    return _done(tensor.copy_(small))
 
 
-fp16_compress_hook = _compressed(torch.float16)
-fp16_compress_hook.__doc__ = "Allreduce in float16: half the bytes, about three significant digits."
-bf16_compress_hook = _compressed(torch.bfloat16)
-bf16_compress_hook.__doc__ = "Allreduce in bfloat16: half the bytes, float32's range, about two digits."
+def fp16_compress_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Allreduce in float16: half the bytes, about three significant digits."""
+    return _compressed(torch.float16, group, bucket)
 
 
-def noop_hook(state, bucket: GradBucket) -> torch.futures.Future:
+def bf16_compress_hook(group, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Allreduce in bfloat16: half the bytes, float32's range, about two digits."""
+    return _compressed(torch.bfloat16, group, bucket)
+
+
+def noop_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """No communication: each rank keeps its own gradients. Times a step without the allreduce."""
     return _done(bucket.buffer())
 
@@ -123,24 +131,26 @@ def _orthonormalize(m: torch.Tensor) -> None:
             rest -= torch.outer(col, col @ rest)
 
 
-def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Future:
+def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """PowerSGD (Vogels et al. 2019): allreduce P = MQ and Q = MᵀP instead of each n×m gradient M."""
     group, n = state.process_group, _size(state.process_group)
     buffer = bucket.buffer()
     if state.use_error_feedback:
-        error = state.errors.setdefault(bucket.index(), torch.zeros_like(buffer))
+        error = state.errors.get(bucket.index())
+        if error is None or error.shape != buffer.shape:  # a new bucket, or torch's DDP rebuilt its buckets
+            error = state.errors[bucket.index()] = torch.zeros_like(buffer)
         buffer.add_(error)
     before = buffer.clone()  # the gradient the approximation should have given
     olds = torch.split(before, [g.numel() for g in bucket.gradients()])
     for g, (grad, old) in enumerate(zip(bucket.gradients(), olds)):
-        if grad.dim() < 2 or min(grad.shape[0], grad.numel() // grad.shape[0]) <= state.rank:
+        if grad.dim() < 2 or min(grad.shape[0], grad.shape[1:].numel()) <= state.rank:
             allreduce(grad, "ring", group)  # vectors and thin matrices: compression would not save bytes
             grad.div_(n)
             old.copy_(grad.view(-1))  # sent exactly: nothing to feed back
             continue
         m = grad.view(grad.shape[0], -1)
         q = state.qs.get((bucket.index(), g)) if state.warm_start else None
-        if q is None:
+        if q is None or q.shape != (m.shape[1], state.rank):
             generator = torch.Generator().manual_seed(state.seed + 1000 * bucket.index() + g)
             q = torch.randn(m.shape[1], state.rank, generator=generator, dtype=m.dtype).to(m.device)
         # P phase: project onto Q, average P, orthonormalize.
@@ -157,3 +167,37 @@ def powerSGD_hook(state: PowerSGDState, bucket: GradBucket) -> torch.futures.Fut
     if state.use_error_feedback:
         error.copy_(before - buffer)
     return _done(buffer)
+
+
+# ---------------------------------------------------------------- what manualdp's wrapper expects back
+
+def hook_name(hook) -> str:
+    """`module.name` of a hook (of the function a `functools.partial` wraps): the same on every rank."""
+    fn = hook.func if isinstance(hook, functools.partial) else hook
+    return f"{getattr(fn, '__module__', None) or '?'}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
+def hook_result(hook, future, numel: int, timeout: float) -> torch.Tensor:
+    """The flat tensor that `hook`'s `future` holds for a bucket of `numel` gradients, checked.
+
+    A future still pending after `timeout` seconds raises `PeerError`: what it waits for, most
+    likely a peer, did not answer.
+    """
+    name = hook_name(hook)
+    if not isinstance(future, torch._C.Future):  # torch.futures.Future, or one from Work.get_future()
+        raise TypeError(f"comm hook {name} must return a torch.futures.Future, got {type(future).__name__}")
+    done = threading.Event()
+    future.add_done_callback(lambda _: done.set())
+    if not done.wait(timeout):
+        raise PeerError(dist.get_rank(), None, True, timeout, f"the future of comm hook {name} never completed")
+    value = future.value()
+    value = value[0] if isinstance(value, (list, tuple)) and len(value) == 1 else value  # gloo's [tensor]
+    wanted = f"a floating-point tensor of the bucket's {numel} elements"
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"comm hook {name}: its future must hold {wanted}, got {type(value).__name__}")
+    if not value.is_floating_point():
+        raise TypeError(f"comm hook {name}: its future must hold {wanted}, got a {value.dtype} tensor")
+    if value.numel() != numel:
+        raise ValueError(f"comm hook {name}: its future must hold {wanted}, got {value.numel()} elements "
+                         f"(shape {tuple(value.shape)})")
+    return value.reshape(-1)
