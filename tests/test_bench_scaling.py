@@ -1,13 +1,12 @@
 """The scaling table: both wrappers at each world size, their ratio and speedups, JSON and PNG."""
 import json
 
-from manualdp.benchmarks.scaling import format_table
-from manualdp.runners.cli import main
+from bench.scaling import format_table, main
 
 
 def test_scaling_table_compares_both_wrappers_at_every_world_size(tmp_path, capsys):
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
-    code = main(["bench", "scaling", "--models", "mlp", "--world-sizes", "2", "1", "--rounds", "2", "--steps", "1",
+    code = main(["--models", "mlp", "--world-sizes", "2", "1", "--rounds", "2", "--steps", "1",
                  "--warmup", "1", "--batch-size", "16", "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     result = json.loads(out_json.read_text())

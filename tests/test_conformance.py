@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from manualdp.benchmarks import conformance
+from bench import conformance
 
 # The quickest test that trains DDP against a local model step by step (about 15 s for both runs);
 # test_DistributedDataParallelCPU and the join test took a minute together, over the CI budget.
@@ -54,6 +54,7 @@ def test_importing_the_harness_leaves_the_environment_alone():
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "BACKEND")}
-    code = "import os, manualdp.benchmarks.conformance; print(os.environ.get('WORLD_SIZE'), os.environ.get('BACKEND'))"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    code = "import os, bench.conformance; print(os.environ.get('WORLD_SIZE'), os.environ.get('BACKEND'))"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["None", "None"], out.stderr[-500:]

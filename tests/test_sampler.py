@@ -108,7 +108,7 @@ def test_sharded_loading_trains_bitwise_like_loading_the_whole_batch():
 def test_data_bench_times_both_kinds_on_the_same_batches(tmp_path, capsys):
     import json
 
-    from manualdp.benchmarks.data import main
+    from bench.data import main
 
     out = tmp_path / "data.json"
     assert main(["--world-sizes", "2", "3", "--batch-size", "32", "--num-train", "320", "--rounds", "1",

@@ -13,14 +13,6 @@ __all__ = ["main", "build_parser"]
 DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
 DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
 BENCHMARKS = {
-    "allreduce": "manualdp.benchmarks.allreduce",
-    "conformance": "manualdp.benchmarks.conformance",
-    "data": "manualdp.benchmarks.data",
-    "ddp": "manualdp.benchmarks.ddp",
-    "overhead": "manualdp.benchmarks.overhead",
-    "scaling": "manualdp.benchmarks.scaling",
-    "soak": "manualdp.benchmarks.soak",
-    "zero": "manualdp.benchmarks.zero",
     "faults": "manualdp.benchmarks.faults",
 }
 
