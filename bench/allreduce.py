@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python bench/allreduce.py`: the sweep, printed as a table; optionally JSON and a PNG."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--spmd" in argv:  # one process per device: its own module and options
-        from manualdp.benchmarks.allreduce_spmd import main as spmd_main
+        from bench.allreduce_spmd import main as spmd_main
         return spmd_main([a for a in argv if a != "--spmd"])
     parser = argparse.ArgumentParser(prog="bench/allreduce.py", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=4, help="simulated devices (default 4)")

@@ -143,7 +143,7 @@ def test_failed_train_batch_leaves_replicas_unchanged():
     (["train", "--resume"], ["--resume", "--checkpoint-dir"]),
     (["train", "--json", "/no/such/dir/h.json"], ["--json", "/no/such/dir/h.json"]),
     (["train", "--timeout", "-1"], ["--timeout", "must be > 0"]),
-    (["bench", "nonsense"], ["bench needs one of", "nonsense"]),
+    (["bench", "nonsense"], ["'bench nonsense'", "not installed with the package", "python bench/NAME.py"]),
 ])
 def test_cli_bad_arguments_are_one_line_errors(argv, words, capsys):
     with pytest.raises(SystemExit) as info:

@@ -94,7 +94,7 @@ def test_benchmarks_refuse_output_paths_before_running(bench, argv, words, capsy
 
 
 def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeypatch):
-    from manualdp.benchmarks.allreduce_spmd import main as spmd_main
+    from bench.allreduce_spmd import main as spmd_main
     from manualdp.schedule import ALGORITHMS
 
     monkeypatch.setenv("MANUALDP_LINK", "1e-5,1e-9,1e-10")  # no calibration: the prediction is then known here
@@ -121,7 +121,7 @@ def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeyp
 def test_spmd_sweep_busbw_is_algbw_times_2_n_minus_1_over_n(monkeypatch):
     # At two ranks 2(n-1)/n is 1 and the factor cannot be seen: four ranks, whose times are given.
     import manualdp.spmd
-    from manualdp.benchmarks.allreduce_spmd import CHECKED, GLOO, run
+    from bench.allreduce_spmd import CHECKED, GLOO, run
 
     names = ["ring", "auto", CHECKED, GLOO]
     seconds = {0: 1e-3, 1: 2e-3, 2: 1.5e-3, 3: 0.5e-3}  # the collective takes as long as its slowest rank: 2 ms

@@ -1,6 +1,5 @@
 """A fast subset of bench/faults.py: its cases are handled, and the table counts what it ran."""
-from manualdp.benchmarks.faults import OUTCOMES, run_cases
-from manualdp.runners.cli import BENCHMARKS
+from bench.faults import OUTCOMES, run_cases
 
 
 def test_a_fast_subset_of_the_fault_table_is_all_handled():
@@ -11,13 +10,12 @@ def test_a_fast_subset_of_the_fault_table_is_all_handled():
     assert len(rows) == 7 and len(lines) == 7
     assert [r["case"] for r in rows if r["outcome"] != "handled"] == []
     assert result["counts"]["tried"] == sum(result["counts"][o] for o in OUTCOMES) == 6
-    assert BENCHMARKS["faults"] == "manualdp.benchmarks.faults"
 
 
 def test_the_check_cost_benchmark_names_a_bad_model_or_world_size_before_it_starts_ranks():
     import pytest
 
-    from manualdp.benchmarks.faults import check_cost, main
+    from bench.faults import check_cost, main
     with pytest.raises(ValueError, match="model must be one of .*got 'vgg'"):
         check_cost(1, 1, model="vgg")
     with pytest.raises(ValueError, match="world_size must be an int from 2 to 8, got 1"):

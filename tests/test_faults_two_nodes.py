@@ -57,7 +57,7 @@ def test_a_node_killed_mid_run_is_named_by_the_other_and_both_resume_bitwise(tmp
     """Two nodes of one rank (bench/faults.py runs two of two): node 1's agent and worker get SIGKILL after a checkpoint."""
     import re
 
-    from manualdp.benchmarks.nodes import kill_node_and_resume
+    from bench.nodes import kill_node_and_resume
 
     r = kill_node_and_resume(str(tmp_path), nproc=1, num_train=512, every=4)
     assert len(r["lost"]) == 1, r
@@ -80,7 +80,7 @@ def test_a_node_killed_mid_run_is_named_by_the_other_and_both_resume_bitwise(tmp
 def test_the_two_node_harness_refuses_bad_arguments_before_starting_anything(tmp_path):
     import pytest
 
-    from manualdp.benchmarks.nodes import kill_node_and_resume, start_nodes
+    from bench.nodes import kill_node_and_resume, start_nodes
     with pytest.raises(ValueError, match="nproc must be an int >= 1 and <= 2, got 3"):
         start_nodes(["--epochs", "1"], 3, str(tmp_path))
     with pytest.raises(ValueError, match="log_dir must not be empty"):

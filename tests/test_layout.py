@@ -3,6 +3,7 @@ import ast
 import inspect
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -17,8 +18,7 @@ COMPAT = {"distributed", "__init__", "__main__"}  # the package's front doors re
 def layer(module: str) -> str:
     """'checks', 'book', 'engine', 'utility' or 'runner' for a dotted name below `manualdp`."""
     first = module.split(".")[0]
-    return {"validate": "checks", "spmd": "engine", "support": "utility", "runners": "runner",
-            "benchmarks": "runner"}.get(first, "book")
+    return {"validate": "checks", "spmd": "engine", "support": "utility", "runners": "runner"}.get(first, "book")
 
 
 def modules():
@@ -105,6 +105,43 @@ def test_book_functions_fit_on_one_screen(fn):
     assert lines <= 25, f"{fn.__name__} has a body of {lines} lines"
 
 
+def test_the_package_has_no_benchmark_folder():
+    # a pip-installed manualdp carries no QA harness: benchmarks live in bench/, beside the package
+    assert not (ROOT / "benchmarks").exists() and not (ROOT / "bench").exists()
+    assert [name for name, _ in modules() if "bench" in name] == []
+
+
+def names_a_benchmark(module: str, handed_to_importlib: bool = False) -> bool:
+    """Whether `module` is bench/ or the old manualdp.benchmarks (a bare "bench" string is just a word)."""
+    return bool(re.fullmatch(r"(manualdp\.benchmarks|bench)(\.\w+)*", module)) and not (
+        handed_to_importlib and module == "bench")
+
+
+@pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_nothing_in_the_package_imports_the_benchmarks(name, path):
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found = [a.name for a in node.names if names_a_benchmark(a.name)]
+        elif isinstance(node, ast.ImportFrom):
+            found = [node.module] if not node.level and names_a_benchmark(node.module or "") else []
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            found = [node.value] if names_a_benchmark(node.value, handed_to_importlib=True) else []
+        else:
+            continue
+        assert not found, f"{name} imports the benchmarks: {found}"
+
+
+def test_the_benchmark_check_sees_an_import(tmp_path):
+    bad = tmp_path / "cli.py"
+    for line in ("import bench.faults", "from bench import faults", "from bench.common import save_outputs",
+                 "importlib.import_module('manualdp.benchmarks.faults')", "importlib.import_module('bench.zero')"):
+        bad.write_text(line + "\n")
+        with pytest.raises(AssertionError, match="imports the benchmarks"):
+            test_nothing_in_the_package_imports_the_benchmarks("runners.cli", bad)
+    bad.write_text("if argv[0] == 'bench':\n    print('python bench/NAME.py')\n")
+    test_nothing_in_the_package_imports_the_benchmarks("runners.cli", bad)
+
+
 def loaded_after(code: str) -> list[str]:
     """The modules below `manualdp` that a fresh interpreter holds after running `code`."""
     code += "; import json, sys; print(json.dumps(sorted(m for m in sys.modules if m.startswith('manualdp.'))))"
@@ -125,3 +162,14 @@ def test_the_rest_of_the_package_loads_when_first_used():
     loaded = loaded_after("import manualdp; manualdp.train; manualdp.History; "
                           "from manualdp.distributed import DistributedDataParallel")
     assert {"runners.loop", "support.history", "distributed", "spmd.ddp"} <= set(loaded)
+
+
+@pytest.mark.parametrize("argv", [["faults.py", "--help"], ["scaling.py", "--help"], ["allreduce.py", "--spmd", "--help"]],
+                         ids=lambda argv: argv[0])
+def test_a_benchmark_runs_as_one_command_from_anywhere(argv, tmp_path):
+    # `python bench/NAME.py` from another folder: the script finds bench.common and its siblings (scaling
+    # runs compare_ddp's ranks, allreduce --spmd hands over to allreduce_spmd)
+    script = ROOT.parent / "bench" / argv[0]
+    out = subprocess.run([sys.executable, str(script), *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith(f"usage: bench/{argv[0]}"), out.stderr[-2000:]

@@ -1,4 +1,4 @@
-"""Command line: `manualdp train | explain | bench`."""
+"""Command line: `manualdp train | explain`. The benchmarks are scripts of the repository: `python bench/NAME.py`."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +12,6 @@ __all__ = ["main", "build_parser"]
 
 DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
 DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
-BENCHMARKS = {
-    "faults": "manualdp.benchmarks.faults",
-}
 
 
 def positive(kind, at_most: float | None = None, why: str = ""):
@@ -46,9 +43,10 @@ def _non_negative_int(at_most: int | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `manualdp` argument parser; `explain` and `bench` parse their own arguments."""
-    parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.")
-    sub = parser.add_subparsers(dest="command", metavar="{train,explain,bench}")
+    """The `manualdp` argument parser; `explain` parses its own arguments."""
+    parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.",
+                                     epilog="The benchmarks are scripts in a checkout of the repository: python bench/NAME.py")
+    sub = parser.add_subparsers(dest="command", metavar="{train,explain}")
     sub.required = True
 
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
@@ -98,23 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
     e.add_argument("rest", nargs=argparse.REMAINDER)
-    b = sub.add_parser("bench", help="run a benchmark: " + ", ".join(BENCHMARKS), add_help=False)
-    b.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run `manualdp ARGV`; return the exit status."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    # explain and bench hand their arguments to the module that owns them.
+    # explain hands its arguments to the module that owns it.
     if argv and argv[0] == "explain":
         from .explain import main as explain_main
         return explain_main(argv[1:]) or 0
-    if argv and argv[0] == "bench":
-        if len(argv) < 2 or argv[1] not in BENCHMARKS:
-            build_parser().error(f"bench needs one of {', '.join(BENCHMARKS)}, got {argv[1:2] or 'nothing'}")
-        import importlib
-        return importlib.import_module(BENCHMARKS[argv[1]]).main(argv[2:]) or 0
+    if argv and argv[0] == "bench":  # the benchmarks are scripts of the repository, not part of the library
+        build_parser().error(f"{' '.join(argv[:2])!r}: the benchmarks are not installed with the package; "
+                             f"from a checkout of the repository, run python bench/NAME.py")
     parser = build_parser()
     args = parser.parse_args(argv)
     problem = check_train_args(args)

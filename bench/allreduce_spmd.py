@@ -1,7 +1,7 @@
 """Allreduce across processes: manualdp's schedules over isend/irecv against gloo's own all_reduce.
 
-    python -m manualdp.benchmarks.allreduce_spmd --world-size 4 --json spmd.json --plot spmd.png
-    manualdp bench allreduce --spmd --world-size 2
+    python bench/allreduce_spmd.py --world-size 4 --json spmd.json --plot spmd.png
+    python bench/allreduce.py --spmd --world-size 2
 
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
@@ -17,13 +17,17 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from ..schedule import ALGORITHMS, get_schedule
-from . import check_output_paths, save_outputs
+if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import check_output_paths, save_outputs
+from manualdp.schedule import ALGORITHMS, get_schedule
 
 __all__ = ["main", "run", "format_table", "plot"]
 
@@ -40,8 +44,8 @@ def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _rank_main(config: dict) -> dict:
     """One rank: time every implementation at every size; return per-run times and wrong counts."""
-    from ..spmd import allreduce
-    from ..spmd.tune import link_for, resolve
+    from manualdp.spmd import allreduce
+    from manualdp.spmd.tune import link_for, resolve
 
     rank, n = dist.get_rank(), dist.get_world_size()
     dtype = DTYPES[config["dtype"]]
@@ -79,12 +83,12 @@ def _rank_main(config: dict) -> dict:
 
 def run(config: dict) -> dict:
     """Spawn the ranks and build the rows: nccl-tests columns plus the ratio to gloo."""
-    from ..spmd import launch
+    from manualdp.spmd import launch
 
     per_rank = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"])
     n = config["world_size"]
     element_size = torch.empty((), dtype=DTYPES[config["dtype"]]).element_size()
-    from ..spmd.tune import Link, predict
+    from manualdp.spmd.tune import Link, predict
 
     link = Link(**per_rank[0]["link"])
     rows = []
@@ -160,7 +164,7 @@ def format_table(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """busbw against size, one line per implementation, to a PNG at `path` (atomically)."""
-    from ..support.plot import new_figure, save_figure
+    from manualdp.support.plot import new_figure, save_figure
 
     fig, (ax,) = new_figure(1, 1, width=6.5, height=4.2)
     for name in dict.fromkeys(r["algorithm"] for r in result["rows"]):
@@ -178,8 +182,8 @@ def plot(result: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`manualdp bench allreduce --spmd`: the table; optionally JSON and a PNG."""
-    parser = argparse.ArgumentParser(prog="manualdp bench allreduce --spmd", description=__doc__.split("\n")[0])
+    """`python bench/allreduce.py --spmd`: the table; optionally JSON and a PNG."""
+    parser = argparse.ArgumentParser(prog="bench/allreduce.py --spmd", description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     parser.add_argument("--min-bytes", type=int, default=4096, help="smallest size per rank (default 4 KiB)")
     parser.add_argument("--max-bytes", type=int, default=64 * MiB, help="largest size per rank (default 64 MiB)")

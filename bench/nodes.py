@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from ..support.checkpoint import read_checkpoint
-from ..validate import int_between, non_empty_path, positive_int, positive_number
+from manualdp.support.checkpoint import read_checkpoint
+from manualdp.validate import int_between, non_empty_path, positive_int, positive_number
 
 __all__ = ["start_nodes", "kill_node", "end_nodes", "worker_stderr", "kill_node_and_resume", "classify"]
 
