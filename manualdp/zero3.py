@@ -1,0 +1,186 @@
+"""ZeRO-3 on a list of devices (single controller): each device keeps 1/N of the parameters too.
+
+ZeRO-1 and ZeRO-2 (`manualdp.zero`) shard the optimizer state, but every device still holds
+every parameter. ZeRO-3 shards those as well. The model is cut into units (submodules, as
+FSDP cuts it: `manualdp.units`); each unit's parameters are laid out flat as ZeRO lays them
+out (`manualdp.shards`), and device i keeps only its chunk of every unit. A step runs:
+
+1. before a unit's forward, an all-gather gives every device the unit's full parameters;
+   after it they are freed: besides its shards, a device holds the units in use only;
+2. backward needs them again (an op saves the weight it multiplies by): the first op of the
+   unit's backward that reads one all-gathers them, and they are freed after the last. A unit
+   whose weights backward never reads (a first layer: its input needs no gradient) is not
+   gathered again;
+3. a reduce-scatter of each unit's gradients leaves every device the sum of its own chunk;
+4. every device steps its chunk with any elementwise torch optimizer, as in ZeRO-1/2.
+
+Per step that is two all-gathers and one reduce-scatter of the model: each device sends
+3(n-1)/n of it, against the 2(n-1)/n of plain data parallelism's allreduce (`traffic_of`).
+It buys memory with bytes: parameters, gradients and optimizer state are all 1/N per device
+between steps, plus the units in use during one.
+
+Why not `train_batch`: it runs device after device, but these collectives sit inside the
+forward and backward passes, and no device can pass one before all have reached it. So each
+device runs in its own thread, and the threads meet at every collective (`manualdp.lockstep`);
+the step is `Zero3.train_batch`. The default units are the root's children that have
+parameters, plus the root unit: the root's own parameters and any that two units share (a
+tied weight). Between steps the parameters read NaN: the values are in the shards.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import reduce_scatter, shard
+from .cost import traffic
+from .loss import correct_tensor, logits_of, summed_loss
+from .replicate import broadcast_buffers
+from .schedule import COLLECTIVES, get_collective
+from .shards import ShardPlan
+from .split import split_batch
+from .train import StepResult
+from .units import Collective, Units, choose_units
+from .validate import factory, one_of, trainable
+from .zero import make_optimizer, state_bytes
+
+__all__ = ["Zero3", "traffic_of"]
+
+
+def traffic_of(collectives: list[Collective], num_devices: int, algorithm: str = "ring") -> dict[str, list[int]]:
+    """Bytes each device sends and receives in `collectives`, from their schedules (`manualdp.cost.traffic`)."""
+    total = {"sent": [0] * num_devices, "received": [0] * num_devices}
+    for c in collectives:
+        t = traffic(get_collective(c.kind, algorithm, num_devices), c.numel * c.element_size, c.element_size)
+        total = {k: [a + b for a, b in zip(v, t[k])] for k, v in total.items()}
+    return total
+
+
+class Zero3:
+    """ZeRO-3 over `replicas` (one model per device, as from `manualdp.replicate`): each device keeps its shards.
+
+    Args:
+        optimizer_class: an elementwise optimizer (`torch.optim.SGD`, `Adam`, `AdamW`), or a factory
+            `f(params, **defaults)`.
+        units: names of the submodules sharded as one piece each (`manualdp.units.choose_units`).
+        algorithm: of the all-gathers and reduce-scatters (`manualdp.schedule.COLLECTIVES`).
+        defaults: keyword arguments for the optimizer (`lr=...`).
+
+    `train_batch(X, y)` is the step; `collectives` lists what the last one ran (`traffic_of` counts
+    its bytes) and `planned()` what every step runs; `full_parameters()` puts the model together.
+    """
+
+    def __init__(self, replicas: list[nn.Module], optimizer_class, *, units=None, algorithm: str = "ring",
+                 **defaults) -> None:
+        if isinstance(replicas, nn.Module) or not replicas or not all(isinstance(r, nn.Module) for r in replicas):
+            raise TypeError(f"replicas must be a non-empty list of nn.Module, got {replicas!r:.80}")
+        trainable("replicas[0]", replicas[0])
+        factory("optimizer_class", optimizer_class)
+        self.algorithm = one_of("algorithm", algorithm, COLLECTIVES["all_gather"])
+        chosen = choose_units(replicas[0], units)
+        first = list(replicas[0].parameters())
+        for i, r in enumerate(replicas):  # all checked before any replica is touched
+            ps = list(r.parameters())
+            if len(ps) != len(first) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ps, first)):
+                raise ValueError(f"replicas[{i}] does not have replicas[0]'s parameters (shapes, dtypes)")
+        n = self.num_devices = len(replicas)
+        index = {id(p): k for k, p in enumerate(first)}
+        # (unit, position in the unit) of every parameter, in replicas[0].parameters() order
+        self.order = sorted(((u, j) for u, (_, ps) in enumerate(chosen) for j in range(len(ps))),
+                            key=lambda uj: index[id(chosen[uj[0]][1][uj[1]])])
+        self.plans = [ShardPlan([ps], n) for _, ps in chosen]
+        self.replicas, self.params, self.shards = replicas, [], []  # [device][unit][parameter or buffer]
+        for i, r in enumerate(replicas):
+            ps = list(r.parameters())
+            self.params.append([[ps[index[id(p)]] for p in unit] for _, unit in chosen])
+            self.shards.append([[shard(flat, i, n).clone() for flat in plan.bind(self.params[i][u])]
+                                for u, plan in enumerate(self.plans)])
+        self.devices = [s[0][0].device for s in self.shards]
+        self.units = Units(replicas, [name for name, _ in chosen], self.plans, self.params, self.shards, algorithm)
+        # Device i's optimizer steps one piece of its shards per trainable parameter they overlap.
+        self.pieces, self.optimizers = [], []
+        for i in range(n):
+            pieces = []
+            for u, plan in enumerate(self.plans):
+                for j, lo, hi in plan.pieces(i):
+                    b = plan.where[j][0]
+                    lo, hi = lo - plan.bounds(b, i)[0], hi - plan.bounds(b, i)[0]  # within the shard
+                    if self.params[i][u][j].requires_grad:
+                        pieces.append((u, j, b, lo, hi, self.shards[i][u][b][lo:hi]))
+            self.pieces.append(pieces)
+            opt = make_optimizer(optimizer_class, [v for *_, v in pieces], **defaults) if pieces else None
+            self.optimizers.append(opt)
+
+    @property
+    def collectives(self) -> list[Collective]:
+        """The collectives the last step ran, in order, with the parameter bytes every device held after each."""
+        return self.units.collectives
+
+    def planned(self) -> list[Collective]:
+        """What every step runs: each unit all-gathered for forward and again for backward, then reduce-scattered."""
+        out = []
+        for phase, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("step", "reduce_scatter")):
+            out += [Collective(kind, phase, self.units.names[u], size, self.shards[0][u][b].element_size())
+                    for u, plan in enumerate(self.plans) for b, size in enumerate(plan.sizes)]
+        return out
+
+    def train_batch(self, X: torch.Tensor, y: torch.Tensor, loss_fn=None) -> StepResult:
+        """One step on the global batch: forward and backward on every device side by side, then reduce-scatter
+        and step every shard. Each shard's summed loss is divided by the global batch, as in `train_batch`."""
+        loss_fn = summed_loss(loss_fn)
+        X_shards, y_shards = split_batch(X, y, self.devices)
+
+        def forward_backward(i: int):
+            with self.units.saved_tensors_hooks(i):
+                out = self.replicas[i](X_shards[i])
+                loss = loss_fn(out, y_shards[i]) / len(X)
+            loss.backward()
+            return loss.detach(), correct_tensor(logits_of(out).detach(), y_shards[i])
+
+        try:
+            results = self.units.run(forward_backward)
+            self._reduce_scatter_and_step()
+        finally:  # also after an error: no gradient is left behind, no shard half-stepped
+            for p in (p for ps in self.params for unit in ps for p in unit):
+                p.grad = None
+        broadcast_buffers(self.replicas)
+        return StepResult(sum(loss.item() for loss, _ in results) * len(X), sum(int(c) for _, c in results), False)
+
+    @torch.no_grad()
+    def _reduce_scatter_and_step(self) -> None:
+        summed = [{} for _ in range(self.num_devices)]  # device i: (unit, buffer) -> its chunk of the sum
+        used = {(u, j): any(ps[u][j].grad is not None for ps in self.params) for u, j in self.order}
+        for u, plan in enumerate(self.plans):
+            flats = [plan.flat_grads(ps[u]) for ps in self.params]
+            for b, members in enumerate(plan.buffers):
+                if any(used[u, j] for j in members):  # a buffer of frozen or unused parameters has nothing to sum
+                    for i, chunk in enumerate(reduce_scatter([f[b] for f in flats], self.algorithm)):
+                        summed[i][u, b] = chunk.clone()  # the device keeps its own chunk only
+                    self.units.log("reduce_scatter", "step", u, flats[0][b])
+        for i, opt in enumerate(self.optimizers):
+            for u, j, b, lo, hi, piece in self.pieces[i]:
+                # a parameter no device has a gradient for is skipped, as torch's optimizers skip it
+                piece.grad = summed[i][u, b][lo:hi] if used[u, j] else None
+            if opt is not None:
+                opt.step()
+            for *_, piece in self.pieces[i]:
+                piece.grad = None
+
+    def param_bytes(self) -> list[int]:
+        """Parameter bytes each device holds, counted from its tensors (`manualdp.units.Units.param_bytes`)."""
+        return self.units.param_bytes()
+
+    def state_bytes(self) -> list[int]:
+        """Optimizer-state bytes on each device."""
+        return [state_bytes(opt) for opt in self.optimizers]
+
+    @torch.no_grad()
+    def full_parameters(self) -> list[torch.Tensor]:
+        """The model's parameters in `replicas[0].parameters()` order, put together from every device's shards."""
+        fulls = {}
+        for u, plan in enumerate(self.plans):
+            for b, size in enumerate(plan.sizes):
+                fulls[u, b] = torch.empty(size, dtype=self.shards[0][u][b].dtype, device=self.devices[0])
+                for i in range(self.num_devices):
+                    shard(fulls[u, b], i, self.num_devices).copy_(self.shards[i][u][b])
+        return [fulls[u, self.plans[u].where[j][0]][slice(*self.plans[u].where[j][1:])].view_as(self.params[0][u][j])
+                for u, j in self.order]
