@@ -3,7 +3,9 @@
 torch's `Join` context calls the wrapper's `join_hook`: while some ranks still train, a rank
 that has run out of batches answers each of their steps with the same collectives (the
 buffer broadcast, the step's call check and zero buckets), so the training ranks' messages
-always find a partner. At the end every rank takes the model of the last rank to join.
+always find a partner, and gets the step's averaged gradients in `.grad` as they do (torch's
+leaves them stale), so that a sharded optimizer in the same `Join` steps its shard right.
+At the end every rank takes the model of the last rank to join.
 
 A rank that raises inside `join()` leaves its reason in the group's store before it leaves;
 the others, whose next wait then fails, raise a `PeerError` that names it and says why.
@@ -78,6 +80,10 @@ class UnevenInputs(Joinable):
         try:
             for bucket in self._buckets:
                 bucket.future.result()
+            # The step's averages into `.grad`, as the training ranks get them: a Joinable sharded
+            # optimizer (manualdp.spmd.zero at stage 1) steps this rank's shard with them.
+            for bucket in self._buckets:
+                self._write_grads(bucket)
         finally:
             self._reset_backward()
 

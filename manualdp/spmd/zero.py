@@ -1,8 +1,10 @@
 """ZeRO-1 and ZeRO-2 across processes: each rank keeps the optimizer state of one shard.
 
-The SPMD twin of `manualdp.zero`, with torch's `ZeroRedundancyOptimizer` interface where
-it makes sense (`optimizer_class`, parameter groups, keyword defaults, `step`, `zero_grad`,
-`state_dict`, learning-rate schedulers):
+The SPMD twin of `manualdp.zero`, and a drop-in for torch's `ZeroRedundancyOptimizer`: the
+same constructor keywords, parameter groups and `add_param_group`, `step(closure)`,
+`zero_grad`, learning-rate schedulers, `consolidate_state_dict` and a full `state_dict`, the
+state of a plain optimizer loaded, and `Join([model, opt])` on uneven inputs
+(`zero_compat.py`):
 
     model = DistributedDataParallel(net)                           # stage 1: DDP averages the gradients
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
@@ -22,18 +24,21 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable
 
-from ..validate import factory, one_of, timeout_seconds
+from ..validate import boolean, factory, one_of, timeout_seconds
 from ..shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ..zero import make_optimizer, state_bytes
 from .collectives import all_gather, reduce_scatter
 from .p2p import allreduce
 from .peers import group_ranks
+from .zero_compat import TorchCompat
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
     """Shard `params`' optimizer state (stage 1) and gradients (stage 2) over the ranks of `group`.
 
     Args:
@@ -42,41 +47,72 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         stage: 1 expects averaged gradients (from the DDP wrapper); 2 expects this rank's own
             gradients (backward under `no_sync()`) and averages them by reduce-scatter.
         algorithm: of the reduce-scatter and the all-gather (`manualdp.schedule.COLLECTIVES`).
+        group: the process group (default: all ranks); `process_group` is torch's name for it.
+        parameters_as_bucket_view: accepted for torch's sake. We always make the parameters views
+            of flat buffers (what torch does with True): the chunks we shard are slices of them.
+            False (torch's default, where each `param.data` stays its own tensor) changes nothing.
+        overlap_with_ddp: True is refused: torch's needs a DDP comm hook that steps the
+            optimizer bucket by bucket; call `step()` after backward instead.
 
     Every rank must build it with the same stage and the same parameter shapes: the ranks
     compare them at construction and all raise, naming the ranks that differ.
     """
 
     def __init__(self, params, optimizer_class, *, stage: int = 1, algorithm: str = "ring", group=None,
+                 process_group=None, parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  timeout: float | None = None, **defaults) -> None:
-        groups = param_groups_of(params)
+        groups = param_groups_of(params, keep_frozen=True)  # frozen ones too: torch's indices count them
         self.stage = one_of("stage", stage, (1, 2))
         factory("optimizer_class", optimizer_class)
+        self.parameters_as_bucket_view = boolean("parameters_as_bucket_view", parameters_as_bucket_view)
+        if boolean("overlap_with_ddp", overlap_with_ddp):
+            raise ValueError("overlap_with_ddp=True is not supported: torch's steps the optimizer inside a DDP comm "
+                             "hook (ddp_zero_hook), bucket by bucket; pass overlap_with_ddp=False and call step() "
+                             "after backward (stage=2 with no_sync() also shards the gradients)")
+        if group is not None and process_group is not None:
+            raise ValueError("pass group or process_group (torch's name for it), not both")
+        group = process_group if process_group is not None else group
         self.algorithm, self.group, self.timeout = algorithm, group, timeout_seconds("timeout", timeout)
-        self.rank, peers = group_ranks(group)
-        self.world_size = len(peers)
-        self.params = [p for g in groups for p in g["params"]]
-        self.plan = ShardPlan([g["params"] for g in groups], self.world_size)
-        self._agree_on_setup()
+        self.process_group = group if group is not None else dist.group.WORLD  # torch's attribute
+        self.rank, self.peers = group_ranks(group)
+        self.world_size = len(self.peers)
+        self._make = (optimizer_class, defaults)
+        self._trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+        self.params = [p for ps in self._trainable for p in ps]
+        self.plan = ShardPlan(self._trainable, self.world_size)
+        self._agree_on_setup(self.plan, len(self.params))
         # The parameters become views of flat buffers, so that the collectives and the
         # optimizer work in place and a checkpoint loaded into the model is what they see.
         self.flats = self.plan.bind(self.params)
-        self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(self.rank)]
-        inner = [{"params": [v for j, _, _, v in self.pieces if self.plan.group_of[j] == g], **options_of(group)}
-                 for g, group in enumerate(groups)]
+        self._find_pieces()
+        inner = [{"params": self._pieces_of(g), **options_of(group)} for g, group in enumerate(groups)]
         # A rank whose chunks are empty (more ranks than elements) has nothing to step.
         self.optimizer = make_optimizer(optimizer_class, inner, **defaults) if self.pieces else None
         template = (self.optimizer if self.optimizer is not None
                     else make_optimizer(optimizer_class, [dict(g) for g in groups], **defaults))
-        super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, template.param_groups)], {})
+        self._built = False  # torch's constructor calls add_param_group for each group
+        super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, template.param_groups)],
+                         dict(getattr(template, "defaults", {})))
+        self._built = True
+        Joinable.__init__(self)
+        self._divide_by_initial = True  # under Join at stage 2: average over all ranks, not the training ones
+        self._consolidated_to: int | None = None
+        self._full_state: dict | None = None
 
-    def _agree_on_setup(self) -> None:
+    def _find_pieces(self) -> None:
+        """This rank's pieces: (parameter, lo, hi, view of its flat buffer), in parameter order."""
+        self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(self.rank)]
+
+    def _pieces_of(self, group: int) -> list[torch.Tensor]:
+        return [v for j, _, _, v in self.pieces if self.plan.group_of[j] == group]
+
+    def _agree_on_setup(self, plan: ShardPlan, parameters: int) -> None:
         """Every rank sends (stage, buffers, elements, parameters); a rank that differs is named on all of them."""
         fields = ("stage", "buffers", "elements", "parameters")
         table = torch.zeros(self.world_size, len(fields), dtype=torch.float64, device=self.params[0].device)
-        table[self.rank] = torch.tensor([self.stage, len(self.plan.sizes), sum(self.plan.sizes), len(self.params)],
+        table[self.rank] = torch.tensor([self.stage, len(plan.sizes), sum(plan.sizes), parameters],
                                         dtype=torch.float64)
-        allreduce(table.view(-1), self.algorithm, group=self.group, timeout=self.timeout)
+        self._sum_over_ranks(table.view(-1))
         table = table.cpu().long()
         for k, field in enumerate(fields):
             values = {r: int(table[r, k]) for r in range(self.world_size)}
@@ -84,6 +120,37 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 what = "ZeRO stages" if field == "stage" else f"numbers of {field} to shard"
                 raise ValueError(f"ranks ask for different {what}: {values} (rank: {field}); every rank must pass "
                                  "the same")
+
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        allreduce(tensor, self.algorithm, group=self.group, timeout=self.timeout)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group, on every rank: its parameters get new flat buffers, of which this rank steps its chunk."""
+        if not self._built:
+            return super().add_param_group(param_group)
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = param_groups_of([param_group], "param_group", keep_frozen=True)[0]
+        trainable = [p for p in group["params"] if p.requires_grad]
+        super().add_param_group(group)  # torch's checks (a parameter in two groups) and defaults
+        try:
+            plan = ShardPlan(self._trainable + [trainable], self.world_size)
+            self._agree_on_setup(plan, len(self.params) + len(trainable))
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        kept = self.pieces  # the same pieces, and the very tensors the inner optimizer holds
+        self.plan, self._trainable, self.params = plan, self._trainable + [trainable], self.params + trainable
+        self.flats += ShardPlan([trainable], self.world_size).bind(trainable)  # the new group's buffers, as in `plan`
+        self._find_pieces()
+        self.pieces[:len(kept)] = kept
+        options = options_of(self.param_groups[-1])
+        if self.optimizer is not None:
+            self.optimizer.add_param_group({"params": [v for *_, v in self.pieces[len(kept):]], **options})
+        elif self.pieces:
+            cls, defaults = self._make
+            self.optimizer = make_optimizer(cls, [{"params": self._pieces_of(g), **options_of(outer)}
+                                                  for g, outer in enumerate(self.param_groups)], **defaults)
 
     @property
     def reduces_gradients(self) -> bool:
@@ -98,19 +165,33 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
                 p.grad.zero_()
 
     @torch.no_grad()
-    def step(self, closure=None) -> None:
-        """Reduce-scatter (stage 2) the gradients, update this rank's shard, all-gather the parameters."""
+    def step(self, closure=None):
+        """Reduce-scatter (stage 2) the gradients, update this rank's shard, all-gather the parameters.
+
+        `closure` (re-computes the loss and its gradients) is called first, and its loss returned.
+        """
+        loss = None
         if closure is not None:
-            raise ValueError("closure is not supported: ZeRO steps after the gradients are reduced")
+            with torch.enable_grad():
+                loss = closure()
+        Join.notify_join_context(self)  # a no-op unless this optimizer is the first of a Join's joinables
+        self._step(own_gradients=True)
+        return loss
+
+    def _step(self, own_gradients: bool) -> None:
+        """One step; a rank out of data under Join (`own_gradients=False`) adds zeros at stage 2."""
         kw = {"algorithm": self.algorithm, "group": self.group, "timeout": self.timeout}
-        used = torch.tensor([p.grad is not None for p in self.params], dtype=torch.int32,
+        adds = own_gradients or not self.reduces_gradients  # at stage 1 DDP hands every rank the averages
+        # Which parameters have a gradient, and (last) whether this rank trains this step.
+        used = torch.tensor([adds and p.grad is not None for p in self.params] + [own_gradients], dtype=torch.int32,
                             device=self.flats[0].device)
-        grads = self.plan.flat_grads(self.params)
+        grads = self.plan.flat_grads(self.params) if adds else [torch.zeros_like(f) for f in self.flats]
         if self.reduces_gradients:
             # Which parameters has any rank a gradient for? Those no rank used are skipped.
-            allreduce(used, **kw)
+            self._sum_over_ranks(used)
+            divisor = self.world_size if self._divide_by_initial else int(used[-1])
             for g in grads:  # sum, then divide, as the DDP wrapper does: DDP hands the optimizer averages
-                reduce_scatter(g, **kw).div_(self.world_size)
+                reduce_scatter(g, **kw).div_(divisor)
         used = used.tolist()
         if self.optimizer is not None:
             for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
@@ -128,15 +209,27 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
         return state_bytes(self.optimizer)
 
     def state_dict(self) -> dict:
-        """This rank's shard of the state (each rank saves its own, as a sharded checkpoint)."""
+        """This rank's shard of the state (each rank saves its own, as a sharded checkpoint).
+
+        After `consolidate_state_dict(to)`, as torch's: the full state on rank `to`, in a plain
+        optimizer's format; the other ranks raise.
+        """
+        if self._consolidated_to is not None:
+            return self._full_state_dict()
         return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
                 "param_groups": [options_of(g) for g in self.param_groups],
                 "shard": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
-        """Load this rank's shard; another rank's, stage's or world size's is refused, changing nothing."""
+        """Load this rank's shard, or this rank's slices of a plain optimizer's full state (torch's format).
+
+        Another rank's shard, stage's or world size's is refused, changing nothing.
+        """
+        if isinstance(state, dict) and "shard" not in state and {"state", "param_groups"} <= state.keys():
+            return self._load_full_state_dict(state)
         if not isinstance(state, dict) or "shard" not in state:
-            raise ValueError("state is not a ZeroRedundancyOptimizer state_dict (it has no 'shard')")
+            raise ValueError("state is neither a ZeroRedundancyOptimizer state_dict (it has no 'shard') nor an "
+                             "optimizer's full state_dict (with 'state' and 'param_groups')")
         if (state.get("rank"), state.get("world_size")) != (self.rank, self.world_size):
             raise ValueError(f"state is rank {state.get('rank')} of {state.get('world_size')}; "
                              f"this is rank {self.rank} of {self.world_size}")
