@@ -317,7 +317,7 @@ def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
     loss_fn = nn.CrossEntropyLoss()
 
     def block(check: bool) -> float:
-        p2p.CHECK_SAME_CALL = check
+        model.check_calls = check
         torch.distributed.barrier()
         start = time.perf_counter()
         for _ in range(steps):
@@ -331,7 +331,7 @@ def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
     for _ in range(rounds):  # alternate, so machine noise hits both alike
         on.append(block(True))
         off.append(block(False))
-    p2p.CHECK_SAME_CALL = True
+    model.check_calls = True
     # The check alone, as the wrapper runs it once per step (queued ahead of the buckets, while
     # backward computes): steadier than the difference of two step times, which swings by several
     # percent between blocks on a shared machine.

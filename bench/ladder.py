@@ -64,7 +64,7 @@ class _Clock:
 
 def _instrument(models: dict, clock: _Clock) -> None:
     """Wrap each rung's allreduce and end-of-backward, and torch's DDP in a timing comm hook."""
-    from manualdp.spmd import bucketed, flat, naive, overlapped, p2p
+    from manualdp.spmd import bucketed, collectives, flat, naive, overlapped
 
     def timed(fn):
         def call(*args, **kwargs):
@@ -76,7 +76,7 @@ def _instrument(models: dict, clock: _Clock) -> None:
         return call
 
     for module in (naive, flat, overlapped, bucketed):
-        module.allreduce = timed(p2p.allreduce)
+        module.allreduce = timed(collectives.allreduce)
     import manualdp.spmd.ddp as ddp
     ddp.allreduce = timed(ddp.allreduce)  # the drop-in's buckets, on its worker thread
 

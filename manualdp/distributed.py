@@ -3,6 +3,7 @@
 The code lives in `manualdp.spmd`: `p2p.py` (allreduce across processes) and `ddp.py` (the wrapper).
 """
 from .spmd.ddp import Bucket, DistributedDataParallel
-from .spmd.p2p import DEFAULT_SEGMENT_BYTES, Message, Round, allreduce, plan
+from .spmd.collectives import allreduce
+from .spmd.p2p import DEFAULT_SEGMENT_BYTES, Message, Round, plan
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "Bucket", "DistributedDataParallel"]

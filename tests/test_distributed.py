@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.allreduce import run_schedule
 from manualdp.distributed import DistributedDataParallel, allreduce, plan
-from manualdp.spmd.p2p import _allreduce
+from manualdp.spmd.p2p import run_allreduce
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch, shard
 from manualdp.split import split_batch
@@ -131,7 +131,7 @@ def _allreduce_checks():
                 out[(algorithm, size, dtype)] = (x, ref)
         # The executor NCCL would use (one group per round), run here on gloo.
         x = _input(rank, 1001, torch.float64)
-        _allreduce(x, algorithm, None, rank, list(range(n)), segment_bytes=800, early=False)
+        run_allreduce(x, algorithm, None, rank, list(range(n)), segment_bytes=800, early=False)
         out[(algorithm, "grouped")] = x
         x = _input(rank, 35, torch.float32).view(7, 5).t()  # not contiguous
         ref = x.contiguous()

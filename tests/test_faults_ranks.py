@@ -8,7 +8,7 @@ from manualdp.spmd import launch
 
 def _mismatched_calls():
     """On 2 ranks: allreduce with another algorithm, size or dtype on rank 1; then one that agrees."""
-    from manualdp.spmd.p2p import allreduce
+    from manualdp.spmd.collectives import allreduce
     rank = torch.distributed.get_rank()
     out = {}
     cases = {

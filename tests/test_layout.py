@@ -173,3 +173,44 @@ def test_a_benchmark_runs_as_one_command_from_anywhere(argv, tmp_path):
     out = subprocess.run([sys.executable, str(script), *argv[1:]], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and out.stdout.startswith(f"usage: bench/{argv[0]}"), out.stderr[-2000:]
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the manualdp modules it imports (at any depth of the file), by their dotted names."""
+    names = {name for name, _ in modules()}
+    graph = {}
+    for name, path in modules():
+        edges = set()
+        for target, taken in imports(name, path):
+            edges |= {m for m in [target or "__init__", *(f"{target}.{t}" if target else t for t in taken)] if m in names}
+        graph[name] = edges - {name}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` as [a, b, ..., a], or None (depth-first search)."""
+    state, stack = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = "done"
+        return None
+
+    return next((c for n in sorted(graph) if n not in state and (c := visit(n))), None)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_import_cycle():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)

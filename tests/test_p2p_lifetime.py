@@ -1,4 +1,4 @@
-"""p2p.allreduce keeps a call's finished sends and receives until the thread's next call.
+"""allreduce keeps a call's finished sends and receives until the thread's next call.
 
 Freeing a gloo send or receive right after its wait, before the next message is posted,
 made every message about 2 ms slower on the 2-core CI machine; this holds the lifetime rule
@@ -10,17 +10,17 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from manualdp.spmd import launch, p2p
+from manualdp.spmd import allreduce, launch, p2p
 
 
 def _job():
     torch.set_num_threads(1)
     x = torch.ones(1000)
-    p2p.allreduce(x, "naive")
+    allreduce(x, "naive")
     first = [weakref.ref(w) for w in p2p._SPENT.works]
     gc.collect()
     alive_after_call = all(r() is not None for r in first)
-    p2p.allreduce(x, "ring")
+    allreduce(x, "ring")
     gc.collect()
     freed_after_next = all(r() is None for r in first)
     return len(first), alive_after_call, freed_after_next, x.tolist()[:2]

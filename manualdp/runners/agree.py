@@ -12,7 +12,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from ..spmd.p2p import allreduce
+from ..spmd.collectives import allreduce
 from ..support.checkpoint import checkpoint_path, load_latest, read_checkpoint
 
 __all__ = ["agree_on_checkpoint", "agree_on_run_id", "agree_all_succeed", "agree_all_saved",

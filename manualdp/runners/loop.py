@@ -21,7 +21,7 @@ from ..replicate import copy_params_, replicate
 from ..schedule import ALGORITHMS
 from ..spmd.ddp import DistributedDataParallel
 from ..spmd.launch import rank_device, shard
-from ..spmd.p2p import allreduce
+from ..spmd.collectives import allreduce
 from ..spmd.peers import PeerError
 from ..spmd.sampler import ShardedBatchSampler
 from ..spmd.tune import ENGINE_ALGORITHMS

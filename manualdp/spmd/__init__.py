@@ -21,7 +21,8 @@ from .ddp import Bucket, DistributedDataParallel
 from .hooks import GradBucket, PowerSGDState
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm
 from .launch import init_from_env, launch, rank_device, shard
-from .p2p import DEFAULT_SEGMENT_BYTES, Message, Round, allreduce, plan
+from .collectives import allreduce
+from .p2p import DEFAULT_SEGMENT_BYTES, Message, Round, plan
 from .peers import DEFAULT_TIMEOUT, PeerError
 from .sampler import ShardedBatchSampler, shard_loader
 

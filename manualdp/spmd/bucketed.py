@@ -16,7 +16,7 @@ import torch
 from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from ..validate import positive_number
 from .overlapped import OverlappedDDP
-from .p2p import allreduce
+from .collectives import allreduce
 
 __all__ = ["BucketedDDP"]
 

@@ -1,4 +1,4 @@
-"""Reduce-scatter, all-gather, reduce and broadcast across processes, by the p2p executor.
+"""Allreduce, reduce-scatter, all-gather, reduce and broadcast across processes, by the p2p executor.
 
 The schedules are the book's (`manualdp.schedule`); each rank runs its share of them with
 `manualdp.spmd.p2p.run_schedule`. As in the single controller they work in place on the
@@ -11,12 +11,46 @@ import torch.distributed as dist
 
 from ..collectives import shard
 from ..schedule import get_collective
-from ..validate import check_summable, int_between, positive_int, timeout_seconds
-from .p2p import DEFAULT_SEGMENT_BYTES, run_schedule
-from .peers import group_ranks
-from .peers import group_timeout
+from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
+from .p2p import DEFAULT_SEGMENT_BYTES, check_same_call, run_allreduce, run_schedule
+from .peers import group_ranks, group_timeout
+from .tune import ENGINE_ALGORITHMS, resolve
 
-__all__ = ["reduce_scatter", "all_gather", "reduce", "broadcast"]
+__all__ = ["allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"]
+
+
+def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
+    """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
+
+    Every rank must call it with a tensor of the same shape and dtype, as with
+    `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
+    silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
+
+    `check` (default True): first compare the calls (`check_same_call`), one small naive
+    allreduce, so that ranks called differently all raise instead of pairing wrong messages.
+    It costs about as much as a small allreduce itself; pass False only where the calls are
+    known to match, as `DistributedDataParallel` does for its buckets after checking each
+    step once (every rank's buckets were compared at construction).
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    check_summable(tensor)
+    one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
+    positive_int("segment_bytes", segment_bytes)
+    timeout = timeout_seconds("timeout", timeout)
+    boolean("check", check)
+    rank, peers = group_ranks(group)
+    if len(peers) == 1 or tensor.numel() == 0:
+        return
+    timeout = timeout if timeout is not None else group_timeout(group)
+    algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout,
+                        segment_bytes)  # "auto": the cost model's pick
+    if check:
+        check_same_call(tensor, algorithm, segment_bytes, group, timeout)
+    run_allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
+               timeout=timeout)
+
 
 
 def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool) -> int:

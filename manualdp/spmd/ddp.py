@@ -1,7 +1,7 @@
 """`DistributedDataParallel`: a drop-in for torch's, allreducing with manualdp's schedules.
 
 During backward, a hook copies each parameter's finished gradient into its bucket; a full
-bucket is handed to the process group's worker thread, which runs `manualdp.spmd.p2p.allreduce`
+bucket is handed to the process group's worker thread, which runs `manualdp.spmd.collectives.allreduce`
 (or the registered comm hook) on it while backward goes on (torch's reducer does the same
 from C++, with asynchronous collectives and no Python thread). At the end of backward the
 averages are written into `.grad`. Every wrapper on one process group shares one worker, so
@@ -27,13 +27,13 @@ from torch.distributed.algorithms.join import Join
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ..validate import (a_callable, boolean, initialized, iterable, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
-from . import p2p
 from .ddp_checks import StepChecks
 from .ddp_join import UnevenInputs
 from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, kept_named,
                        state_tensors)
 from .hooks import GradBucket, hook_result
-from .p2p import DEFAULT_SEGMENT_BYTES, allreduce, check_same_call
+from .collectives import allreduce
+from .p2p import DEFAULT_SEGMENT_BYTES, check_same_call
 from .peers import DEFAULT_TIMEOUT, SerialWorker, group_ranks, group_timeout
 from .tune import ENGINE_ALGORITHMS, resolve
 
@@ -193,6 +193,10 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
     after `zero_grad()`), as with DDP; one that only some ranks used gets their average, the
     others counting as zero.
     """
+
+    # Compare the ranks' calls once per step (`_check_step`). Turned off only on an instance, to
+    # measure what the check costs (bench/faults.py --check-cost): a mismatch then aborts in gloo.
+    check_calls = True
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
                  broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
@@ -458,7 +462,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         ranks also compare their comm hooks: one rank's hook would send other messages.
         """
         hooks, self._hooks_compared = not self._hooks_compared, True
-        calls = not (self.debug or not p2p.CHECK_SAME_CALL)  # debug: each bucket is checked, in more words
+        calls = self.check_calls and not self.debug  # debug: each bucket is checked, in more words
         if self.world_size == 1 or not (hooks or calls):
             return None
         first, total = self._buckets[0].flat, sum(b.flat.numel() for b in self._buckets)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .hooks import hook_name
-from .p2p import allreduce
+from .collectives import allreduce
 
 __all__ = ["StepChecks"]
 

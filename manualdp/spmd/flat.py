@@ -11,7 +11,7 @@ import torch
 
 from ..buckets import flatten, unflatten_
 from .naive import NaiveDDP, by_dtype
-from .p2p import allreduce
+from .collectives import allreduce
 
 __all__ = ["FlatDDP"]
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..validate import positive_int
-from .p2p import allreduce
+from .collectives import allreduce
 from .peers import PeerError
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook",

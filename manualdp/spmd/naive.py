@@ -21,7 +21,7 @@ from ..buckets import flatten, unflatten_
 from ..validate import nn_module, one_of, timeout_seconds
 from .collectives import broadcast
 from .ddp_sync import check_same_model
-from .p2p import allreduce
+from .collectives import allreduce
 from .peers import group_ranks
 from .tune import ENGINE_ALGORITHMS
 

@@ -19,7 +19,7 @@ import concurrent.futures
 import torch
 
 from .flat import FlatDDP
-from .p2p import allreduce
+from .collectives import allreduce
 
 __all__ = ["OverlappedDDP"]
 

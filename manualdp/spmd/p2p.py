@@ -1,4 +1,4 @@
-"""Allreduce across processes: the schedules of `manualdp.schedule`, one rank's share at a time.
+"""The executor: the schedules of `manualdp.schedule` across processes, one rank's share at a time.
 
 Every rank runs the same schedule and keeps the transfers where it is `src` or `dst`:
 1. `plan` merges them into messages and cuts those into segments (a pure function, tested
@@ -6,6 +6,9 @@ Every rank runs the same schedule and keeps the transfers where it is `src` or `
 2. an executor posts them as non-blocking sends and receives of `torch.distributed` and adds
    what arrives: on gloo the process group's own `send`/`recv` (what `dist.isend`/`dist.irecv`
    call, without their per-message checks), on NCCL `dist.batch_isend_irecv`.
+
+The collectives users call (`allreduce` with its "auto" and its call check, reduce-scatter,
+all-gather, ...) are in `manualdp.spmd.collectives`, on top of this executor.
 
 Every wait has a deadline (`timeout`, default: the process group's): a peer that dies or
 hangs ends in a `manualdp.spmd.peers.PeerError` naming it, never in a hang.
@@ -21,12 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
-from ..validate import boolean, check_summable, int_between, non_negative_int, one_of, positive_int, timeout_seconds
-from .peers import PeerError, group_ranks, group_timeout, peer_error, talking_to, wait
-from .tune import DEFAULT_SEGMENT_BYTES, ENGINE_ALGORITHMS, resolve
+from ..validate import int_between, non_negative_int, positive_int
+from .peers import PeerError, group_ranks, peer_error, talking_to, wait
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "allreduce", "run_schedule", "check_same_call"]
+           "may_post_early", "run_allreduce", "run_schedule", "check_same_call"]
+
+DEFAULT_SEGMENT_BYTES = 1 << 20  # messages are cut into segments of 1 MiB: the receiver adds one while the next arrives
 
 
 class Message(NamedTuple):
@@ -244,41 +248,6 @@ def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int]
     _keep_until_next_call(spent)
 
 
-def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
-    """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
-
-    Every rank must call it with a tensor of the same shape and dtype, as with
-    `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
-    silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
-
-    `check` (default True): first compare the calls (`check_same_call`), one small naive
-    allreduce, so that ranks called differently all raise instead of pairing wrong messages.
-    It costs about as much as a small allreduce itself; pass False only where the calls are
-    known to match, as `DistributedDataParallel` does for its buckets after checking each
-    step once (every rank's buckets were compared at construction).
-    """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    check_summable(tensor)
-    one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
-    positive_int("segment_bytes", segment_bytes)
-    timeout = timeout_seconds("timeout", timeout)
-    boolean("check", check)
-    rank, peers = group_ranks(group)
-    if len(peers) == 1 or tensor.numel() == 0:
-        return
-    timeout = timeout if timeout is not None else group_timeout(group)
-    algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout,
-                        segment_bytes)  # "auto": the cost model's pick
-    if check and CHECK_SAME_CALL:
-        check_same_call(tensor, algorithm, segment_bytes, group, timeout)
-    _allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
-               timeout=timeout)
-
-
-# Off only to measure what the check costs (bench/faults.py --check-cost); a mismatch then aborts in gloo.
-CHECK_SAME_CALL = True
 _FIELDS = ("elements", "dtype", "algorithm", "segment_bytes")
 _DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
                   torch.int32, torch.int64), key=str)
@@ -305,7 +274,7 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     table = torch.zeros(len(peers), len(_FIELDS), dtype=torch.int64, device=tensor.device)
     size = tensor.numel() if numel is None else numel
     table[rank] = torch.tensor([size, dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
-    _allreduce(table, "naive", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
+    run_allreduce(table, "naive", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
     rows = table.tolist()
     if all(row == rows[0] for row in rows):
@@ -322,8 +291,9 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
                      "the ranks are out of step (one ran out of batches or skipped a step) or were given other arguments")
 
 
-def _allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,
-               early: bool, timeout: float | None = None) -> None:
+def run_allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers: list[int], segment_bytes: int,
+                  early: bool, timeout: float | None = None) -> None:
+    """`algorithm` (a name, not "auto") run by this rank on `tensor`; the arguments are already checked."""
     run_schedule(tensor, get_schedule(algorithm, len(peers)), group, rank, peers, segment_bytes, early, timeout)
 
 

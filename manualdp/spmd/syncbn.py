@@ -19,7 +19,7 @@ from torch import nn
 
 from ..validate import boolean, nn_module, non_negative_number, positive_int, positive_number
 from .ddp import group_worker
-from .p2p import allreduce
+from .collectives import allreduce
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

@@ -36,12 +36,12 @@ from ..loads import allreduce_loads
 from ..schedule import ALGORITHMS, Schedule, Transfer
 from ..support.files import write_json_atomic
 from ..validate import fraction, is_int, non_negative_int, non_negative_number, positive_int
+from .p2p import DEFAULT_SEGMENT_BYTES, run_schedule  # the model pipelines additions with its segments
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
            "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES", "CALIBRATION"]
 
-DEFAULT_SEGMENT_BYTES = 1 << 20  # the executor's segments (`manualdp.spmd.p2p`): the model pipelines additions with them
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
 ENV = "MANUALDP_LINK"  # "alpha,beta,gamma[,duplex[,parallel]]" in s, s/byte, s/byte, 0..1, ranks: skips the calibration
 
@@ -325,7 +325,6 @@ def _timed(jobs: list[tuple[torch.Tensor, tuple]], repeats: int, group, peers: l
 
     Ranks 0 and 1 of the group run each shape with the executor; both shapes have two rounds.
     """
-    from .p2p import run_schedule  # p2p imports this module for "auto"
 
     rank = peers.index(dist.get_rank())
     early = dist.get_backend(group) == "gloo"

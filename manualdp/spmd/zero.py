@@ -31,7 +31,7 @@ from ..validate import boolean, factory, one_of, timeout_seconds
 from ..shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ..zero import make_optimizer, state_bytes
 from .collectives import all_gather, reduce_scatter
-from .p2p import allreduce
+from .collectives import allreduce
 from .peers import group_ranks
 from .zero_compat import TorchCompat
 
