@@ -3,6 +3,7 @@
     manualdp explain ring --devices 4 --size 1048576
     manualdp explain reduce_scatter --devices 4        (also all_gather, reduce, broadcast)
     manualdp explain auto --devices 2 --size 1048576   (what algorithm="auto" would pick, and why)
+    manualdp explain zero3 --devices 4 [--plot zero3.png]  (one ZeRO-3 step's collectives: manualdp.runners.explain_zero3)
 
 Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is chunk 0 of
 `a` plus chunk 0 of `b`, and `sum0` is chunk 0 summed over every device (the result).
@@ -240,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="manualdp explain",
         description="Print a collective's schedule round by round, the bytes each device moves, and an estimated time.",
     )
-    parser.add_argument("algorithm", choices=[*sorted(NAMES), "auto"],
-                        help="an allreduce algorithm, another collective, or auto: what the engine's cost model picks")
+    parser.add_argument("algorithm", choices=[*sorted(NAMES), "auto", "zero3"],
+                        help="an allreduce algorithm, another collective, auto: what the engine's cost model picks, "
+                        "or zero3: the collectives of one ZeRO-3 step")
     parser.add_argument("--root", type=int, default=0, help="root device of reduce and broadcast (default 0)")
     parser.add_argument("--devices", type=int, default=4, help="number of devices (default 4)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help=f"buffer size in bytes (default {DEFAULT_SIZE})")
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.algorithm == "auto":
         return _main_auto(parser, args)
+    if args.algorithm == "zero3":
+        return _main_zero3(parser, args)
     if args.segment_bytes is not None:
         parser.error("--segment-bytes is for explain auto (the schedules print per round, segments only matter to auto's pick)")
     if args.parallel is not None:
@@ -281,6 +285,27 @@ def main(argv: list[str] | None = None) -> int:
             if not args.plot.lower().endswith(".png"):
                 raise ValueError(f"--plot: {args.plot!r} must end in .png")
             plot(args.algorithm, args.devices, args.plot, args.root)
+    except ValueError as e:
+        parser.error(str(e))
+    print(text)
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _main_zero3(parser, args) -> int:
+    from .explain_zero3 import explain_zero3, plot_zero3
+
+    given = [f"--{k.replace('_', '-')}" for k in ("alpha", "beta", "gamma", "duplex", "segment_bytes", "parallel")
+             if getattr(args, k) is not None]
+    try:
+        if given:
+            raise ValueError(f"{', '.join(given)}: explain zero3 runs one step of a small MLP, it takes --devices and --plot")
+        text = explain_zero3(args.devices)
+        if args.plot:
+            if not args.plot.lower().endswith(".png"):
+                raise ValueError(f"--plot: {args.plot!r} must end in .png")
+            plot_zero3(args.devices, args.plot)
     except ValueError as e:
         parser.error(str(e))
     print(text)
