@@ -198,11 +198,31 @@ def _resume_job(root):
         before = load_latest(rank_dir)["identity"]["run_id"]
         out[stage, name] = (ref, run(checkpoint_dir=ckpt, checkpoint_every=3, resume=True))
         out["run_id", stage, name] = (before, load_latest(rank_dir)["identity"]["run_id"])
+    try:  # Adam's folder resumed with AdamW: the optimizer asked for is the run's, not ZeRO's wrapper
+        net = _uneven_mlp()
+        train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=26), 2, 1e-2,
+                   optimizer=torch.optim.AdamW, zero=1, nonfinite=None, progress=False, log=None,
+                   checkpoint_dir=os.path.join(root, "1-adam"), checkpoint_every=3, resume=True)
+        out["changed"] = None
+    except ValueError as e:
+        out["changed"] = (str(e), torch.equal(_flat(net), _flat(_uneven_mlp())))
     return out
 
 
-def test_resume_under_torchrun_equals_an_uninterrupted_run_on_uneven_shards(tmp_path):
-    results = launch(_resume_job, 3, args=(str(tmp_path),), timeout=240.0)
+@pytest.fixture(scope="module")
+def zero_resumes(tmp_path_factory):
+    return launch(_resume_job, 3, args=(str(tmp_path_factory.mktemp("resume")),), timeout=240.0)
+
+
+def test_resume_under_torchrun_with_zero_refuses_another_optimizer_naming_it(zero_resumes):
+    for r in range(3):
+        assert zero_resumes[r]["changed"] is not None, f"rank {r} resumed Adam's checkpoint with AdamW"
+        message, untouched = zero_resumes[r]["changed"]
+        assert "optimizer 'Adam' -> 'AdamW'" in message and "\n" not in message and untouched
+
+
+def test_resume_under_torchrun_equals_an_uninterrupted_run_on_uneven_shards(zero_resumes):
+    results = zero_resumes
     for case in RESUME_CASES:
         for r in range(3):
             ref, resumed = results[r][case]

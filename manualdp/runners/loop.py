@@ -192,6 +192,7 @@ def train_spmd(
     model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout,
                                     rebuild_buckets=False)
     make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
+    name = optimizer_name(optimizer)  # the one asked for: with ZeRO, the object built is the wrapper
     if zero == 2 and nonfinite is not None:
         raise ValueError(f"nonfinite={nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only shards: "
                          "pass nonfinite=None or zero=1")
@@ -203,7 +204,7 @@ def train_spmd(
     identity = {"world_size": world_size, "backend": dist.get_backend(), "device_type": device.type,
                 "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
                 "momentum": momentum, "weight_decay": weight_decay, "nonfinite": nonfinite,
-                "model": type(net).__name__, "optimizer": optimizer_name(optimizer), "zero": zero or None,
+                "model": type(net).__name__, "optimizer": name, "zero": zero or None,
                 **(config or {})}
     hyper = {f"{k} (group {i})": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
     agree_on_settings({**identity, **hyper}, device, algorithm, timeout)  # e.g. a learning rate that differs
