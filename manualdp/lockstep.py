@@ -12,7 +12,17 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
-__all__ = ["LockStep"]
+import torch
+
+__all__ = ["LockStep", "check_own_gpus"]
+
+
+def check_own_gpus(devices: list[torch.device]) -> None:
+    """Refuse two devices on one GPU: autograd runs a GPU's backward on one thread of its own, so a device
+    waiting there for the others would stop their backward too, and no one would arrive."""
+    gpus = [d for d in devices if d.type != "cpu"]
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"devices: side by side, every device needs a GPU of its own (or the CPU), got {gpus}")
 
 
 class LockStep:

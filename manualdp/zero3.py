@@ -33,6 +33,7 @@ from torch import nn
 
 from .collectives import reduce_scatter, shard
 from .cost import traffic
+from .lockstep import check_own_gpus
 from .loss import correct_tensor, logits_of, summed_loss
 from .replicate import broadcast_buffers
 from .schedule import COLLECTIVES, get_collective
@@ -82,6 +83,7 @@ class Zero3:
             ps = list(r.parameters())
             if len(ps) != len(first) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ps, first)):
                 raise ValueError(f"replicas[{i}] does not have replicas[0]'s parameters (shapes, dtypes)")
+        check_own_gpus([next(r.parameters()).device for r in replicas])
         n = self.num_devices = len(replicas)
         index = {id(p): k for k, p in enumerate(first)}
         # (unit, position in the unit) of every parameter, in replicas[0].parameters() order
@@ -116,7 +118,8 @@ class Zero3:
         return self.units.collectives
 
     def planned(self) -> list[Collective]:
-        """What every step runs: each unit all-gathered for forward and again for backward, then reduce-scattered."""
+        """Each unit all-gathered for forward and for backward, then reduce-scattered: what the formula counts.
+        A step runs fewer where backward reads none of a unit's weights, or a unit has nothing to train."""
         out = []
         for phase, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("step", "reduce_scatter")):
             out += [Collective(kind, phase, self.units.names[u], size, self.shards[0][u][b].element_size())

@@ -9,6 +9,7 @@ from torch import nn
 
 from manualdp import cpu_devices, replicate
 from manualdp.cost import traffic
+from manualdp.lockstep import check_own_gpus
 from manualdp.schedule import get_schedule
 from manualdp.units import choose_units
 from manualdp.zero3 import Zero3, traffic_of
@@ -207,3 +208,11 @@ def test_a_unit_inside_another_is_refused():
         choose_units(net, ["0", "0.1"])
     with pytest.raises(ValueError, match="inside another unit"):
         choose_units(net, ["0.1", "0"])
+
+
+def test_devices_side_by_side_need_a_gpu_each():
+    # two replicas on one GPU would deadlock: autograd runs that GPU's backward on one thread
+    with pytest.raises(ValueError, match="a GPU of its own"):
+        check_own_gpus([torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda", 0)])
+    check_own_gpus([torch.device("cuda", 0), torch.device("cuda", 1)])
+    check_own_gpus(cpu_devices(3))
