@@ -308,17 +308,21 @@ def _recipe(ddp_class, zero_class):
 
 
 def _join_recipe(ddp_class, make_optimizer, stage, divide):
-    """torch's Join tutorial: rank r has 2 + r batches; Join([model, optimizer]) if the optimizer is Joinable."""
-    model = ddp_class(_net())
+    """torch's Join tutorial: rank r has 2 + r batches; Join([model, optimizer]) if the optimizer is Joinable.
+
+    With no `ddp_class` (stage 2 only), the optimizer averages the gradients and joins alone.
+    """
+    net = _net()
+    model = ddp_class(net) if ddp_class else net
     optimizer = make_optimizer(model.parameters())
-    joinables = [model, optimizer] if isinstance(optimizer, Joinable) else [model]
+    joinables = [j for j in (model, optimizer) if isinstance(j, Joinable)]
     with Join(joinables, divide_by_initial_world_size=divide):
         for X, y in _batches(dist.get_rank(), 2 + dist.get_rank()):
             optimizer.zero_grad()
-            with model.no_sync() if stage == 2 else contextlib.nullcontext():
+            with model.no_sync() if stage == 2 and ddp_class else contextlib.nullcontext():
                 _loss(model, X, y).backward()
             optimizer.step()
-    return _flat(model.module)
+    return _flat(net)
 
 
 def _recipe_job():
@@ -332,6 +336,7 @@ def _recipe_job():
         for stage in (1, 2):
             zero = lambda params: ZeroRedundancyOptimizer(params, torch.optim.Adam, stage=stage, lr=0.01)
             out["join", divide, stage] = _join_recipe(DistributedDataParallel, zero, stage, divide)
+        out["join", divide, "alone"] = _join_recipe(None, zero, 2, divide)
     return out
 
 
@@ -351,7 +356,7 @@ def test_swapping_the_import_in_torchs_zero_recipe_gives_the_same_parameters_and
         assert not torch.equal(ours[-1][0], _flat(_net()))
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, "alone"])
 @pytest.mark.parametrize("divide", [True, False])
 def test_join_on_uneven_inputs_equals_plain_data_parallelism(stage, divide):
     results = _recipes()

@@ -18,6 +18,9 @@ near-equal chunks, as the ring does, with the layout of `manualdp.shards.ShardPl
 buffer per (parameter group, dtype), the parameters made views of it, and this rank's chunk
 handed to its optimizer as one piece per parameter it overlaps. Elementwise optimizers give
 the same numbers either way, and a parameter no rank has a gradient for is skipped.
+
+One difference from torch's: `state_dict()` before any `consolidate_state_dict` is this
+rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises.
 """
 from __future__ import annotations
 
@@ -85,7 +88,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         # optimizer work in place and a checkpoint loaded into the model is what they see.
         self.flats = self.plan.bind(self.params)
         self._find_pieces()
-        inner = [{"params": self._pieces_of(g), **options_of(group)} for g, group in enumerate(groups)]
+        inner = [{"params": self._pieces_of(g), **options_of(given)} for g, given in enumerate(groups)]
         # A rank whose chunks are empty (more ranks than elements) has nothing to step.
         self.optimizer = make_optimizer(optimizer_class, inner, **defaults) if self.pieces else None
         template = (self.optimizer if self.optimizer is not None
