@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB
-from ..guard import NONFINITE, NonFiniteGuard
+from ..guard import NonFiniteGuard
 from ..replicate import copy_params_, replicate
 from ..schedule import ALGORITHMS
 from ..spmd.ddp import DistributedDataParallel
@@ -33,9 +33,8 @@ from ..support.trace import Trace
 from ..loss import count_correct, logits_of, summed_loss
 from ..train import StepResult, evaluate, train_batch
 from ..zero import ZeroRedundancyOptimizer
-from ..validate import (boolean, callable_or_none, check_devices, factory, iterable, learning_rate, mapping_or_none,
-                        nn_module, non_negative_number, one_of, path, positive_int, positive_number, timeout_seconds,
-                        trainable, xy_pair)
+from ..validate import check_devices, iterable, nn_module, trainable, xy_pair
+from .options import RunOptions, optimizer_factory
 from .agree import agree_all_saved, agree_all_succeed, agree_on_checkpoint, agree_on_run_id, agree_on_settings
 from .timeline import Timeline, merge_ranks
 
@@ -81,56 +80,47 @@ def train(
     options the loop cannot see (seed, batch size, data) to that identity.
     """
     trainable("net", nn_module("net", net))
+    opts = RunOptions.of(locals()).checked(ALGORITHMS)
     devices = check_devices(devices)
-    _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
-                     nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
-    path("trace", trace, none_ok=True)
-    if checkpoint_dir is not None:
-        check_checkpoint_dir(checkpoint_dir, resume)
-        check_layout(checkpoint_dir, per_rank=False)
-    identity = {"num_devices": len(devices), "device_type": devices[0].type, "num_epochs": num_epochs, "lr": lr,
-                "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb, "momentum": momentum,
-                "weight_decay": weight_decay, "nonfinite": nonfinite, "model": type(net).__name__,
-                "optimizer": optimizer_name(optimizer), "zero": zero or None, **(config or {})}
-    release = lock_checkpoint_dir(checkpoint_dir) if checkpoint_dir is not None else (lambda: None)
+    iterable("train_iter", train_iter)
+    iterable("test_iter", test_iter)
+    if opts.checkpoint_dir is not None:
+        check_checkpoint_dir(opts.checkpoint_dir, opts.resume)
+        check_layout(opts.checkpoint_dir, per_rank=False)
+    release = lock_checkpoint_dir(opts.checkpoint_dir) if opts.checkpoint_dir is not None else (lambda: None)
     try:
-        return _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
-                      weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log,
-                      optimizer, zero, trace)
+        return _train(net, train_iter, test_iter, devices, opts)
     finally:
         release()
 
 
-def _train(net, train_iter, test_iter, devices, num_epochs, lr, loss_fn, algorithm, bucket_cap_mb, momentum,
-           weight_decay, nonfinite, checkpoint_dir, checkpoint_every, resume, identity, progress, log,
-           optimizer, zero, trace) -> History:
-    if checkpoint_dir is not None:
-        remove_orphans(checkpoint_dir)
-
+def _train(net, train_iter, test_iter, devices, opts: RunOptions) -> History:
+    if opts.checkpoint_dir is not None:
+        remove_orphans(opts.checkpoint_dir)
     replicas = replicate(net, devices)
-    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
-    if zero:
-        sharded = ZeroRedundancyOptimizer(replicas, make, stage=zero, **kwargs)
+    make, kwargs = optimizer_factory(opts.optimizer, opts.lr, opts.momentum, opts.weight_decay)
+    if opts.zero:
+        sharded = ZeroRedundancyOptimizer(replicas, make, stage=opts.zero, **kwargs)
         optimizers, saved = sharded.per_device(), [sharded]  # a checkpoint holds every device's shard
     else:
         optimizers = saved = [make(r.parameters(), **kwargs) for r in replicas]
-    history = History(config={"devices": [str(d) for d in devices], "num_epochs": num_epochs, "lr": lr,
-                               "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb})
-    loop = TrainingState(train_iter, checkpoint_dir, identity)
-    if resume:
+    history = History(config=opts.history_config(devices=[str(d) for d in devices]))
+    identity = opts.identity(net, num_devices=len(devices), device_type=devices[0].type)
+    loop = TrainingState(train_iter, opts.checkpoint_dir, identity)
+    if opts.resume:
         state = loop.resume(replicas, saved, history)
-        if log:
-            log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
-                if state is not None else f"no checkpoint in {checkpoint_dir}: starting from the beginning")
+        if opts.log:
+            opts.log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
+                     if state is not None else f"no checkpoint in {opts.checkpoint_dir}: starting from the beginning")
     timeline = (Timeline(Trace(), replicas, [f"dev{i}" for i in range(len(devices))], optimizers, single_controller=True)
-                if trace is not None else None)
-    mode = SingleController(replicas, optimizers, devices, summed_loss(loss_fn), algorithm, bucket_cap_mb,
-                            nonfinite, test_iter, saved)
-    run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+                if opts.trace is not None else None)
+    mode = SingleController(replicas, optimizers, devices, summed_loss(opts.loss_fn), opts.algorithm,
+                            opts.bucket_cap_mb, opts.nonfinite, test_iter, saved)
+    run_epochs(mode, loop, history, opts.num_epochs, opts.checkpoint_every, opts.progress, opts.log)
     if timeline is not None:
         history.config["timeline"] = timeline.trace.summary(timeline.steps)
         history.trace = timeline.trace.to_dict()  # for a plot: `trace` may be a FIFO or stdout, never read back
-        timeline.trace.save(trace)
+        timeline.trace.save(opts.trace)
     copy_params_(net, replicas[0])
     return history
 
@@ -174,38 +164,36 @@ def train_spmd(
     the default, `"auto"`, is `"raise"` without ZeRO-2 and no check with it.
     """
     trainable("net", nn_module("net", net))
-    one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
     if nonfinite == "auto":  # the default: check wherever every rank holds the averaged gradients
         nonfinite = None if zero == 2 else "raise"
-    _check_loop_args(train_iter, test_iter, num_epochs, lr, "naive", bucket_cap_mb, momentum, weight_decay,
-                     nonfinite, checkpoint_dir, checkpoint_every, resume, config, log)
-    timeout = timeout_seconds("timeout", timeout)
+    opts = RunOptions.of(locals()).checked(ENGINE_ALGORITHMS)
+    iterable("train_iter", train_iter)
+    iterable("test_iter", test_iter)
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call manualdp.spmd.init_from_env() first")
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if checkpoint_dir is not None:
-        check_checkpoint_dir(checkpoint_dir, resume)  # also refuses a single-controller run's folder
-        check_checkpoint_dir(os.path.join(checkpoint_dir, f"rank{rank}"), resume)
-    device = torch.device(device) if device is not None else rank_device()
+    if opts.checkpoint_dir is not None:
+        check_checkpoint_dir(opts.checkpoint_dir, opts.resume)  # also refuses a single-controller run's folder
+        check_checkpoint_dir(os.path.join(opts.checkpoint_dir, f"rank{rank}"), opts.resume)
+    device = torch.device(opts.device) if opts.device is not None else rank_device()
+    return _train_spmd(net, train_iter, test_iter, opts, rank, world_size, device)
+
+
+def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_size: int, device) -> History | None:
+    algorithm, timeout, log, checkpoint_dir = opts.algorithm, opts.timeout, opts.log, opts.checkpoint_dir
 
     # rebuild_buckets=False: the single controller's buckets, so that the sums match it bit for bit
-    model = DistributedDataParallel(net.to(device), bucket_cap_mb=bucket_cap_mb, algorithm=algorithm, timeout=timeout,
-                                    rebuild_buckets=False)
-    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay, zero)
-    name = optimizer_name(optimizer)  # the one asked for: with ZeRO, the object built is the wrapper
-    if zero == 2 and nonfinite is not None:
-        raise ValueError(f"nonfinite={nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only shards: "
-                         "pass nonfinite=None or zero=1")
-    optimizer = (SpmdZero(net.parameters(), make, stage=zero, timeout=timeout, **kwargs) if zero
+    model = DistributedDataParallel(net.to(device), bucket_cap_mb=opts.bucket_cap_mb, algorithm=algorithm,
+                                    timeout=timeout, rebuild_buckets=False)
+    make, kwargs = optimizer_factory(opts.optimizer, opts.lr, opts.momentum, opts.weight_decay)
+    if opts.zero == 2 and opts.nonfinite is not None:
+        raise ValueError(f"nonfinite={opts.nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only "
+                         "shards: pass nonfinite=None or zero=1")
+    optimizer = (SpmdZero(net.parameters(), make, stage=opts.zero, timeout=timeout, **kwargs) if opts.zero
                  else make(net.parameters(), **kwargs))
-    history = History(config={"world_size": world_size, "backend": dist.get_backend(), "device": str(device),
-                               "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm,
-                               "bucket_cap_mb": bucket_cap_mb})
-    identity = {"world_size": world_size, "backend": dist.get_backend(), "device_type": device.type,
-                "num_epochs": num_epochs, "lr": lr, "algorithm": algorithm, "bucket_cap_mb": bucket_cap_mb,
-                "momentum": momentum, "weight_decay": weight_decay, "nonfinite": nonfinite,
-                "model": type(net).__name__, "optimizer": name, "zero": zero or None,
-                **(config or {})}
+    history = History(config=opts.history_config(world_size=world_size, backend=dist.get_backend(),
+                                                  device=str(device)))
+    identity = opts.identity(net, world_size=world_size, backend=dist.get_backend(), device_type=device.type)
     hyper = {f"{k} (group {i})": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
     agree_on_settings({**identity, **hyper}, device, algorithm, timeout)  # e.g. a learning rate that differs
     rank_dir = os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None
@@ -222,7 +210,7 @@ def train_spmd(
         agree_all_succeed(problem, device, algorithm, timeout)
         loop = TrainingState(train_iter, rank_dir, identity)
         loop.run_id = agree_on_run_id(loop.run_id, device, algorithm, timeout)
-        if resume:
+        if opts.resume:
             remove_orphans(rank_dir)
             state = agree_on_checkpoint(rank_dir, device, algorithm, timeout, fits=loop.fits(net), log=log,
                                         present=present)
@@ -234,22 +222,21 @@ def train_spmd(
                 if log and rank == 0:
                     log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']}) "
                         f"on {world_size} ranks")
-        path("trace", trace, none_ok=True)
         timeline = None
-        if trace is not None:
+        if opts.trace is not None:
             model.recorder = Trace(pid=rank)
             timeline = Timeline(model.recorder, [net], ["compute"], [optimizer], single_controller=False)
         sharded = getattr(train_iter, "batch_sampler", None)
         sharded = sharded if isinstance(sharded, ShardedBatchSampler) else None  # see manualdp.spmd.shard_loader
-        mode = OneRank(model, optimizer, summed_loss(loss_fn), nonfinite, device, algorithm, timeout, test_iter,
-                       sharded)
-        run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log)
+        mode = OneRank(model, optimizer, summed_loss(opts.loss_fn), opts.nonfinite, device, algorithm, timeout,
+                       test_iter, sharded)
+        run_epochs(mode, loop, history, opts.num_epochs, opts.checkpoint_every, opts.progress, log)
         if timeline is not None:
             timeline.close_backward()
             history.config["timeline"] = timeline.trace.summary(timeline.steps)  # this rank's
             merged = merge_ranks(timeline.trace)
             if merged is not None:
-                write_json_atomic(trace, merged)
+                write_json_atomic(opts.trace, merged)
                 history.trace = merged  # rank 0's, as in `train`
     finally:
         release()
@@ -412,26 +399,6 @@ class OneRank:
         agree_all_saved(error, loop.checkpoint_dir, self.device, self.algorithm, self.timeout)
 
 
-def _check_loop_args(train_iter, test_iter, num_epochs, lr, algorithm, bucket_cap_mb, momentum, weight_decay,
-                     nonfinite, checkpoint_dir, checkpoint_every, resume, config, log) -> None:
-    iterable("train_iter", train_iter)
-    iterable("test_iter", test_iter)
-    positive_int("num_epochs", num_epochs)
-    learning_rate("lr", lr)
-    one_of("algorithm", algorithm, ALGORITHMS)
-    positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
-    non_negative_number("momentum", momentum)
-    non_negative_number("weight_decay", weight_decay)
-    one_of("nonfinite", nonfinite, NONFINITE)
-    path("checkpoint_dir", checkpoint_dir, none_ok=True)
-    positive_int("checkpoint_every", checkpoint_every, none_ok=True)
-    boolean("resume", resume)
-    mapping_or_none("config", config)
-    if (checkpoint_every is not None or resume) and checkpoint_dir is None:
-        raise ValueError("checkpoint_every and resume need checkpoint_dir")
-    callable_or_none("log", log)
-
-
 def _len(iterable_) -> int | None:
     try:
         return len(iterable_)
@@ -444,25 +411,3 @@ def _progress(iterable_, enabled: bool, desc: str, total: int | None = None):
         return iterable_
     from tqdm.auto import tqdm
     return tqdm(iterable_, desc=desc, total=total, leave=False, dynamic_ncols=True)
-
-
-def optimizer_name(optimizer) -> str:
-    """The optimizer's name for a run's identity: the class (or a partial's function), default SGD."""
-    if optimizer is None:
-        return "SGD"
-    func = getattr(optimizer, "func", optimizer)  # functools.partial
-    return getattr(func, "__qualname__", None) or type(func).__name__
-
-
-def optimizer_factory(optimizer, lr: float, momentum: float, weight_decay: float, zero):
-    """The optimizer class or factory (default SGD) and its keyword arguments; checks `optimizer` and `zero`."""
-    one_of("zero", zero, (None, 0, 1, 2))
-    if optimizer is None:
-        return torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
-    factory("optimizer", optimizer)
-    kwargs = {"lr": lr}
-    if momentum:
-        kwargs["momentum"] = momentum
-    if weight_decay:
-        kwargs["weight_decay"] = weight_decay
-    return optimizer, kwargs
