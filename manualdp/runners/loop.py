@@ -396,7 +396,10 @@ class OneRank:
             loop.save([self.model.module], [self.optimizer], history, world_size=self.model.world_size)
         except OSError as e:  # a full disk: every rank names it, rather than losing this rank at the next step
             error = e
-        agree_all_saved(error, loop.checkpoint_dir, self.device, self.algorithm, self.timeout)
+        try:
+            agree_all_saved(error, loop.checkpoint_dir, self.device, self.algorithm, self.timeout)
+        except PeerError as e:  # a peer lost while the ranks compare their saves: say where training was
+            raise e.at(f"step {loop.global_step} (after its checkpoint)") from e.__cause__
 
 
 def _len(iterable_) -> int | None:
