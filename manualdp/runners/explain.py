@@ -20,8 +20,8 @@ from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_colle
 from ..spmd.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int
 
-__all__ = ["NAMES", "plot", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA", "DEFAULT_SIZE", "trace", "explain",
-           "explain_auto", "main"]
+__all__ = ["NAMES", "plot", "plot_schedule", "pictures", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA",
+           "DEFAULT_SIZE", "trace", "explain", "explain_auto", "main"]
 
 # Typical numbers for GPUs in one machine linked by PCIe 4.0 x16 (NCCL measures ~20-25 GB/s):
 DEFAULT_ALPHA = 5e-6         # seconds per message: a few microseconds of launch and link latency
@@ -219,20 +219,31 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
 
 def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
     """Draw `algorithm`'s rounds on `num_devices` as a PNG at `path`: one panel per round, one arrow per transfer."""
-    from ..support.plot_rounds import plot_rounds
-
     one_of("algorithm", algorithm, NAMES)
     positive_int("num_devices", num_devices)
     if num_devices > STATE_LIMIT:
         raise ValueError(f"the rounds are drawn with their chunk tables, for at most {STATE_LIMIT} devices, got {num_devices}")
     collective, name = NAMES[algorithm]
     schedule = get_collective(collective, name, num_devices, root)
+    return plot_schedule(schedule, path, f"{_title(algorithm, collective, name)} on {num_devices} devices")
+
+
+def plot_schedule(schedule: Schedule, path: str, title: str):
+    """Draw any `schedule` (one a student wrote, too) as a PNG at `path`: one panel per round."""
+    from ..support.plot_rounds import plot_rounds
+
+    cells, shares = pictures(schedule)
+    return plot_rounds(path, title, [list(r) for r in schedule.rounds], list(schedule.phases), cells, shares)
+
+
+def pictures(schedule: Schedule) -> tuple[list, list]:
+    """What a drawing shows after each round: `cells[r][dev][chunk]` ('a0+b0', 'sum0'), and `shares`, the
+    fraction of the devices whose values a cell holds (its colour)."""
+    n, k = schedule.num_devices, schedule.num_chunks
     states = trace(schedule)
-    n, k = num_devices, schedule.num_chunks
     cells = [[[_symbol(s[d][c], c, n) for c in range(k)] for d in range(n)] for s in states]
     shares = [[[len(set(s[d][c].elements())) / n for c in range(k)] for d in range(n)] for s in states]
-    return plot_rounds(path, f"{_title(algorithm, collective, name)} on {n} devices", [list(r) for r in schedule.rounds],
-                list(schedule.phases), cells, shares)
+    return cells, shares
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from matplotlib.figure import Figure
 
 from .files import atomic_write
 
-__all__ = ["plot_rounds"]
+__all__ = ["plot_rounds", "draw_panel"]
 
 ADD, COPY = "#c0392b", "#2c6fbb"  # arrow colours: the receiver adds / overwrites
 
@@ -32,32 +32,38 @@ def plot_rounds(path: str, title: str, rounds: list, phases: list[str], cells: l
     width, height = 0.9 * k + 1.0, 0.5 * n + 0.8
     fig = Figure(figsize=(columns * width, rows * height + 0.6), dpi=110)
     FigureCanvasAgg(fig)
-    cmap = colormaps["YlGn"]
     for p in range(panels):
         ax = fig.add_subplot(rows, columns, p + 1)
-        for d in range(n):
-            for c in range(k):
-                share = shares[p][d][c]
-                ax.add_patch(_cell(c, d, cmap(0.15 + 0.75 * share)))
-                text = cells[p][d][c]
-                ax.text(c, d, text if len(text) <= 9 else text[:8] + "…", ha="center", va="center",
-                        fontsize=7, color="white" if share > 0.7 else "black")
-        if p:
-            for i, (src, dst, chunk, reduce) in enumerate(rounds[p - 1]):
-                shift = 0.25 * (((src - dst) % n) / n - 0.5)  # arrows into one cell fan out instead of overlapping
-                ax.annotate("", xy=(chunk + shift, dst), xytext=(chunk + shift, src),
-                            arrowprops=dict(arrowstyle="-|>", color=ADD if reduce else COPY, lw=1.2,
-                                            connectionstyle="arc3,rad=0.25", shrinkA=6, shrinkB=6))
-        ax.set_xlim(-0.5, k - 0.5)
-        ax.set_ylim(n - 0.5, -0.5)
-        ax.set_xticks(range(k), [f"c{c}" for c in range(k)], fontsize=7)
-        ax.set_yticks(range(n), [f"dev{d}" for d in range(n)], fontsize=7)
-        ax.set_title("start" if p == 0 else f"round {p}: {phases[p - 1]}", fontsize=8)
+        draw_panel(ax, cells[p], shares[p], rounds[p - 1] if p else [],
+                   "start" if p == 0 else f"round {p}: {phases[p - 1]}")
     fig.suptitle(f"{title}   (red: add into the receiver, blue: overwrite; darker: more devices summed)", fontsize=9)
     fig.tight_layout()
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png")
     return fig
+
+
+def draw_panel(ax, cells: list, shares: list, transfers: list, title: str) -> None:
+    """One panel on `ax`: `cells[device][chunk]` coloured by `shares`, and an arrow per transfer into them."""
+    cmap = colormaps["YlGn"]
+    n, k = len(cells), len(cells[0])
+    for d in range(n):
+        for c in range(k):
+            share = shares[d][c]
+            ax.add_patch(_cell(c, d, cmap(0.15 + 0.75 * share)))
+            text = cells[d][c]
+            ax.text(c, d, text if len(text) <= 9 else text[:8] + "…", ha="center", va="center",
+                    fontsize=7, color="white" if share > 0.7 else "black")
+    for src, dst, chunk, reduce in transfers:
+        shift = 0.25 * (((src - dst) % n) / n - 0.5)  # arrows into one cell fan out instead of overlapping
+        ax.annotate("", xy=(chunk + shift, dst), xytext=(chunk + shift, src),
+                    arrowprops=dict(arrowstyle="-|>", color=ADD if reduce else COPY, lw=1.2,
+                                    connectionstyle="arc3,rad=0.25", shrinkA=6, shrinkB=6))
+    ax.set_xlim(-0.5, k - 0.5)
+    ax.set_ylim(n - 0.5, -0.5)
+    ax.set_xticks(range(k), [f"c{c}" for c in range(k)], fontsize=7)
+    ax.set_yticks(range(n), [f"dev{d}" for d in range(n)], fontsize=7)
+    ax.set_title(title, fontsize=8)
 
 
 def _cell(x: float, y: float, colour):
