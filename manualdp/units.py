@@ -22,10 +22,12 @@ import torch
 from torch import nn
 
 from .collectives import all_gather, shard
+from .cost import traffic
 from .lockstep import LockStep
+from .schedule import get_collective
 from .shards import ShardPlan
 
-__all__ = ["Collective", "Units", "choose_units"]
+__all__ = ["Collective", "Units", "choose_units", "traffic_of"]
 
 
 def choose_units(module: nn.Module, units=None) -> list[tuple[str, list[nn.Parameter]]]:
@@ -179,3 +181,12 @@ class Units:
                        *(f for fs in self.held[i].values() for f in fs)]
             out.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
         return out
+
+
+def traffic_of(collectives: list[Collective], num_devices: int, algorithm: str = "ring") -> dict[str, list[int]]:
+    """Bytes each device sends and receives in `collectives`, from their schedules (`manualdp.cost.traffic`)."""
+    total = {"sent": [0] * num_devices, "received": [0] * num_devices}
+    for c in collectives:
+        t = traffic(get_collective(c.kind, algorithm, num_devices), c.numel * c.element_size, c.element_size)
+        total = {k: [a + b for a, b in zip(v, t[k])] for k, v in total.items()}
+    return total

@@ -28,32 +28,24 @@ tied weight). Between steps the parameters read NaN: the values are in the shard
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
 from .collectives import reduce_scatter, shard
-from .cost import traffic
 from .lockstep import check_own_gpus
 from .loss import correct_tensor, logits_of, summed_loss
 from .replicate import broadcast_buffers
-from .schedule import COLLECTIVES, get_collective
+from .schedule import COLLECTIVES
 from .shards import ShardPlan
 from .split import split_batch
 from .train import StepResult
-from .units import Collective, Units, choose_units
+from .units import Collective, Units, choose_units, traffic_of
 from .validate import factory, one_of, trainable
 from .zero import make_optimizer, state_bytes
 
 __all__ = ["Zero3", "traffic_of"]
-
-
-def traffic_of(collectives: list[Collective], num_devices: int, algorithm: str = "ring") -> dict[str, list[int]]:
-    """Bytes each device sends and receives in `collectives`, from their schedules (`manualdp.cost.traffic`)."""
-    total = {"sent": [0] * num_devices, "received": [0] * num_devices}
-    for c in collectives:
-        t = traffic(get_collective(c.kind, algorithm, num_devices), c.numel * c.element_size, c.element_size)
-        total = {k: [a + b for a, b in zip(v, t[k])] for k, v in total.items()}
-    return total
 
 
 class Zero3:
@@ -175,6 +167,25 @@ class Zero3:
     def state_bytes(self) -> list[int]:
         """Optimizer-state bytes on each device."""
         return [state_bytes(opt) for opt in self.optimizers]
+
+    def state_dict(self) -> dict:
+        """Every device's shards and optimizer state: what a checkpoint holds (`load_state_dict` takes it back)."""
+        return {"shards": [[[t.clone() for t in unit] for unit in device] for device in self.shards],
+                "optimizers": [opt.state_dict() if opt is not None else None for opt in self.optimizers]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Put back what `state_dict` gave; a state of other shapes or devices is refused, changing nothing."""
+        shapes = lambda shards: [[[tuple(t.shape) for t in unit] for unit in device] for device in shards]
+        if not isinstance(state, dict) or shapes(state.get("shards", [])) != shapes(self.shards):
+            raise ValueError("state does not hold this model's shards on this many devices")
+        for mine, saved in zip(self.shards, state["shards"]):
+            for unit, saved_unit in zip(mine, saved):
+                for t, v in zip(unit, saved_unit):
+                    t.copy_(v)  # in place: the optimizers' pieces are views of the shards
+        for opt, saved in zip(self.optimizers, state["optimizers"]):
+            if opt is not None:
+                opt.load_state_dict(copy.deepcopy(saved))
 
     @torch.no_grad()
     def full_parameters(self) -> list[torch.Tensor]:

@@ -165,8 +165,12 @@ def test_cli_trains_with_zero_and_adam_and_refuses_a_bad_stage():
     good = run("--zero", "2", "--optimizer", "adam")
     assert good.returncode == 0, good.stderr
     assert "sec/epoch on 2 simulated CPU devices" in good.stdout
-    bad = run("--zero", "3")
+    bad = run("--zero", "4")
     assert bad.returncode == 2 and "--zero" in bad.stderr
+    three = run("--zero", "3", "--optimizer", "adam")
+    assert three.returncode == 0 and "on 2 simulated CPU devices" in three.stdout, three.stderr
+    traced = run("--zero", "3", "--trace", "t.json")
+    assert traced.returncode == 2 and "--zero 3" in traced.stderr and "--trace" in traced.stderr
 
 
 # --- what a new user tries: resume, unused parameters, NaN, groups, schedulers, dtypes, uneven shards ---
@@ -352,3 +356,35 @@ def test_load_state_dict_refuses_another_devices_shard_and_changes_nothing():
     assert all(torch.equal(a[k], b[k]) for a, b in zip(before, after) for k in a)
     with pytest.raises(ValueError, match="devices"):
         zero.load_state_dict(dict(state, num_devices=2))
+
+
+# --- ZeRO-3 in the training loop (manualdp.zero3 under `train`) ---
+
+def test_train_with_zero_3_equals_train_without_and_resumes_exactly(tmp_path):
+    from manualdp import train
+    kw = dict(optimizer=torch.optim.Adam, progress=False, log=None)
+    nets = {}
+    for zero in (None, 3):
+        nets[zero] = _uneven_net()
+        train(nets[zero], *_resume_loaders(), cpu_devices(3), 2, 1e-2, zero=zero,
+              nonfinite=None if zero == 3 else "raise", **kw)
+    torch.testing.assert_close(_flat(nets[3]), _flat(nets[None]), rtol=0, atol=1e-10)
+    assert not torch.equal(_flat(nets[3]), _flat(_uneven_net()))
+    ckpt = str(tmp_path / "ckpt")
+    with pytest.raises(_Stop):  # 4 steps an epoch: stop in step 7, after the checkpoint of step 6
+        train(_uneven_net(), *_resume_loaders(), cpu_devices(3), 2, 1e-2, zero=3, nonfinite=None, checkpoint_dir=ckpt,
+              checkpoint_every=3, loss_fn=_StopAt(7), **kw)
+    resumed = _uneven_net()
+    train(resumed, *_resume_loaders(), cpu_devices(3), 2, 1e-2, zero=3, nonfinite=None, checkpoint_dir=ckpt,
+          checkpoint_every=3, resume=True, **kw)
+    assert torch.equal(_flat(resumed), _flat(nets[3])), "a resumed ZeRO-3 run differs from an uninterrupted one"
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(nonfinite="raise"), "nonfinite"), (dict(trace="t.json"), "trace")])
+def test_train_with_zero_3_refuses_what_it_lacks_by_name(tmp_path, kwargs, match):
+    from manualdp import train
+    net = _net()
+    with pytest.raises(ValueError, match=match):
+        train(net, *_loaders(), cpu_devices(2), 1, 0.1, zero=3, progress=False, log=None,
+              **{"nonfinite": None, **kwargs})
+    assert torch.equal(_flat(net), _flat(_net()))

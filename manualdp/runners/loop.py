@@ -33,6 +33,7 @@ from ..support.trace import Trace
 from ..loss import count_correct, logits_of, summed_loss
 from ..train import StepResult, evaluate, train_batch
 from ..zero import ZeroRedundancyOptimizer
+from ..zero3 import Zero3
 from ..validate import check_devices, iterable, nn_module, trainable, xy_pair
 from .options import RunOptions, optimizer_factory
 from .agree import agree_all_saved, agree_all_succeed, agree_on_checkpoint, agree_on_run_id, agree_on_settings
@@ -68,7 +69,8 @@ def train(
     """Train `net` on `devices` with SGD; afterwards `net` holds the trained parameters.
 
     `optimizer` (a torch.optim class or factory, default SGD) is built with `lr`, and with
-    `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`).
+    `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`),
+    `zero=3` the parameters too (`manualdp.zero3`; with `nonfinite=None`, no `trace`).
     `trace=PATH` writes a Chrome trace (Perfetto) of every step, one track per device, and
     puts its summary (overlap, exposed communication) in `history.config["timeline"]` and its
     events in `history.trace` (in memory only, for `manualdp.support.trace.plot_trace`).
@@ -99,6 +101,8 @@ def _train(net, train_iter, test_iter, devices, opts: RunOptions) -> History:
         remove_orphans(opts.checkpoint_dir)
     replicas = replicate(net, devices)
     make, kwargs = optimizer_factory(opts.optimizer, opts.lr, opts.momentum, opts.weight_decay)
+    if opts.zero == 3:
+        return _train_zero3(net, replicas, make, kwargs, train_iter, test_iter, devices, opts)
     if opts.zero:
         sharded = ZeroRedundancyOptimizer(replicas, make, stage=opts.zero, **kwargs)
         optimizers, saved = sharded.per_device(), [sharded]  # a checkpoint holds every device's shard
@@ -122,6 +126,28 @@ def _train(net, train_iter, test_iter, devices, opts: RunOptions) -> History:
         history.trace = timeline.trace.to_dict()  # for a plot: `trace` may be a FIFO or stdout, never read back
         timeline.trace.save(opts.trace)
     copy_params_(net, replicas[0])
+    return history
+
+
+def _train_zero3(net, replicas, make, kwargs, train_iter, test_iter, devices, opts: RunOptions) -> History:
+    """`_train` for ZeRO-3: the step is `Zero3.train_batch`; `net` is the whole model, put together from the shards
+    to evaluate and to checkpoint, and a checkpoint's optimizer state is every device's shards."""
+    for name, value, refusal in (("nonfinite", opts.nonfinite, None), ("trace", opts.trace, None)):
+        if value != refusal:
+            raise ValueError(f"{name}={value!r} is not supported with zero=3 (ZeRO-3's step has no guard and no "
+                             f"timeline yet): pass {name}=None, or zero=1 or 2")
+    sharded = Zero3(replicas, make, **kwargs)
+    history = History(config=opts.history_config(devices=[str(d) for d in devices]))
+    loop = TrainingState(train_iter, opts.checkpoint_dir, opts.identity(net, num_devices=len(devices),
+                                                                        device_type=devices[0].type))
+    if opts.resume:
+        state = loop.resume([net], [sharded], history)
+        if opts.log:
+            opts.log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
+                     if state is not None else f"no checkpoint in {opts.checkpoint_dir}: starting from the beginning")
+    mode = FullySharded(sharded, net, devices, summed_loss(opts.loss_fn), test_iter)
+    run_epochs(mode, loop, history, opts.num_epochs, opts.checkpoint_every, opts.progress, opts.log)
+    mode.gather()
     return history
 
 
@@ -169,6 +195,9 @@ def train_spmd(
     opts = RunOptions.of(locals()).checked(ENGINE_ALGORITHMS)
     iterable("train_iter", train_iter)
     iterable("test_iter", test_iter)
+    if opts.zero == 3:
+        raise ValueError("zero=3 is not available under torchrun yet: pass zero=1 or 2 (the single controller, "
+                         "train, has ZeRO-3)")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call manualdp.spmd.init_from_env() first")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -328,6 +357,33 @@ class SingleController:
 
     def save(self, loop, history) -> None:
         loop.save(self.replicas, self.saved, history)
+
+
+class FullySharded(SingleController):
+    """How `run_epochs` trains with ZeRO-3 (`manualdp.zero3`): the replicas hold shards, `net` the whole model."""
+
+    def __init__(self, sharded: Zero3, net: nn.Module, devices, loss_fn, test_iter):
+        super().__init__(sharded.replicas, [], devices, loss_fn, "ring", None, None, test_iter, [sharded])
+        self.sharded, self.net = sharded, net
+
+    def step(self, X, y, n: int, step: int) -> StepResult:
+        return self.sharded.train_batch(X, y, self.loss_fn)
+
+    @torch.no_grad()
+    def gather(self) -> None:
+        """Put the whole model together in `net` (its parameters, and replica 0's buffers)."""
+        for p, full in zip(self.net.parameters(), self.sharded.full_parameters()):
+            p.copy_(full)
+        for b, mine in zip(self.net.buffers(), self.replicas[0].buffers()):
+            b.copy_(mine)
+
+    def evaluate(self) -> float:
+        self.gather()
+        return evaluate(self.net, self.test_iter)
+
+    def save(self, loop, history) -> None:
+        self.gather()
+        loop.save([self.net], self.saved, history)
 
 
 class OneRank:

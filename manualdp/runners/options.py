@@ -61,7 +61,7 @@ class RunOptions:
         if (self.checkpoint_every is not None or self.resume) and self.checkpoint_dir is None:
             raise ValueError("checkpoint_every and resume need checkpoint_dir")
         callable_or_none("log", self.log)
-        one_of("zero", self.zero, (None, 0, 1, 2))
+        one_of("zero", self.zero, (None, 0, 1, 2, 3))
         if self.optimizer is not None:
             factory("optimizer", self.optimizer)
         path("trace", self.trace, none_ok=True)
@@ -90,7 +90,7 @@ def optimizer_name(optimizer) -> str:
 
 def optimizer_factory(optimizer, lr: float, momentum: float, weight_decay: float, zero=None):
     """The optimizer class or factory (default SGD) and its keyword arguments; checks `optimizer` and `zero`."""
-    one_of("zero", zero, (None, 0, 1, 2))
+    one_of("zero", zero, (None, 0, 1, 2, 3))
     if optimizer is None:
         return torch.optim.SGD, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay}
     factory("optimizer", optimizer)
