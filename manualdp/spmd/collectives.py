@@ -27,11 +27,12 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
     silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
 
-    `check` (default True): first compare the calls (`check_same_call`), one small naive
-    allreduce, so that ranks called differently all raise instead of pairing wrong messages.
-    It costs about as much as a small allreduce itself; pass False only where the calls are
-    known to match, as `DistributedDataParallel` does for its buckets after checking each
-    step once (every rank's buckets were compared at construction).
+    `check` (default True): first compare the calls (`check_same_call`): every rank's
+    fingerprint (size, dtype, algorithm, segment size, call number) goes to every rank in
+    fixed-size messages, at two ranks one each way at once, so that ranks called differently
+    all raise instead of pairing wrong messages. Pass False only where the calls are known to
+    match, as `DistributedDataParallel` does for its buckets after checking each step once
+    (every rank's buckets were compared at construction).
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -41,13 +42,15 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     timeout = timeout_seconds("timeout", timeout)
     boolean("check", check)
     rank, peers = group_ranks(group)
-    if len(peers) == 1 or tensor.numel() == 0:
+    if len(peers) == 1:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
+    if check:  # first: "auto" may measure the link, a collective that every rank must reach
+        check_same_call(tensor, algorithm, segment_bytes, group, timeout)
+    if tensor.numel() == 0:
+        return
     algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout,
                         segment_bytes)  # "auto": the cost model's pick
-    if check:
-        check_same_call(tensor, algorithm, segment_bytes, group, timeout)
     run_allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
                timeout=timeout)
 

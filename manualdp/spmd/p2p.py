@@ -23,12 +23,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
+from ..schedule import ALGORITHMS, Schedule, Transfer, chunk_bounds, get_schedule
 from ..validate import int_between, non_negative_int, positive_int
 from .peers import PeerError, group_ranks, peer_error, talking_to, wait
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "run_allreduce", "run_schedule", "check_same_call"]
+           "may_post_early", "run_allreduce", "run_schedule", "check_same_call", "everyone_hears_everyone"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20  # messages are cut into segments of 1 MiB: the receiver adds one while the next arrives
 
@@ -248,39 +248,62 @@ def _run_grouped(flat: torch.Tensor, rounds: tuple[Round, ...], peers: list[int]
     _keep_until_next_call(spent)
 
 
-_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes")
+_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call")  # a call's fingerprint
 _DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-                  torch.int32, torch.int64), key=str)
+                  torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64), key=str)
+_NAMES = sorted((*ALGORITHMS, "auto"))
+_CALLS: dict = {}  # process group -> checked calls made on it so far: the fingerprint's counter
+
+
+@functools.lru_cache(maxsize=64)
+def everyone_hears_everyone(n: int) -> Schedule:
+    """Each device's own chunk sent on to every device (an all-gather) in ceil(log2 n) rounds.
+
+    Dissemination: before a round every device holds its own chunk and the `known - 1` chunks
+    below it (mod n); it passes them to the device `known` places up, which then holds twice as
+    many. Every round, every device sends one message and receives one, of fixed size.
+    """
+    rounds, known = [], 1
+    while known < n:
+        new = min(known, n - known)  # chunks the receiver does not hold yet
+        rounds.append(tuple(Transfer(r, (r + known) % n, (r - j) % n, False) for r in range(n) for j in reversed(range(new))))
+        known += new
+    return Schedule("dissemination", n, n, tuple(rounds), ("all-gather",) * len(rounds))
 
 
 def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
                     numel: int | None = None) -> None:
-    """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm and segment size.
+    """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm, segment size, call number.
 
     `numel` (default `tensor.numel()`): the size to compare, for a caller that checks a whole
-    sequence of calls at once (`DistributedDataParallel`: all of a step's buckets).
+    sequence of calls at once (`DistributedDataParallel`: all of a step's buckets). The call
+    number counts this group's checked calls: a rank that is a call ahead, or that lost one to
+    an error the others did not see, is found even when the sizes happen to agree.
 
-    Every rank writes its row of a small table of fixed shape, and one allreduce of it,
-    before any data moves, shows every rank's call to every rank. That allreduce is the
-    naive one: two rounds of one-way messages. A ring at two ranks is two rounds in which
-    both ranks send to each other at once, and gloo pays about twice a one-way message's
-    latency for such an exchange (bench/faults.py --check-cost measures the difference). Mismatched calls would
-    otherwise pair wrong messages, which gloo answers with an abort and the schedules with a
-    wrong sum. It goes through the same sends and receives as the data, so a dead or silent
-    peer is named as before.
+    Every rank's fingerprint, one row of a small table of fixed shape, goes to every rank
+    (`everyone_hears_everyone`: at two ranks, one message each way at once) before any data
+    moves. Only the payload's size depends on the call, so it cannot ride in the same
+    messages: a receive posted for another size than its send makes gloo abort, and a send
+    that its receiver refuses stays queued and meets the next call's receive. Messages of
+    fixed size pair safely whatever the calls; then every rank compares the same table and
+    raises, or not, alike. It goes through the same sends and receives as the data, so a
+    dead or silent peer is named as before.
     """
     rank, peers = group_ranks(group)
+    key = group if group is not None else dist.group.WORLD
+    _CALLS[key] = call = _CALLS.get(key, 0) + 1
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    table = torch.zeros(len(peers), len(_FIELDS), dtype=torch.int64, device=tensor.device)
-    size = tensor.numel() if numel is None else numel
-    table[rank] = torch.tensor([size, dtype, sorted(ALGORITHMS).index(algorithm), segment_bytes])
-    run_allreduce(table, "naive", group, rank, peers, DEFAULT_SEGMENT_BYTES, early=dist.get_backend(group) == "gloo",
-               timeout=timeout)
+    mine = [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes, call]
+    table = torch.tensor([mine if i == rank else [0] * len(_FIELDS) for i in range(len(peers))], dtype=torch.int64,
+                         device=tensor.device)
+    rounds = plan(everyone_hears_everyone(len(peers)), rank, table.numel(), table.numel())  # no segments, no scratch
+    run = _run_early if dist.get_backend(group) == "gloo" else _run_grouped
+    run(table.view(-1), rounds, peers, group, (table[:0], table[:0]), timeout)
     rows = table.tolist()
     if all(row == rows[0] for row in rows):
         return
     names = {"dtype": lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
-             "algorithm": lambda v: sorted(ALGORITHMS)[v]}
+             "algorithm": lambda v: _NAMES[v]}
     differ = []
     for i, field in enumerate(_FIELDS):
         values = [names.get(field, str)(row[i]) for row in rows]

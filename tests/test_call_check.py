@@ -1,0 +1,79 @@
+"""allreduce's call check: ranks that call differently all raise, naming who had what; nothing aborts."""
+import pytest
+import torch
+
+from manualdp.allreduce import run_schedule
+from manualdp.cost import check_schedule
+from manualdp.spmd import launch
+from manualdp.spmd.p2p import everyone_hears_everyone, plan
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_every_device_hears_every_device_in_log2_rounds_of_one_message(n):
+    schedule = everyone_hears_everyone(n)
+    check_schedule(schedule)
+    assert len(schedule.rounds) == (n - 1).bit_length()
+    rows = [torch.full((n,), -1.0) for _ in range(n)]
+    for i, row in enumerate(rows):
+        row[i] = i
+    run_schedule(schedule, rows)
+    assert all(row.tolist() == list(range(n)) for row in rows)
+    for rank in range(n):  # one peer to send to and one to hear from per round (a wrap-around splits a message)
+        for rnd in plan(schedule, rank, n, n):
+            assert len({m.peer for m in rnd.sends}) == len({m.peer for m in rnd.recvs}) == 1
+
+
+def _mismatches(differs: int):
+    """Group rank `differs` calls allreduce otherwise, one way per case; then a call that agrees."""
+    from manualdp.spmd import p2p
+    from manualdp.spmd.collectives import allreduce
+    rank = torch.distributed.get_rank()
+    odd = rank == differs
+    cases = {  # name -> (tensor, algorithm, segment_bytes)
+        "size": (torch.ones(9 if odd else 6), "ring", 1 << 20),
+        "empty": (torch.ones(0 if odd else 6), "ring", 1 << 20),
+        "dtype": (torch.ones(6, dtype=torch.float64 if odd else torch.float32), "ring", 1 << 20),
+        "algorithm": (torch.ones(6), "tree" if odd else "ring", 1 << 20),
+        "auto": (torch.ones(6), "naive" if odd else "auto", 1 << 20),
+        "segment": (torch.ones(6), "ring", 8 if odd else 1 << 20),
+        "call": (torch.ones(6), "ring", 1 << 20),
+    }
+    out = {}
+    for name, (t, algorithm, segment_bytes) in cases.items():
+        if name == "call" and odd:  # as if this rank had made one checked call more than the others
+            key = torch.distributed.group.WORLD
+            p2p._CALLS[key] += 1
+        before = t.clone()
+        try:
+            allreduce(t, algorithm, segment_bytes=segment_bytes, timeout=20)
+            out[name] = None
+        except ValueError as e:
+            out[name] = str(e)
+        out[name + " unchanged"] = torch.equal(t, before)
+    if odd:
+        p2p._CALLS[torch.distributed.group.WORLD] -= 1  # back in step: the next call agrees
+    t = torch.arange(10.0) * (rank + 1)
+    allreduce(t, timeout=20)
+    out["sum"] = t.tolist()
+    return out
+
+
+@pytest.mark.parametrize("world_size, differs", [(2, 1), (3, 2)])
+def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_size, differs):
+    results = launch(_mismatches, world_size, (differs,), timeout=90)  # a rank that aborted fails launch
+    ours, theirs = {"size": "6", "empty": "6", "dtype": "float32", "algorithm": "ring", "auto": "auto",
+                    "segment": "1048576"}, {"size": "9", "empty": "0", "dtype": "float64", "algorithm": "tree",
+                                            "auto": "naive", "segment": "8"}
+    field = {"size": "elements", "empty": "elements", "dtype": "dtype", "algorithm": "algorithm", "auto": "algorithm",
+             "segment": "segment_bytes"}
+    for rank, out in enumerate(results):
+        for name in field:
+            per_rank = ", ".join(theirs[name] if r == differs else ours[name] for r in range(world_size))
+            assert out[name] is not None, (rank, name)  # every rank raised, also one that agrees with its peers
+            assert f"rank {rank}: allreduce called differently across ranks: {field[name]} " in out[name], out[name]
+            assert f"(per rank: {per_rank})" in out[name], (rank, out[name])
+            assert out[name + " unchanged"], (rank, name)
+        calls = out["call"]
+        assert calls is not None and "call " in calls and "elements" not in calls, (rank, calls)
+        assert out["call unchanged"]
+        assert out["sum"] == [i * sum(range(1, world_size + 1)) for i in range(10)]
