@@ -1,4 +1,6 @@
 """The single-controller allreduce: every device ends with the sum, bitwise identical; bad input is refused."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -8,64 +10,18 @@ from hypothesis import strategies as st
 from manualdp.allreduce import allreduce
 from manualdp.schedule import ALGORITHMS
 from manualdp.allreduce import run_schedule
+from manualdp.runners.properties import STRATEGIES, allreduce_property, make_tensors
 from manualdp.schedule import ring
 
 ALGS = sorted(ALGORITHMS)
-INT_DTYPES = [torch.int8, torch.uint8, torch.int32, torch.int64]
-FLOAT_DTYPES = [torch.float32, torch.float64]
-
-
-def make_tensors(n, shape, dtype, seed):
-    """`n` independent tensors with small values, so that integer sums do not overflow."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return [torch.randn(shape, generator=g, dtype=dtype) for _ in range(n)]
-    return [torch.randint(0, 10, shape, generator=g).to(dtype) for _ in range(n)]
-
-
-def allreduce_and_check(fn, tensors, algorithm):
-    """Call `fn` the way training does (a fresh list of the caller's tensors); then check the caller's tensors.
-
-    The check reads the tensor objects the caller holds, never the list passed in: an
-    allreduce that rebinds `data[i] = ...` puts the sum in that list but not in the caller's tensors.
-    """
-    expected = torch.stack(tensors).sum(0).to(tensors[0].dtype)
-    held = list(tensors)
-    fn(list(tensors), algorithm)
-    for i, t in enumerate(held):
-        if t.dtype.is_floating_point:
-            torch.testing.assert_close(t, expected, msg=lambda m, i=i: f"device {i}: {m}")
-        else:
-            assert torch.equal(t, expected), f"device {i} does not hold the sum"
-        assert torch.equal(t, held[0]), f"device {i} is not bitwise identical to device 0"
 
 
 @settings(deadline=None, max_examples=80)
-@given(
-    algorithm=st.sampled_from(ALGS),
-    n=st.integers(1, 8),
-    numel=st.one_of(st.integers(0, 20), st.integers(0, 10**5)),
-    dtype=st.sampled_from(FLOAT_DTYPES + INT_DTYPES),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_every_device_holds_the_sum(algorithm, n, numel, dtype, seed):
-    allreduce_and_check(allreduce, make_tensors(n, (numel,), dtype, seed), algorithm)
-
-
-@settings(deadline=None, max_examples=30)
-@given(
-    algorithm=st.sampled_from(ALGS),
-    n=st.integers(1, 8),
-    shape=st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple),
-    dtype=st.sampled_from(FLOAT_DTYPES + INT_DTYPES),
-    transpose=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_any_shape_and_non_contiguous_tensors(algorithm, n, shape, dtype, transpose, seed):
-    tensors = make_tensors(n, shape, dtype, seed)
-    if transpose and len(shape) >= 2:
-        tensors = [t.transpose(0, 1) for t in tensors]  # views: the sum must reach the viewed storage
-    allreduce_and_check(allreduce, tensors, algorithm)
+@given(algorithm=st.sampled_from(ALGS), **STRATEGIES["allreduce"])
+def test_every_device_holds_the_sum(algorithm, n, shape, dtype, seed, transpose):
+    # The property `manualdp check allreduce` grades a student's allreduce with: every tensor the
+    # caller holds ends with the sum, bitwise identical; any shape, non-contiguous views too.
+    allreduce_property(functools.partial(allreduce, algorithm=algorithm), n, shape, dtype, seed, transpose)
 
 
 def test_sum_order_does_not_break_bitwise_identity():
@@ -76,7 +32,7 @@ def test_sum_order_does_not_break_bitwise_identity():
         assert all(torch.equal(t, tensors[0]) for t in tensors)
 
 
-def rebinding_naive(data, algorithm="naive"):
+def rebinding_naive(data):
     """The classic bug: sums into device 0, then rebinds the list slots instead of writing in place."""
     for i in range(1, len(data)):
         data[0].add_(data[i])
@@ -85,15 +41,15 @@ def rebinding_naive(data, algorithm="naive"):
 
 
 def test_the_check_catches_the_rebinding_bug():
-    with pytest.raises(AssertionError, match="device 1"):
-        allreduce_and_check(rebinding_naive, make_tensors(4, (10,), torch.float32, 0), "naive")
+    with pytest.raises(AssertionError, match=r"device 1 holds .*new tensor into the list"):
+        allreduce_property(rebinding_naive, 4, (10,), torch.float32, 0)
     # The buggy variant does fill the list it was given: only a check of the caller's tensors sees the bug.
     data = make_tensors(4, (10,), torch.float32, 0)
     expected = torch.stack(data).sum(0)
     rebinding_naive(data)
     assert all(torch.equal(t, expected) for t in data)
     for algorithm in ALGS:
-        allreduce_and_check(allreduce, make_tensors(4, (10,), torch.float32, 0), algorithm)
+        allreduce_property(functools.partial(allreduce, algorithm=algorithm), 4, (10,), torch.float32, 0)
 
 
 def test_parameters_gradients_are_reduced_in_place():

@@ -7,71 +7,33 @@ several buckets. The assertions run here, in the parent.
 import functools
 
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from manualdp.spmd import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP, launch, shard
+from manualdp.runners.properties import Twice, ddp_mismatch, train_steps
+from manualdp.spmd import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP, launch
 
 STEPS = 3
 RUNGS = {"naive": NaiveDDP, "flat": FlatDDP, "overlapped": OverlappedDDP,
          "bucketed": functools.partial(BucketedDDP, bucket_cap_mb=0.0005)}  # 512 B: several buckets
 
 
-class Twice(nn.Module):
-    """`shared` is applied twice, `frozen` takes no gradient."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp, self.shared, self.frozen, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
-        self.frozen.requires_grad_(False)
-
-    def forward(self, x):
-        h = torch.tanh(self.shared(torch.tanh(self.shared(torch.tanh(self.inp(x))))))
-        return self.out(self.frozen(h))
-
-
-def _batches(batch=13):
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randn(batch, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
-            for _ in range(STEPS)]
-
-
-def _flat(tensors):
-    return torch.cat([t.detach().reshape(-1).clone() for t in tensors])
-
-
 def _job():
-    rank, n = dist.get_rank(), dist.get_world_size()
-    if rank == 1:
-        torch.manual_seed(1)  # rank 1 starts from other weights: the wrappers must copy rank 0's
-    models = {name: make(Twice().double()) for name, make in RUNGS.items()}
-    models["torch"] = TorchDDP(Twice().double())
-    opts = {k: torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-            for k, m in models.items()}
+    rank = dist.get_rank()
+    # every rank builds other weights: the wrappers must copy rank 0's, as torch's DDP does
+    nets = {name: Twice(seed=rank).double() for name in [*RUNGS, "torch"]}
+    models = {name: (make(nets[name]), nets[name]) for name, make in RUNGS.items()}
+    models["torch"] = (TorchDDP(nets["torch"]), nets["torch"])
     events = {k: [] for k in RUNGS}
     for k in ("overlapped", "bucketed"):  # when does each allreduce start: during backward, or after?
-        m = models[k]
+        m = models[k][0]
         start = m.start_bucket if k == "bucketed" else m.start
         wrapped = (lambda start, log: lambda *a: (log.append("send"), start(*a))[1])(start, events[k])
         setattr(m, "start_bucket" if k == "bucketed" else "start", wrapped)
         end = m._end_of_backward
         m._end_of_backward = (lambda end, log: lambda: (log.append("end"), end())[1])(end, events[k])
-    steps = []
-    for X, y in _batches():
-        Xs, ys = shard(X, y, rank, n)
-        grads, params = {}, {}
-        for k, m in models.items():
-            opts[k].zero_grad()
-            (nn.functional.cross_entropy(m(Xs), ys, reduction="sum") / len(X) * n).backward()
-            grads[k] = _flat(p.grad for p in m.parameters() if p.requires_grad)
-            opts[k].step()
-            params[k] = _flat(m.parameters())
-        steps.append({"grads": grads, "params": params})
-    return {"steps": steps, "events": events,
-            "buckets": len(models["bucketed"].buckets)}
+    return {"results": train_steps(models, STEPS), "events": events, "buckets": len(models["bucketed"][0].buckets)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -82,15 +44,17 @@ def _results(n):
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("rung", sorted(RUNGS))
 def test_rung_equals_torch_ddp_after_every_step(n, rung):
-    results = _results(n)
-    for step in range(STEPS):
-        for r in range(n):
-            got = results[r]["steps"][step]
-            torch.testing.assert_close(got["grads"][rung], got["grads"]["torch"], rtol=0, atol=1e-12,
-                                       msg=f"rank {r} step {step}: averaged gradients when backward returned")
-            torch.testing.assert_close(got["params"][rung], got["params"]["torch"], rtol=0, atol=1e-12,
-                                       msg=f"rank {r} step {step}: parameters")
-            assert torch.equal(got["params"][rung], results[0]["steps"][step]["params"][rung]), "ranks differ"
+    # The comparison `manualdp check ddp` grades a student's rung with: after construction, and at
+    # every step the gradients when backward returned and the parameters after; ranks bitwise equal.
+    ddp_mismatch([r["results"] for r in _results(n)], rung)
+
+
+def test_the_comparison_sees_a_rank_that_kept_its_own_weights():
+    results = [{k: {"start": dict(v["start"]), "steps": v["steps"]} for k, v in r["results"].items()} for r in _results(2)]
+    name = next(iter(results[1]["naive"]["start"]))
+    results[1]["naive"]["start"][name] = results[1]["naive"]["start"][name] + 1
+    with pytest.raises(AssertionError, match=f"naive on 2 ranks: right after construction, rank 1's .*{name}"):
+        ddp_mismatch(results, "naive")
 
 
 def test_the_overlapping_rungs_send_during_backward():

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from manualdp.runners.explain import trace
 from manualdp.schedule import ALGORITHMS, Schedule, Transfer, chunk_bounds, chunk_sizes, get_schedule, ring
 from manualdp.cost import check_schedule, cost, traffic
+from manualdp.runners.properties import schedule_property
 
 NS = range(1, 9)
 ALGS = sorted(ALGORITHMS)
@@ -22,12 +23,9 @@ def pow2_below(n):
 @pytest.mark.parametrize("algorithm", ALGS)
 @pytest.mark.parametrize("n", list(NS) + [13, 16])
 def test_schedule_is_valid_and_sums_every_contribution_once(algorithm, n):
-    schedule = get_schedule(algorithm, n)
-    check_schedule(schedule)
+    # The property `manualdp check schedule` grades a student's schedule with.
+    schedule = schedule_property(lambda n: get_schedule(algorithm, n), n)
     assert schedule.num_devices == n and len(schedule.phases) == len(schedule.rounds)
-    final = trace(schedule)[-1]
-    everyone = Counter(range(n))
-    assert all(final[d][c] == everyone for d in range(n) for c in range(schedule.num_chunks))
 
 
 def test_trace_catches_a_schedule_that_stops_early():
@@ -36,6 +34,8 @@ def test_trace_catches_a_schedule_that_stops_early():
     check_schedule(cut)  # still valid transfer by transfer ...
     final = trace(cut)[-1]
     assert any(final[d][c] != Counter(range(4)) for d in range(4) for c in range(4))  # ... but not an allreduce
+    with pytest.raises(AssertionError, match=r"schedule\(4\): after its 5 rounds, device 0 holds .* it misses device"):
+        schedule_property(lambda n: cut, 4)
 
 
 @pytest.mark.parametrize("n", NS)

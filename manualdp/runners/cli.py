@@ -1,4 +1,4 @@
-"""Command line: `manualdp train | explain`. The benchmarks are scripts of the repository: `python bench/NAME.py`."""
+"""Command line: `manualdp train | explain | check`. The benchmarks are scripts of the repository: `python bench/NAME.py`."""
 from __future__ import annotations
 
 import argparse
@@ -43,10 +43,10 @@ def _non_negative_int(at_most: int | None = None):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `manualdp` argument parser; `explain` parses its own arguments."""
+    """The `manualdp` argument parser; `explain` and `check` parse their own arguments."""
     parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.",
                                      epilog="The benchmarks are scripts in a checkout of the repository: python bench/NAME.py")
-    sub = parser.add_subparsers(dest="command", metavar="{train,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,explain,check}")
     sub.required = True
 
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
     e.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser("check", help="grade your own split_batch, allreduce, schedule or DDP (the book's exercises)",
+                       add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
     return parser
 
 
@@ -107,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "explain":
         from .explain import main as explain_main
         return explain_main(argv[1:]) or 0
+    if argv and argv[0] == "check":
+        from .check import main as check_main
+        return check_main(argv[1:])
     if argv and argv[0] == "bench":  # the benchmarks are scripts of the repository, not part of the library
         build_parser().error(f"{' '.join(argv[:2])!r}: the benchmarks are not installed with the package; "
                              f"from a checkout of the repository, run python bench/NAME.py")

@@ -1,0 +1,116 @@
+"""`manualdp check`: the book's reference solutions pass; a planted wrong answer fails, told in one paragraph."""
+import pathlib
+import re
+import sys
+
+import pytest
+
+from manualdp.runners.cli import main
+
+SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "book" / "solutions"
+
+WRONG = {  # exercise -> (a wrong answer a student might write, what the grader must say of it)
+    "split_batch": ("""
+import torch
+
+def split_batch(X, y, devices):  # torch.chunk: fewer shards than devices when the batch does not divide
+    return list(torch.chunk(X, len(devices))), list(torch.chunk(y, len(devices)))
+""", r"split_batch\(X, y, devices\) with X of shape \(\d+, \d+\), y = torch.arange\(\d+\) and \d devices?: "
+     r"(expected \d shards in X_shards, one per device; got \d|writing into X_shards\[0\] changed the caller's batch)"),
+    "allreduce": ("""
+def allreduce(tensors):  # rebinds the list's slots: the devices' own tensors never see the sum
+    for i in range(1, len(tensors)):
+        tensors[0] = tensors[0] + tensors[i]
+    for i in range(1, len(tensors)):
+        tensors[i] = tensors[0]
+""", r"allreduce\(tensors\) on 2 tensors of shape .*: expected every device to hold the sum .*; device 0 holds .* "
+     r"put a new tensor into the list"),
+    "schedule": ("""
+from manualdp.transfers import Transfer
+
+def schedule(n):  # the all-gather adds what it should overwrite
+    reduce_scatter = [[Transfer(i, (i + 1) % n, (i - s) % n, True) for i in range(n)] for s in range(n - 1)]
+    all_gather = [[Transfer(i, (i + 1) % n, (i + 1 - s) % n, True) for i in range(n)] for s in range(n - 1)]
+    return reduce_scatter + all_gather
+""", r"schedule\(2\): after its 2 rounds, device 0 holds a0\+a0\+b0 in chunk 0, expected the sum of every "
+     r"device's chunk 0, a0\+b0: it counts device 0 twice \(drawn in .*\.png\)"),
+    "ddp": ("""
+import torch.distributed as dist
+from torch import nn
+
+class DDP(nn.Module):  # sums the gradients but forgets to divide by the number of ranks
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
+
+    def forward(self, x):
+        return self.module(x)
+
+    def finish_gradient_synchronization(self):
+        for p in self.module.parameters():
+            if p.requires_grad:
+                dist.all_reduce(p.grad)
+""", r"DDP on 2 ranks, step 0, rank 0: the gradients when backward returned differ from torch's DDP's on the "
+     r"same data: \S+, element \d+, is \S+ where torch's is \S+ \(yours / torch's = 2\)\. Rank 0 holds 2 times the "
+     r"average: divide the sum by the world size\."),
+}
+
+
+def check(capsys, *args) -> tuple[int, str]:
+    status = main(["check", *map(str, args)])
+    return status, " ".join(capsys.readouterr().out.split())  # one paragraph, as read: line breaks are wrapping
+
+
+@pytest.mark.parametrize("exercise", sorted(WRONG))
+def test_the_reference_solution_passes(exercise, tmp_path, capsys):
+    status, out = check(capsys, exercise, SOLUTIONS / f"{exercise}.py", *(["--plot", tmp_path / "s.png"]
+                                                                         if exercise == "schedule" else []))
+    assert (status, out[:5]) == (0, "PASS "), out
+
+
+@pytest.mark.parametrize("exercise", sorted(WRONG))
+def test_a_wrong_answer_fails_with_a_readable_paragraph(exercise, tmp_path, capsys):
+    code, message = WRONG[exercise]
+    path = tmp_path / f"{exercise}.py"
+    path.write_text(code)
+    status, out = check(capsys, exercise, path)
+    assert status == 1 and out.startswith(f"FAIL {exercise} ({path}): "), out
+    assert re.search(message, out), out
+    if exercise == "schedule":
+        assert (tmp_path / "schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # drawn beside the file
+
+
+def test_a_schedule_is_counted_against_the_formula_and_drawn(tmp_path, capsys):
+    ring = tmp_path / "ring.png"
+    status, out = check(capsys, "schedule", SOLUTIONS / "schedule.py", "--plot", ring)
+    assert status == 0 and ring.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the ring sends 2(n-1)/n * S from each device: 1.5 S at 4 devices, 1.75 S at 8
+    assert "4 6 1572864 1572864 1572864 at the formula" in out and "8 14 1835008 1835008 1835008 at the formula" in out
+    # the textbook's naive allreduce is right, but its device 0 sends (n-1) S: 2 and 4 times the ring's
+    naive = tmp_path / "naive.py"
+    naive.write_text("from manualdp.schedule import naive as schedule\n")
+    status, out = check(capsys, "schedule", naive)
+    assert status == 0 and "4 2 3145728 3145728 1572864 2.00 times the formula" in out, out
+    assert "8 2 7340032 7340032 1835008 4.00 times the formula" in out and (tmp_path / "naive.png").exists()
+
+
+@pytest.mark.parametrize("code, message", [
+    ("def split(X, y, devices):\n    return X, y\n",
+     r"the file defines no 'split_batch': the exercise asks for a function split_batch\(X, y, devices\)"),
+    ("def split_batch(X, y, devices)\n", "importing the file raised SyntaxError"),
+    ("def split_batch(X, y, devices):\n    return X.foo\n",
+     r"raised AttributeError: 'Tensor' object has no attribute 'foo' \(at .*split_batch.py, line 2\)"),
+])
+def test_a_file_that_cannot_be_graded_is_told_why(code, message, tmp_path, capsys):
+    path = tmp_path / "split_batch.py"
+    path.write_text(code)
+    status, out = check(capsys, "split_batch", path)
+    assert status == 1 and re.search(message, out), out
+
+
+def test_without_hypothesis_the_checker_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "hypothesis", None)  # `import hypothesis` now raises ImportError
+    status, out = check(capsys, "allreduce", SOLUTIONS / "allreduce.py")
+    assert status == 1 and "need hypothesis: pip install hypothesis" in out
