@@ -25,10 +25,12 @@ from .collectives import allreduce
 from .p2p import DEFAULT_SEGMENT_BYTES, Message, Round, plan
 from .peers import DEFAULT_TIMEOUT, PeerError
 from .sampler import ShardedBatchSampler, shard_loader
+from .fsdp import full_state_dict, fully_shard
 
 __all__ = [
     "NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "Bucket", "DistributedDataParallel", "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
     "init_from_env", "launch", "rank_device", "shard",
     "DEFAULT_SEGMENT_BYTES", "Message", "Round", "allreduce", "plan", "DEFAULT_TIMEOUT", "PeerError",
     "ShardedBatchSampler", "shard_loader",
+    "fully_shard", "full_state_dict",
 ]
