@@ -15,6 +15,7 @@ and so are the few in `IMPLEMENTATION`, which assert how torch implements DDP (i
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import functools
 import inspect
@@ -22,6 +23,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import time
 import unittest
 
@@ -57,20 +59,45 @@ from torch.testing._internal.distributed.distributed_test import DistributedTest
 _importing.__exit__(None, None, None)
 
 from manualdp.spmd.ddp import DistributedDataParallel as ManualDDP  # noqa: E402
+from manualdp.spmd.ddp_private import LOGGED_FIELDS  # noqa: E402
 from manualdp.validate import positive_int  # noqa: E402
 
 __all__ = ["TorchDDPTests", "select", "run_one", "main", "FAST", "IMPLEMENTATION"]
 
 SWAP = "MANUALDP_CONFORMANCE_SWAP"  # set to 1 in the ranks' environment: they use manualdp's wrapper
+# A DDP test: its name says so, or its code (or a helper's) builds a DistributedDataParallel.
 WHICH = re.compile(r"ddp|distributeddataparallel|join|comm_hook|no_sync|uneven|sync_bn|syncbatchnorm", re.I)
-# A test whose source touches one of these checks torch's implementation, not DDP's behaviour.
-PRIVATE = ("reducer", "_get_ddp_logging_data", "_set_static_graph", "_delay_all_reduce", "_register_builtin_comm_hook",
-           "_register_fused_optim", "_get_data_parallel_params", "_set_ddp_runtime_logging_sample_rate",
-           "_module_wait_for_copy_hook", "_set_ddp_sink_clone",
-           "_apply_optimizer_in_backward", "_check_sync_bufs", "_DDPSink", "_MixedPrecision", "mixed_precision",
-           "_get_active_ddp_module", "_build_debug_param_to_name_mapping", "_ddp_init_helper", "_sync_buffers",
-           "_passing_sync_batchnorm_handle", "_ddp_with_replicated_tensor", "_register_accum_grad_hook",
-           "_get_ddp_logging", "_remove_autograd_hooks", "_register_buffer_comm_hook", "_check_reducer_finalized", "_set_sparse_metadata", "_update_process_group", "ddp_logging")
+BUILDS_DDP = re.compile(r"(?<!\w)DistributedDataParallel\(")
+# A test whose code reads one of these checks torch's implementation, not DDP's behaviour; why
+# manualdp leaves each out. Names count only in code (not in comments or docstrings) and as
+# whole words (`_sync_buffers` is not read by `forward_sync_buffers`).
+PRIVATE = {
+    "reducer": "torch's C++ reducer object, which manualdp does not have (its buckets live in Python)",
+    "_set_static_graph": "static graph switched on after construction; manualdp takes `static_graph=` only",
+    "_delay_all_reduce": "torch's delayed-allreduce internals",
+    "_register_fused_optim": "fuses a torch functional optimizer into torch's reducer",
+    "_get_data_parallel_params": "a torch helper over torch's `_ddp_ignored` marks",
+    "_set_ddp_runtime_logging_sample_rate": "torch's runtime timing sampler, which manualdp does not have",
+    "_module_wait_for_copy_hook": "torch's mixed-precision internals",
+    "_set_ddp_sink_clone": "torch's `_DDPSink` autograd function, which manualdp does not use",
+    "_apply_optimizer_in_backward": "torch's in-backward optimizers; manualdp refuses parameters that carry them",
+    "_check_sync_bufs": "torch's buffer-sync internals",
+    "_DDPSink": "torch's `_DDPSink` autograd function, which manualdp does not use",
+    "_MixedPrecision": "torch's prototype mixed precision, which manualdp does not offer",
+    "mixed_precision": "torch's prototype mixed precision, which manualdp does not offer",
+    "_get_active_ddp_module": "torch's dynamo hook-up",
+    "_build_debug_param_to_name_mapping": "torch's reducer's debug tables",
+    "_ddp_init_helper": "torch's reducer construction",
+    "_sync_buffers": "torch's buffer-sync method",
+    "_passing_sync_batchnorm_handle": "torch's SyncBatchNorm hand-off",
+    "_ddp_with_replicated_tensor": "torch's replicated-tensor internals",
+    "_register_accum_grad_hook": "torch's compiled-autograd hooks",
+    "_check_reducer_finalized": "torch's reducer state",
+    "_set_sparse_metadata": "torch's reducer's sparse metadata",
+    "_update_process_group": "swaps torch's reducer's process group",
+    "_compute_bucket_assignment_by_size": "torch's C++ bucket assignment",
+    "_verify_param_shape_across_processes": "torch's C++ model check",
+}
 # Tests that read no private name but assert how torch implements DDP, not what DDP does.
 IMPLEMENTATION = {
     "test_ddp_profiling_torch_profiler": "asserts torch's implementation: exactly one `gloo:all_reduce` profiler event "
@@ -169,7 +196,14 @@ class TorchDDPTests(TestDistBackend, DistributedTest._DistTestBase):
 
 @functools.lru_cache(maxsize=None)
 def _source(name: str) -> str:
-    return inspect.getsource(_helper(name))
+    """The code of torch's test helper `name`, without comments and docstrings (prose names no API)."""
+    tree = _Prose().visit(ast.parse(textwrap.dedent(inspect.getsource(_helper(name)))))
+    return ast.unparse(tree)
+
+
+class _Prose(ast.NodeTransformer):
+    def visit_Expr(self, node):  # a string standing alone (a docstring) is prose
+        return None if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str) else node
 
 
 def _helper(name: str):
@@ -180,7 +214,7 @@ def _helper(name: str):
 
 
 def _with_helpers(name: str, seen: set[str] | None = None) -> str:
-    """The source of test `name` and of torch's test helpers it calls, theirs too: private reads hide there."""
+    """The code of test `name` and of torch's test helpers it calls, theirs too: private reads hide there."""
     seen = set() if seen is None else seen
     seen.add(name)
     source = _source(name)
@@ -188,25 +222,49 @@ def _with_helpers(name: str, seen: set[str] | None = None) -> str:
     return source + "".join(_with_helpers(h, seen) for h in sorted(called - seen) if _helper(h) is not None)
 
 
+def _reads(code: str, name: str) -> bool:
+    return re.search(rf"(?<!\w){re.escape(name)}(?!\w)", code) is not None
+
+
+def logging_fields_read(code: str) -> set[str]:
+    """The fields of `_get_ddp_logging_data()` that `code` reads (`.get('x')`, `['x']`, `'x' in ...`)."""
+    data = r"(?:ddp_logging_data|_get_ddp_logging_data\(\))"
+    return (set(re.findall(data + r"(?:\.get\(|\[)\s*'(\w+)'", code))
+            | set(re.findall(r"'(\w+)'\s+(?:not\s+)?in\s+" + data, code)))
+
+
+def why_left_out(name: str) -> str | None:
+    """Why test `name` is not run against manualdp, or None."""
+    code = _with_helpers(name)
+    decorators = inspect.getsource(getattr(DistributedTest._DistTestBase, name)).split("def ", 1)[0]
+    private = next((p for p in PRIVATE if _reads(code, p)), None)
+    if private is not None:
+        return f"reads torch private `{private}`: {PRIVATE[private]}"
+    missing = sorted(logging_fields_read(code) - set(LOGGED_FIELDS)) if _reads(code, "_get_ddp_logging_data") else []
+    if missing:
+        return f"reads `_get_ddp_logging_data` fields manualdp does not keep: {', '.join(missing)}"
+    if name in IMPLEMENTATION:
+        return IMPLEMENTATION[name]
+    if "skip_if_no_gpu" in decorators or "skipIf(IS_LINUX" in decorators:
+        # TEST_CUDA and IS_LINUX are fixed when torch's module is imported: no shim reaches them
+        return "skips on every CPU-only Linux machine, under the shim too"
+    if 'skipIf(BACKEND != "nccl"' in decorators:
+        return "skips with gloo: it tests NCCL's metadata"
+    return None
+
+
 def select() -> tuple[list[str], dict[str, str]]:
     """The DDP tests of `_DistTestBase`, and those left out with the reason (a private name read, torch's
     implementation asserted, or CUDA only)."""
     chosen, left_out = [], {}
-    for name in sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_") and WHICH.search(n)):
-        source = inspect.getsource(getattr(DistributedTest._DistTestBase, name))
-        private = next((p for p in PRIVATE if p in _with_helpers(name)), None)
-        decorators = source.split("def ", 1)[0]
-        if private is not None:
-            left_out[name] = f"reads torch private `{private}`"
-        elif name in IMPLEMENTATION:
-            left_out[name] = IMPLEMENTATION[name]
-        elif "skip_if_no_gpu" in decorators or "skipIf(IS_LINUX" in decorators:
-            # TEST_CUDA and IS_LINUX are fixed when torch's module is imported: no shim reaches them
-            left_out[name] = "skips on every CPU-only Linux machine, under the shim too"
-        elif 'skipIf(BACKEND != "nccl"' in decorators:
-            left_out[name] = "skips with gloo: it tests NCCL's metadata"
-        else:
+    for name in sorted(n for n in dir(DistributedTest._DistTestBase) if n.startswith("test_")):
+        if not (WHICH.search(name) or BUILDS_DDP.search(_with_helpers(name))):
+            continue
+        why = why_left_out(name)
+        if why is None:
             chosen.append(name)
+        else:
+            left_out[name] = why
     return chosen, left_out
 
 

@@ -25,10 +25,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
-from ..validate import (a_callable, boolean, initialized, iterable, nn_module, non_negative_int, one_of,
+from ..validate import (a_callable, boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
-from .ddp_checks import StepChecks
+from .ddp_buffers import POST_FORWARD, PRE_FORWARD, BufferSync
+from .ddp_checks import StepChecks, module_device, refuse_in_backward_optimizers
 from .ddp_join import UnevenInputs
+from .ddp_private import PrivateAPI
 from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, kept_named,
                        state_tensors)
 from .hooks import GradBucket, hook_result
@@ -145,18 +147,19 @@ def group_worker(group=None) -> SerialWorker:
     return worker
 
 
-class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
+class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks, BufferSync, PrivateAPI):
     """A drop-in for `torch.nn.parallel.DistributedDataParallel`, allreducing with manualdp's schedules.
 
     The positional arguments come in torch's order.
 
     Args:
-        module: the model, with all its parameters on one device (this rank's).
-        device_ids: `None`, or `[device]`, the module's device; inputs are moved there.
+        module: the model, on this rank's device (or, as in torch, spread over several devices of one type).
+        device_ids: `None`, or `[device]` for a module on one GPU; inputs are moved there. As in
+            torch, `device_ids` and `output_device` must be None for CPU and multi-device modules.
         output_device: accepted for compatibility; outputs stay on the module's device.
         dim: accepted for compatibility: one device per process, so nothing is scattered.
-        broadcast_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
-            before each forward pass, as DDP does.
+        broadcast_buffers: torch's deprecated name for `forward_sync_buffers` (a `FutureWarning`);
+            `False` also keeps the buffers out of the copy at construction (see `ddp_buffers`).
         init_sync: check that the ranks hold the same model and communication layout (buckets,
             algorithm, segment size, flags; every rank raises on a difference) and broadcast rank 0's state.
         process_group: the group to average over (default: all ranks).
@@ -171,6 +174,8 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         static_graph: the set of parameters used may not change after the first iteration
             (torch's errors otherwise); manualdp's buckets are static anyway.
         device_mesh: a one-dimensional `DeviceMesh`; its group replaces `process_group`.
+        forward_sync_buffers: copy rank 0's buffers (e.g. BatchNorm statistics) to every rank
+            before each forward pass, as DDP does (default True). Buffers are copied at construction either way.
         bucket_cap_mb_list: a cap per bucket, in MiB (bucket 0 fills first); the last cap holds
             for every later bucket. Replaces `bucket_cap_mb` when given.
         algorithm: a schedule of `manualdp.schedule` (`naive`, `ring`, `halving_doubling`, `tree`), or
@@ -178,9 +183,9 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             transport (`manualdp.spmd.tune`).
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
         rebuild_buckets: after the first synchronised backward, rebuild the buckets in the order
-            the gradients became ready there (rank 0's order, on every rank), as DDP does. Not
-            with a comm hook (its state is per bucket) nor inside `Join`. `False` keeps reverse
-            parameter order and equal caps: the single controller's buckets, bit for bit.
+            the gradients became ready there (rank 0's order, on every rank), as DDP does, also with
+            a comm hook; not inside `Join`. `False` keeps reverse parameter order and equal caps:
+            the single controller's buckets, bit for bit.
         debug: before each bucket's allreduce the ranks compare (step, bucket, element count,
             dtype, parameters) and all raise on a mismatch, naming the first parameter that
             differs and each rank's unused parameters. Default: on when the environment
@@ -199,12 +204,12 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
     check_calls = True
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
-                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = DEFAULT_BUCKET_CAP_MB, find_unused_parameters: bool = False,
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  *, device_mesh=None, bucket_cap_mb_list: list[float] | None = None, algorithm: str = "auto",
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, debug: bool | None = None,
-                 rebuild_buckets: bool = True) -> None:
+                 rebuild_buckets: bool = True, forward_sync_buffers: bool | None = None) -> None:
         super().__init__()
         UnevenInputs.__init__(self)
         initialized("module", nn_module("module", module))  # as torch: run a forward pass before wrapping
@@ -218,7 +223,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         positive_int("segment_bytes", segment_bytes)
         timeout = timeout_seconds("timeout", timeout)
-        for name, flag in (("broadcast_buffers", broadcast_buffers), ("init_sync", init_sync),
+        for name, flag in (("init_sync", init_sync),
                            ("find_unused_parameters", find_unused_parameters), ("check_reduction", check_reduction),
                            ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph),
                            ("rebuild_buckets", rebuild_buckets)):
@@ -235,21 +240,15 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             process_group = device_mesh.get_group()
         # names set by `_set_params_and_buffers_to_ignore_for_model`: neither synchronised nor checked
         self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        params = [p for _, p in kept_named(module.named_parameters(), self.parameters_to_ignore) if p.requires_grad]
+        kept = kept_named(module.named_parameters(), self.parameters_to_ignore)
+        params = [p for _, p in kept if p.requires_grad]
         if not params:
             raise NoParametersError("module has no parameters that require grad: nothing to synchronise "
                                     "(DistributedDataParallel is not needed when a module doesn't have any "
                                     "parameter that requires a gradient)")
-        devices = {t.device for t in state_tensors(module, self.parameters_to_ignore, params=True)}
-        if len(devices) != 1:
-            raise ValueError(f"module must live on one device, its parameters and buffers are on {sorted(map(str, devices))}")
-        self.device = devices.pop()
-        if device_ids is not None:
-            if not isinstance(device_ids, (list, tuple)) or len(device_ids) != 1:
-                raise ValueError(f"device_ids must be None or a list of one device, got {device_ids!r}")
-            wanted = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else torch.device("cuda", device_ids[0])
-            if wanted != self.device:
-                raise ValueError(f"device_ids={device_ids!r}, but the module is on {self.device}")
+        self.device = module_device([p for _, p in kept], device_ids, output_device)
+        refuse_in_backward_optimizers(kept)
+        init_buffers = self._settle_buffer_flags(broadcast_buffers, forward_sync_buffers)
         self.rank, self._peers = group_ranks(process_group)
 
         self.module = module
@@ -261,7 +260,6 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         self.dim = dim
         self.device_mesh = device_mesh
         self.algorithm = algorithm
-        self.broadcast_buffers = broadcast_buffers
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_bytes_cap_list = [int(cap * 2**20) for cap in bucket_cap_mb_list or ()]  # as torch keeps it
         self.find_unused_parameters = find_unused_parameters
@@ -281,6 +279,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
                                                       or os.environ.get("TORCH_DISTRIBUTED_DEBUG") == "DETAIL")
         self._step = 0  # synchronised backward passes so far: part of the desync fingerprint
         self._static_used = None  # static_graph: (bucket, index) of the parameters the first iteration used
+        self._static_gap = None  # static_graph: what had not arrived when a parameter the first iteration left out did
         self._joined = False  # True while Join shadows this rank's steps
         self._divisor = self.world_size  # what the bucket sums are divided by (fewer ranks under Join)
         self._join_divide_by_initial = True  # under Join: divide by the initial world size, not the ranks left
@@ -300,9 +299,10 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             check_same_model(KeptModule(module, self.parameters_to_ignore) if self.parameters_to_ignore else module,
                              process_group, self.world_size)
             # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
-            check_same_layout(self._comm_layout(layout, rebuild_buckets), process_group, self.world_size)
-            broadcast_from_rank0(state_tensors(module, self.parameters_to_ignore, params=True), self.rank, self._peers,
-                                 process_group, self.timeout)
+            check_same_layout(self._comm_layout(layout, rebuild_buckets) | {"buffers copied at construction": init_buffers},
+                              process_group, self.world_size)
+            broadcast_from_rank0(state_tensors(module, self.parameters_to_ignore, params=True, buffers=init_buffers),
+                                 self.rank, self._peers, process_group, self.timeout)
         self._set_buckets(layout)
         if init_sync and algorithm == "auto":  # otherwise each bucket's is `algorithm`, compared above
             check_same_layout({"bucket algorithms": self._algorithms}, process_group, self.world_size)
@@ -323,7 +323,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
                 "bucket elements": [sum(p.numel() for p in g) for g in groups],
                 "bucket dtypes": [str(g[0].dtype).replace("torch.", "") for g in groups],
                 "bucket_cap_mb": self.bucket_cap_mb, "bucket caps (MiB)": self._caps, "algorithm": self.algorithm, "segment_bytes": self.segment_bytes,
-                "rebuild_buckets": rebuild_buckets, "broadcast_buffers": self.broadcast_buffers,
+                "rebuild_buckets": rebuild_buckets, "broadcast_buffers": self.forward_sync_buffers,
                 "gradient_as_bucket_view": self.gradient_as_bucket_view, "static_graph": self.static_graph,
                 "find_unused_parameters": self.find_unused_parameters, "debug": self.debug}
 
@@ -356,7 +356,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
     def __getstate__(self):
         state = dict(self.__dict__)
         for key in ("_executor", "_hooks", "_where", "_names", "_used_in_no_sync", "_join_config", "_ready",
-                    "_step_check"):
+                    "_step_check", "_buffer_hook", "_buffer_futures"):
             state.pop(key, None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one
         state["device_mesh"] = None  # nor does a mesh's
@@ -378,17 +378,16 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
 
     def forward(self, *inputs, **kwargs):
         if self._unfinished is not None and torch.is_grad_enabled() and self.require_backward_grad_sync:
-            raise RuntimeError(self._unfinished)
+            raise self._logged(RuntimeError(self._unfinished))
         if self._in_backward:
             # The end-of-backward callback never ran: the last backward raised part-way, some
             # buckets may have gone out and others not, so this rank is out of step with its peers.
             self._reset_backward()
-            raise RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after some "
-                               "gradient buckets were sent; the ranks are out of step, so training cannot go on")
+            raise self._logged(RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after "
+                                            "some gradient buckets were sent; the ranks are out of step, so training "
+                                            "cannot go on"))
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
-        if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(state_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
-                                 self.process_group, self.timeout)
+        self._sync_buffers(PRE_FORWARD)
         if self._join_config.enable:
             # Joined ranks must know whether this step syncs, and how many ranks still train.
             self._active, _ = self._agree_on_step(1, int(self.require_backward_grad_sync))
@@ -399,6 +398,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         if torch.is_grad_enabled() and self._sync_this_backward and self._step_check is None:
             self._step_check = self._check_step()  # runs on the worker while this forward and backward compute
         out = self.module(*inputs, **kwargs)
+        self._sync_buffers(POST_FORWARD)
         self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         return out
 
@@ -436,6 +436,8 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
             if self._step_check is None:  # a backward whose forward did not queue it (the module called directly)
                 self._step_check = self._check_step()
         b, i = self._where[id(param)]
+        if self._static_used is not None:
+            self._note_static(b, i)
         with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
             full = self._buckets[b].mark_ready(i, param.grad)
         if full:
@@ -461,6 +463,8 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         pass, it runs while forward and backward compute. At the first synchronised step the
         ranks also compare their comm hooks: one rank's hook would send other messages.
         """
+        if not self._hooks_compared:  # the first synchronised step: torch sets up in-backward optimizers here
+            refuse_in_backward_optimizers(kept_named(self.module.named_parameters(), self.parameters_to_ignore))
         hooks, self._hooks_compared = not self._hooks_compared, True
         calls = self.check_calls and not self.debug  # debug: each bucket is checked, in more words
         if self.world_size == 1 or not (hooks or calls):
@@ -513,7 +517,8 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
                 if error is None:
                     self._write_grads(bucket)
             if error is not None:
-                raise error
+                raise self._logged(error)
+            self._wait_buffer_futures()
             self._step += 1
             if self.static_graph:
                 self._check_static(used)
@@ -531,7 +536,7 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
         same buckets. Unused parameters go last, in reverse order.
         """
         ready, self._ready = self._ready, None
-        if self._comm_hook is not None or self._join_config.enable:
+        if self._join_config.enable:  # a comm hook's state is per bucket: torch's hooks expect this rebuild too
             return
         index = {id(p): k for k, p in enumerate(self._params)}
         seen = [index[i] for i in dict.fromkeys(ready)]
@@ -575,15 +580,6 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks):
                     p.grad = view / divisor
                 else:
                     torch.div(view, divisor, out=p.grad)
-
-    @staticmethod
-    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, params_and_buffers_to_ignore) -> None:
-        """torch's (private) way to exclude parameters and buffers, by full name, from a later wrapper's syncing."""
-        nn_module("module", module)
-        names = list(iterable("params_and_buffers_to_ignore", params_and_buffers_to_ignore))
-        if isinstance(params_and_buffers_to_ignore, str) or not all(isinstance(n, str) for n in names):
-            raise TypeError(f"params_and_buffers_to_ignore must hold full names (str), got {names!r}")
-        module._ddp_params_and_buffers_to_ignore = names
 
     def __del__(self) -> None:
         for handle in self.__dict__.get("_hooks", ()):

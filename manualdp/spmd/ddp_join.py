@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import boolean
-from .ddp_sync import state_tensors, broadcast_from_rank0
+from .ddp_buffers import PRE_FORWARD
+from .ddp_sync import state_tensors
 from .peers import PeerError, talking_to, wait
 from .postmortem import store_key
 
@@ -28,6 +29,8 @@ __all__ = ["UnevenInputs"]
 
 class UnevenInputs(Joinable):
     """The Join half of `DistributedDataParallel` (a mixin: it uses the wrapper's buckets and worker)."""
+
+    _join_used = False  # True once a Join context has taken this wrapper
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
@@ -40,6 +43,7 @@ class UnevenInputs(Joinable):
         divide = kwargs.get("divide_by_initial_world_size", True)
         boolean("divide_by_initial_world_size", divide)
         self._join_divide_by_initial = divide
+        self._join_used = True  # torch logs it (`_get_ddp_logging_data()["join_uneven_inputs"]`)
         return _JoinedRank(self)
 
     @property
@@ -64,9 +68,7 @@ class UnevenInputs(Joinable):
 
     def _shadow_step(self) -> None:
         """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
-        if self.require_forward_param_sync and self.broadcast_buffers:
-            broadcast_from_rank0(state_tensors(self.module, self.parameters_to_ignore), self.rank, self._peers,
-                                 self.process_group, self.timeout)
+        self._sync_buffers(PRE_FORWARD)
         active, syncing = self._agree_on_step(0, 0)
         self.require_forward_param_sync = syncing > 0
         if not syncing:
@@ -88,14 +90,14 @@ class UnevenInputs(Joinable):
             self._reset_backward()
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
-        """Every rank takes the model of the last rank to join (the highest such rank)."""
+        """Every rank takes the model of the last rank to join (the highest such rank); buffers only if they sync."""
         self._joined = False
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
         self._join_collective(dist.all_reduce, candidate, op=dist.ReduceOp.MAX)
         self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
         root = self._peers[self._authoritative_rank]
         with torch.no_grad():
-            for t in state_tensors(self.module, self.parameters_to_ignore, params=True):
+            for t in state_tensors(self.module, self.parameters_to_ignore, params=True, buffers=self.forward_sync_buffers):
                 self._join_collective(dist.broadcast, t.data, src=root)
 
 

@@ -71,18 +71,19 @@ def _shown(value) -> str:
     return str(value)
 
 
-def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int], group, timeout) -> None:
-    """Overwrite `tensors` with those of the group's rank 0, one flat message per dtype."""
+def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int], group, timeout, src: int = 0) -> None:
+    """Overwrite `tensors` with those of the group's rank `src` (default 0), one flat message per dtype and device."""
     if len(peers) == 1:
         return
     with torch.no_grad():
-        for dtype in sorted({t.dtype for t in tensors}, key=str):
-            same = [t for t in tensors if t.dtype == dtype and t.numel()]
+        # in the order they first appear: the same on every rank (a module may span several devices)
+        for dtype, device in dict.fromkeys((t.dtype, t.device) for t in tensors):
+            same = [t for t in tensors if t.dtype == dtype and t.device == device and t.numel()]
             if not same:
                 continue
             flat = flatten(same)
-            root = peers[0]
-            peer = root if rank != 0 else None
+            root = peers[src]
+            peer = root if rank != src else None
             with talking_to(peer, timeout):
                 work = dist.broadcast(flat, src=root, group=group, async_op=True)
             wait(work, peer, timeout)
@@ -90,16 +91,14 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], rank: int, peers: list[int
             unflatten_(flat, [t.data for t in same])
 
 
-
-
 def kept_named(named, ignored: set[str]) -> list:
     """The (name, tensor) pairs of `named` whose name is not in `ignored`."""
     return [(n, t) for n, t in named if n not in ignored]
 
 
-def state_tensors(module: nn.Module, ignored: set[str], params: bool = False) -> list[torch.Tensor]:
+def state_tensors(module: nn.Module, ignored: set[str], params: bool = False, buffers: bool = True) -> list[torch.Tensor]:
     """The module's buffers (and parameters first, with `params`) that are not ignored."""
-    kept = kept_named(module.named_buffers(), ignored)
+    kept = kept_named(module.named_buffers(), ignored) if buffers else []
     return [t for _, t in (kept_named(module.named_parameters(), ignored) if params else []) + kept]
 
 

@@ -119,6 +119,7 @@ class PowerSGDState:
         self.seed = seed
         self.errors: dict[int, torch.Tensor] = {}  # bucket index -> what the approximation missed
         self.qs: dict[tuple[int, int], torch.Tensor] = {}  # (bucket, gradient) -> last Q
+        self.members: dict[int, tuple[int, ...]] = {}  # bucket index -> ids of its parameters, when last seen
 
 
 def _orthonormalize(m: torch.Tensor) -> None:
@@ -135,9 +136,10 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     """PowerSGD (Vogels et al. 2019): allreduce P = MQ and Q = MᵀP instead of each n×m gradient M."""
     group, n = state.process_group, _size(state.process_group)
     buffer = bucket.buffer()
+    _forget_if_rebuilt(state, bucket)
     if state.use_error_feedback:
         error = state.errors.get(bucket.index())
-        if error is None or error.shape != buffer.shape:  # a new bucket, or torch's DDP rebuilt its buckets
+        if error is None or error.shape != buffer.shape:  # a new bucket
             error = state.errors[bucket.index()] = torch.zeros_like(buffer)
         buffer.add_(error)
     before = buffer.clone()  # the gradient the approximation should have given
@@ -167,6 +169,18 @@ def powerSGD_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     if state.use_error_feedback:
         error.copy_(before - buffer)
     return _done(buffer)
+
+
+def _forget_if_rebuilt(state: PowerSGDState, bucket: dist.GradBucket) -> None:
+    """The wrapper rebuilt its buckets (after the first step, as torch's DDP and manualdp's do): the state
+    kept under this bucket's index belongs to other parameters, so it starts afresh."""
+    members = tuple(id(p) for p in bucket.parameters())
+    before = state.members.get(bucket.index())
+    state.members[bucket.index()] = members
+    if before is not None and before != members:
+        state.errors.pop(bucket.index(), None)
+        for key in [k for k in state.qs if k[0] == bucket.index()]:
+            del state.qs[key]
 
 
 # ---------------------------------------------------------------- what manualdp's wrapper expects back
