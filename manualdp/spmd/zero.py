@@ -9,9 +9,9 @@ state of a plain optimizer loaded, and `Join([model, opt])` on uneven inputs
     model = DistributedDataParallel(net)                           # stage 1: DDP averages the gradients
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
 
-    with model.no_sync():                                          # stage 2: the optimizer reduce-scatters
-        loss.backward()
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, stage=2, lr=1e-3)
+    with model.no_sync():                                          # stage 2: the optimizer reduce-scatters
+        loss.backward()                                            # bucket by bucket, during backward
 
 torch shards whole parameters (each rank owns some tensors); we shard the flat vector into
 near-equal chunks, as the ring does, with the layout of `manualdp.shards.ShardPlan`: one flat
@@ -19,24 +19,32 @@ buffer per (parameter group, dtype), the parameters made views of it, and this r
 handed to its optimizer as one piece per parameter it overlaps. Elementwise optimizers give
 the same numbers either way, and a parameter no rank has a gradient for is skipped.
 
+At stage 2 the gradients never exist whole on a rank (`zero_grads.py`): during backward each
+bucket is reduce-scattered as it fills and `.grad` freed, so after backward a rank holds 1/N
+of the gradient (`gradient_bytes()`), summed over the backward passes since `zero_grad`; the
+parameters' `.grad` stay None, so a clip or a check of them must be done on the shards.
+
 One difference from torch's: `state_dict()` before any `consolidate_state_dict` is this
 rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises.
 """
 from __future__ import annotations
 
 import copy
+import weakref
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
-from ..validate import boolean, factory, one_of, timeout_seconds
+from ..buckets import DEFAULT_BUCKET_CAP_MB
+from ..validate import boolean, factory, one_of, positive_number, timeout_seconds
 from ..shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ..zero import make_optimizer, state_bytes
-from .collectives import all_gather, reduce_scatter
+from .collectives import all_gather
 from .collectives import allreduce
 from .peers import group_ranks
 from .zero_compat import TorchCompat
+from .zero_grads import GradientShards, plan_buckets
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -48,7 +56,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         params: tensors, or parameter groups (dicts with "params"), as torch's optimizers take them.
         optimizer_class: e.g. `torch.optim.Adam`, or a factory `f(params, **defaults)`.
         stage: 1 expects averaged gradients (from the DDP wrapper); 2 expects this rank's own
-            gradients (backward under `no_sync()`) and averages them by reduce-scatter.
+            gradients (backward under `no_sync()`) and reduce-scatters them during backward.
+        bucket_cap_mb: at stage 2, the size of the buckets reduce-scattered during backward (DDP's default).
         algorithm: of the reduce-scatter and the all-gather (`manualdp.schedule.COLLECTIVES`).
         group: the process group (default: all ranks); `process_group` is torch's name for it.
         parameters_as_bucket_view: accepted for torch's sake. We always make the parameters views
@@ -63,11 +72,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
 
     def __init__(self, params, optimizer_class, *, stage: int = 1, algorithm: str = "ring", group=None,
                  process_group=None, parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 timeout: float | None = None, **defaults) -> None:
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, timeout: float | None = None, **defaults) -> None:
         groups = param_groups_of(params, keep_frozen=True)  # frozen ones too: torch's indices count them
         self.stage = one_of("stage", stage, (1, 2))
         factory("optimizer_class", optimizer_class)
         self.parameters_as_bucket_view = boolean("parameters_as_bucket_view", parameters_as_bucket_view)
+        self.bucket_cap_mb = positive_number("bucket_cap_mb", bucket_cap_mb)
         if boolean("overlap_with_ddp", overlap_with_ddp):
             raise ValueError("overlap_with_ddp=True is not supported: torch's steps the optimizer inside a DDP comm "
                              "hook (ddp_zero_hook), bucket by bucket; pass overlap_with_ddp=False and call step() "
@@ -83,10 +93,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         self._trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
         self.params = [p for ps in self._trainable for p in ps]
         self.plan = ShardPlan(self._trainable, self.world_size)
-        self._agree_on_setup(self.plan, len(self.params))
+        buckets = self._buckets(self.plan, self.params)
+        self._agree_on_setup(self.plan, len(self.params), len(buckets))
         # The parameters become views of flat buffers, so that the collectives and the
         # optimizer work in place and a checkpoint loaded into the model is what they see.
         self.flats = self.plan.bind(self.params)
+        self._notified = False  # whether this step has told a Join that this rank trains
+        self.grad_shards = self._gradient_shards(buckets) if self.stage == 2 else None
         self._find_pieces()
         inner = [{"params": self._pieces_of(g), **options_of(given)} for g, given in enumerate(groups)]
         # A rank whose chunks are empty (more ranks than elements) has nothing to step.
@@ -102,6 +115,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         self._consolidated_to: int | None = None
         self._full_state: dict | None = None
 
+    def _buckets(self, plan: ShardPlan, params: list[torch.Tensor]) -> list:
+        return plan_buckets(plan, params, self.bucket_cap_mb) if self.stage == 2 else []
+
+    def _gradient_shards(self, buckets: list) -> GradientShards:
+        notify = weakref.WeakMethod(self._notify_join)  # the hooks must not keep a dropped optimizer alive
+        return GradientShards(self.plan, self.params, buckets, self.rank, self.group, self.timeout, notify)
+
+    def _notify_join(self) -> None:
+        """Tell a Join (if this optimizer is its first joinable) that this rank trains, once a step.
+
+        At stage 2 the first gradient of backward does it, before the first bucket is sent:
+        the joined ranks must start answering the reduce-scatters then.
+        """
+        if not self._notified:
+            self._notified = True
+            Join.notify_join_context(self)
+
     def _find_pieces(self) -> None:
         """This rank's pieces: (parameter, lo, hi, view of its flat buffer), in parameter order."""
         self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(self.rank)]
@@ -109,11 +139,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
     def _pieces_of(self, group: int) -> list[torch.Tensor]:
         return [v for j, _, _, v in self.pieces if self.plan.group_of[j] == group]
 
-    def _agree_on_setup(self, plan: ShardPlan, parameters: int) -> None:
-        """Every rank sends (stage, buffers, elements, parameters); a rank that differs is named on all of them."""
-        fields = ("stage", "buffers", "elements", "parameters")
+    def _agree_on_setup(self, plan: ShardPlan, parameters: int, buckets: int) -> None:
+        """Every rank sends (stage, buffers, elements, parameters, buckets); a rank that differs is named on all."""
+        fields = ("stage", "buffers", "elements", "parameters", "buckets")
         table = torch.zeros(self.world_size, len(fields), dtype=torch.float64, device=self.params[0].device)
-        table[self.rank] = torch.tensor([self.stage, len(plan.sizes), sum(plan.sizes), parameters],
+        table[self.rank] = torch.tensor([self.stage, len(plan.sizes), sum(plan.sizes), parameters, buckets],
                                         dtype=torch.float64)
         self._sum_over_ranks(table.view(-1))
         table = table.cpu().long()
@@ -137,8 +167,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         trainable = [p for p in group["params"] if p.requires_grad]
         super().add_param_group(group)  # torch's checks (a parameter in two groups) and defaults
         try:
+            if self.grad_shards is not None:
+                self.grad_shards.check_finished()
             plan = ShardPlan(self._trainable + [trainable], self.world_size)
-            self._agree_on_setup(plan, len(self.params) + len(trainable))
+            buckets = self._buckets(plan, self.params + trainable)
+            self._agree_on_setup(plan, len(self.params) + len(trainable), len(buckets))
         except BaseException:
             self.param_groups.pop()
             raise
@@ -147,6 +180,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         self.flats += ShardPlan([trainable], self.world_size).bind(trainable)  # the new group's buffers, as in `plan`
         self._find_pieces()
         self.pieces[:len(kept)] = kept
+        if self.grad_shards is not None:  # new buckets and hooks; what is summed so far is kept
+            old, self.grad_shards = self.grad_shards, self._gradient_shards(buckets)
+            self.grad_shards.adopt(old)
         options = options_of(self.param_groups[-1])
         if self.optimizer is not None:
             self.optimizer.add_param_group({"params": [v for *_, v in self.pieces[len(kept):]], **options})
@@ -157,10 +193,12 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
 
     @property
     def reduces_gradients(self) -> bool:
-        """True at stage 2: the gradients must not be averaged before `step`, which reduce-scatters them."""
+        """True at stage 2: DDP must not average the gradients (backward under `no_sync()`); we reduce-scatter them."""
         return self.stage == 2
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.grad_shards is not None:
+            self.grad_shards.zero_grad(set_to_none)
         for p in self.params:
             if set_to_none:
                 p.grad = None
@@ -169,7 +207,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Reduce-scatter (stage 2) the gradients, update this rank's shard, all-gather the parameters.
+        """Step this rank's shard with its gradient (stage 2: reduce-scattered in backward), all-gather the parameters.
 
         `closure` (re-computes the loss and its gradients) is called first, and its loss returned.
         """
@@ -177,35 +215,61 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        Join.notify_join_context(self)  # a no-op unless this optimizer is the first of a Join's joinables
-        self._step(own_gradients=True)
+        self._notify_join()  # a no-op unless this optimizer is the first of a Join's joinables
+        try:
+            self._step(own_gradients=True)
+        finally:
+            self._notified = False
         return loss
 
     def _step(self, own_gradients: bool) -> None:
         """One step; a rank out of data under Join (`own_gradients=False`) adds zeros at stage 2."""
         kw = {"algorithm": self.algorithm, "group": self.group, "timeout": self.timeout}
-        adds = own_gradients or not self.reduces_gradients  # at stage 1 DDP hands every rank the averages
-        # Which parameters have a gradient, and (last) whether this rank trains this step.
-        used = torch.tensor([adds and p.grad is not None for p in self.params] + [own_gradients], dtype=torch.int32,
-                            device=self.flats[0].device)
-        grads = self.plan.flat_grads(self.params) if adds else [torch.zeros_like(f) for f in self.flats]
-        if self.reduces_gradients:
-            # Which parameters has any rank a gradient for? Those no rank used are skipped.
-            self._sum_over_ranks(used)
-            divisor = self.world_size if self._divide_by_initial else int(used[-1])
-            for g in grads:  # sum, then divide, as the DDP wrapper does: DDP hands the optimizer averages
-                reduce_scatter(g, **kw).div_(divisor)
-        used = used.tolist()
+        if self.grad_shards is None:  # stage 1: DDP hands every rank the averages, also a rank out of data
+            used = [p.grad is not None for p in self.params]
+            grads, starts = self.plan.flat_grads(self.params), [0] * len(self.flats)
+        else:
+            grads, starts, used = self._reduced_grads(own_gradients)
         if self.optimizer is not None:
             for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
                 inner.update(options_of(outer))  # a scheduler may have changed lr
             for j, lo, hi, piece in self.pieces:
-                piece.grad = grads[self.plan.where[j][0]][lo:hi] if used[j] else None
+                b = self.plan.where[j][0]
+                piece.grad = grads[b][lo - starts[b]:hi - starts[b]] if used[j] else None
             self.optimizer.step()
             for *_, piece in self.pieces:
                 piece.grad = None
         for flat in self.flats:
             all_gather(flat, **kw)
+
+    def _reduced_grads(self, own_gradients: bool) -> tuple[list, list[int], list]:
+        """Stage 2: this rank's shards of the averaged gradient, where they start in their buffers, which are used."""
+        self.grad_shards.check_finished()
+        if not own_gradients:
+            self.grad_shards.reduce_zeros()  # the training ranks reduce-scatter their buckets now
+        # Which parameters has any rank a gradient for (those no rank used are skipped), whether
+        # this rank trains, and whether it holds a `.grad` that no backward handed over.
+        loose = own_gradients and any(p.grad is not None for p in self.params)
+        used = torch.tensor([own_gradients and u for u in self.grad_shards.used] + [own_gradients, loose],
+                            dtype=torch.int32, device=self.flats[0].device)
+        self._sum_over_ranks(used)
+        used = used.tolist()
+        if used[-1]:  # every rank sees it in the sum, so every rank raises
+            raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2): {used[-1]} rank(s) hold a .grad that no backward "
+                               "pass handed over (set by hand, or averaged by a DDP whose backward ran outside "
+                               "no_sync()); stage 2 reduce-scatters the gradients during backward: run it under "
+                               "model.no_sync(), or use stage=1")
+        divisor = self.world_size if self._divide_by_initial else used[-2]
+        # Sums, divided as the DDP wrapper divides them: DDP hands the optimizer averages.
+        grads = [s / divisor if s is not None else None for s in self.grad_shards.shards]
+        return grads, [self.plan.bounds(b, self.rank)[0] for b in range(len(self.flats))], used
+
+    def gradient_bytes(self) -> int:
+        """Bytes of gradient this rank holds: the parameters' `.grad`, and at stage 2 its shards and bucket buffers."""
+        held = [p.grad for p in self.params if p.grad is not None]
+        if self.grad_shards is not None:
+            held += self.grad_shards.held()
+        return sum(t.numel() * t.element_size() for t in held)
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes on this rank."""
