@@ -78,17 +78,32 @@ def _held(model):
                if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
 
 
+def _raise(grad):
+    raise ValueError("a hook fails in backward")
+
+
+def _fail_in_backward(module, args, output):
+    output.register_hook(_raise)
+
+
 def _job():
     rank, n = dist.get_rank(), dist.get_world_size()
     # Rank 1 builds other weights and buffers: fully_shard starts every rank from rank 0's.
     models = {"ours": _sharded(Tied(seed=rank)), "moved": _sharded(Tied(seed=rank), embed_unit=True),
-              "kept": _sharded(Tied(seed=rank), reshard_after_forward=False),
+              "kept": _sharded(Tied(seed=rank), reshard_after_forward=False), "failed": _sharded(Tied(seed=rank)),
               "torch": _sharded(Tied(), torch_fully_shard)}
     opts = {k: torch.optim.Adam(m.parameters(), lr=1e-2) for k, m in models.items()}
     single = Tied()
     single_opt = torch.optim.Adam(single.parameters(), lr=1e-2)
     steps, held = [], []
-    for X, y in _batches():
+    for step, (X, y) in enumerate(_batches()):
+        if step == 0:  # "failed" first runs a backward that raises halfway: the next step must not notice
+            failing = models["failed"].layers[0].register_forward_hook(_fail_in_backward)
+            try:
+                models["failed"](shard(X, y, rank, n)[0]).sum().backward()
+            except ValueError:
+                pass
+            failing.remove()
         for k, model in models.items():
             _step(model, opts[k], X, y, rank, n)
         _step(single, single_opt, X, y, 0, 0)
@@ -115,7 +130,7 @@ def test_equals_torch_fsdp2_and_one_process_with_tied_frozen_and_root_parameters
         want = results[0]["steps"][step]["single"]
         for r in range(n):
             got = results[r]["steps"][step]
-            for k in ("ours", "moved", "kept"):
+            for k in ("ours", "moved", "kept", "failed"):
                 assert list(got[k]) == list(want), f"{k}: keys as the unsharded model's, in its order"
                 for key in want:
                     torch.testing.assert_close(got[k][key], got["torch"][key], rtol=0, atol=1e-6,
@@ -139,7 +154,7 @@ def test_parameters_are_this_ranks_shards_and_nothing_else_is_held_between_steps
         for name, _, trains, has_grad in r["params"]:
             assert name.rpartition(".")[2].startswith("flat_shard_float32"), name
             assert trains == (not name.endswith("_frozen")) == has_grad, name
-        assert all(h == {"ours": 0, "moved": 0, "kept": 0} for h in r["held"]), r["held"]
+        assert all(set(h.values()) == {0} for h in r["held"]), r["held"]
 
 
 def _prefetch_job():

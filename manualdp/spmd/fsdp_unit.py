@@ -203,8 +203,9 @@ class Unit:
 
     def before_forward(self, module, args) -> None:
         top = self.top()
-        if top.depth == 0 and not top.in_backward:  # a new step (a forward never followed by backward is dropped)
-            top.end_step()
+        if top.depth == 0 and not (top.in_backward and _inside_backward()):  # a new step, not a recomputation
+            top.in_backward = False  # a backward that raised never reached `end_backward`
+            top.end_step()           # a forward never followed by backward is dropped
         top.depth, self.entered = top.depth + 1, self.entered + 1
         top.order.append(self)
         self.gather("forward", wait=False)
@@ -271,6 +272,8 @@ class Unit:
         for u in self.tree():
             u.free()
             u.ready, u.reduced, u.seen, u.reducing = 0, False, False, None
+            for leaf in u.leaves:  # left by a backward that raised
+                leaf.grad = None
         if self.order:
             self.last_order, self.order = self.order, []
 
@@ -278,6 +281,11 @@ class Unit:
         if self.recorder is None:
             return contextlib.nullcontext()
         return self.recorder.span(name, track, cat=cat)
+
+
+def _inside_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (torch has no public way to ask)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(obj):
