@@ -114,3 +114,11 @@ def test_without_hypothesis_the_checker_says_what_to_install(monkeypatch, capsys
     monkeypatch.setitem(sys.modules, "hypothesis", None)  # `import hypothesis` now raises ImportError
     status, out = check(capsys, "allreduce", SOLUTIONS / "allreduce.py")
     assert status == 1 and "need hypothesis: pip install hypothesis" in out
+
+
+def test_the_books_sample_message_is_what_the_grader_says(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    pathlib.Path("my_allreduce.py").write_text(WRONG["allreduce"][0])
+    status, out = check(capsys, "allreduce", "my_allreduce.py")
+    sample = re.search(r"```text\n(FAIL allreduce.*?)```", (SOLUTIONS.parent / "README.md").read_text(), re.S).group(1)
+    assert status == 1 and out == " ".join(sample.split())

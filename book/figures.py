@@ -1,0 +1,165 @@
+"""Every figure of the book, made from manualdp's own code.
+
+    python book/figures.py                  # into book/figures/
+    python book/figures.py --out /tmp/figs --fast
+
+The chapters show them from book/figures/. tests/test_book.py builds them all (`--fast`: fewer
+steps and sizes, the same pictures) and checks that every figure a chapter shows is made here.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from matplotlib.animation import FuncAnimation, PillowWriter
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from torch import nn
+
+import manualdp
+from manualdp.cost import traffic
+from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, pictures, plot
+from manualdp.schedule import ALGORITHMS, get_collective, get_schedule
+from manualdp.spmd.tune import Link, predict
+from manualdp.support.plot_rounds import draw_panel
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+COLLECTIVES = ["naive", "ring", "tree", "halving_doubling", "reduce_scatter", "all_gather"]  # chapter 2, 4 devices
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+# ---------------------------------------------------------------- chapter 1: N devices equal one
+
+def same_as_one_device(path: str, fast: bool) -> None:
+    """Train one MLP on 1 device and on 4 simulated devices, on the same global batches: the same losses."""
+    steps, devices = (6 if fast else 30), manualdp.cpu_devices(4)
+    g = torch.Generator().manual_seed(0)
+    X, y = torch.randn(steps, 64, 20, generator=g, dtype=torch.float64), torch.randint(0, 5, (steps, 64), generator=g)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(20, 32), nn.ReLU(), nn.Linear(32, 5)).double()
+    runs = {}
+    for k in (1, 4):
+        replicas = manualdp.replicate(net, devices[:k])
+        opts = [torch.optim.SGD(r.parameters(), lr=0.5) for r in replicas]
+        losses = [manualdp.train_batch(X[s], y[s], replicas, opts, devices[:k]).loss / 64 for s in range(steps)]
+        runs[k] = (losses, list(replicas[0].parameters()))
+    diff = max((a - b).abs().max().item() for a, b in zip(runs[1][1], runs[4][1]))
+    fig = _figure(6.5, 3.2)
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(range(1, steps + 1), runs[1][0], "o-", label="1 device", lw=3, alpha=0.4)
+    ax.plot(range(1, steps + 1), runs[4][0], "x--", label="4 simulated devices", color="black")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean loss of the global batch")
+    ax.set_title(f"the same steps: largest parameter difference after {steps} steps {diff:.1e}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ---------------------------------------------------------------- chapter 2: collectives as schedules
+
+def collective(name: str):
+    def draw(path: str, fast: bool) -> None:
+        plot(name, 4, path)
+    return draw
+
+
+def ring_gif(path: str, fast: bool) -> None:
+    """The ring allreduce on 4 devices, one frame per round: which chunk goes where, and what each device holds."""
+    schedule = get_schedule("ring", 4)
+    cells, shares = pictures(schedule)
+    fig = _figure(5.6, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+
+    def frame(r: int):
+        ax.clear()
+        title = "start: device d holds its own values" if r == 0 else f"round {r}: {schedule.phases[r - 1]}"
+        draw_panel(ax, cells[r], shares[r], list(schedule.rounds[r - 1]) if r else [], title)
+        fig.suptitle("ring allreduce (red: add, blue: overwrite)", fontsize=9)
+
+    frames = list(range(len(schedule.rounds) + 1)) + [len(schedule.rounds)]  # hold the last frame
+    FuncAnimation(fig, frame, frames=frames).save(path, writer=PillowWriter(fps=1), dpi=70 if fast else 100)
+
+
+def bytes_per_device(path: str, fast: bool) -> None:
+    """The busiest device's bytes sent, in units of the buffer S, against the textbook formulas."""
+    S, ns = 840 * 64, list(range(2, 17))  # S divisible by every chunk count drawn: no rounding
+    fig = _figure(6.5, 3.4)
+    ax = fig.add_subplot(1, 1, 1)
+    for name in ALGORITHMS:
+        sent = [max(traffic(get_schedule(name, n), S)["sent"]) / S for n in ns]
+        ax.plot(ns, sent, "o", label=f"{name} (counted from its schedule)")
+    ax.plot(ns, [n - 1 for n in ns], "-", color="gray", lw=0.8, label="(n-1): naive's device 0")
+    ax.plot(ns, [2 * (n - 1) / n for n in ns], "--", color="black", lw=0.8, label="2(n-1)/n: the ring")
+    ax.set_xlabel("devices n")
+    ax.set_ylabel("bytes sent by the busiest device / S")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+# ---------------------------------------------------------------- chapter 3: the cost model
+
+def predicted_time(path: str, fast: bool) -> None:
+    """The alpha-beta-gamma model's time for each allreduce, against the buffer's size, at 8 devices."""
+    link = Link(DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA)
+    sizes = [4 << (2 * i) for i in range(0, 13, 2 if fast else 1)]  # 4 B .. 64 MiB
+    fig = _figure(6.5, 3.6)
+    ax = fig.add_subplot(1, 1, 1)
+    for name in ALGORITHMS:
+        ax.plot(sizes, [predict(name, 8, s, link, segment_bytes=None) * 1e6 for s in sizes], "o-", ms=3, label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("bytes per device (S)")
+    ax.set_ylabel("predicted microseconds")
+    ax.set_title("8 devices, alpha 5 us, 20 GB/s links: latency rules small buffers, bandwidth large ones", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+FIGURES = {
+    "same-as-one-device.png": same_as_one_device,
+    **{f"{name}.png": collective(name) for name in COLLECTIVES},
+    "ring.gif": ring_gif,
+    "bytes.png": bytes_per_device,
+    "predicted.png": predicted_time,
+}
+
+
+def build(out: str, fast: bool = False, names=None) -> list[str]:
+    """Make the figures `names` (default: all) into the folder `out`; returns their paths."""
+    os.makedirs(out, exist_ok=True)
+    torch.set_num_threads(1)
+    paths = []
+    for name in names or FIGURES:
+        path = os.path.join(out, name)
+        FIGURES[name](path, fast)
+        paths.append(path)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python book/figures.py", description="Make every figure of the book.")
+    parser.add_argument("--out", default=os.path.join(HERE, "figures"), help="folder (default: book/figures)")
+    parser.add_argument("--fast", action="store_true", help="fewer steps and sizes: for the tests")
+    parser.add_argument("names", nargs="*", metavar="NAME", help=f"only these figures, of: {', '.join(FIGURES)}")
+    args = parser.parse_args(argv)
+    unknown = [n for n in args.names if n not in FIGURES]
+    if unknown:
+        parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(FIGURES)}")
+    for path in build(args.out, args.fast, args.names):
+        print(f"wrote {os.path.relpath(path)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

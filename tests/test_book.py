@@ -1,0 +1,66 @@
+"""The book (book/) does not go stale: every chapter's code runs, and every figure it shows is made by book/figures.py."""
+import importlib.util
+import pathlib
+import re
+
+import pytest
+from mktestdocs import check_md_file, grab_code_blocks
+from PIL import Image
+
+from manualdp.schedule import ring
+
+BOOK = pathlib.Path(__file__).resolve().parents[1] / "book"
+CHAPTERS = sorted(BOOK.glob("[0-9][0-9]-*.md"))
+PAGES = CHAPTERS + [BOOK / "README.md"]
+
+
+def figures_module():
+    spec = importlib.util.spec_from_file_location("book_figures", BOOK / "figures.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_the_code_of_a_chapter_runs_in_order(chapter, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # what a chapter writes lands here
+    blocks = grab_code_blocks(chapter.read_text(), lang="python")
+    assert blocks and any("assert" in b for b in blocks), f"{chapter.name} has no code that checks what it says"
+    check_md_file(chapter, memory=True)  # the blocks share one namespace, as in a notebook
+
+
+def test_a_chapter_whose_code_fails_fails(tmp_path):
+    page = tmp_path / "99-wrong.md"
+    page.write_text("Text.\n\n```python\nx = 1\n```\n\n```bash\nexit 1\n```\n\n```python\nassert x == 2\n```\n")
+    with pytest.raises(AssertionError):
+        check_md_file(page, memory=True)
+
+
+def test_every_figure_builds(tmp_path):
+    figures = figures_module()
+    paths = figures.build(str(tmp_path), fast=True)
+    assert sorted(pathlib.Path(p).name for p in paths) == sorted(figures.FIGURES)
+    for path in paths:
+        with Image.open(path) as image:
+            assert image.format == ("GIF" if path.endswith(".gif") else "PNG") and min(image.size) > 100
+            if image.format == "GIF":  # the ring: the start, then one frame per round
+                assert image.n_frames == len(ring(4).rounds) + 1
+
+
+def shown(page: pathlib.Path) -> list[str]:
+    return re.findall(r"!\[[^\]]*\]\(figures/([^)]+)\)", page.read_text())
+
+
+def test_every_figure_shown_is_made_by_figures_py_and_every_figure_made_is_shown():
+    made = set(figures_module().FIGURES)
+    pictures = {name for page in PAGES for name in shown(page)}
+    assert pictures <= made, f"shown but not made by book/figures.py: {sorted(pictures - made)}"
+    assert made <= pictures, f"made but shown in no chapter: {sorted(made - pictures)}"
+    missing = [name for name in pictures if not (BOOK / "figures" / name).is_file()]
+    assert not missing, f"run python book/figures.py: book/figures/ lacks {missing}"
+
+
+def test_the_links_between_pages_lead_somewhere():
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#:]+)\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
