@@ -95,7 +95,7 @@ def _job():
     opts = {k: torch.optim.Adam(m.parameters(), lr=1e-2) for k, m in models.items()}
     single = Tied()
     single_opt = torch.optim.Adam(single.parameters(), lr=1e-2)
-    steps, held = [], []
+    steps, held, evaluated = [], [], []
     for step, (X, y) in enumerate(_batches()):
         if step == 0:  # "failed" first runs a backward that raises halfway: the next step must not notice
             failing = models["failed"].layers[0].register_forward_hook(_fail_in_backward)
@@ -104,6 +104,9 @@ def _job():
             except ValueError:
                 pass
             failing.remove()
+        with torch.no_grad():  # an evaluation between steps: every rank the whole batch, nothing kept after
+            evaluated.append({k: models[k](X) for k in ("ours", "kept")} | {"single": single(X)})
+            held.append({k: _held(models[k]) for k in ("ours", "kept")})
         for k, model in models.items():
             _step(model, opts[k], X, y, rank, n)
         _step(single, single_opt, X, y, 0, 0)
@@ -111,7 +114,7 @@ def _job():
                      | {"torch": _full(models["torch"].state_dict()), "single": _full(single.state_dict())})
         held.append({k: _held(m) for k, m in models.items() if k != "torch"})
     ours = models["ours"]
-    return {"steps": steps, "held": held, "params": [(name, p.numel(), p.requires_grad, p.grad is not None)
+    return {"steps": steps, "held": held, "evaluated": evaluated, "params": [(name, p.numel(), p.requires_grad, p.grad is not None)
                                                      for name, p in ours.named_parameters()],
             "prefetch": _prefetch_job(), "bad input": _bad_input_job(),
             "checkpoint": _checkpoint_job() if n == 3 else None}
@@ -138,6 +141,10 @@ def test_equals_torch_fsdp2_and_one_process_with_tied_frozen_and_root_parameters
                     torch.testing.assert_close(got[k][key], want[key], rtol=0, atol=1e-6,
                                                msg=f"rank {r} step {step} {k} {key}: against one process")
                     assert torch.equal(got[k][key], results[0]["steps"][step][k][key]), "ranks differ"
+    for r in range(n):
+        for got in results[r]["evaluated"]:
+            for k in ("ours", "kept"):
+                torch.testing.assert_close(got[k], got["single"], rtol=0, atol=1e-6, msg=f"{k}: forward under no_grad")
     last, start = results[0]["steps"][-1]["single"], Tied()
     assert not torch.equal(last["layers.0.weight"], start.layers[0].weight), "it trains"
     assert torch.equal(last["layers.1.weight"], start.layers[1].weight), "the frozen layer does not"

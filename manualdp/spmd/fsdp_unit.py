@@ -149,6 +149,8 @@ class Unit:
 
     def gather(self, why: str, wait: bool = True) -> None:
         """Start filling the full buffers unless they are (being) filled; with `wait`, wait until they are."""
+        if not self.fulls:  # a unit without parameters of its own
+            return
         if not self.gathered:
             for full in self.fulls:
                 full.untyped_storage().resize_(full.numel() * full.element_size())
