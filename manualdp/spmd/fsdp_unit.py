@@ -4,12 +4,14 @@
 one unit does in a step. It is the book's ZeRO-3 (`manualdp.zero3`) with one process per rank:
 
 1. before the unit's forward, an all-gather fills a full flat buffer per dtype from every rank's
-   shard; the module's parameters are views of it. After the forward its memory is freed;
+   shard; the module's parameters are views of it. After the forward its memory is freed
+   (`reshard_after_forward`; the outermost unit keeps it, backward starts there);
 2. when backward reaches the unit's outputs (a hook on them), the buffer is filled again, in
    the same memory: the weights that forward saved for backward read the right values again;
 3. once autograd has accumulated the gradient of each trainable parameter of the unit, a
    reduce-scatter of them (one flat buffer per dtype) leaves this rank the sum of its chunk,
-   divided by the number of ranks, in the shard's `.grad`; the full buffer is freed;
+   divided by the number of ranks, in the shard's `.grad`; the full buffer is freed (at the end
+   of backward in a unit with frozen parameters: backward may still read those);
 4. the optimizer steps the shards: they are what `module.parameters()` yields.
 
 "Freed" is `untyped_storage().resize_(0)`: the views (and what autograd saved) keep their shape
