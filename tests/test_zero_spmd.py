@@ -115,14 +115,15 @@ def _train_spmd_job():
     from torch.utils.data import DataLoader, TensorDataset
 
     from manualdp import train_spmd
+    from manualdp.spmd import full_state_dict
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(60, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (60,), generator=g))
     out = {}
-    for zero in (None, 1, 2):
+    for zero in (None, 1, 2, 3):
         net = _mlp()
         train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=30), 2, 1e-2,
                    optimizer=torch.optim.Adam, zero=zero, progress=False, log=None)
-        out[zero] = _flat(net)
+        out[zero] = _flat(net) if zero != 3 else torch.cat([v.reshape(-1) for k, v in full_state_dict(net).items()])
     try:
         train_spmd(_mlp(), DataLoader(data, batch_size=13), DataLoader(data), 1, 1e-2, zero=2, nonfinite="raise", log=None)
     except ValueError as e:
@@ -133,7 +134,7 @@ def _train_spmd_job():
 def test_train_spmd_with_zero_equals_train_spmd_without():
     results = launch(_train_spmd_job, 2, timeout=180.0)
     for r in range(2):
-        for zero in (1, 2):
+        for zero in (1, 2, 3):  # (ZeRO-3: the model put together from the shards, in state-dict order)
             torch.testing.assert_close(results[r][zero], results[r][None], rtol=0, atol=1e-10)
             assert torch.equal(results[r][zero], results[0][zero])
         assert "nonfinite" in results[r]["refused"]
@@ -164,7 +165,7 @@ class _StopAt(nn.CrossEntropyLoss):
         return super().forward(out, y)
 
 
-RESUME_CASES = [(stage, name) for stage in (1, 2) for name in ("sgd", "adam", "adamw")]
+RESUME_CASES = [(stage, name) for stage in (1, 2) for name in ("sgd", "adam", "adamw")] + [(3, "adam")]
 
 
 def _resume_job(root):
@@ -173,6 +174,7 @@ def _resume_job(root):
     from torch.utils.data import DataLoader, TensorDataset
 
     from manualdp import train_spmd
+    from manualdp.spmd import full_state_dict
     from manualdp.support.checkpoint import load_latest
     g = torch.Generator().manual_seed(3)
     data = TensorDataset(torch.randn(52, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (52,), generator=g))
@@ -186,7 +188,7 @@ def _resume_job(root):
             net = _uneven_mlp()
             train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=26), 2, lr, optimizer=cls,
                        zero=stage, nonfinite=None, progress=False, log=None, **kw, **extra)
-            return _flat(net)
+            return _flat(net) if stage != 3 else torch.cat([v.reshape(-1) for v in full_state_dict(net).values()])
 
         ckpt = os.path.join(root, f"{stage}-{name}")
         ref = run()

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer (default: sgd)")
     t.add_argument("--zero", type=int, choices=[1, 2, 3], default=None,
                    help="ZeRO stage: 1 shards the optimizer state over the devices, 2 also the gradients, "
-                        "3 also the parameters (in one process; no --trace or --nonfinite check with it)")
+                        "3 also the parameters (no --nonfinite check with it)")
     t.add_argument("--trace", metavar="PATH", help="write a timeline of every step as Chrome trace JSON (Perfetto)")
     t.add_argument("--plot-trace", metavar="PATH", help="draw the timeline as a PNG (needs --trace)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
@@ -141,11 +141,11 @@ def check_train_args(args) -> str | None:
     if args.zero == 2 and world_size > 1 and args.nonfinite in ("raise", "skip"):
         return (f"--nonfinite {args.nonfinite} needs the averaged gradients on every rank, and with --zero 2 each rank "
                 "holds only its shard: pass --nonfinite off, or --zero 1")
-    if args.zero == 3 and world_size > 1:
-        return "--zero 3 runs in one process on simulated or local devices; under torchrun use --zero 1 or 2"
-    if args.zero == 3 and (args.nonfinite in ("raise", "skip") or args.trace):
-        return ("--zero 3 has no non-finite check and no timeline yet: leave out --trace, and --nonfinite or pass "
-                "--nonfinite off")
+    if args.zero == 3 and args.nonfinite in ("raise", "skip"):
+        return (f"--nonfinite {args.nonfinite} needs the averaged gradients, and with --zero 3 each device holds "
+                "only its shard: leave --nonfinite out, or pass --nonfinite off")
+    if args.zero == 3 and world_size == 1 and args.trace:
+        return "--zero 3 in one process has no timeline yet: leave out --trace (under torchrun it has one)"
     if args.plot and not args.plot.lower().endswith(".png"):
         return f"--plot: {args.plot!r} must end in .png"
     if args.plot_trace and (not args.trace or not args.plot_trace.lower().endswith(".png")):

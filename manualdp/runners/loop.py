@@ -20,6 +20,7 @@ from ..guard import NonFiniteGuard
 from ..replicate import copy_params_, replicate
 from ..schedule import ALGORITHMS
 from ..spmd.ddp import DistributedDataParallel
+from ..spmd.fsdp import fully_shard
 from ..spmd.launch import rank_device, shard
 from ..spmd.collectives import allreduce
 from ..spmd.peers import PeerError
@@ -191,13 +192,10 @@ def train_spmd(
     """
     trainable("net", nn_module("net", net))
     if nonfinite == "auto":  # the default: check wherever every rank holds the averaged gradients
-        nonfinite = None if zero == 2 else "raise"
+        nonfinite = None if zero in (2, 3) else "raise"
     opts = RunOptions.of(locals()).checked(ENGINE_ALGORITHMS)
     iterable("train_iter", train_iter)
     iterable("test_iter", test_iter)
-    if opts.zero == 3:
-        raise ValueError("zero=3 is not available under torchrun yet: pass zero=1 or 2 (the single controller, "
-                         "train, has ZeRO-3)")
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised: call manualdp.spmd.init_from_env() first")
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -211,15 +209,19 @@ def train_spmd(
 def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_size: int, device) -> History | None:
     algorithm, timeout, log, checkpoint_dir = opts.algorithm, opts.timeout, opts.log, opts.checkpoint_dir
 
-    # rebuild_buckets=False: the single controller's buckets, so that the sums match it bit for bit
-    model = DistributedDataParallel(net.to(device), bucket_cap_mb=opts.bucket_cap_mb, algorithm=algorithm,
-                                    timeout=timeout, rebuild_buckets=False)
+    if opts.zero in (2, 3) and opts.nonfinite is not None:
+        raise ValueError(f"nonfinite={opts.nonfinite!r} needs the averaged gradients on every rank; ZeRO-{opts.zero} "
+                         "has only shards: pass nonfinite=None or zero=1")
     make, kwargs = optimizer_factory(opts.optimizer, opts.lr, opts.momentum, opts.weight_decay)
-    if opts.zero == 2 and opts.nonfinite is not None:
-        raise ValueError(f"nonfinite={opts.nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 has only "
-                         "shards: pass nonfinite=None or zero=1")
-    optimizer = (SpmdZero(net.parameters(), make, stage=opts.zero, timeout=timeout, **kwargs) if opts.zero
-                 else make(net.parameters(), **kwargs))
+    if opts.zero == 3:  # no wrapper: the shards' gradients are averaged by fully_shard's reduce-scatters
+        model = FullyShardedModel(net.to(device), timeout, Trace(pid=rank) if opts.trace is not None else None)
+        optimizer = make(net.parameters(), **kwargs)  # this rank's shards
+    else:
+        # rebuild_buckets=False: the single controller's buckets, so that the sums match it bit for bit
+        model = DistributedDataParallel(net.to(device), bucket_cap_mb=opts.bucket_cap_mb, algorithm=algorithm,
+                                        timeout=timeout, rebuild_buckets=False)
+        optimizer = (SpmdZero(net.parameters(), make, stage=opts.zero, timeout=timeout, **kwargs) if opts.zero
+                     else make(net.parameters(), **kwargs))
     history = History(config=opts.history_config(world_size=world_size, backend=dist.get_backend(),
                                                   device=str(device)))
     identity = opts.identity(net, world_size=world_size, backend=dist.get_backend(), device_type=device.type)
@@ -253,12 +255,13 @@ def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_s
                         f"on {world_size} ranks")
         timeline = None
         if opts.trace is not None:
-            model.recorder = Trace(pid=rank)
+            if model.recorder is None:  # (ZeRO-3's was handed to fully_shard)
+                model.recorder = Trace(pid=rank)
             timeline = Timeline(model.recorder, [net], ["compute"], [optimizer], single_controller=False)
         sharded = getattr(train_iter, "batch_sampler", None)
         sharded = sharded if isinstance(sharded, ShardedBatchSampler) else None  # see manualdp.spmd.shard_loader
-        mode = OneRank(model, optimizer, summed_loss(opts.loss_fn), opts.nonfinite, device, algorithm, timeout,
-                       test_iter, sharded)
+        mode = (FullyShardedRank if opts.zero == 3 else OneRank)(
+            model, optimizer, summed_loss(opts.loss_fn), opts.nonfinite, device, algorithm, timeout, test_iter, sharded)
         run_epochs(mode, loop, history, opts.num_epochs, opts.checkpoint_every, opts.progress, log)
         if timeline is not None:
             timeline.close_backward()
@@ -270,6 +273,23 @@ def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_s
     finally:
         release()
     return history if rank == 0 else None
+
+
+class FullyShardedModel(nn.Module):
+    """`net` with `fully_shard` applied to each child that has parameters, then to itself: what `OneRank`
+    needs of a wrapper (`rank`, `world_size`, `module`, `recorder`)."""
+
+    def __init__(self, net: nn.Module, timeout: float | None, recorder=None):
+        super().__init__()
+        self.module, self.recorder = net, recorder
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        for child in net.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, timeout=timeout, recorder=recorder)
+        fully_shard(net, timeout=timeout, recorder=recorder)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 def run_epochs(mode, loop: TrainingState, history: History, num_epochs: int, checkpoint_every: int | None,
@@ -456,6 +476,17 @@ class OneRank:
             agree_all_saved(error, loop.checkpoint_dir, self.device, self.algorithm, self.timeout)
         except PeerError as e:  # a peer lost while the ranks compare their saves: say where training was
             raise e.at(f"step {loop.global_step} (after its checkpoint)") from e.__cause__
+
+
+class FullyShardedRank(OneRank):
+    """`OneRank` for ZeRO-3: a forward gathers parameters from every rank, so every rank evaluates, together."""
+
+    def totals(self, loop, epoch: int) -> tuple[float, float]:
+        self.accuracy = evaluate(self.model.module, self.test_iter, self.device)  # every rank, in step
+        return super().totals(loop, epoch)
+
+    def evaluate(self) -> float:
+        return self.accuracy
 
 
 def _len(iterable_) -> int | None:
