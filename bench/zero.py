@@ -1,4 +1,4 @@
-"""Memory of ZeRO-1/2 against plain DDP, measured per rank: optimizer state and peak memory.
+"""Memory of ZeRO-1/2 against plain DDP, measured per rank: optimizer state, gradients and peak memory.
 
     python bench/zero.py --world-size 2 --json bench/results/zero_2.json
     python bench/zero.py --world-size 4 --optimizer adam
@@ -6,6 +6,7 @@
 Each configuration runs in fresh processes (gloo on 127.0.0.1), so that each one's peak
 memory is its own. On every rank it builds the same MLP, trains `--steps` steps and reports:
 - optimizer-state bytes: summed over the tensors in the optimizer's state (measured, not computed);
+- gradient bytes held after backward: every `.grad`, and what ZeRO-2 keeps instead (its shard);
 - peak memory: the process's peak resident set size (`ru_maxrss`) minus its resident size
   just before the model was built, i.e. what the model, its gradients, the optimizer and
   the communication buffers added at their peak;
@@ -54,6 +55,12 @@ def _state_bytes(optimizer) -> int:
                if isinstance(v, torch.Tensor))
 
 
+def _grad_bytes(net: nn.Module, optimizer) -> int:
+    if hasattr(optimizer, "gradient_bytes"):  # ours: the .grad and its own gradient buffers
+        return optimizer.gradient_bytes()
+    return sum(p.grad.numel() * p.grad.element_size() for p in net.parameters() if p.grad is not None)
+
+
 def _rank_main(config: dict) -> dict:
     """One rank of one configuration: build, train, measure."""
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -87,11 +94,12 @@ def _rank_main(config: dict) -> dict:
                 nn.functional.cross_entropy(model(X), y).backward()
         else:
             nn.functional.cross_entropy(model(X), y).backward()
+        grads = _grad_bytes(net, opt)
         opt.step()
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params = sum(p.numel() * p.element_size() for p in net.parameters())
-    return {"rank": rank, "world_size": n, "state_bytes": _state_bytes(opt), "param_bytes": params,
+    return {"rank": rank, "world_size": n, "state_bytes": _state_bytes(opt), "grad_bytes": grads, "param_bytes": params,
             "peak_bytes": max(0, peak - before), "step_s": statistics.median(times[1:] or times)}
 
 
@@ -116,13 +124,15 @@ def format_table(result: dict) -> str:
     base = {(r["config"].split()[0], r["rank"]): r for r in result["rows"] if r["config"].endswith("DDP")}
     lines = [f"# {result['optimizer']}, MLP {result['layers']}x{result['width']} "
              f"({result['rows'][0]['param_bytes'] * mib:.1f} MiB of parameters), world size {result['world_size']}",
-             f"{'configuration':<17}{'rank':>5}{'state MiB':>11}{'state/DDP':>11}{'peak MiB':>10}{'peak/DDP':>10}"
+             f"{'configuration':<17}{'rank':>5}{'state MiB':>11}{'state/DDP':>11}{'grad MiB':>10}{'peak MiB':>10}"
+             f"{'peak/DDP':>10}"
              f"{'step ms':>9}{'time/DDP':>10}"]
     for r in result["rows"]:
         ddp = base[(r["config"].split()[0], r["rank"])]
         ratio = (lambda a, b: f"{a / b:.3f}" if b else "-")
         lines.append(f"{r['config']:<17}{r['rank']:>5}{r['state_bytes'] * mib:>11.2f}"
-                     f"{ratio(r['state_bytes'], ddp['state_bytes']):>11}{r['peak_bytes'] * mib:>10.1f}"
+                     f"{ratio(r['state_bytes'], ddp['state_bytes']):>11}{r['grad_bytes'] * mib:>10.2f}"
+                     f"{r['peak_bytes'] * mib:>10.1f}"
                      f"{ratio(r['peak_bytes'], ddp['peak_bytes']):>10}{r['step_s'] * 1e3:>9.1f}"
                      f"{ratio(r['step_s'], ddp['step_s']):>10}")
     return "\n".join(lines)

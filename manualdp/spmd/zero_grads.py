@@ -72,10 +72,10 @@ class GradientShards:
         self.worker = group_worker(group)  # the one thread that runs this group's collectives in order
         self.bucket_of = {j: k for k, bucket in enumerate(buckets) for j in bucket.params}
         self.index = {id(p): j for j, p in enumerate(params)}
-        self.largest: dict[torch.dtype, int] = {}  # per dtype, the elements of its largest bucket
-        for bucket in buckets:
-            dtype = params[bucket.params[0]].dtype
-            self.largest[dtype] = max(self.largest.get(dtype, 0), bucket.hi - bucket.lo)
+        self.largest: dict[tuple, int] = {}  # per buffer (dtype, k % 2), the elements of the largest bucket k in it
+        for k, bucket in enumerate(buckets):
+            slot = (params[bucket.params[0]].dtype, k % 2)
+            self.largest[slot] = max(self.largest.get(slot, 0), bucket.hi - bucket.lo)
         self.shards: list[torch.Tensor | None] = [None] * len(plan.buffers)  # this rank's sums, per buffer
         self.used = [False] * len(params)  # which parameters had a gradient here since zero_grad
         method = weakref.WeakMethod(self._grad_ready)  # a dropped optimizer takes no more gradients
@@ -180,7 +180,7 @@ class GradientShards:
         if slot in self.sending:
             self.sending.pop(slot).result()
         if slot not in self.buffers:
-            self.buffers[slot] = torch.empty(self.largest[like.dtype], dtype=like.dtype, device=like.device)
+            self.buffers[slot] = torch.empty(self.largest[slot], dtype=like.dtype, device=like.device)
         return self.buffers[slot][:bucket.hi - bucket.lo]
 
     def _send(self) -> None:
