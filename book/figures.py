@@ -126,12 +126,44 @@ def predicted_time(path: str, fast: bool) -> None:
     fig.savefig(path)
 
 
+# ---------------------------------------------------------------- chapter 4: the DDP ladder
+
+def ladder(path: str, fast: bool) -> None:
+    """One step of every rung on 2 ranks (rank 0): compute above, communication below."""
+    from manualdp.runners.ladder import RUNGS, record_ladder
+    from manualdp.spmd import launch
+
+    timelines = launch(record_ladder, 2, (1 if fast else 5,), timeout=300)[0]
+    colours = {"forward": "#4c9be8", "backward": "#e8884c", "step": "#59b36b", "wait": "#d04a4a", "allreduce": "#b04ad0"}
+    fig = _figure(7.5, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    labels = []
+    for i, rung in enumerate(RUNGS):
+        for j, track in enumerate(("compute", "comm")):
+            row = 2 * i + j
+            labels.append(f"{rung}: {track}")
+            for span in timelines[rung]["spans"]:
+                if span["track"] == track:
+                    ax.broken_barh([(span["start_ms"], span["end_ms"] - span["start_ms"])], (row - 0.4, 0.8),
+                                   facecolors=colours[span["name"]], edgecolor="white", linewidth=0.5)
+                    if "queued_ms" in span:
+                        ax.plot(span["queued_ms"], row, "k|", ms=9)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+    ax.set_xlabel("ms from the start of the step, rank 0")
+    ax.set_title("forward (blue), backward (orange), allreduce (purple), waiting for it (red), step (green);\n"
+                 "| marks when backward handed an allreduce to the communication thread", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
 FIGURES = {
     "same-as-one-device.png": same_as_one_device,
     **{f"{name}.png": collective(name) for name in COLLECTIVES},
     "ring.gif": ring_gif,
     "bytes.png": bytes_per_device,
     "predicted.png": predicted_time,
+    "ladder.png": ladder,
 }
 
 

@@ -36,6 +36,20 @@ def test_a_chapter_whose_code_fails_fails(tmp_path):
         check_md_file(page, memory=True)
 
 
+def stripped(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+def test_the_excerpts_are_the_code():
+    # `py` blocks are shown, not run: each must still be lines of a file of the package, in order
+    sources = [stripped(path.read_text()) for path in (BOOK.parent / "manualdp").rglob("*.py")]
+    for chapter in CHAPTERS:
+        for block in grab_code_blocks(chapter.read_text(), lang="py"):
+            lines = stripped(block)
+            found = any(src[i:i + len(lines)] == lines for src in sources for i in range(len(src)))
+            assert found, f"{chapter.name}: this excerpt is no longer in manualdp/:\n{block}"
+
+
 def test_every_figure_builds(tmp_path):
     figures = figures_module()
     paths = figures.build(str(tmp_path), fast=True)
