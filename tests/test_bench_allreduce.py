@@ -109,13 +109,16 @@ def test_spmd_sweep_times_auto_against_its_prediction_and_gloo(tmp_path, monkeyp
         assert r["predicted_us"] > 0
         same = {"naive": "tree", "tree": "naive"}  # one schedule at two ranks
         assert r["pick_is_fastest"] == (r["fastest"] in (r["pick"], same.get(r["pick"])))
-    assert result["link"] == {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0}
+    assert result["link"] == {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0,
+                              "duplex_spread": 0.0}
     checked = [r for r in result["rows"] if r["algorithm"] == "auto+check"]  # auto as users call it, also timed
     assert [r["size"] for r in checked] == [4096, 16384] and all(r["wrong"] == 0 for r in checked)
     assert result["target"]["checked_vs_gloo_min"] is None  # the target counts sizes from 64 KiB only
     missed = [r["pick_vs_fastest"] for r in autos if not r["pick_is_fastest"]]
     assert result["target"]["pick_vs_fastest_max"] == (max(missed) if missed else None)
     assert all(x >= 1.0 for x in missed)  # a miss took at least as long as the fastest
+    assert all(r["pick_within_5pct"] == (r["pick_is_fastest"] or r["pick_vs_fastest"] <= 1.05) for r in autos)
+    assert result["target"]["auto_picks_within_5pct"] == sum(r["pick_within_5pct"] for r in autos)
 
 
 def test_spmd_sweep_busbw_is_algbw_times_2_n_minus_1_over_n(monkeypatch):

@@ -165,6 +165,7 @@ def test_explain_auto_with_ranks_sharing_cores_prefers_the_schedules_where_most_
 
 def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given_ones(capsys, monkeypatch, tmp_path):
     import json
+    import time
 
     from manualdp.spmd.tune import CALIBRATION, cache_path
 
@@ -179,7 +180,8 @@ def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given
     main(["auto", "--devices", "3"])
     assert "defaults: nothing measured yet" in capsys.readouterr().out
     with open(path, "w") as f:
-        json.dump({"alpha": 2e-4, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": CALIBRATION}, f)
+        json.dump({"alpha": 2e-4, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "duplex_spread": 0.0,
+                   "measured_at": time.time(), "calibration": CALIBRATION}, f)
     main(["auto", "--devices", "3"])
     out = capsys.readouterr().out
     assert path in out and "alpha 200.0 us" in out and "duplex 0.50" in out

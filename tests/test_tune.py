@@ -2,6 +2,7 @@
 import json
 import math
 import os
+import time
 
 import pytest
 import torch
@@ -218,7 +219,8 @@ def test_calibration_measures_once_and_rank_zero_caches_it(tmp_path, monkeypatch
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with open(cache_path("gloo", 2)) as f:
         saved = json.load(f)
-    assert saved.pop("calibration") == CALIBRATION and Link(**saved) == link
+    assert saved.pop("calibration") == CALIBRATION and 0 <= time.time() - saved.pop("measured_at") < 120
+    assert Link(**saved) == link
 
 
 # ---------------------------------------------------------------- a hostile cache, a bad MANUALDP_LINK
@@ -230,7 +232,9 @@ def _json(text):
     return write
 
 
-GOOD = '"beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": %d' % CALIBRATION
+NOW = repr(time.time())
+GOOD = '"beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "duplex_spread": 0.0, "measured_at": %s, "calibration": %d' % (
+    NOW, CALIBRATION)
 HOSTILE_CACHES = {
     "huge float": _json('{"alpha": 1e308, %s}' % GOOD),                     # overflows every prediction to inf
     "float past the largest": _json('{"alpha": 1e999, %s}' % GOOD),         # json reads inf
@@ -241,7 +245,9 @@ HOSTILE_CACHES = {
     "string": _json('{"alpha": "fast", %s}' % GOOD),
     "bool": _json('{"alpha": true, %s}' % GOOD),
     "list": _json('{"alpha": [1e-6], %s}' % GOOD),
-    "duplex past 1": _json('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "duplex": 2, "calibration": %d}' % CALIBRATION),
+    "duplex past 1": _json('{"alpha": 1e-6, %s}' % GOOD.replace('"duplex": 0.5', '"duplex": 2')),
+    "measured_at a string": _json('{"alpha": 1e-6, %s}' % GOOD.replace(NOW, '"now"')),
+    "measured_at of 4000 digits": _json('{"alpha": 1e-6, %s}' % GOOD.replace(NOW, "9" * 4000)),
     "extra key": _json('{"alpha": 1e-6, "parallel": 1, %s}' % GOOD),
     "missing key": _json('{%s}' % GOOD),
     "calibration not a number": _json('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": [2]}'),
@@ -294,6 +300,23 @@ def test_an_older_manualdps_cache_is_measured_again_without_a_warning(tmp_path, 
             assert known_link("gloo", 2) == (None, path)
     _json('{"alpha": 1e-6, %s}' % GOOD)(path)  # and this version's is read
     assert known_link("gloo", 2)[0] == Link(1e-6, 1e-9, 1e-10, 0.5, host_parallel("gloo", 2))
+
+
+def test_constants_measured_a_day_ago_or_later_than_now_are_measured_again_without_a_warning(tmp_path, monkeypatch):
+    import warnings
+
+    from manualdp.spmd.tune import MAX_CACHE_AGE, known_link
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("MANUALDP_LINK", raising=False)
+    path = cache_path("gloo", 2)
+    os.makedirs(os.path.dirname(path))
+    for age, kept in ((MAX_CACHE_AGE + 60, False), (-3600, False), (MAX_CACHE_AGE - 60, True), (0, True)):
+        _json('{"alpha": 1e-6, %s}' % GOOD.replace(NOW, repr(time.time() - age)))(path)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            link, _ = known_link("gloo", 2)
+        assert (link == Link(1e-6, 1e-9, 1e-10, 0.5, host_parallel("gloo", 2))) if kept else link is None, age
 
 
 @pytest.mark.parametrize("case", ["a FIFO", "a link to /dev/zero", "nested 100000 deep"])

@@ -203,6 +203,8 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     out = [f"algorithm='auto' for an allreduce of {size_bytes} bytes on {num_devices} ranks",
            f"  link{f' ({source})' if source else ''}: alpha {_us(link.alpha)} per message, beta {link.beta:.3g} s/B"
            f"{_rate(link.beta)}, gamma {link.gamma:.3g} s/B{_rate(link.gamma)}, duplex {link.duplex:.2f}"
+           + (f" +- {link.duplex_spread:.2f} (the pick loses least to the fastest anywhere in that range)"
+              if link.duplex_spread else "")
            + (f", {link.parallel} ranks at once" if 0 < link.parallel < num_devices else ""),
            "", "  {:<18}{:>8}{:>16}".format("algorithm", "rounds", "predicted")]
     for a in ALGORITHMS:
@@ -339,7 +341,8 @@ def _main_auto(parser, args) -> int:
                 source = f"defaults: nothing measured yet at {source}"
             else:
                 link = Link(link.alpha, link.beta, link.gamma, link.duplex if args.duplex is None else args.duplex,
-                            link.parallel if args.parallel is None else args.parallel)
+                            link.parallel if args.parallel is None else args.parallel,
+                            link.duplex_spread if args.duplex is None else 0.0)
         text = explain_auto(args.devices, args.size, link, args.element_size, source,
                             DEFAULT_SEGMENT_BYTES if args.segment_bytes is None else args.segment_bytes)
     except ValueError as e:

@@ -6,6 +6,8 @@ whole buffer: rank i's own chunk is `manualdp.collectives.shard(tensor, i, world
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -14,7 +16,7 @@ from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
 from .p2p import DEFAULT_SEGMENT_BYTES, check_same_call, run_allreduce, run_schedule
 from .peers import group_ranks, group_timeout
-from .tune import ENGINE_ALGORITHMS, resolve
+from .tune import ENGINE_ALGORITHMS, drifted, note, recalibrate, resolve
 
 __all__ = ["allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"]
 
@@ -33,6 +35,10 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     all raise instead of pairing wrong messages. Pass False only where the calls are known to
     match, as `DistributedDataParallel` does for its buckets after checking each step once
     (every rank's buckets were compared at construction).
+
+    With "auto" and the check, each rank times its calls against the cost model's prediction;
+    when one of them sees those times drift (`manualdp.spmd.tune.drifted`), the check tells
+    every rank, and they measure the link again together.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -45,14 +51,20 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     if len(peers) == 1:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
-    if check:  # first: "auto" may measure the link, a collective that every rank must reach
-        check_same_call(tensor, algorithm, segment_bytes, group, timeout)
+    auto = algorithm == "auto"
+    # First: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
+    if check and check_same_call(tensor, algorithm, segment_bytes, group, timeout, flag=auto and drifted(group)):
+        recalibrate(group, timeout)
     if tensor.numel() == 0:
         return
     algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout,
                         segment_bytes)  # "auto": the cost model's pick
+    start = time.perf_counter()
     run_allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
-               timeout=timeout)
+                  timeout=timeout)
+    if auto and check and tensor.device.type == "cpu":  # on a GPU the call returns before the work is done
+        note(group, algorithm, tensor.numel() * tensor.element_size(), tensor.element_size(), segment_bytes,
+             time.perf_counter() - start)
 
 
 

@@ -28,7 +28,8 @@ from ..validate import int_between, non_negative_int, positive_int
 from .peers import PeerError, group_ranks, peer_error, talking_to, wait
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "run_allreduce", "run_schedule", "check_same_call", "everyone_hears_everyone"]
+           "may_post_early", "run_allreduce", "run_schedule", "check_same_call", "everyone_hears_everyone",
+           "Traffic", "traffic"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20  # messages are cut into segments of 1 MiB: the receiver adds one while the next arrives
 
@@ -272,8 +273,11 @@ def everyone_hears_everyone(n: int) -> Schedule:
 
 
 def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
-                    numel: int | None = None) -> None:
+                    numel: int | None = None, flag: bool = False) -> bool:
     """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm, segment size, call number.
+
+    Returns whether any rank raised `flag`, a bit that rides along uncompared, so that every
+    rank takes the same decision from it (`allreduce`: measure the link again).
 
     `numel` (default `tensor.numel()`): the size to compare, for a caller that checks a whole
     sequence of calls at once (`DistributedDataParallel`: all of a step's buckets). The call
@@ -293,15 +297,15 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     key = group if group is not None else dist.group.WORLD
     _CALLS[key] = call = _CALLS.get(key, 0) + 1
     dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    mine = [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes, call]
-    table = torch.tensor([mine if i == rank else [0] * len(_FIELDS) for i in range(len(peers))], dtype=torch.int64,
+    mine = [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes, call, int(flag)]
+    table = torch.tensor([mine if i == rank else [0] * len(mine) for i in range(len(peers))], dtype=torch.int64,
                          device=tensor.device)
     rounds = plan(everyone_hears_everyone(len(peers)), rank, table.numel(), table.numel())  # no segments, no scratch
     run = _run_early if dist.get_backend(group) == "gloo" else _run_grouped
     run(table.view(-1), rounds, peers, group, (table[:0], table[:0]), timeout)
-    rows = table.tolist()
+    *rows, = (row[:-1] for row in table.tolist())
     if all(row == rows[0] for row in rows):
-        return
+        return bool(table[:, -1].any())
     names = {"dtype": lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
              "algorithm": lambda v: _NAMES[v]}
     differ = []
@@ -320,10 +324,43 @@ def run_allreduce(tensor: torch.Tensor, algorithm: str, group, rank: int, peers:
     run_schedule(tensor, get_schedule(algorithm, len(peers)), group, rank, peers, segment_bytes, early, timeout)
 
 
+class Traffic:
+    """The bytes this process has sent by `run_schedule` on one process group, per dtype (e.g. "float32").
+
+    The data of every collective, counted from this rank's sends in its plan as each call
+    starts; not counted: `check_same_call`'s fingerprints, and torch's own collectives. A
+    benchmark reads `traffic(group).sent()` before and after a step, on each rank.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the group's worker thread and the main thread both send
+        self._sent: dict[str, int] = {}
+
+    def add(self, dtype: torch.dtype, nbytes: int) -> None:
+        name = str(dtype).removeprefix("torch.")
+        with self._lock:
+            self._sent[name] = self._sent.get(name, 0) + nbytes
+
+    def sent(self) -> dict[str, int]:
+        """A copy of the counts so far: dtype name -> bytes."""
+        with self._lock:
+            return dict(self._sent)
+
+
+_TRAFFIC: dict[int, Traffic] = {}  # id(process group) -> its counter (the id only, as `group_worker` keeps)
+
+
+def traffic(group=None) -> Traffic:
+    """This process's counter of what `run_schedule` sent on `group` (default: all ranks)."""
+    key = id(group if group is not None else dist.group.WORLD)
+    return _TRAFFIC.setdefault(key, Traffic())
+
+
 def run_schedule(tensor: torch.Tensor, schedule: Schedule, group, rank: int, peers: list[int], segment_bytes: int,
                  early: bool, timeout: float | None) -> None:
     """Run this rank's share of any `schedule` on `tensor`, in place; the arguments are already checked."""
     rounds = plan(schedule, rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
+    traffic(group).add(tensor.dtype, sum(m.hi - m.lo for r in rounds for m in r.sends) * tensor.element_size())
     width = max((r.scratch for r in rounds), default=0)
     space = _scratch(2 * width, tensor)
     scratch = (space[:width], space[width:])  # rounds alternate halves: a round's receives may be posted early

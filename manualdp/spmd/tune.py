@@ -7,19 +7,27 @@ transfer gives beta (the time per byte), and a local addition gives gamma (the t
 added). A ring of two ranks on a large buffer, both ranks sending at once, gives `duplex`: 0
 if a link carries both directions at full speed, 1 if they take turns. Two processes on one
 2-core machine measure about 1, and then the ring at two ranks, two rounds of exchange, loses to
-the naive schedule at every size; on a busy machine the reading swings (0.5 to 1.3 from one
-calibration to the next), and below 1 it makes ring the pick for large buffers. `parallel` is
+the naive schedule at every size; on a busy machine the readings scatter (0.5 to 1.3), and
+below 1 they make ring the pick for large buffers. So the duplex comes with its spread (how far
+the median reading may be off): the calibration reads on while it is wide, and `choose` takes
+the algorithm that loses least to the fastest anywhere within it. `parallel` is
 not measured but counted (`host_parallel`): with more ranks on a host than it has cores (4
 processes on 2 cores), the busy ranks of a round share the cores (`manualdp.cost.shared_cores`),
 which favours schedules that spread a round's work (tree) over one rank doing most of it
 (naive's root). Every rank must choose
 alike, so rank 0 decides the constants (from `MANUALDP_LINK`, its cache or a calibration)
 and broadcasts them; each rank then computes the same argmin from the same numbers.
+
+Constants go stale: a cache older than `MAX_CACHE_AGE` is measured again, and so is a link
+whose measured allreduce times drift from the predictions (`note`, `drifted`, `recalibrate`:
+the drift rides in allreduce's call check, so that all ranks measure again together).
 """
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import math
 import os
 import socket
 import stat
@@ -40,7 +48,8 @@ from .p2p import DEFAULT_SEGMENT_BYTES, run_schedule  # the model pipelines addi
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
-           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES", "CALIBRATION"]
+           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES", "CALIBRATION", "duplex_of", "recalibrate", "note",
+           "drifted", "moved"]
 
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
 ENV = "MANUALDP_LINK"  # "alpha,beta,gamma[,duplex[,parallel]]" in s, s/byte, s/byte, 0..1, ranks: skips the calibration
@@ -55,12 +64,19 @@ class Link:
     gamma: float  # seconds per byte added
     duplex: float = 0.0  # what sending and receiving at once costs on top of the larger: 0 (free) to 1 (in turn)
     parallel: int = 0  # ranks that can work at once, 0 for all; counted from the host (`host_parallel`), not cached
+    duplex_spread: float = 0.0  # how far the duplex may lie from `duplex`: about two standard errors of it
+
+    def duplexes(self) -> tuple[float, ...]:
+        """The duplex at the low end, the middle and the high end of its measured range (one value if exact)."""
+        return tuple(sorted({max(0.0, self.duplex - self.duplex_spread), self.duplex,
+                             min(1.0, self.duplex + self.duplex_spread)}))
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             if non_negative_number(name, getattr(self, name)) > MAX_SECONDS:
                 raise ValueError(f"{name} must be at most {MAX_SECONDS} s (per message or byte), got {getattr(self, name)!r}")
         fraction("duplex", self.duplex)
+        fraction("duplex_spread", self.duplex_spread)
         if non_negative_int("parallel", self.parallel) > MAX_PARALLEL:
             raise ValueError(f"parallel must be at most {MAX_PARALLEL} ranks, got {self.parallel!r}")
 
@@ -69,8 +85,9 @@ class Link:
 # the predictions to inf. Ranks receive `parallel` as a float64, exact up to 2**53.
 MAX_SECONDS = 1.0
 MAX_PARALLEL = 1 << 53
-MEASURED = ("alpha", "beta", "gamma", "duplex")  # what a calibration measures and the cache keeps
-CALIBRATION = 2  # the cache's "calibration": bumped when the measurement changes, so older caches are measured again
+MEASURED = ("alpha", "beta", "gamma", "duplex", "duplex_spread")  # what a calibration measures and the cache keeps
+CALIBRATION = 3  # the cache's "calibration": bumped when the measurement changes, so older caches are measured again
+MAX_CACHE_AGE = 24 * 3600.0  # seconds: a host's load changes, and with it the link; older constants are measured again
 MAX_CACHE_BYTES = 4096  # a cache is a few numbers; a larger file is not one (and /dev/zero never ends)
 
 
@@ -108,10 +125,23 @@ def predict(algorithm: str, world_size: int, nbytes: int, link: Link, element_si
 @functools.lru_cache(maxsize=1024)  # a training run asks for the same few bucket sizes again and again
 def choose(world_size: int, nbytes: int, link: Link, element_size: int = 4,
            segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> str:
-    """The algorithm with the lowest predicted time; ties go to the first in `ALGORITHMS`' order."""
+    """The algorithm that loses least to the fastest wherever in its measured range the duplex lies.
+
+    With an exact link (`duplex_spread` 0) that is the lowest prediction. A calibration on a
+    busy host reads the duplex with noise, and at two ranks it alone decides between naive
+    and ring: an algorithm whose lead holds only at one end of the range is not picked when
+    another is never far behind at either end. Ties go to the first in `ALGORITHMS`' order.
+    """
     positive_int("world_size", world_size)
     non_negative_int("nbytes", nbytes)
-    return min(ALGORITHMS, key=lambda a: predict(a, world_size, nbytes, link, element_size, segment_bytes))
+    times = [{a: predict(a, world_size, nbytes, replace(link, duplex=d), element_size, segment_bytes)
+              for a in ALGORITHMS} for d in link.duplexes()]
+    return min(ALGORITHMS, key=lambda a: max(_behind(t[a], min(t.values())) for t in times))
+
+
+def _behind(time: float, fastest: float) -> float:
+    """How many times the fastest's time `time` is (1 for the fastest, also when both are 0)."""
+    return time / fastest if fastest > 0 else 1.0 if time == 0 else math.inf
 
 
 def resolve(algorithm: str, numel: int, element_size: int, group=None, timeout: float | None = None,
@@ -125,7 +155,7 @@ def resolve(algorithm: str, numel: int, element_size: int, group=None, timeout: 
 
 # ---------------------------------------------------------------- the agreed constants of a group
 
-_LINKS: dict = {}  # process group -> its agreed Link
+_LINKS: dict = {}  # process group -> (its agreed Link, where from: "given" by MANUALDP_LINK, "cached" or "measured")
 
 
 def link_for(group=None, timeout: float | None = None) -> Link:
@@ -133,7 +163,19 @@ def link_for(group=None, timeout: float | None = None) -> Link:
     key = group if group is not None else dist.group.WORLD
     if key not in _LINKS:
         _LINKS[key] = _agree(group, timeout)
-    return _LINKS[key]
+    return _LINKS[key][0]
+
+
+def recalibrate(group=None, timeout: float | None = None) -> Link:
+    """Measure the link of `group` again (collective): every rank must call it, as after `drifted`.
+
+    Constants given by `MANUALDP_LINK` are kept. Rank 0 caches the new ones.
+    """
+    key = group if group is not None else dist.group.WORLD
+    _LINKS[key] = _agree(group, timeout, again=True)
+    _TIMES.pop(key, None)
+    _DRIFTED.discard(key)
+    return _LINKS[key][0]
 
 
 def cache_path(backend: str, world_size: int, host: str | None = None) -> str:
@@ -143,41 +185,49 @@ def cache_path(backend: str, world_size: int, host: str | None = None) -> str:
     return os.path.join(root, "manualdp", f"link-{backend}-{world_size}-{host}.json")
 
 
-def _agree(group, timeout: float | None) -> Link:
-    """Rank 0's constants on every rank: its override or cache, else a calibration with rank 1."""
+def _agree(group, timeout: float | None, again: bool = False) -> tuple[Link, str]:
+    """Rank 0's constants on every rank: its override or cache, else (or `again`) a calibration with rank 1.
+
+    Returns them and where from: "given" (by `MANUALDP_LINK`), "cached" or "measured".
+    """
     rank, peers = group_ranks(group)
     if len(peers) == 1:
-        return Link(0.0, 0.0, 0.0)  # nothing is ever sent
+        return Link(0.0, 0.0, 0.0), "given"  # nothing is ever sent
     device = _device(group)
     known = refused = None
+    given = False
     if rank == 0:
         try:
-            known = _own_constants(group, len(peers))
+            known, source = known_link(dist.get_backend(group), len(peers))
+            given = source == f"${ENV}"
+            known = known if given or not again else None
         except ValueError as e:  # a bad MANUALDP_LINK: every rank stops, none waits for rank 0
             refused = e
-    # First: does rank 0 know the constants (1), must ranks 0 and 1 measure them (0), or does it refuse (-1)?
-    flag = -1.0 if refused else 0.0 if known is None else 1.0
+    # First: rank 0 refuses (-1), ranks 0 and 1 must measure (0), rank 0 knows them (1) or was given them (2)
+    flag = -1.0 if refused else 0.0 if known is None else 2.0 if given else 1.0
     message = torch.tensor([flag, *(astuple(known) if known else [0.0] * len(fields(Link)))],
                            dtype=torch.float64, device=device)
     _broadcast(message, peers, rank, group, timeout)
     if message[0] < 0:
         raise refused or ValueError(f"rank {peers[0]} refused its {ENV} (its error names it); nothing was measured")
-    if message[0] == 0:
+    source = ("measured", "cached", "given")[round(message[0].item())]
+    if source == "measured":
         measured = calibrate(group, timeout) if rank in (0, 1) else None
         if rank == 0:
             _save(group, len(peers), measured)
             measured = replace(measured, parallel=host_parallel(dist.get_backend(group), len(peers)))
             message = torch.tensor([1.0, *astuple(measured)], dtype=torch.float64, device=device)
         _broadcast(message, peers, rank, group, timeout)
-    *values, parallel = message[1:].tolist()
-    return Link(*(float(v) for v in values), int(parallel))
+    values = dict(zip((f.name for f in fields(Link)), message[1:].tolist()))
+    return Link(**{k: int(v) if k == "parallel" else float(v) for k, v in values.items()}), source
 
 
 def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
     """The constants known without measuring, and where from: `MANUALDP_LINK`, else this host's cache.
 
     (None, cache path) when neither has them; a cache written by another version of manualdp,
-    whose model had other constants or whose calibration measured otherwise, counts as none. A
+    whose model had other constants or whose calibration measured otherwise, counts as none, and
+    so does one measured more than `MAX_CACHE_AGE` seconds ago (or, by the clock, later than now). A
     cache that cannot be read as one (not a regular file, too large, not its JSON, constants out
     of range) counts as none too, with a one-line warning that names it. A bad `MANUALDP_LINK` is
     a `ValueError`. `parallel` comes from the variable when it gives one (else 0), from the host
@@ -197,12 +247,15 @@ def known_link(backend: str, world_size: int) -> tuple[Link | None, str]:
     version = saved.pop("calibration", None)
     if version is None or (is_int(version) and version != CALIBRATION):
         return None, path  # another version's: measured again, silently
-    if version != CALIBRATION or sorted(saved) != sorted(MEASURED):
-        return _ignored(path, f"keys {sorted(saved)[:8]}, calibration {version!r:.20}; expected {sorted(MEASURED)}")
+    if version != CALIBRATION or sorted(saved) != sorted((*MEASURED, "measured_at")):
+        return _ignored(path, f"keys {sorted(saved)[:8]}, calibration {version!r:.20}; "
+                              f"expected {sorted((*MEASURED, 'measured_at'))}")
     try:
-        return Link(**saved, parallel=host_parallel(backend, world_size)), path
-    except (TypeError, ValueError) as e:
+        age = time.time() - non_negative_number("measured_at", saved.pop("measured_at"))
+        link = Link(**saved, parallel=host_parallel(backend, world_size))
+    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: an int no float holds
         return _ignored(path, e)
+    return (link, path) if -60.0 <= age <= MAX_CACHE_AGE else (None, path)  # old: measured again, silently
 
 
 def _parse_env(value: str) -> Link:
@@ -240,18 +293,14 @@ def _ignored(path: str, reason) -> tuple[None, str]:
     return None, path
 
 
-def _own_constants(group, world_size: int) -> Link | None:
-    """Rank 0's constants without measuring."""
-    return known_link(dist.get_backend(group), world_size)[0]
-
-
 def _save(group, world_size: int, link: Link) -> None:
     path = cache_path(dist.get_backend(group), world_size)
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         if os.path.lexists(path) and not os.path.isfile(path):  # a FIFO would block the write, a device swallow it
             os.remove(path)
-        write_json_atomic(path, {**{k: v for k, v in asdict(link).items() if k in MEASURED}, "calibration": CALIBRATION})
+        write_json_atomic(path, {**{k: v for k, v in asdict(link).items() if k in MEASURED}, "measured_at": time.time(),
+                                 "calibration": CALIBRATION})
     except OSError:  # a read-only home costs a calibration per run, nothing more
         pass
 
@@ -271,7 +320,9 @@ def _device(group) -> torch.device:
 
 SMALL_REPEATS = 20
 LARGE_BYTES = 16 << 20
-LARGE_REPEATS = 9
+LARGE_REPEATS = 9    # large transfers per batch; batches go on while the duplex is uncertain
+MAX_READINGS = 36    # duplex readings at most (4 batches)
+SPREAD_GOAL = 0.1    # a duplex known to within this needs no more readings
 WARMUP = 2
 
 
@@ -291,16 +342,24 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
     device = _device(group)
     small = torch.zeros(1, dtype=torch.float32, device=device)
     large = torch.zeros(LARGE_BYTES // 4, dtype=torch.float32, device=device)
-    alpha, = _timed([(small, _PING_PONG)], SMALL_REPEATS, group, peers, timeout)
+    alpha, = map(statistics.median, _timed([(small, _PING_PONG)], SMALL_REPEATS, group, peers, timeout))
     # Both ways at once, LARGE_BYTES each way per round, as a ring of two runs it: one round adding what
     # arrives, one overwriting. By the model of `manualdp.cost.cost` each round costs (1 + duplex)
     # one-way transfers. (Exchanges without the additions measured 0.4 to 0.9 on 2 cores, with them
     # 1.3 to 1.6: a rank's own thread both sends and adds, so the rounds of a ring cost more than
     # the exchange alone says.) The two are timed in turns, so that the machine's noise hits both.
     both = torch.zeros(2 * large.numel(), dtype=torch.float32, device=device)
-    one_way_large, two_way = _timed([(large, _PING_PONG), (both, _TWO_WAY)], LARGE_REPEATS, group, peers, timeout)
-    beta = max(one_way_large - alpha, 0.0) / LARGE_BYTES
-    duplex = min(max(two_way / one_way_large - 1.0, 0.0), 1.0) if one_way_large > 0 else 0.0
+    # On a busy host the readings scatter: batches go on until the duplex is known to SPREAD_GOAL (or
+    # MAX_READINGS), rank 0 deciding for both. A quiet host stops after one batch.
+    one_way, two_way = [], []
+    while True:
+        batch = _timed([(large, _PING_PONG), (both, _TWO_WAY)], LARGE_REPEATS, group, peers, timeout,
+                       warmup=0 if one_way else WARMUP)
+        one_way, two_way = one_way + batch[0], two_way + batch[1]
+        duplex, spread = duplex_of(one_way, two_way)
+        if not _tell_rank_one(measure_on(spread, len(one_way)), rank, device, group, peers, timeout):
+            break
+    beta = max(statistics.median(one_way) - alpha, 0.0) / LARGE_BYTES
     add_times = []
     for _ in range(LARGE_REPEATS + WARMUP):
         start = time.perf_counter()
@@ -309,7 +368,40 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
             torch.cuda.synchronize(device)
         add_times.append(time.perf_counter() - start)
     gamma = statistics.median(add_times[WARMUP:]) / LARGE_BYTES
-    return Link(alpha, beta, gamma, duplex)
+    return Link(alpha, beta, gamma, duplex, duplex_spread=spread)
+
+
+def duplex_of(one_way: list[float], two_way: list[float]) -> tuple[float, float]:
+    """The duplex and its spread from paired timings of one round each way at once and one round one way.
+
+    Each pair, timed back to back, gives one reading `two_way / one_way - 1` (within 0 to 1);
+    the duplex is their median, the spread how far that median may be off. On a quiet host
+    the readings agree and the spread is near 0; on a busy one they scatter, and the spread
+    narrows as readings are added.
+    """
+    readings = sorted(min(max(t / o - 1.0, 0.0), 1.0) for o, t in zip(one_way, two_way) if o > 0)
+    if len(readings) < 2:
+        return (readings or [0.0])[0], 1.0  # no idea how far off one reading is
+    low, _, high = statistics.quantiles(readings, n=4)
+    # The median of n readings scattered like a normal's with interquartile range `high - low`
+    # has a standard error of about 0.93 (high - low) / sqrt(n): two of them, rounded.
+    return statistics.median(readings), min(2 * (high - low) / math.sqrt(len(readings)), 1.0)
+
+
+def measure_on(spread: float, readings: int) -> bool:
+    """Whether the calibration takes another batch of duplex readings: the duplex is still uncertain."""
+    return spread > SPREAD_GOAL and readings < MAX_READINGS
+
+
+_TELL = (1, ((Transfer(0, 1, 0, False),),))  # rank 0 tells rank 1 one number
+
+
+def _tell_rank_one(decision: bool, rank: int, device, group, peers: list[int], timeout: float | None) -> bool:
+    """Rank 0's `decision`, on ranks 0 and 1 (the calibration's)."""
+    flag = torch.tensor([float(decision)], device=device)
+    schedule = Schedule("calibration", len(peers), *_TELL, ("",))
+    run_schedule(flag, schedule, group, rank, peers, DEFAULT_SEGMENT_BYTES, dist.get_backend(group) == "gloo", timeout)
+    return bool(flag.item())
 
 
 # Two-rank schedules for the calibration: there and back (one chunk), and both ways at once (two).
@@ -320,8 +412,8 @@ _TWO_WAY = (2, ((Transfer(0, 1, 0, True), Transfer(1, 0, 1, True)),     # each s
 
 
 def _timed(jobs: list[tuple[torch.Tensor, tuple]], repeats: int, group, peers: list[int],
-           timeout: float | None) -> list[float]:
-    """Per (buffer, schedule shape) of `jobs`, run in turns: the median seconds of one round of it.
+           timeout: float | None, warmup: int = WARMUP) -> list[list[float]]:
+    """Per (buffer, schedule shape) of `jobs`, run in turns: the seconds of one round of it, per repeat.
 
     Ranks 0 and 1 of the group run each shape with the executor; both shapes have two rounds.
     """
@@ -330,11 +422,65 @@ def _timed(jobs: list[tuple[torch.Tensor, tuple]], repeats: int, group, peers: l
     early = dist.get_backend(group) == "gloo"
     schedules = [Schedule("calibration", len(peers), chunks, rounds, ("",) * len(rounds)) for _, (chunks, rounds) in jobs]
     times: list[list[float]] = [[] for _ in jobs]
-    for _ in range(repeats + WARMUP):
+    for _ in range(repeats + warmup):
         for (buf, _), schedule, out in zip(jobs, schedules, times):
             start = time.perf_counter()
             run_schedule(buf, schedule, group, rank, peers, DEFAULT_SEGMENT_BYTES, early, timeout)
             if buf.device.type == "cuda":
                 torch.cuda.synchronize(buf.device)
             out.append((time.perf_counter() - start) / len(schedule.rounds))
-    return [statistics.median(t[WARMUP:]) for t in times]
+    return [t[warmup:] for t in times]
+
+
+# ---------------------------------------------------------------- drift: measured times against the predictions
+
+DRIFT_CALLS = 16     # per size: the first calls after the constants are agreed, then the latest, compared
+DRIFT_FACTOR = 2.0   # measured/predicted moving this many times (either way) means the link has changed
+MAX_SIZES = 64       # sizes followed per group; others are not
+
+_TIMES: dict = {}  # process group -> {bytes: (first ratios, latest ratios)} of measured to predicted time
+_DRIFTED: set = set()  # process groups whose times have moved (`moved`) since their constants were agreed
+
+
+def note(group, algorithm: str, nbytes: int, element_size: int, segment_bytes: int, seconds: float) -> None:
+    """Record one "auto" allreduce of `group` that took `seconds` (this rank's clock, after the call check)."""
+    key = group if group is not None else dist.group.WORLD
+    link, source = _LINKS.get(key, (None, "given"))
+    if source == "given":
+        return
+    predicted = _predicted(algorithm, dist.get_world_size(group), nbytes, link, element_size, segment_bytes)
+    sizes = _TIMES.setdefault(key, {})
+    if predicted <= 0 or (nbytes not in sizes and len(sizes) >= MAX_SIZES):
+        return
+    first, latest = sizes.setdefault(nbytes, ([], collections.deque(maxlen=DRIFT_CALLS)))
+    (first if len(first) < DRIFT_CALLS else latest).append(seconds / predicted)
+    if moved(first, latest):
+        _DRIFTED.add(key)
+
+
+@functools.lru_cache(maxsize=1024)
+def _predicted(*args) -> float:
+    return predict(*args)
+
+
+def drifted(group=None) -> bool:
+    """Whether this rank's "auto" allreduces say that the agreed constants no longer hold (`moved`).
+
+    Never for constants that `MANUALDP_LINK` gives. Only this rank's view: `allreduce` sends
+    it with its call check, and all ranks measure again together when any one says so.
+    """
+    return (group if group is not None else dist.group.WORLD) in _DRIFTED
+
+
+def moved(first: list[float], latest, factor: float = DRIFT_FACTOR) -> bool:
+    """Whether ratios of measured to predicted time say the link has changed.
+
+    `first`: the ratios of the first `DRIFT_CALLS` calls of one size after the constants were
+    agreed; `latest`: the last `DRIFT_CALLS` since. The model is off by its own amount at each
+    size (a small call's Python costs more than its messages), so what counts is a change: the
+    medians of the two `factor` times apart, either way. Medians: a call now and then that waits
+    for a late peer moves neither.
+    """
+    if len(first) < DRIFT_CALLS or len(latest) < DRIFT_CALLS:
+        return False
+    return not 1 / factor <= statistics.median(latest) / statistics.median(first) <= factor
