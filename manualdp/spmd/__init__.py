@@ -11,7 +11,8 @@ Read in this order:
 - `launch.py`: joining torchrun's group, starting ranks on this machine, `shard`;
 - `sampler.py`: ranks that load only their own shard of each global batch;
 - `tune.py`: `algorithm="auto"`, the cost model's pick with constants fitted to the transport;
-- `collectives.py`, `zero.py`: reduce-scatter, all-gather, broadcast, reduce, and ZeRO-1/2.
+- `collectives.py`, `zero.py`: reduce-scatter, all-gather, broadcast, reduce, and ZeRO-1/2
+  (`zero_grads.py`: ZeRO-2's buckets, reduce-scattered during backward).
 """
 from .naive import NaiveDDP
 from .flat import FlatDDP
