@@ -21,7 +21,7 @@ from torch import nn
 import manualdp
 from manualdp.cost import traffic
 from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, pictures, plot
-from manualdp.schedule import ALGORITHMS, get_collective, get_schedule
+from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd.tune import Link, predict
 from manualdp.support.plot_rounds import draw_panel
 

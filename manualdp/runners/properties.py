@@ -10,6 +10,7 @@ dependency (`pip install hypothesis`).
 """
 from __future__ import annotations
 
+import os
 import traceback
 from collections import Counter
 
@@ -28,6 +29,7 @@ __all__ = ["Mismatch", "STRATEGIES", "split_property", "allreduce_property", "sc
            "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job"]
 
 FLOATS = [torch.float32, torch.float64]
+TORCH = os.path.dirname(torch.__file__)
 INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
 
 
@@ -40,7 +42,8 @@ def _call(call: str, fn, *args):
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 (a student's code may raise anything)
-        frame = traceback.extract_tb(e.__traceback__)[-1]
+        frames = traceback.extract_tb(e.__traceback__)
+        frame = next((f for f in reversed(frames) if not f.filename.startswith(TORCH)), frames[-1])  # the caller's line
         raise Mismatch(f"{call} raised {type(e).__name__}: {e} (at {frame.filename}, line {frame.lineno})") from e
 
 
