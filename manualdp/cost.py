@@ -15,7 +15,7 @@ from collections import Counter
 from .schedule import Schedule, chunk_sizes
 from .validate import fraction, non_negative_int, non_negative_number, positive_int
 
-__all__ = ["check_schedule", "traffic", "round_loads", "merged", "cost", "loads_cost", "shared_cores"]
+__all__ = ["check_schedule", "traffic", "round_loads", "merged", "cost", "loads_cost", "shared_cores", "MAX_DUPLEX"]
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -89,6 +89,9 @@ def merged(rounds: list[tuple[Counter, int]]) -> list[tuple[Counter, int]]:
     return out
 
 
+MAX_DUPLEX = 2.0  # sending and receiving at once cost at most three times the larger of the two
+
+
 def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, element_size: int = 1,
          duplex: float = 0.0, parallel: int = 0, segment_bytes: int | None = None) -> float:
     """Alpha-beta-gamma time estimate in seconds.
@@ -96,8 +99,9 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     Each round lasts as long as its busiest device: alpha per message it sends or receives,
     beta per byte it sends or receives, gamma per byte it adds. Sending and receiving at once
     costs the larger of the two plus `duplex` times the smaller: 0 for a full-duplex link
-    (the textbook's), 1 where both directions share one resource, as two processes on one
-    CPU share its cores (`manualdp.spmd.tune` measures it).
+    (the textbook's), 1 where both directions take turns on one resource, up to `MAX_DUPLEX`
+    where they also get in each other's way, as two processes on 2 cores that send, receive
+    and add at once do (`manualdp.spmd.tune` measures it).
 
     `parallel`: how many devices can work at once; 0 (the textbook's) for all of them. With
     fewer (4 processes on 2 cores), the busy devices of a round share the cores equally, as
@@ -118,7 +122,7 @@ def loads_cost(rounds: list[tuple[Counter, int]], alpha: float, beta: float, gam
     """`cost` of the rounds that `round_loads` or `allreduce_loads` describe."""
     for name, v in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
         non_negative_number(name, v)
-    fraction("duplex", duplex)
+    fraction("duplex", duplex, MAX_DUPLEX)
     non_negative_int("parallel", parallel)
     if segment_bytes is not None:
         positive_int("segment_bytes", segment_bytes)

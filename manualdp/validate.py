@@ -59,10 +59,10 @@ def non_negative_number(name: str, value):
     raise ValueError(f"{name} must be a non-negative number, got {value!r}")
 
 
-def fraction(name: str, value):
-    """A number from 0 to 1."""
-    if not _is_number(value) or not 0 <= value <= 1:
-        raise ValueError(f"{name} must be a number from 0 to 1, got {value!r}")
+def fraction(name: str, value, high: float = 1):
+    """A number from 0 to `high` (1: a fraction)."""
+    if not _is_number(value) or not 0 <= value <= high:
+        raise ValueError(f"{name} must be a number from 0 to {high:g}, got {value!r}")
     return value
 
 

@@ -13,7 +13,7 @@ from manualdp.spmd.tune import Link, choose, predict
 @settings(max_examples=300, deadline=None)
 @given(algorithm=st.sampled_from(sorted(ALGORITHMS)), n=st.integers(1, 40), numel=st.integers(0, 300),
        element_size=st.sampled_from([1, 2, 4, 8]), alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8),
-       gamma=st.floats(0, 1e-9), duplex=st.floats(0, 1), parallel=st.integers(0, 8),
+       gamma=st.floats(0, 1e-9), duplex=st.floats(0, 2), parallel=st.integers(0, 8),
        segment=st.none() | st.integers(1, 1 << 12))
 def test_the_loads_without_the_schedule_are_the_schedules_loads(algorithm, n, numel, element_size, alpha, beta, gamma,
                                                                   duplex, parallel, segment):

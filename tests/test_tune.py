@@ -44,12 +44,14 @@ def test_latency_bound_choice_takes_the_fewest_message_rounds():
 def test_link_constants_are_checked():
     with pytest.raises(ValueError, match="beta must be a non-negative number"):
         Link(1e-6, -1.0, 0.0)
-    with pytest.raises(ValueError, match="duplex must be a number from 0 to 1, got 1.5"):
-        Link(1e-6, 1e-9, 0.0, 1.5)
+    with pytest.raises(ValueError, match="duplex must be a number from 0 to 2, got 2.5"):
+        Link(1e-6, 1e-9, 0.0, 2.5)
+    with pytest.raises(ValueError, match="duplex_spread must be a number from 0 to 2, got -0.1"):
+        Link(1e-6, 1e-9, 0.0, 1.5, duplex_spread=-0.1)
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4),
-       alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 1))
+       alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 2))
 def test_duplex_only_charges_rounds_that_send_and_receive_at_once(n, nbytes, alpha, beta, gamma, duplex):
     for a in ALGORITHMS:
         full, shared = predict(a, n, nbytes, Link(alpha, beta, gamma)), predict(a, n, nbytes, Link(alpha, beta, gamma, duplex))
@@ -69,7 +71,7 @@ def test_a_link_that_takes_turns_makes_the_naive_schedule_win_at_two_ranks():
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4), alpha=st.floats(0, 1e-3),
-       beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 1), parallel=st.integers(1, 8))
+       beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 2), parallel=st.integers(1, 8))
 def test_fewer_ranks_at_once_never_make_a_schedule_faster(n, nbytes, alpha, beta, gamma, duplex, parallel):
     for a in ALGORITHMS:
         free = predict(a, n, nbytes, Link(alpha, beta, gamma, duplex))
@@ -130,7 +132,7 @@ def test_on_two_cores_naive_root_waits_its_turn_and_tree_wins_at_four_ranks():
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4), alpha=st.floats(0, 1e-3),
-       beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 1), segment=st.integers(4, 1 << 24))
+       beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 2), segment=st.integers(4, 1 << 24))
 def test_segments_overlap_additions_with_transfers_and_nothing_else(n, nbytes, alpha, beta, gamma, duplex, segment):
     link = Link(alpha, beta, gamma, duplex)
     for a in ALGORITHMS:
@@ -215,7 +217,7 @@ def test_calibration_measures_once_and_rank_zero_caches_it(tmp_path, monkeypatch
     link = first[0]
     assert all(math.isfinite(v) and v >= 0 for v in (link.alpha, link.beta, link.gamma))
     assert link.alpha > 0  # a message never takes no time
-    assert link.alpha != 9.0 and 0 <= link.duplex <= 1  # measured, not read from the old cache
+    assert link.alpha != 9.0 and 0 <= link.duplex <= 2  # measured, not read from the old cache
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     with open(cache_path("gloo", 2)) as f:
         saved = json.load(f)
@@ -245,7 +247,7 @@ HOSTILE_CACHES = {
     "string": _json('{"alpha": "fast", %s}' % GOOD),
     "bool": _json('{"alpha": true, %s}' % GOOD),
     "list": _json('{"alpha": [1e-6], %s}' % GOOD),
-    "duplex past 1": _json('{"alpha": 1e-6, %s}' % GOOD.replace('"duplex": 0.5', '"duplex": 2')),
+    "duplex past 2": _json('{"alpha": 1e-6, %s}' % GOOD.replace('"duplex": 0.5', '"duplex": 3')),
     "measured_at a string": _json('{"alpha": 1e-6, %s}' % GOOD.replace(NOW, '"now"')),
     "measured_at of 4000 digits": _json('{"alpha": 1e-6, %s}' % GOOD.replace(NOW, "9" * 4000)),
     "extra key": _json('{"alpha": 1e-6, "parallel": 1, %s}' % GOOD),
@@ -343,7 +345,7 @@ def test_the_calibration_replaces_a_hostile_cache(case, tmp_path, monkeypatch, d
     ("-1e-6,0,0", "got -1e-06"),
     ("1e-6,1e-9", "2 values, not 3 to 5"),
     ("1e-6,1e-9,0,0,2,7", "6 values, not 3 to 5"),
-    ("1e-6,1e-9,0,1.5", "duplex must be a number from 0 to 1"),
+    ("1e-6,1e-9,0,2.5", "duplex must be a number from 0 to 2"),
     ("1e-6,1e-9,0,0,2.5", "invalid literal for int"),
     ("1e-6,1e-9,0,0," + "9" * 4000, "parallel must be at most"),
     ("1e-6,1e-9,0,0," + "9" * 10**6, "Exceeds the limit"),

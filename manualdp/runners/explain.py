@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--beta", type=float, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
     parser.add_argument("--gamma", type=float, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
     parser.add_argument("--duplex", type=float, help="auto only: extra cost of sending and receiving at once, "
-                        "0 (full duplex, default) to 1 (the directions take turns)")
+                        "0 (full duplex, default), 1 (the directions take turns), up to 2 (they also get in each other's way)")
     parser.add_argument("--segment-bytes", type=int, help=f"auto only: the executor's message segments "
                         f"(default {DEFAULT_SEGMENT_BYTES})")
     parser.add_argument("--parallel", type=int, help="auto only: ranks that can work at once, 0 for all (default: "

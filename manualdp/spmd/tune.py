@@ -5,10 +5,11 @@ to this transport by a short calibration between two ranks, sending as the execu
 (`calibrate`): a few ping-pongs of one element give alpha (the time of a message), one large
 transfer gives beta (the time per byte), and a local addition gives gamma (the time per byte
 added). A ring of two ranks on a large buffer, both ranks sending at once, gives `duplex`: 0
-if a link carries both directions at full speed, 1 if they take turns. Two processes on one
-2-core machine measure about 1, and then the ring at two ranks, two rounds of exchange, loses to
-the naive schedule at every size; on a busy machine the readings scatter (0.5 to 1.3), and
-below 1 they make ring the pick for large buffers. So the duplex comes with its spread (how far
+if a link carries both directions at full speed, 1 if they take turns, more if they also get in
+each other's way. Two processes on one 2-core machine, sending, receiving and adding at once,
+read 0.5 to 1.6, and the ring at two ranks, two rounds of exchange, measured slower than the
+naive schedule at most sizes; read as below 1 (readings were once cut at 1), the duplex made
+ring the pick from 1 MiB up, up to 1.66x slower. So the duplex comes with its spread (how far
 the median reading may be off): the calibration reads on while it is wide, and `choose` takes
 the algorithm that loses least to the fastest anywhere within it. `parallel` is
 not measured but counted (`host_parallel`): with more ranks on a host than it has cores (4
@@ -39,7 +40,7 @@ from dataclasses import asdict, astuple, dataclass, fields, replace
 import torch
 import torch.distributed as dist
 
-from ..cost import loads_cost
+from ..cost import MAX_DUPLEX, loads_cost
 from ..loads import allreduce_loads
 from ..schedule import ALGORITHMS, Schedule, Transfer
 from ..support.files import write_json_atomic
@@ -62,21 +63,21 @@ class Link:
     alpha: float  # seconds per message (latency, including the posting of it)
     beta: float   # seconds per byte sent or received
     gamma: float  # seconds per byte added
-    duplex: float = 0.0  # what sending and receiving at once costs on top of the larger: 0 (free) to 1 (in turn)
+    duplex: float = 0.0  # what sending and receiving at once costs on top of the larger: 0 (free), 1 (in turn), to 2
     parallel: int = 0  # ranks that can work at once, 0 for all; counted from the host (`host_parallel`), not cached
     duplex_spread: float = 0.0  # how far the duplex may lie from `duplex`: about two standard errors of it
 
     def duplexes(self) -> tuple[float, ...]:
         """The duplex at the low end, the middle and the high end of its measured range (one value if exact)."""
         return tuple(sorted({max(0.0, self.duplex - self.duplex_spread), self.duplex,
-                             min(1.0, self.duplex + self.duplex_spread)}))
+                             min(MAX_DUPLEX, self.duplex + self.duplex_spread)}))
 
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             if non_negative_number(name, getattr(self, name)) > MAX_SECONDS:
                 raise ValueError(f"{name} must be at most {MAX_SECONDS} s (per message or byte), got {getattr(self, name)!r}")
-        fraction("duplex", self.duplex)
-        fraction("duplex_spread", self.duplex_spread)
+        fraction("duplex", self.duplex, MAX_DUPLEX)
+        fraction("duplex_spread", self.duplex_spread, MAX_DUPLEX)
         if non_negative_int("parallel", self.parallel) > MAX_PARALLEL:
             raise ValueError(f"parallel must be at most {MAX_PARALLEL} ranks, got {self.parallel!r}")
 
@@ -267,7 +268,8 @@ def _parse_env(value: str) -> Link:
         return Link(*(float(v) for v in values), parallel=parallel)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{ENV} must be 'alpha,beta,gamma[,duplex[,parallel]]' (numbers from 0 to {MAX_SECONDS} s, "
-                         f"duplex from 0 to 1, parallel a whole number of ranks), got {_short(value)} ({_short(e)})") from e
+                         f"duplex from 0 to {MAX_DUPLEX:g}, parallel a whole number of ranks), got {_short(value)} "
+                         f"({_short(e)})") from e
 
 
 def _short(x, limit: int = 100) -> str:
@@ -374,18 +376,19 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
 def duplex_of(one_way: list[float], two_way: list[float]) -> tuple[float, float]:
     """The duplex and its spread from paired timings of one round each way at once and one round one way.
 
-    Each pair, timed back to back, gives one reading `two_way / one_way - 1` (within 0 to 1);
+    Each pair, timed back to back, gives one reading `two_way / one_way - 1` (within 0 and
+    `MAX_DUPLEX`: two processes on 2 cores that send, receive and add at once read 1.3 to 1.6);
     the duplex is their median, the spread how far that median may be off. On a quiet host
     the readings agree and the spread is near 0; on a busy one they scatter, and the spread
     narrows as readings are added.
     """
-    readings = sorted(min(max(t / o - 1.0, 0.0), 1.0) for o, t in zip(one_way, two_way) if o > 0)
+    readings = sorted(min(max(t / o - 1.0, 0.0), MAX_DUPLEX) for o, t in zip(one_way, two_way) if o > 0)
     if len(readings) < 2:
-        return (readings or [0.0])[0], 1.0  # no idea how far off one reading is
+        return (readings or [0.0])[0], MAX_DUPLEX  # no idea how far off one reading is
     low, _, high = statistics.quantiles(readings, n=4)
     # The median of n readings scattered like a normal's with interquartile range `high - low`
     # has a standard error of about 0.93 (high - low) / sqrt(n): two of them, rounded.
-    return statistics.median(readings), min(2 * (high - low) / math.sqrt(len(readings)), 1.0)
+    return statistics.median(readings), min(2 * (high - low) / math.sqrt(len(readings)), MAX_DUPLEX)
 
 
 def measure_on(spread: float, readings: int) -> bool:
