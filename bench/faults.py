@@ -1,5 +1,9 @@
 """The fault table: kill, stop, damage and special-path cases, each classified.
 
+Then last round's features (bench/faults_features.py): ZeRO resume, a changed optimizer, a
+hostile tuner cache, traces to a FIFO, the checkpoint lock under another name, SyncBatchNorm
+far from zero.
+
     python bench/faults.py                 # every case (a few minutes)
     python bench/faults.py --quick         # the in-process cases only (seconds): what the tests run
     python bench/faults.py --check-cost    # what the always-on rank checks cost per LeNet step
@@ -34,6 +38,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import check_output_paths, save_outputs
+from bench.faults_features import FEATURE_CASES
 
 __all__ = ["main", "run_cases", "CASES", "OUTCOMES"]
 
@@ -273,6 +278,7 @@ CASES = [
     ("kill", "SIGTERM mid-run, resume", False, lambda tmp: _kill("SIGTERM", tmp)),
     ("stop", "SIGSTOP one of 2 torchrun ranks", False, _stop),
     ("kill", "SIGKILL node 2 of 2x2 ranks, resume", False, lambda tmp: _node(tmp)),
+    *FEATURE_CASES,
 ]
 
 
@@ -298,7 +304,7 @@ def run_cases(quick: bool = False, show=print, only: str | None = None) -> dict:
                 outcome, name = "crash", f"{name} ({type(e).__name__}: {str(e)[:60]})"
         rows.append({"category": category, "case": name, "outcome": outcome,
                      "seconds": round(time.perf_counter() - start, 2)})
-        show(f"  {category:<13}{name:<40}{outcome}")
+        show(f"  {category:<14}{name:<46}{outcome}")
     counts = {"tried": len(rows), **{o: sum(r["outcome"] == o for r in rows) for o in OUTCOMES}}
     return {"rows": rows, "counts": counts}
 
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
               "less in the step, where it runs while forward and backward compute")
         save_outputs(r, args.json, None)
         return 0
-    print(f"  {'category':<13}{'case':<40}outcome")
+    print(f"  {'category':<14}{'case':<46}outcome")
     result = run_cases(args.quick, only=args.only)
     print("  " + "  ".join(f"{k} {v}" for k, v in result["counts"].items()))
     save_outputs(result, args.json, None)

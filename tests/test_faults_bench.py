@@ -22,3 +22,15 @@ def test_the_check_cost_benchmark_names_a_bad_model_or_world_size_before_it_star
         check_cost(1, 1, world_size=1)
     with pytest.raises(SystemExit):
         main(["--check-cost", "--world-size", "9"])
+
+
+# One case of each class the last round's features brought (bench/faults_features.py), the quickest of each.
+FEATURE_SAMPLES = ["zero resume train() stage 2 Adam 3 dev", "changed opt adam -> adamw", "hostile cache read: fifo",
+                   "trace same path: --trace t.json --json ./t.json", "lock held; run on symlinked parent",
+                   "syncbn offset 1e4, 2 ranks"]
+
+
+def test_one_case_of_each_new_feature_class_is_handled():
+    rows = [r for only in FEATURE_SAMPLES for r in run_cases(show=lambda line: None, only=only)["rows"]]
+    assert [r["category"] for r in rows] == ["zero resume", "changed opt", "hostile cache", "trace", "lock", "syncbn"]
+    assert [(r["case"], r["outcome"]) for r in rows if r["outcome"] != "handled"] == []
