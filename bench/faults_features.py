@@ -55,7 +55,8 @@ def _end(proc: subprocess.Popen) -> None:
     proc.communicate()
 
 
-def _spawn(argv: list[str], tmp: str, nproc: int = 0, env: dict | None = None, stdout=subprocess.PIPE) -> subprocess.Popen:
+def _spawn(argv: list[str], tmp: str, nproc: int = 0, env: dict | None = None,
+           stdout=subprocess.PIPE) -> subprocess.Popen:
     """`manualdp train` in a new process, or under torchrun with `nproc` ranks; the tuner's cache under `tmp`."""
     run = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
            if nproc else [sys.executable])
@@ -65,7 +66,8 @@ def _spawn(argv: list[str], tmp: str, nproc: int = 0, env: dict | None = None, s
                             stdout=stdout, stderr=subprocess.PIPE, start_new_session=True)
 
 
-def _run(argv: list[str], tmp: str, nproc: int = 0, env: dict | None = None, limit: float = 240) -> tuple[int, str, str]:
+def _run(argv: list[str], tmp: str, nproc: int = 0, env: dict | None = None,
+         limit: float = 240) -> tuple[int, str, str]:
     """`_spawn` to its end: exit code, stdout, stderr; TimeoutExpired (a hang) after `limit` seconds."""
     proc = _spawn(argv, tmp, nproc, env)
     try:
@@ -86,7 +88,7 @@ def _traceback(err: str) -> bool:
 
 
 def _refusal(code: int, err: str, *words: str) -> str:
-    """`handled` for a one-line error naming `words` (under torchrun, the other ranks may point to it), else what it was."""
+    """`handled` for a one-line error naming `words` (under torchrun, other ranks may point to it), else what it was."""
     if code == 0:
         return "silent"
     errors = [line for line in err.splitlines() if line.startswith("manualdp train: error:")]
@@ -152,7 +154,7 @@ def _zero_api(stage: int, name: str, devices: int, tmp: str) -> str:
 
 
 def _zero_cli(argv: list[str], tmp: str, nproc: int = 0, mid_epoch: bool = False) -> str:
-    """`manualdp train --zero ...` (in this process, or under torchrun) stopped and resumed, against one straight run."""
+    """`manualdp train --zero ...` (here, or under torchrun) stopped and resumed, against one straight run."""
     def run(*more):
         return _run([*argv, *more], tmp, nproc) if nproc else _cli([*argv, *more])
 
@@ -433,7 +435,7 @@ def _syncbn_data(counts, shape, offset, dtype):
 
 
 def _syncbn(counts: tuple, shape: tuple, offset: float, tmp: str, dtype=torch.float32, eval_alone=False) -> str:
-    """Ranks holding `counts` rows each, against torch's BatchNorm on the whole batch: outputs, gradients, statistics."""
+    """Ranks holding `counts` rows each, against torch's BatchNorm on the whole batch: outputs, gradients, stats."""
     from manualdp.spmd import launch
     try:
         ranks = launch(_syncbn_job, len(counts), (counts, shape, offset, dtype, eval_alone), timeout=90)
@@ -450,8 +452,8 @@ def _syncbn(counts: tuple, shape: tuple, offset: float, tmp: str, dtype=torch.fl
     ours = {k: torch.cat([r[k] for r in ranks]) for k in ("y", "dx")}
     ours.update({k: sum(r[k] for r in ranks) for k in ("dw", "db")})
     torch_ = {"y": y, "dx": x.grad, "dw": bn.weight.grad, "db": bn.bias.grad}
-    checks = [(ours[k], torch_[k]) for k in torch_] + [(r[k], v) for r in ranks
-                                                        for k, v in (("mean", bn.running_mean), ("var", bn.running_var))]
+    running = {"mean": bn.running_mean, "var": bn.running_var}
+    checks = [(ours[k], torch_[k]) for k in torch_] + [(r[k], v) for r in ranks for k, v in running.items()]
     if eval_alone:
         checks.append((ranks[0]["eval"], bn.eval()(x.detach()[:counts[0]])))
     close = all(a.isfinite().all() and torch.allclose(a.detach(), b.detach(), rtol=1e-3, atol=5e-3) for a, b in checks)
@@ -499,7 +501,8 @@ FEATURE_CASES = [
      lambda tmp: _changed(["--zero", "1", "--optimizer", "adam"], ["--zero", "1", "--optimizer", "adamw"],
                           "optimizer", tmp, nproc=2)),
     ("changed opt", "torchrun 2: sgd -> --zero 1", False, lambda tmp: _changed([], ["--zero", "1"], "zero", tmp, 2)),
-    *[("hostile cache", f"read: {k}", True, lambda tmp, k=k: _hostile_read(k, tmp)) for k in ("fifo", "link to /dev/zero")],
+    *[("hostile cache", f"read: {k}", True, lambda tmp, k=k: _hostile_read(k, tmp))
+      for k in ("fifo", "link to /dev/zero")],
     *[("hostile cache", f"torchrun 2: {k}", False, lambda tmp, k=k: _hostile_cache(k, tmp)) for k in CACHES],
     *[("hostile cache", f"torchrun 2: MANUALDP_LINK={v[:16]}", False, lambda tmp, v=v: _bad_link(v, tmp))
       for v in LINKS],
