@@ -2,6 +2,7 @@
 
     python bench/allreduce_spmd.py --world-size 4 --json spmd.json --plot spmd.png
     python bench/allreduce.py --spmd --world-size 2
+    python bench/allreduce.py --spmd --world-size 2 --backend nccl    # a GPU per rank, against NCCL's all_reduce
 
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
@@ -11,6 +12,8 @@ prints: time (median over runs of the slowest rank's time), algbw = S / time, bu
 algbw * 2(n-1)/n, #wrong (inputs are small integers, so every order of summation is exact
 and #wrong must be 0), and busbw / gloo's busbw at the same size. The implementations run
 in turns, run by run, after a barrier each, so that machine noise hits all of them alike.
+With `--backend nccl` the same on GPUs, against NCCL's all_reduce, timed by CUDA events
+(`bench.common.Stopwatch`); the columns keep their names ("gloo" is then NCCL).
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch.distributed as dist
 if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import check_output_paths, save_outputs
+from bench.common import BACKENDS, Stopwatch, check_backend, check_output_paths, save_outputs
 from manualdp.schedule import ALGORITHMS, get_schedule
 
 __all__ = ["main", "run", "format_table", "plot"]
@@ -44,23 +47,25 @@ def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _rank_main(config: dict) -> dict:
     """One rank: time every implementation at every size; return per-run times and wrong counts."""
-    from manualdp.spmd import allreduce
+    from manualdp.spmd import allreduce, rank_device
     from manualdp.spmd.tune import link_for, resolve
 
     rank, n = dist.get_rank(), dist.get_world_size()
+    device = rank_device()
+    clock = Stopwatch(device)
     dtype = DTYPES[config["dtype"]]
     element_size = torch.empty((), dtype=dtype).element_size()
     impls = {a: (lambda x, a=a: allreduce(x, a, segment_bytes=config["segment_bytes"], check=False))
              for a in [*config["algorithms"], "auto"]}
     impls[CHECKED] = lambda x: allreduce(x, "auto", segment_bytes=config["segment_bytes"])
-    impls[GLOO] = dist.all_reduce
+    impls[_peer(config)] = dist.all_reduce
     link = link_for()  # the agreed constants (calibrated, cached or MANUALDP_LINK) before any timing
     names = list(impls)
     out = {}
     for size in config["sizes"]:
         numel = size // element_size
-        pristine = _input(rank, numel, dtype)
-        expected = sum(_input(r, numel, dtype) for r in range(n))
+        pristine = _input(rank, numel, dtype).to(device)
+        expected = sum(_input(r, numel, dtype) for r in range(n)).to(device)
         work = pristine.clone()
         times = {name: [] for name in names}
         wrong = dict.fromkeys(names, 0)
@@ -69,9 +74,11 @@ def _rank_main(config: dict) -> dict:
             for name in order:
                 work.copy_(pristine)
                 dist.barrier()
-                start = time.perf_counter()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                clock.start()
                 impls[name](work)
-                seconds = time.perf_counter() - start
+                seconds = clock.stop()
                 if i >= config["warmup"]:
                     times[name].append(seconds)
                     wrong[name] = max(wrong[name], int((work != expected).sum()))
@@ -81,11 +88,17 @@ def _rank_main(config: dict) -> dict:
     return out
 
 
+def _peer(config: dict) -> str:
+    """The row of the backend's own all_reduce."""
+    return GLOO if config.get("backend", "gloo") == "gloo" else f"{config['backend']} all_reduce"
+
+
 def run(config: dict) -> dict:
-    """Spawn the ranks and build the rows: nccl-tests columns plus the ratio to gloo."""
+    """Spawn the ranks and build the rows: nccl-tests columns plus the ratio to gloo (to NCCL with --backend nccl)."""
     from manualdp.spmd import launch
 
-    per_rank = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"])
+    per_rank = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"],
+                      backend=config.get("backend", "gloo"))
     n = config["world_size"]
     element_size = torch.empty((), dtype=DTYPES[config["dtype"]]).element_size()
     from manualdp.spmd.tune import Link, predict
@@ -102,7 +115,7 @@ def run(config: dict) -> dict:
             block.append({"algorithm": name, "size": size, "count": size // element_size, "type": config["dtype"],
                           "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
                           "wrong": sum(r[size]["wrong"][name] for r in per_rank), "times_us": [x * 1e6 for x in slowest]})
-        gloo = next(r for r in block if r["algorithm"] == GLOO)["busbw"]
+        gloo = next(r for r in block if r["algorithm"] == _peer(config))["busbw"]
         for r in block:
             r["vs_gloo"] = r["busbw"] / gloo
         auto = next(r for r in block if r["algorithm"] == "auto")
@@ -135,10 +148,11 @@ def format_table(result: dict) -> str:
     """The rows as text, one block per size."""
     c = result["config"]
     fmt = "{:>10} {:>9} {:>7} {:>16} {:>10} {:>11} {:>11} {:>6} {:>10}".format
-    lines = [f"allreduce across {c['world_size']} processes (gloo, 127.0.0.1, {c['threads']} thread(s) each), "
+    backend = c.get("backend", "gloo")
+    lines = [f"allreduce across {c['world_size']} processes ({backend}, 127.0.0.1, {c['threads']} thread(s) each), "
              f"{c['dtype']}, median of {c['iters']} runs after {c['warmup']} warm-up, segments of {c['segment_bytes']} B, "
              f"torch {c['torch']}",
-             fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "busbw/gloo")]
+             fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", f"busbw/{backend}")]
     for r in result["rows"]:
         name = f"auto={r['pick']}" if r["algorithm"] == "auto" else r["algorithm"]
         line = fmt(r["size"], r["count"], r["type"], name, f"{r['time_us']:.1f}", f"{r['algbw']:.3f}",
@@ -153,10 +167,10 @@ def format_table(result: dict) -> str:
                  f"gamma {link['gamma'] * 1e9:.3f} ns/B, duplex {link.get('duplex', 0.0):.2f}"
                  f" +- {link.get('duplex_spread', 0.0):.2f}")
     if t["auto_vs_gloo_min"] is not None:
-        lines.append(f"target auto busbw >= 1.0 x gloo from 64 KiB to 64 MiB: worst {t['auto_vs_gloo_min']:.2f} -> "
+        lines.append(f"target auto busbw >= 1.0 x {backend} from 64 KiB to 64 MiB: worst {t['auto_vs_gloo_min']:.2f} -> "
                      f"{'met' if t['auto_vs_gloo_min'] >= 1.0 else 'NOT met'}")
     if t.get("checked_vs_gloo_min") is not None:
-        lines.append(f"  with the per-call check (allreduce's default): worst {t['checked_vs_gloo_min']:.2f} x gloo")
+        lines.append(f"  with the per-call check (allreduce's default): worst {t['checked_vs_gloo_min']:.2f} x {backend}")
     share = t["auto_picks_within_5pct"] / t["sizes"]
     lines.append(f"target auto picks the measured-fastest algorithm, or one within 5% of its time, at >= 90% of "
                  f"sizes: {t['auto_picks_within_5pct']}/{t['sizes']} -> {'met' if share >= 0.9 else 'NOT met'} "
@@ -174,14 +188,14 @@ def plot(result: dict, path: str) -> None:
     for name in dict.fromkeys(r["algorithm"] for r in result["rows"]):
         rows = [r for r in result["rows"] if r["algorithm"] == name]
         ax.plot([r["size"] for r in rows], [r["busbw"] for r in rows], marker="o", label=name,
-                linestyle="--" if name == GLOO else "-")
+                linestyle="--" if name == _peer(result["config"]) else "-")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("size per rank (bytes)")
     ax.set_ylabel("busbw (GB/s)")
     ax.grid(True, alpha=0.3)
     ax.legend()
     c = result["config"]
-    ax.set_title(f"allreduce across {c['world_size']} processes, gloo, {c['dtype']}")
+    ax.set_title(f"allreduce across {c['world_size']} processes, {c.get('backend', 'gloo')}, {c['dtype']}")
     save_figure(fig, path, dpi=120)
 
 
@@ -199,10 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--segment-bytes", type=int, default=1 << 20, help="manualdp's message segments (default 1 MiB)")
     parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / world size)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw against size to a PNG")
     args = parser.parse_args(argv)
     check_output_paths(parser, args)
+    check_backend(parser, args.backend, args.world_size)
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     checks = [
         (args.world_size >= 2, f"--world-size must be >= 2, got {args.world_size}"),
@@ -222,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(sizes[-1] * args.factor)
     config = {"world_size": args.world_size, "sizes": sizes, "dtype": args.dtype, "algorithms": args.algorithms,
               "iters": args.iters, "warmup": args.warmup, "segment_bytes": args.segment_bytes, "timeout": args.timeout,
+              "backend": args.backend,
               "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size)}
     result = run(config)
     print(format_table(result))

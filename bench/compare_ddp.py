@@ -2,6 +2,7 @@
 
     python bench/compare_ddp.py --model lenet --world-size 2
     python bench/compare_ddp.py --model resnet18 --batch-size 32 --json ddp.json --plot ddp.png
+    python bench/compare_ddp.py --model resnet18 --world-size 2 --backend nccl    # a GPU per rank
 
 Spawns `--world-size` processes on gloo (127.0.0.1). Every rank builds one model, copies it
 into torch's DDP and into manualdp's wrapper (each on its own process group), and trains both
@@ -9,7 +10,8 @@ with SGD on the same global batches, each rank on its slice. After a warm-up the
 turns, a block of `--steps` steps each, the order flipping every round (A B, B A, ...), so
 that machine noise hits both alike. Reported: samples/s (median over rounds), step time
 p50/p90 (rank 0), the ratio manualdp/DDP, and the largest difference between the two models'
-parameters after the same steps.
+parameters after the same steps. With `--backend nccl` both train on GPUs over NCCL (one GPU
+per rank), timed by CUDA events (`bench.common.Stopwatch`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,6 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from torch import nn
 if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import check_output_paths, save_outputs
+from bench.common import BACKENDS, Stopwatch, check_backend, check_output_paths, save_outputs
 from manualdp.runners.cli import positive
 
 __all__ = ["main", "run", "format_table", "plot", "DEFAULT_BATCH", "NAMES"]
@@ -43,16 +44,18 @@ def _percentile(values: list[float], q: float) -> float:
 
 def _rank_main(config: dict) -> dict | None:
     """One rank: build both wrappers, warm up, run the interleaved rounds; rank 0 returns the measurements."""
-    from manualdp.spmd import DistributedDataParallel
+    from manualdp.spmd import DistributedDataParallel, rank_device
     from manualdp.support.models import get_model
     from manualdp.spmd import shard
 
     rank, world_size = dist.get_rank(), dist.get_world_size()
+    backend, device = config.get("backend", "gloo"), rank_device()
     torch.manual_seed(config["seed"])
-    net = get_model(config["model"])
-    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=config["bucket_mb"])
+    net = get_model(config["model"]).to(device)
+    gpu = [device.index] if device.type == "cuda" else None
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(net), device_ids=gpu, bucket_cap_mb=config["bucket_mb"])
     ours = DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=config["bucket_mb"], algorithm=config["algorithm"],
-                                   process_group=dist.new_group(backend="gloo"), segment_bytes=config["segment_bytes"])
+                                   process_group=dist.new_group(backend=backend), segment_bytes=config["segment_bytes"])
     models = dict(zip(NAMES, (theirs, ours)))
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=config["lr"]) for name, m in models.items()}
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
@@ -61,17 +64,19 @@ def _rank_main(config: dict) -> dict | None:
     total_steps = config["warmup"] + config["rounds"] * config["steps"]
     data = [shard(torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g), rank, world_size)
             for _ in range(min(total_steps, 16))]  # a few batches, cycled: both models see the same sequence
+    data = [(X.to(device), y.to(device)) for X, y in data]
+    step_clock, block_clock = Stopwatch(device), Stopwatch(device)
 
     done = dict.fromkeys(NAMES, 0)  # steps each model has taken: both walk the data in the same order
 
     def step(name: str) -> float:
         X, y = data[done[name] % len(data)]
-        start = time.perf_counter()
+        step_clock.start()
         optimizers[name].zero_grad(set_to_none=True)
         (loss_fn(models[name](X), y) / batch * world_size).backward()
         optimizers[name].step()
         done[name] += 1
-        return time.perf_counter() - start
+        return step_clock.stop()
 
     for _ in range(config["warmup"]):
         for name in NAMES:
@@ -81,9 +86,9 @@ def _rank_main(config: dict) -> dict | None:
     for r in range(config["rounds"]):
         for name in (NAMES if r % 2 == 0 else NAMES[::-1]):
             dist.barrier()
-            start = time.perf_counter()
+            block_clock.start()
             step_times[name] += [step(name) for _ in range(config["steps"])]
-            samples_per_s[name].append(config["steps"] * batch / (time.perf_counter() - start))
+            samples_per_s[name].append(config["steps"] * batch / block_clock.stop())
     diff = max((a - b).abs().max().item() for a, b in zip(theirs.module.parameters(), ours.module.parameters()))
     if rank != 0:
         return None
@@ -95,7 +100,8 @@ def run(config: dict) -> dict:
     """Spawn the ranks, run the comparison; return config, per-implementation statistics and the ratio."""
     from manualdp.spmd import launch
 
-    raw = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"])[0]
+    raw = launch(_rank_main, config["world_size"], (config,), threads=config["threads"], timeout=config["timeout"],
+                 backend=config.get("backend", "gloo"))[0]
     stats = {}
     for name in NAMES:
         times = raw["step_times"][name]
@@ -115,7 +121,8 @@ def format_table(result: dict) -> str:
     c = result["config"]
     fmt = "{:<10} {:>11} {:>10} {:>10}".format
     lines = [
-        f"{c['model']}, world size {c['world_size']} (gloo, {c['threads']} thread(s) per rank), global batch "
+        f"{c['model']}, world size {c['world_size']} ({c.get('backend', 'gloo')}, {c['threads']} thread(s) per rank), "
+        f"global batch "
         f"{c['batch_size']}, {c['rounds']} rounds x {c['steps']} steps after {c['warmup']} warm-up, "
         f"manualdp {c['algorithm']} with {result['num_buckets']} bucket(s) of <= {c['bucket_mb']} MiB",
         fmt("", "samples/s", "p50 (ms)", "p90 (ms)"),
@@ -171,10 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=positive(int), help="torch threads per rank (default: cores / world size)")
     parser.add_argument("--timeout", type=positive(float), default=1800.0, help="give up after this many seconds")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s per round and step times to a PNG")
     args = parser.parse_args(argv)
     check_output_paths(parser, args)
+    check_backend(parser, args.backend, args.world_size)
     batch = args.batch_size or DEFAULT_BATCH[args.model]
     if batch < args.world_size:
         parser.error(f"--batch-size {batch} is smaller than --world-size {args.world_size}")
@@ -182,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "world_size": args.world_size, "batch_size": batch, "steps": args.steps,
         "rounds": args.rounds, "warmup": args.warmup, "algorithm": args.algorithm, "bucket_mb": args.bucket_mb,
         "segment_bytes": args.segment_bytes, "lr": args.lr, "seed": args.seed, "timeout": args.timeout,
+        "backend": args.backend,
         "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size),
     }
     result = run(config)

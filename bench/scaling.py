@@ -2,6 +2,7 @@
 
     python bench/scaling.py --json scaling.json --plot scaling.png
     python bench/scaling.py --models lenet mlp --world-sizes 1 2 4
+    python bench/scaling.py --world-sizes 1 2 --backend nccl    # on GPUs, one per rank
 
 For every model and world size it runs `python bench/compare_ddp.py` (both wrappers in the same
 ranks, blocks of steps in turns) and reports what torch's DDP benchmark reports: samples/s
@@ -18,7 +19,7 @@ import sys
 if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import check_output_paths, save_outputs
+from bench.common import BACKENDS, check_backend, check_output_paths, save_outputs
 from bench.compare_ddp import DEFAULT_BATCH, NAMES, run
 from manualdp.runners.cli import positive
 from manualdp.schedule import ALGORITHMS
@@ -104,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=positive(float), default=25.0, help="bucket cap of both (default 25)")
     parser.add_argument("--threads", type=positive(int), help="torch threads per rank (default: cores / world size)")
     parser.add_argument("--timeout", type=positive(float), default=1800.0, help="give up on one run after this many s")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", metavar="PATH", help="write the table as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s against world size to a PNG")
     args = parser.parse_args(argv)
     check_output_paths(parser, args)
+    check_backend(parser, args.backend, max(args.world_sizes))
     base = {"batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
             "algorithm": args.algorithm, "bucket_mb": args.bucket_mb, "segment_bytes": 1 << 20, "lr": 0.01, "seed": 0,
-            "timeout": args.timeout, "threads": args.threads}
+            "timeout": args.timeout, "threads": args.threads, "backend": args.backend}
     result = sweep(args.models, sorted(set(args.world_sizes)), base, progress=not args.no_progress)
     print(format_table(result))
     save_outputs(result, args.json, args.plot, plot)

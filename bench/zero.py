@@ -3,6 +3,7 @@
     python bench/zero.py --world-size 2 --json bench/results/zero_2.json --txt bench/results/zero_2.txt \
         --plot bench/results/zero_2.png
     python bench/zero.py --world-size 4 --steps 2 --repeats 1     # a quick look: one run, two timed steps
+    python bench/zero.py --world-size 2 --backend nccl            # on GPUs, one per rank
 
 Every rank builds the same MLP (`--layers` Linear layers of `--width`, then a head; fp32), trains
 it with Adam on its own batch, gloo on 127.0.0.1. Rows:
@@ -30,7 +31,9 @@ more step in which memory is measured. Columns:
 - in-step (ours only): the most params + grads held at any of the step's sampling points (before
   each Linear's forward, after its prefetch; when backward reaches each Linear's output, after
   its gathers), plus state: what ZeRO-3's gathered units and unreduced gradients add at their
-  peak. torch's FSDP2 keeps its gathered buffers out of sight, so its rows have none;
+  peak. A lower bound: what a unit hands its worker thread (its concatenated gradient while it
+  is reduce-scattered, the sums waiting to become the shards' `.grad`) is out of sight, as are
+  torch's FSDP2's gathered buffers (its rows have none); the process peak bounds it from above;
 - peak: the process's peak resident memory (`VmHWM`, reset by /proc/self/clear_refs where the
   kernel allows) minus its resident memory before the model was built;
 - sent: the floating-point bytes this rank's executor sent per timed step
@@ -42,6 +45,11 @@ more step in which memory is measured. Columns:
 - wire: the bytes this process's TCP sockets sent per timed step (`ss -ti`: tcp_info's
   bytes_sent; gloo's headers and every collective, torch's too). None without `ss`;
 - step: the median of the timed steps, and its ratio to torch FSDP2's at the same rank.
+
+With `--backend nccl` every rank trains on its own GPU: peak is then the GPU's peak allocated
+memory (`torch.cuda.max_memory_allocated`, reset before the model is built) less what was
+allocated before, wire is not measured, and steps are timed by CUDA events
+(`bench.common.Stopwatch`).
 """
 from __future__ import annotations
 
@@ -63,7 +71,7 @@ from torch import nn
 if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the repository root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import check_output_paths, save_outputs
+from bench.common import BACKENDS, Stopwatch, check_backend, check_output_paths, save_outputs
 from manualdp.runners.cli import positive
 
 __all__ = ["main", "run", "measure", "summarize", "formula", "format_table", "plot", "ROWS"]
@@ -211,17 +219,22 @@ def _tcp_bytes_sent() -> int | None:
 
 def measure(config: dict) -> dict:
     """One rank of one row: build, warm up, time, then measure one step's memory."""
+    from manualdp.spmd import rank_device
     from manualdp.spmd.p2p import traffic
 
     for name in ("torch.distributed.fsdp", "torch.distributed.optim", "manualdp.spmd.zero"):
         importlib.import_module(name)  # before the baseline: what an import takes is not the row's memory
 
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), rank_device()
+    gpu = device.type == "cuda"
     torch.manual_seed(100 + rank)
     X, y = torch.randn(config["batch_size"], config["width"]), torch.randint(0, 10, (config["batch_size"],))
+    X, y = X.to(device), y.to(device)
+    if gpu:
+        torch.cuda.reset_peak_memory_stats(device)
     _reset_peak()
-    before = _status("VmRSS")
-    net = _mlp(config["width"], config["layers"])
+    before = torch.cuda.memory_allocated(device) if gpu else _status("VmRSS")
+    net = _mlp(config["width"], config["layers"]).to(device)
     model, opt, held = _build(config["row"], net)
 
     def step(after_backward=None) -> None:
@@ -233,13 +246,13 @@ def measure(config: dict) -> dict:
 
     for _ in range(config["warmup"]):
         step()
-    counter, times, sent = traffic(), [], []
-    wire = _tcp_bytes_sent()
+    counter, times, sent, clock = traffic(), [], [], Stopwatch(device)
+    wire = None if gpu else _tcp_bytes_sent()  # NCCL's bytes do not go through this process's sockets
     for _ in range(config["steps"]):
         was = counter.sent()
-        start = time.perf_counter()
+        clock.start()
         step()
-        times.append(time.perf_counter() - start)
+        times.append(clock.stop())
         now = counter.sent()
         sent.append({k: v - was.get(k, 0) for k, v in now.items() if v != was.get(k, 0)})
     wire = None if wire is None else (_tcp_bytes_sent() - wire) / config["steps"]
@@ -249,7 +262,8 @@ def measure(config: dict) -> dict:
     for h in hooks:
         h.remove()
     out = {"rank": rank, "param_bytes": snapshot[0][0], "grad_bytes": snapshot[0][1], "state_bytes": _state_bytes(opt),
-           "peak_bytes": max(0, _status("VmHWM") - before), "sent": sent, "wire_bytes": wire, "step_s": times,
+           "peak_bytes": max(0, (torch.cuda.max_memory_allocated(device) if gpu else _status("VmHWM")) - before),
+           "sent": sent, "wire_bytes": wire, "step_s": times,
            "in_step_bytes": max(p + g for p, g in samples + snapshot) if samples else None}
     if config["row"] == "manualdp ZeRO-2":
         out["bucket_bytes"] = max((b.hi - b.lo) * 4 for b in opt.grad_shards.buckets)
@@ -259,18 +273,18 @@ def measure(config: dict) -> dict:
 # ---------------------------------------------------------------- the rows, their turns, the summary
 
 def run(world_size: int, rows=ROWS, width: int = 1024, layers: int = 8, batch_size: int = 32, warmup: int = 1,
-        steps: int = 3, repeats: int = 3, timeout: float = 900.0, progress=print) -> dict:
+        steps: int = 3, repeats: int = 3, timeout: float = 900.0, progress=print, backend: str = "gloo") -> dict:
     """Every row `repeats` times, each run in its own processes, the rows taking turns (each round in another order)."""
     from manualdp.spmd import launch
 
     config = {"world_size": world_size, "width": width, "layers": layers, "batch_size": batch_size,
-              "warmup": warmup, "steps": steps, "repeats": repeats, "optimizer": "adam", "lr": LR}
+              "warmup": warmup, "steps": steps, "repeats": repeats, "optimizer": "adam", "lr": LR, "backend": backend}
     runs = []
     for repeat in range(repeats):
         order = list(rows[repeat % len(rows):]) + list(rows[:repeat % len(rows)])
         for row in order:
             start = time.perf_counter()
-            ranks = launch(measure, world_size, ({**config, "row": row},), timeout=timeout)
+            ranks = launch(measure, world_size, ({**config, "row": row},), timeout=timeout, backend=backend)
             runs.append({"row": row, "repeat": repeat, "ranks": ranks})
             if progress is not None:
                 progress(f"  round {repeat + 1}/{repeats}: {row} ({time.perf_counter() - start:.0f} s)")
@@ -402,9 +416,10 @@ def plot(result: dict, path: str) -> None:
                    label="ZeRO-3 target: DDP/N + largest unit")
     labels = [(r["row"].replace(" ", "\n", 1) + "\n" if r["rank"] == 0 else "") + f"rank {r['rank']}" for r in rows]
     ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylim(0, 1.3 * max(max(r["peak_bytes"], r["held_bytes"]) for r in rows) / MIB)
     ax.set_ylabel("MiB per rank")
     ax.set_title(f"Memory per rank, {n} ranks (params and grads after backward, state after step)", fontsize=10)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, ncol=3, loc="upper center")
     ax.grid(True, axis="y", alpha=0.3)
     save_figure(fig, path)
 
@@ -422,13 +437,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=positive(int), default=3, help="timed steps per run (default 3)")
     p.add_argument("--repeats", type=positive(int), default=3, help="runs of every row, taking turns (default 3)")
     p.add_argument("--timeout", type=positive(float), default=900.0, help="give up on one run after this many s")
+    p.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--txt", metavar="PATH", help="also write the table as text")
     p.add_argument("--plot", metavar="PATH", help="draw the memory per rank to a PNG")
     args = p.parse_args(argv)
     check_output_paths(p, args)
+    check_backend(p, args.backend, args.world_size)
     result = run(args.world_size, tuple(args.rows), args.width, args.layers, args.batch_size, args.warmup,
-                 args.steps, args.repeats, args.timeout)
+                 args.steps, args.repeats, args.timeout, backend=args.backend)
     table = format_table(result)
     print(table)
     if args.txt:

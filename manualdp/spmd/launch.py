@@ -68,13 +68,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir):
+def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, backend="gloo"):
     torch.set_num_threads(threads)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank, as `rank_device` expects
     if init:
         # A file rendezvous in our own folder: no race for a port that another process may take.
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
     try:
         result = fn(*args)
@@ -91,12 +93,14 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir):
     os._exit(0)
 
 
-def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1, init: bool = True) -> list:
+def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1, init: bool = True,
+           backend: str = "gloo") -> list:
     """Run `fn(*args)` in `world_size` new processes on 127.0.0.1 and return what each rank returned.
 
-    With `init`, every process first joins a gloo group whose collectives give up after
-    `timeout` seconds; the whole run is killed after `timeout` seconds, so it always ends.
-    `fn` must be importable (a module-level function) and its result picklable.
+    With `init`, every process first joins a group of `backend` ("gloo", or "nccl" with one
+    GPU per rank, rank r on `cuda:r`) whose collectives give up after `timeout` seconds; the
+    whole run is killed after `timeout` seconds, so it always ends. `fn` must be importable (a
+    module-level function) and its result picklable.
     """
     import torch.multiprocessing as mp
 
@@ -104,9 +108,14 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, thr
     positive_int("threads", threads)
     if timeout_seconds("timeout", timeout) is None:
         raise ValueError("timeout must be a positive number of seconds, got None")
+    one_of("backend", backend, ("gloo", "nccl"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if backend == "nccl" and gpus < world_size:
+        raise ValueError(f"backend 'nccl' needs a GPU per rank: {world_size} ranks, {gpus} GPU(s) here")
     with tempfile.TemporaryDirectory(prefix="manualdp-launch-") as outdir:
         context = mp.start_processes(_worker, nprocs=world_size, join=False, start_method="spawn",
-                                     args=(fn, world_size, _free_port(), tuple(args), threads, init, timeout, outdir))
+                                     args=(fn, world_size, _free_port(), tuple(args), threads, init, timeout, outdir,
+                                           backend))
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=0.2):
