@@ -21,6 +21,7 @@ from torch import nn
 import manualdp
 from manualdp.cost import traffic
 from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, pictures, plot
+from manualdp.runners.explain_zero3 import COLOURS, demo_step, plot_zero3
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd.tune import Link, predict
 from manualdp.support.plot_rounds import draw_panel
@@ -157,6 +158,51 @@ def ladder(path: str, fast: bool) -> None:
     fig.savefig(path)
 
 
+# ---------------------------------------------------------------- chapter 6: sharding
+
+def zero3_step(path: str, fast: bool) -> None:
+    """One ZeRO-3 step on 4 simulated devices: its collectives and the parameter bytes held (`manualdp explain zero3`)."""
+    plot_zero3(4, path)
+
+
+def zero3_gif(path: str, fast: bool) -> None:
+    """One ZeRO-3 step on 4 devices, one frame per collective: which unit moves, and what each device holds after."""
+    zero = demo_step(4)
+    steps, between = zero.collectives, zero.param_bytes()
+    units = [(c.unit, c.numel * c.element_size) for c in zero.planned() if c.phase == "forward"]
+    model = sum(size for _, size in units)
+    fig = _figure(6.4, 4.4)
+    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+
+    def frame(k: int):
+        top.clear()
+        bottom.clear()
+        c = steps[k - 1] if k else None
+        left = 0
+        for name, size in units:  # the model, unit by unit; each device keeps one quarter of every unit
+            moving = c is not None and c.unit == name
+            top.barh(0, size, left=left, color=COLOURS[c.kind, c.phase] if moving else "#dddddd", edgecolor="black")
+            for d in range(1, 4):
+                top.plot([left + size * d / 4] * 2, [-0.4, 0.4], color="grey", lw=0.6)
+            top.text(left + size / 2, 0, f"unit {name}", ha="center", va="center", fontsize=8)
+            left += size
+        top.set(xlim=(0, model), yticks=[], xlabel="the model's parameters, unit by unit (bytes)")
+        what = "between steps: each device keeps its quarter of every unit" if c is None else (
+            f"{k}/{len(steps)}: {c.kind.replace('_', '-')} unit {c.unit} ({c.phase})")
+        top.set_title(what, fontsize=9)
+        held = between if c is None else c.held
+        bottom.bar([f"dev{i}" for i in range(4)], held, color="#2c6fbb" if c is None else COLOURS[c.kind, c.phase])
+        bottom.axhline(model, color="grey", ls="--", lw=0.8)
+        bottom.text(3.4, model, "the whole model (plain data parallelism)", ha="right", va="bottom", fontsize=7)
+        bottom.axhline(model / 4, color="grey", ls=":", lw=0.8)
+        bottom.text(3.4, model / 4, "a quarter of it", ha="right", va="bottom", fontsize=7)
+        bottom.set(ylim=(0, model * 1.15), ylabel="parameter bytes held")
+        fig.tight_layout()
+
+    frames = list(range(len(steps) + 1)) + [len(steps)]  # hold the last frame
+    FuncAnimation(fig, frame, frames=frames).save(path, writer=PillowWriter(fps=1), dpi=70 if fast else 100)
+
+
 FIGURES = {
     "same-as-one-device.png": same_as_one_device,
     **{f"{name}.png": collective(name) for name in COLLECTIVES},
@@ -164,6 +210,8 @@ FIGURES = {
     "bytes.png": bytes_per_device,
     "predicted.png": predicted_time,
     "ladder.png": ladder,
+    "zero3.png": zero3_step,
+    "zero3.gif": zero3_gif,
 }
 
 

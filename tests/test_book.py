@@ -7,6 +7,7 @@ import pytest
 from mktestdocs import check_md_file, grab_code_blocks
 from PIL import Image
 
+from manualdp.runners.explain_zero3 import demo_step
 from manualdp.schedule import ring
 
 BOOK = pathlib.Path(__file__).resolve().parents[1] / "book"
@@ -57,8 +58,10 @@ def test_every_figure_builds(tmp_path):
     for path in paths:
         with Image.open(path) as image:
             assert image.format == ("GIF" if path.endswith(".gif") else "PNG") and min(image.size) > 100
-            if image.format == "GIF":  # the ring: the start, then one frame per round
+            if path.endswith("ring.gif"):  # the start, then one frame per round
                 assert image.n_frames == len(ring(4).rounds) + 1
+            if path.endswith("zero3.gif"):  # between steps, then one frame per collective of the step
+                assert image.n_frames == len(demo_step(4).collectives) + 1
 
 
 def shown(page: pathlib.Path) -> list[str]:
