@@ -192,11 +192,10 @@ def zero3_gif(path: str, fast: bool) -> None:
         top.set_title(what, fontsize=9)
         held = between if c is None else c.held
         bottom.bar([f"dev{i}" for i in range(4)], held, color="#2c6fbb" if c is None else COLOURS[c.kind, c.phase])
-        bottom.axhline(model, color="grey", ls="--", lw=0.8)
-        bottom.text(3.4, model, "the whole model (plain data parallelism)", ha="right", va="bottom", fontsize=7)
-        bottom.axhline(model / 4, color="grey", ls=":", lw=0.8)
-        bottom.text(3.4, model / 4, "a quarter of it", ha="right", va="bottom", fontsize=7)
-        bottom.set(ylim=(0, model * 1.15), ylabel="parameter bytes held")
+        bottom.axhline(model, color="grey", ls="--", lw=0.8, label="the whole model (plain data parallelism)")
+        bottom.axhline(model / 4, color="grey", ls=":", lw=0.8, label="a quarter of it")
+        bottom.set(ylim=(0, model * 1.4), ylabel="parameter bytes held")
+        bottom.legend(fontsize=7, loc="upper center", ncol=2)
         fig.tight_layout()
 
     frames = list(range(len(steps) + 1)) + [len(steps)]  # hold the last frame
