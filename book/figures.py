@@ -161,7 +161,7 @@ def ladder(path: str, fast: bool) -> None:
 # ---------------------------------------------------------------- chapter 6: sharding
 
 def zero3_step(path: str, fast: bool) -> None:
-    """One ZeRO-3 step on 4 simulated devices: its collectives and the parameter bytes held (`manualdp explain zero3`)."""
+    """One ZeRO-3 step on 4 simulated devices: its collectives, the parameter bytes held (`manualdp explain zero3`)."""
     plot_zero3(4, path)
 
 

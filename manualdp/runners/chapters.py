@@ -5,9 +5,9 @@
     results = launch(real_ddp, 2)   # one dict per rank
 
 `launch` starts fresh processes, which import the function they run: a function defined in a
-notebook or a chapter cannot be sent, so the chapters' rank-side code lives here and the
-chapters show it in excerpts. Each scene trains a tiny model over gloo on the CPU in well
-under a second and returns what the chapter prints and checks.
+notebook or a chapter's page cannot be sent, so the code the chapters run on each rank lives
+here. Each scene trains a tiny model over gloo on the CPU in a second or two, and returns
+what the chapter prints and checks.
 """
 from __future__ import annotations
 
@@ -51,9 +51,9 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _batches(k: int, rank: int, width: int = 6) -> list[torch.Tensor]:
+def _batches(k: int, rank: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(rank)
-    return [torch.randn(4, width, generator=g, dtype=torch.float64) for _ in range(k)]
+    return [torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(k)]
 
 
 # ---------------------------------------------------------------- chapter 5: what a real DDP does
@@ -142,7 +142,7 @@ def sync_batchnorm() -> dict:
     out = {"X": X, "out": bn(mine).detach(), "running_mean": bn.running_mean.clone(),
            "running_var": bn.running_var.clone()}
     bn.eval()
-    if rank == 0:  # evaluates alone: a forward that pooled over the ranks would wait for rank 1 forever
+    if rank == 0:  # evaluates alone: a forward that pooled over the ranks would wait for rank 1 until the timeout
         out["eval"] = bn(X[:2]).detach()
     return out
 
