@@ -12,7 +12,7 @@ from manualdp.schedule import ring
 
 BOOK = pathlib.Path(__file__).resolve().parents[1] / "book"
 CHAPTERS = sorted(BOOK.glob("[0-9][0-9]-*.md"))
-PAGES = CHAPTERS + [BOOK / "README.md"]
+PAGES = CHAPTERS + [BOOK / "README.md", BOOK / "reference.md"]
 
 
 def figures_module():
