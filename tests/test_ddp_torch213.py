@@ -149,8 +149,34 @@ def _logging():
             model(_x(rank)).sum().backward()
         builtin = wrapper(nn.Linear(3, 2))
         builtin._register_builtin_comm_hook(dist.BuiltinCommHookType.FP16_COMPRESS)
-        out[name] = {"before": before, "after": model._get_ddp_logging_data(),
-                     "builtin": builtin._get_ddp_logging_data().get("comm_hook")}
+        try:
+            builtin.register_comm_hook({}, {})
+        except TypeError as e:
+            raised = str(e)
+        logged = builtin._get_ddp_logging_data()
+        out[name] = {"before": before, "after": model._get_ddp_logging_data(), "builtin": logged.get("comm_hook"),
+                     "raised": raised, "logged": (logged.get("has_error"), logged.get("error"))}
+    return out
+
+
+def _joined_grads():
+    """`.grad` of a rank that joined early, after the Join and after one more step, both wrappers (torch's test
+    test_ddp_grad_div_uneven_inputs): the shadowed steps' averages must not stay in it."""
+    rank = dist.get_rank()
+    out = {}
+    for name, wrapper in WRAPPERS:
+        rows = []
+        for view in (False, True):
+            torch.manual_seed(0)
+            model = wrapper(nn.Linear(3, 2).double(), gradient_as_bucket_view=view)
+            with model.join():
+                for step in range(rank + 2):  # rank 0 joins first and shadows one step
+                    model(_x(rank + step)).sum().backward()
+                    model.zero_grad(set_to_none=not view)
+            rows.append(None if model.module.weight.grad is None else model.module.weight.grad.clone())
+            model(_x(rank)).sum().backward()  # accumulates into what the Join left
+            rows.append(model.module.weight.grad.clone())
+        out[name] = rows
     return out
 
 
@@ -307,7 +333,7 @@ def _device_errors():
 
 def _job():
     scenarios = {"buffers": _buffers, "warnings": _warnings, "errors": _errors, "logging": _logging,
-                 "remove_hooks": _remove_hooks, "buffer_hook": _buffer_hook, "powersgd": _powersgd,
+                 "joined_grads": _joined_grads, "remove_hooks": _remove_hooks, "buffer_hook": _buffer_hook, "powersgd": _powersgd,
                  "powersgd_state": _powersgd_state, "in_backward": _in_backward, "device_errors": _device_errors}
     out = {}
     for name, fn in scenarios.items():
@@ -390,6 +416,16 @@ def test_ddp_logging_data_has_torchs_values_for_the_fields_manualdp_keeps():
         assert "comm_hook" not in ours["before"] and ours["after"]["comm_hook"] == "allreduce_hook"
         assert ours["builtin"] == theirs["builtin"] == "BuiltinCommHookType.FP16_COMPRESS"
         assert ours["after"]["iteration"] == 2 and ours["after"]["has_error"] == 0
+        # an error raised after construction is logged, as torch logs it
+        assert "must be callable" in ours["raised"] and "must be callable" in theirs["raised"]
+        for said in (ours, theirs):  # torch's Python errors are logged with their class in front
+            assert said["logged"][0] == 1 and said["logged"][1].endswith(said["raised"])
+
+
+def test_a_rank_that_joined_early_keeps_its_grad_as_torchs_does():
+    for value in _get("joined_grads"):
+        for mine, torchs in zip(value["ours"], value["theirs"], strict=True):
+            assert (mine is None) == (torchs is None) and (mine is None or torch.equal(mine, torchs)), (mine, torchs)
 
 
 def test_remove_autograd_hooks_takes_the_wrappers_hooks_off():

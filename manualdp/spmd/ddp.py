@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
-from ..validate import (a_callable, boolean, initialized, nn_module, non_negative_int, one_of,
+from ..validate import (boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
 from .ddp_buffers import POST_FORWARD, PRE_FORWARD, BufferSync
 from .ddp_checks import StepChecks, module_device, refuse_in_backward_optimizers
@@ -414,12 +414,14 @@ class DistributedDataParallel(nn.Module, UnevenInputs, StepChecks, BufferSync, P
 
     def register_comm_hook(self, state: object, hook) -> None:
         """Average each bucket with `hook(state, bucket) -> Future[Tensor]`, torch's comm-hook signature."""
-        a_callable("hook", hook)
+        if not callable(hook):  # errors logged, as torch logs them (`_get_ddp_logging_data()["error"]`)
+            raise self._logged(TypeError(f"hook must be callable, got {hook!r}"))
         if self._comm_hook is not None:
-            raise RuntimeError("register_comm_hook can only be called once")
+            raise self._logged(RuntimeError("register_comm_hook can only be called once"))
         if self._hooks_compared:
-            raise RuntimeError("register_comm_hook must be called before training (the first forward or backward "
-                               "pass that synchronises gradients), as torch's DDP asks: the ranks compare hooks there")
+            raise self._logged(RuntimeError("register_comm_hook must be called before training (the first forward or "
+                                            "backward pass that synchronises gradients), as torch's DDP asks: the "
+                                            "ranks compare hooks there"))
         self._comm_hook = (state, hook)
 
     def _grad_ready(self, param: nn.Parameter) -> None:

@@ -3,9 +3,10 @@
 torch's `Join` context calls the wrapper's `join_hook`: while some ranks still train, a rank
 that has run out of batches answers each of their steps with the same collectives (the
 buffer broadcast, the step's call check and zero buckets), so the training ranks' messages
-always find a partner, and gets the step's averaged gradients in `.grad` as they do (torch's
-leaves them stale), so that a sharded optimizer in the same `Join` steps its shard right.
-At the end every rank takes the model of the last rank to join.
+always find a partner, and gets the step's averaged gradients in `.grad` as they do, so that
+a sharded optimizer in the same `Join` steps its shard right. At the end every rank takes the
+model of the last rank to join, and a joined rank's `.grad` is back to what it was when it
+joined, as torch's DDP leaves it (a next training loop may accumulate into it).
 
 A rank that raises inside `join()` leaves its reason in the group's store before it leaves;
 the others, whose next wait then fails, raise a `PeerError` that names it and says why.
@@ -74,6 +75,9 @@ class UnevenInputs(Joinable):
         if not syncing:
             return
         self._divisor = self.world_size if self._join_divide_by_initial else active
+        if not self._joined:  # what `.grad` held when this rank joined, given back at the end (a bucket view by value)
+            self._stale_grads = [(p, p.grad, p.grad.clone() if self.gradient_as_bucket_view and p.grad is not None
+                                  else None) for p in self._params]
         self._joined = True
         self._step_check = self._check_step()  # as the training ranks' first gradient hook does
         for b, bucket in enumerate(self._buckets):
@@ -92,6 +96,10 @@ class UnevenInputs(Joinable):
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         """Every rank takes the model of the last rank to join (the highest such rank); buffers only if they sync."""
         self._joined = False
+        for p, grad, value in self.__dict__.pop("_stale_grads", ()):
+            p.grad = grad
+            if value is not None:
+                grad.copy_(value)
         candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
         self._join_collective(dist.all_reduce, candidate, op=dist.ReduceOp.MAX)
         self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
