@@ -4,14 +4,15 @@ The prediction is `manualdp.cost.cost`, the alpha-beta-gamma model, with constan
 to this transport by a short calibration between two ranks, sending as the executor sends
 (`calibrate`): a few ping-pongs of one element give alpha (the time of a message), one large
 transfer gives beta (the time per byte), and a local addition gives gamma (the time per byte
-added). A ring of two ranks on a large buffer, both ranks sending at once, gives `duplex`: 0
-if a link carries both directions at full speed, 1 if they take turns, more if they also get in
-each other's way. Two processes on one 2-core machine, sending, receiving and adding at once,
-read 0.5 to 1.6, and the ring at two ranks, two rounds of exchange, measured slower than the
-naive schedule at most sizes; read as below 1 (readings were once cut at 1), the duplex made
-ring the pick from 1 MiB up, up to 1.66x slower. So the duplex comes with its spread (how far
-the median reading may be off): the calibration reads on while it is wide, and `choose` takes
-the algorithm that loses least to the fastest anywhere within it. `parallel` is
+added). `duplex` says what sending and receiving at once costs: 0 if a link carries both
+directions at full speed, 1 if they take turns, more if they also get in each other's way. It
+is read from the ring of two ranks (two rounds of exchange) timed against the naive schedule
+(one-way rounds) on a large buffer. Two processes on one 2-core machine measured the ring
+slower than naive at most sizes, while a bare exchange read 0.5 to 1.3, and any reading below 1
+made ring the pick from 1 MiB up, up to 1.66x slower. The readings scatter on a busy machine,
+so the duplex comes with its spread (how far their median may be off): the calibration reads on
+while it is wide, and `choose` takes the algorithm that loses least to the fastest anywhere
+within it. `parallel` is
 not measured but counted (`host_parallel`): with more ranks on a host than it has cores (4
 processes on 2 cores), the busy ranks of a round share the cores (`manualdp.cost.shared_cores`),
 which favours schedules that spread a round's work (tree) over one rank doing most of it
@@ -42,14 +43,15 @@ import torch.distributed as dist
 
 from ..cost import MAX_DUPLEX, loads_cost
 from ..loads import allreduce_loads
-from ..schedule import ALGORITHMS, Schedule, Transfer
+from ..schedule import ALGORITHMS, Schedule, Transfer, get_schedule
 from ..support.files import write_json_atomic
 from ..validate import fraction, is_int, non_negative_int, non_negative_number, positive_int
 from .p2p import DEFAULT_SEGMENT_BYTES, run_schedule  # the model pipelines additions with its segments
 from .peers import group_ranks, talking_to, wait
 
 __all__ = ["Link", "ENGINE_ALGORITHMS", "predict", "choose", "calibrate", "link_for", "cache_path", "known_link",
-           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES", "CALIBRATION", "duplex_of", "recalibrate", "note",
+           "resolve", "host_parallel", "DEFAULT_SEGMENT_BYTES", "CALIBRATION", "duplex_of", "fit_duplex", "recalibrate",
+           "note",
            "drifted", "moved"]
 
 ENGINE_ALGORITHMS = (*ALGORITHMS, "auto")  # what the SPMD engine accepts; the book keeps its explicit names
@@ -87,7 +89,7 @@ class Link:
 MAX_SECONDS = 1.0
 MAX_PARALLEL = 1 << 53
 MEASURED = ("alpha", "beta", "gamma", "duplex", "duplex_spread")  # what a calibration measures and the cache keeps
-CALIBRATION = 3  # the cache's "calibration": bumped when the measurement changes, so older caches are measured again
+CALIBRATION = 4  # the cache's "calibration": bumped when the measurement changes, so older caches are measured again
 MAX_CACHE_AGE = 24 * 3600.0  # seconds: a host's load changes, and with it the link; older constants are measured again
 MAX_CACHE_BYTES = 4096  # a cache is a few numbers; a larger file is not one (and /dev/zero never ends)
 
@@ -329,7 +331,8 @@ WARMUP = 2
 
 
 def calibrate(group=None, timeout: float | None = None) -> Link:
-    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, duplex by a ring of two, gamma by an add.
+    """Measure alpha and beta by ping-pong between the group's ranks 0 and 1, gamma by an add, duplex from
+    the ring of two against the naive schedule.
 
     Only those two ranks call it. The bytes move as an allreduce moves them: through the
     executor (`manualdp.spmd.p2p.run_schedule`), in its segments, receives posted ahead where
@@ -345,23 +348,6 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
     small = torch.zeros(1, dtype=torch.float32, device=device)
     large = torch.zeros(LARGE_BYTES // 4, dtype=torch.float32, device=device)
     alpha, = map(statistics.median, _timed([(small, _PING_PONG)], SMALL_REPEATS, group, peers, timeout))
-    # Both ways at once, LARGE_BYTES each way per round, as a ring of two runs it: one round adding what
-    # arrives, one overwriting. By the model of `manualdp.cost.cost` each round costs (1 + duplex)
-    # one-way transfers. (Exchanges without the additions measured 0.4 to 0.9 on 2 cores, with them
-    # 1.3 to 1.6: a rank's own thread both sends and adds, so the rounds of a ring cost more than
-    # the exchange alone says.) The two are timed in turns, so that the machine's noise hits both.
-    both = torch.zeros(2 * large.numel(), dtype=torch.float32, device=device)
-    # On a busy host the readings scatter: batches go on until the duplex is known to SPREAD_GOAL (or
-    # MAX_READINGS), rank 0 deciding for both. A quiet host stops after one batch.
-    one_way, two_way = [], []
-    while True:
-        batch = _timed([(large, _PING_PONG), (both, _TWO_WAY)], LARGE_REPEATS, group, peers, timeout,
-                       warmup=0 if one_way else WARMUP)
-        one_way, two_way = one_way + batch[0], two_way + batch[1]
-        duplex, spread = duplex_of(one_way, two_way)
-        if not _tell_rank_one(measure_on(spread, len(one_way)), rank, device, group, peers, timeout):
-            break
-    beta = max(statistics.median(one_way) - alpha, 0.0) / LARGE_BYTES
     add_times = []
     for _ in range(LARGE_REPEATS + WARMUP):
         start = time.perf_counter()
@@ -370,19 +356,50 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
             torch.cuda.synchronize(device)
         add_times.append(time.perf_counter() - start)
     gamma = statistics.median(add_times[WARMUP:]) / LARGE_BYTES
-    return Link(alpha, beta, gamma, duplex, duplex_spread=spread)
+    # The duplex is what the ring costs at two ranks, both ranks sending, receiving and adding at once:
+    # the ring of two and the naive schedule (which never sends and receives at once) are timed in turns,
+    # so that the machine's noise hits both, and each pair gives the duplex at which the model's ring
+    # takes that many times naive's time. (A bare exchange against a one-way transfer read 0.6 where the
+    # ring then measured 1.2x slower than naive.) On a busy host the readings scatter: batches go on
+    # until the duplex is known to SPREAD_GOAL (or MAX_READINGS), rank 0 deciding for both.
+    one_way, naive, ring = [], [], []
+    while True:
+        batch = _timed([(large, _PING_PONG), (large, _NAIVE), (large, _RING)], LARGE_REPEATS, group, peers,
+                       timeout, warmup=0 if one_way else WARMUP)
+        one_way, naive, ring = one_way + batch[0], naive + batch[1], ring + batch[2]
+        link = Link(alpha, max(statistics.median(one_way) - alpha, 0.0) / LARGE_BYTES, gamma)
+        duplex, spread = duplex_of([fit_duplex(link, LARGE_BYTES, r / n) for n, r in zip(naive, ring) if n > 0])
+        if not _tell_rank_one(measure_on(spread, len(one_way)), rank, device, group, peers, timeout):
+            break
+    return replace(link, duplex=duplex, duplex_spread=spread)
 
 
-def duplex_of(one_way: list[float], two_way: list[float]) -> tuple[float, float]:
-    """The duplex and its spread from paired timings of one round each way at once and one round one way.
+def fit_duplex(link: Link, nbytes: int, ratio: float, segment_bytes: int | None = DEFAULT_SEGMENT_BYTES) -> float:
+    """The duplex at which the model gives the ring of two `ratio` times the naive schedule's time on `nbytes`.
 
-    Each pair, timed back to back, gives one reading `two_way / one_way - 1` (within 0 and
-    `MAX_DUPLEX`: two processes on 2 cores that send, receive and add at once read 1.3 to 1.6);
-    the duplex is their median, the spread how far that median may be off. On a quiet host
-    the readings agree and the spread is near 0; on a busy one they scatter, and the spread
-    narrows as readings are added.
+    Naive's time does not depend on it (no rank sends and receives at once), ring's grows with
+    it: 0 for a ratio below ring's best, `MAX_DUPLEX` above its worst, else by bisection.
     """
-    readings = sorted(min(max(t / o - 1.0, 0.0), MAX_DUPLEX) for o, t in zip(one_way, two_way) if o > 0)
+    low, high = 0.0, MAX_DUPLEX
+    naive = predict("naive", 2, nbytes, link, 4, segment_bytes)
+    if naive <= 0:
+        return 0.0
+    for _ in range(30):
+        middle = (low + high) / 2
+        if predict("ring", 2, nbytes, replace(link, duplex=middle), 4, segment_bytes) < ratio * naive:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def duplex_of(readings: list[float]) -> tuple[float, float]:
+    """The duplex and its spread from readings of it: their median, and how far that median may be off.
+
+    Readings are taken within 0 and `MAX_DUPLEX`. On a quiet host they agree and the spread is
+    near 0; on a busy one they scatter, and the spread narrows as readings are added.
+    """
+    readings = sorted(min(max(r, 0.0), MAX_DUPLEX) for r in readings)
     if len(readings) < 2:
         return (readings or [0.0])[0], MAX_DUPLEX  # no idea how far off one reading is
     low, _, high = statistics.quantiles(readings, n=4)
@@ -407,11 +424,11 @@ def _tell_rank_one(decision: bool, rank: int, device, group, peers: list[int], t
     return bool(flag.item())
 
 
-# Two-rank schedules for the calibration: there and back (one chunk), and both ways at once (two).
-# (chunks, rounds); the group's other ranks take no part.
+# Two-rank schedules for the calibration, as (chunks, rounds): there and back, and the naive and ring
+# allreduces of two ranks. The group's other ranks take no part.
 _PING_PONG = (1, ((Transfer(0, 1, 0, False),), (Transfer(1, 0, 0, False),)))
-_TWO_WAY = (2, ((Transfer(0, 1, 0, True), Transfer(1, 0, 1, True)),     # each sends one half, adds the other's
-                (Transfer(0, 1, 1, False), Transfer(1, 0, 0, False))))  # each sends back the half it summed
+_NAIVE = (1, get_schedule("naive", 2).rounds)  # 1 sends to 0, which adds, and back
+_RING = (2, get_schedule("ring", 2).rounds)    # each sends one half and adds the other's, then sends back its sum
 
 
 def _timed(jobs: list[tuple[torch.Tensor, tuple]], repeats: int, group, peers: list[int],
