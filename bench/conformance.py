@@ -9,8 +9,11 @@ distributed_test.py`, driven by torch's own multi-process machinery (`TestDistBa
 one spawned process per rank, a file rendezvous, exit codes collected by the parent). Each
 test runs twice: as the control, and with `DistributedDataParallel` swapped for manualdp's
 in the ranks' processes (the name the test module imported and `torch.nn.parallel`'s).
-Tests whose source reads torch's private internals are left out, each with the name it reads,
-and so are the few in `IMPLEMENTATION`, which assert how torch implements DDP (its profiler events).
+A DDP test is one whose name says so or whose code (or a helper's) builds a DistributedDataParallel.
+Tests whose code reads torch's private internals (`PRIVATE`; names in comments and docstrings
+do not count) are left out, each with the name it reads and why manualdp does not offer it; so
+are tests that read fields of `_get_ddp_logging_data()` that manualdp does not keep, and the few
+in `IMPLEMENTATION`, which assert how torch implements DDP (its profiler events).
 """
 from __future__ import annotations
 
