@@ -1,0 +1,131 @@
+"""What manualdp keeps between calls on one process group, in one object per group.
+
+Collectives on a group share a few things across calls: the one thread that runs them in
+order, the link constants every rank agreed on (and whether measured times have drifted
+from them), the call check's counter, the bytes sent, and per thread the scratch space and
+the works kept until the next call. Kept apart in module-level dicts, each file had its own
+idea of what a group is and none said what a group holds; here one `GroupState` says it,
+`group_state(group)` is read once where a user hands the group in, and the executor is
+given the state. A test that wants a fresh start makes a fresh state.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from .peers import SerialWorker
+
+__all__ = ["GroupState", "group_state", "group_worker", "InlineWorker", "Traffic"]
+
+
+class Traffic:
+    """The bytes this process has sent by the executor on one process group, per dtype (e.g. "float32").
+
+    The data of every collective, counted from this rank's sends in its plan as each call
+    starts; not counted: the call check's fingerprints, and torch's own collectives. A
+    benchmark reads `traffic(group).sent()` before and after a step, on each rank.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # the group's worker thread and the main thread both send
+        self._sent: dict[str, int] = {}
+
+    def add(self, dtype: torch.dtype, nbytes: int) -> None:
+        name = str(dtype).removeprefix("torch.")
+        with self._lock:
+            self._sent[name] = self._sent.get(name, 0) + nbytes
+
+    def sent(self) -> dict[str, int]:
+        """A copy of the counts so far: dtype name -> bytes."""
+        with self._lock:
+            return dict(self._sent)
+
+
+class InlineWorker:
+    """A `SerialWorker` without a thread, for a group of one rank: each call runs at once, in the caller's thread.
+
+    Nothing is sent at world size 1, so a thread would only add a hand-off per call. As on
+    the thread, after a call fails every later one fails with the same error.
+    """
+
+    def __init__(self) -> None:
+        self._failed: BaseException | None = None
+
+    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if self._failed is not None:
+            future.set_exception(self._failed)
+            return future
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as e:  # handed to whoever waits on the future, as the thread does
+            self._failed = e
+            future.set_exception(e)
+        return future
+
+    def shutdown(self) -> None:
+        pass
+
+
+class GroupState:
+    """Everything kept between calls on one process group."""
+
+    def __init__(self, pg) -> None:
+        # A weak reference: a process group held past destroy_process_group aborts the interpreter when freed at exit.
+        self.pg = weakref.ref(pg)
+        self.link = None         # (the agreed Link, where from: "given", "cached" or "measured"); None until agreed
+        self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
+        self.drifted = False     # the times have moved (`tune.moved`) since the constants were agreed
+        self.calls = 0           # checked calls made so far: the call check's counter
+        self.traffic = Traffic()  # bytes sent by the executor
+        self.local = threading.local()  # per thread (the worker's and the caller's): scratch space, kept works
+        self._worker = None
+        self._lock = threading.Lock()
+
+    @property
+    def worker(self) -> SerialWorker | InlineWorker:
+        """The one thread that runs, in submission order, every wrapper's collectives on this group."""
+        with self._lock:
+            if self._worker is None:
+                pg = self.pg()
+                if dist.get_world_size(pg) == 1:
+                    self._worker = InlineWorker()
+                else:
+                    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
+                    # On a GPU the thread must talk to this rank's device (the current device is per thread).
+                    init = (lambda: torch.cuda.set_device(device)) if device is not None else None
+                    self._worker = SerialWorker("manualdp-allreduce", initializer=init)
+            return self._worker
+
+
+# id(process group) -> its state. Only the id is kept (and a weak reference in the state): a
+# process group held past destroy_process_group aborts the interpreter when it is freed at exit.
+_STATES: dict[int, GroupState] = {}
+_STATES_LOCK = threading.Lock()  # the worker thread and the main thread both look states up
+
+
+def group_state(group=None) -> GroupState:
+    """The state of `group` (default: all ranks), made the first time it is asked for."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise RuntimeError("torch.distributed is not initialised: call torch.distributed.init_process_group "
+                           "(or manualdp.spmd.init_from_env) first")
+    state = _STATES.get(id(pg))
+    if state is not None and state.pg() is pg:
+        return state
+    with _STATES_LOCK:
+        state = _STATES.get(id(pg))
+        if state is None or state.pg() is not pg:  # none yet, or a freed group's whose id came back
+            if state is not None and state._worker is not None:
+                state._worker.shutdown()
+            state = _STATES[id(pg)] = GroupState(pg)
+        return state
+
+
+def group_worker(group=None) -> SerialWorker | InlineWorker:
+    """The one thread that runs, in submission order, every wrapper's collectives on `group`."""
+    return group_state(group).worker
