@@ -101,7 +101,7 @@ def run(config: dict) -> dict:
                       backend=config.get("backend", "gloo"))
     n = config["world_size"]
     element_size = torch.empty((), dtype=DTYPES[config["dtype"]]).element_size()
-    from manualdp.spmd.tune import Link, predict
+    from manualdp.spmd.pick import Link, predict
 
     link = Link(**per_rank[0]["link"])
     rows = []

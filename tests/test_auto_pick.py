@@ -9,8 +9,8 @@ import torch.distributed as dist
 from manualdp.schedule import ALGORITHMS
 from manualdp.spmd import launch
 from manualdp.cost import MAX_DUPLEX
-from manualdp.spmd.tune import (DRIFT_CALLS, LARGE_BYTES, LARGE_REPEATS, Link, choose, duplex_of, fit_duplex,
-                                measure_on, moved, predict)
+from manualdp.spmd.pick import Link, choose, predict
+from manualdp.spmd.tune import DRIFT_CALLS, LARGE_BYTES, LARGE_REPEATS, duplex_of, fit_duplex, measure_on, moved
 
 HOST = (5e-5, 2.5e-10, 3e-11)  # alpha, beta, gamma as two ranks on this project's 2-core host measure them
 SIZES = [(64 << 10) << 2 * k for k in range(6)]  # 64 KiB to 64 MiB
@@ -103,6 +103,7 @@ def test_a_change_in_measured_against_predicted_time_is_drift_a_steady_model_err
 
 def _drift(cache: str, given: bool):
     from manualdp.spmd import allreduce, tune
+    from manualdp.spmd.group import group_state
 
     os.environ["XDG_CACHE_HOME"] = cache
     os.environ.pop("MANUALDP_LINK", None)
@@ -118,10 +119,10 @@ def _drift(cache: str, given: bool):
         allreduce(x)
     before = (len(calibrations), tune.drifted())
     if dist.get_rank() == 1 and not given:  # this rank alone sees its calls take 10 times as long as they did
-        first, latest = tune._TIMES[dist.group.WORLD][x.numel() * 4]
+        first, latest = group_state().times[x.numel() * 4]
         latest.extend([10 * r for r in first])
         assert tune.moved(first, latest)
-        tune._DRIFTED.add(dist.group.WORLD)
+        group_state().drifted = True
     x = torch.full((1000,), float(dist.get_rank() + 1))
     allreduce(x)  # the call check carries rank 1's word: both measure again, before this call's data moves
     return before, len(calibrations), tune.drifted(), tune.link_for(), x[0].item()

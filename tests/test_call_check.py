@@ -25,8 +25,8 @@ def test_every_device_hears_every_device_in_log2_rounds_of_one_message(n):
 
 def _mismatches(differs: int):
     """Group rank `differs` calls allreduce otherwise, one way per case; then a call that agrees."""
-    from manualdp.spmd import p2p
     from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.group import group_state
     rank = torch.distributed.get_rank()
     odd = rank == differs
     cases = {  # name -> (tensor, algorithm, segment_bytes)
@@ -41,8 +41,7 @@ def _mismatches(differs: int):
     out = {}
     for name, (t, algorithm, segment_bytes) in cases.items():
         if name == "call" and odd:  # as if this rank had made one checked call more than the others
-            key = torch.distributed.group.WORLD
-            p2p._CALLS[key] += 1
+            group_state().calls += 1
         before = t.clone()
         try:
             allreduce(t, algorithm, segment_bytes=segment_bytes, timeout=20)
@@ -51,7 +50,7 @@ def _mismatches(differs: int):
             out[name] = str(e)
         out[name + " unchanged"] = torch.equal(t, before)
     if odd:
-        p2p._CALLS[torch.distributed.group.WORLD] -= 1  # back in step: the next call agrees
+        group_state().calls -= 1  # back in step: the next call agrees
     t = torch.arange(10.0) * (rank + 1)
     allreduce(t, timeout=20)
     out["sum"] = t.tolist()

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.allreduce import run_schedule
 from manualdp.distributed import DistributedDataParallel, allreduce, plan
+from manualdp.spmd.group import group_state
 from manualdp.spmd.p2p import run_allreduce
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch, shard
@@ -131,7 +132,7 @@ def _allreduce_checks():
                 out[(algorithm, size, dtype)] = (x, ref)
         # The executor NCCL would use (one group per round), run here on gloo.
         x = _input(rank, 1001, torch.float64)
-        run_allreduce(x, algorithm, None, rank, list(range(n)), segment_bytes=800, early=False)
+        run_allreduce(x, algorithm, group_state(), segment_bytes=800, early=False)
         out[(algorithm, "grouped")] = x
         x = _input(rank, 35, torch.float32).view(7, 5).t()  # not contiguous
         ref = x.contiguous()

@@ -10,14 +10,15 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from manualdp.spmd import allreduce, launch, p2p
+from manualdp.spmd import allreduce, launch
+from manualdp.spmd.group import group_state
 
 
 def _job():
     torch.set_num_threads(1)
     x = torch.ones(1000)
     allreduce(x, "naive")
-    first = [weakref.ref(w) for w in p2p._SPENT.works]
+    first = [weakref.ref(w) for w in group_state().local.works]
     gc.collect()
     alive_after_call = all(r() is not None for r in first)
     allreduce(x, "ring")

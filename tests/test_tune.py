@@ -197,6 +197,7 @@ def test_ranks_agree_on_rank_zeros_constants_though_their_own_differ(tmp_path):
 
 def _calibrate_twice(cache: str):
     import manualdp.spmd.tune as tune
+    from manualdp.spmd.group import group_state
 
     os.environ["XDG_CACHE_HOME"] = cache
     os.environ.pop("MANUALDP_LINK", None)
@@ -205,7 +206,7 @@ def _calibrate_twice(cache: str):
         with open(tune.cache_path("gloo", 2), "w") as f:
             json.dump({"alpha": 9.0, "beta": 9.0, "gamma": 9.0, "duplex": 0.0}, f)
     first = tune.link_for()
-    tune._LINKS.clear()  # a new run: the constants now come from rank 0's cache, not a calibration
+    group_state().link = None  # a new run: the constants now come from rank 0's cache, not a calibration
     tune.calibrate = None  # calling it would fail
     second = tune.link_for()
     return first, second
@@ -323,6 +324,7 @@ def test_constants_measured_a_day_ago_or_later_than_now_are_measured_again_witho
 
 @pytest.mark.parametrize("case", ["a FIFO", "a link to /dev/zero", "nested 100000 deep"])
 def test_the_calibration_replaces_a_hostile_cache(case, tmp_path, monkeypatch, deadline):
+    import manualdp.spmd.link_cache as link_cache
     import manualdp.spmd.tune as tune
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
@@ -333,7 +335,7 @@ def test_the_calibration_replaces_a_hostile_cache(case, tmp_path, monkeypatch, d
     HOSTILE_CACHES[case](path)
     measured = Link(2e-5, 3e-10, 4e-11, 0.25)
     with deadline(20):  # writing into a FIFO blocks until someone reads it
-        tune._save(None, 2, measured)
+        link_cache.save("gloo", 2, measured)
     assert os.path.isfile(path) and not os.path.islink(path)
     assert tune.known_link("gloo", 2)[0] == Link(2e-5, 3e-10, 4e-11, 0.25, host_parallel("gloo", 2))
 

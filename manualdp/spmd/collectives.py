@@ -14,9 +14,11 @@ import torch.distributed as dist
 from ..collectives import shard
 from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
-from .p2p import DEFAULT_SEGMENT_BYTES, check_same_call, run_allreduce, run_schedule
-from .peers import group_ranks, group_timeout
-from .tune import ENGINE_ALGORITHMS, drifted, note, recalibrate, resolve
+from .group import group_state
+from .p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule, same_call
+from .peers import group_timeout
+from .pick import choose
+from .tune import ENGINE_ALGORITHMS, agreed, measure_again, note
 
 __all__ = ["allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"]
 
@@ -47,23 +49,23 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
     boolean("check", check)
-    rank, peers = group_ranks(group)
-    if len(peers) == 1:
+    state = group_state(group)
+    if len(state.peers) == 1:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
     auto = algorithm == "auto"
     # First: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
-    if check and check_same_call(tensor, algorithm, segment_bytes, group, timeout, flag=auto and drifted(group)):
-        recalibrate(group, timeout)
+    if check and same_call(state, tensor, algorithm, segment_bytes, timeout, flag=auto and state.drifted):
+        measure_again(state, timeout)
     if tensor.numel() == 0:
         return
-    algorithm = resolve(algorithm, tensor.numel(), tensor.element_size(), group, timeout,
-                        segment_bytes)  # "auto": the cost model's pick
+    nbytes = tensor.numel() * tensor.element_size()
+    if auto:  # the cost model's pick
+        algorithm = choose(len(state.peers), nbytes, agreed(state, timeout), tensor.element_size(), segment_bytes)
     start = time.perf_counter()
-    run_allreduce(tensor, algorithm, group, rank, peers, segment_bytes, early=dist.get_backend(group) == "gloo",
-                  timeout=timeout)
+    run_allreduce(tensor, algorithm, state, segment_bytes, timeout)
     if auto and check and tensor.device.type == "cpu":  # on a GPU the call returns before the work is done
-        note(group, algorithm, tensor.numel() * tensor.element_size(), tensor.element_size(), segment_bytes,
+        note(state, algorithm, tensor.numel() * tensor.element_size(), tensor.element_size(), segment_bytes,
              time.perf_counter() - start)
 
 
@@ -76,13 +78,13 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
         check_summable(tensor)
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
-    rank, peers = group_ranks(group)
-    int_between("root", root, 0, len(peers) - 1)
-    schedule = get_collective(collective, algorithm, len(peers), root)
-    if len(peers) > 1 and tensor.numel():
+    state = group_state(group)
+    int_between("root", root, 0, len(state.peers) - 1)
+    schedule = get_collective(collective, algorithm, len(state.peers), root)
+    if len(state.peers) > 1 and tensor.numel():
         timeout = timeout if timeout is not None else group_timeout(group)
-        run_schedule(tensor, schedule, group, rank, peers, segment_bytes, dist.get_backend(group) == "gloo", timeout)
-    return rank
+        run_schedule(tensor, schedule, state, segment_bytes, timeout)
+    return state.rank
 
 
 def reduce_scatter(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,

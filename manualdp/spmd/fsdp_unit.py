@@ -32,7 +32,7 @@ from torch import nn
 from ..collectives import shard
 from ..shards import ShardPlan
 from .collectives import all_gather, reduce_scatter
-from .ddp import group_worker
+from .group import group_worker
 from .peers import group_ranks
 
 __all__ = ["Unit", "shard_name", "OWNER", "SLOTS"]

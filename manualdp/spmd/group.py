@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .peers import SerialWorker
+from .peers import SerialWorker, group_ranks
 
 __all__ = ["GroupState", "group_state", "group_worker", "InlineWorker", "Traffic"]
 
@@ -77,6 +77,8 @@ class GroupState:
     def __init__(self, pg) -> None:
         # A weak reference: a process group held past destroy_process_group aborts the interpreter when freed at exit.
         self.pg = weakref.ref(pg)
+        self.rank, self.peers = group_ranks(pg)  # this process's rank in the group, and every member's global rank
+        self.early = dist.get_backend(pg) == "gloo"  # the executor posts receives a round early (gloo) or not
         self.link = None         # (the agreed Link, where from: "given", "cached" or "measured"); None until agreed
         self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
         self.drifted = False     # the times have moved (`tune.moved`) since the constants were agreed
@@ -91,11 +93,11 @@ class GroupState:
         """The one thread that runs, in submission order, every wrapper's collectives on this group."""
         with self._lock:
             if self._worker is None:
-                pg = self.pg()
-                if dist.get_world_size(pg) == 1:
+                if len(self.peers) == 1:
                     self._worker = InlineWorker()
                 else:
-                    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(pg) == "nccl" else None
+                    nccl = dist.get_backend(self.pg()) == "nccl"
+                    device = torch.device("cuda", torch.cuda.current_device()) if nccl else None
                     # On a GPU the thread must talk to this rank's device (the current device is per thread).
                     init = (lambda: torch.cuda.set_device(device)) if device is not None else None
                     self._worker = SerialWorker("manualdp-allreduce", initializer=init)

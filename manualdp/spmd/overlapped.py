@@ -20,6 +20,7 @@ import torch
 
 from .flat import FlatDDP
 from .collectives import allreduce
+from .group import group_worker  # the one thread per process group that runs collectives in order
 
 __all__ = ["OverlappedDDP"]
 
@@ -29,7 +30,6 @@ class OverlappedDDP(FlatDDP):
 
     def __init__(self, module, **kwargs):
         super().__init__(module, **kwargs)
-        from .ddp import group_worker  # the one thread per process group that runs collectives in order
         self.worker = group_worker(self.group)
         self.running: list[tuple[torch.Tensor, concurrent.futures.Future]] = []  # started this backward
 

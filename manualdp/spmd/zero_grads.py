@@ -27,7 +27,7 @@ import torch
 from ..buckets import assign_buckets
 from ..shards import ShardPlan
 from .collectives import reduce
-from .ddp import group_worker
+from .group import group_worker
 
 __all__ = ["ScatterBucket", "plan_buckets", "GradientShards"]
 
