@@ -190,12 +190,12 @@ def test_check_same_layout_refuses_bad_arguments_before_any_communication():
 
 def _checks_per_step():
     """A 3-bucket wrapper for 3 steps: what goes through the worker, in order."""
-    from manualdp.spmd import ddp
+    from manualdp.spmd import ddp_debug, reducer
     from manualdp.spmd.ddp import DistributedDataParallel
     seen = []
-    check, reduce = ddp.check_same_call, ddp.allreduce
-    ddp.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)), check(t, *a, numel=numel, **k))[1]
-    ddp.allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel(), k.get("check"))), reduce(t, *a, **k))[1]
+    check, reduce = ddp_debug.check_same_call, reducer.allreduce
+    ddp_debug.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)), check(t, *a, numel=numel, **k))[1]
+    reducer.allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel(), k.get("check"))), reduce(t, *a, **k))[1]
     try:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
@@ -208,7 +208,7 @@ def _checks_per_step():
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         return seen, sizes, grads
     finally:
-        ddp.check_same_call, ddp.allreduce = check, reduce
+        ddp_debug.check_same_call, reducer.allreduce = check, reduce
 
 
 def test_the_wrapper_checks_each_step_once_ahead_of_its_buckets_which_go_unchecked():

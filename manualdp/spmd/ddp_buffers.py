@@ -16,7 +16,7 @@ from torch.nn.parallel.distributed import _BufferCommHookLocation  # torch's enu
 from ..validate import a_callable, boolean
 from .ddp_sync import broadcast_from_rank0, kept_named, state_tensors
 
-__all__ = ["BufferSync", "PRE_FORWARD", "POST_FORWARD"]
+__all__ = ["BufferSync", "settle_buffer_flags", "PRE_FORWARD", "POST_FORWARD"]
 
 PRE_FORWARD, POST_FORWARD = _BufferCommHookLocation.PRE_FORWARD, _BufferCommHookLocation.POST_FORWARD
 
@@ -29,64 +29,61 @@ BOTH = ("Both `broadcast_buffers` and `forward_sync_buffers` were specified. `br
         "its value is ignored when `forward_sync_buffers` is provided.")
 
 
+def settle_buffer_flags(broadcast_buffers: bool | None, forward_sync_buffers: bool | None,
+                        stacklevel: int = 3) -> tuple[bool, bool]:
+    """(`forward_sync_buffers` as torch 2.13 sets it, whether buffers are copied at construction too)."""
+    for name, flag in (("broadcast_buffers", broadcast_buffers), ("forward_sync_buffers", forward_sync_buffers)):
+        if flag is not None:
+            boolean(name, flag)
+    if broadcast_buffers is not None:
+        warnings.warn(BOTH if forward_sync_buffers is not None else DEPRECATED, FutureWarning, stacklevel=stacklevel)
+    if forward_sync_buffers is not None:
+        return forward_sync_buffers, True
+    synced = broadcast_buffers is not False
+    return synced, synced
+
+
 class BufferSync:
-    """The buffer half of `DistributedDataParallel` (a mixin: it reads the module, the group and the flags)."""
+    """The module's buffers across the reducer's ranks: rank 0's copy, or a buffer comm hook."""
 
-    _buffer_hook = None  # (state, hook, location) from `_register_buffer_comm_hook`, or None: rank 0's copy
-    _buffer_futures: tuple = ()  # what the buffer hook returned this step, waited for at the end of backward
+    def __init__(self, module, ignored: set[str], reducer) -> None:
+        self.module, self.ignored, self.reducer = module, ignored, reducer
+        self.hook = None  # (state, hook, location) from `register`, or None: rank 0's copy
+        self.futures: tuple = ()  # what the buffer hook returned this step, waited for at the end of backward
 
-    def _settle_buffer_flags(self, broadcast_buffers: bool | None, forward_sync_buffers: bool | None,
-                             stacklevel: int = 3) -> bool:
-        """Set `forward_sync_buffers` as torch 2.13 does; True when buffers are copied at construction too."""
-        for name, flag in (("broadcast_buffers", broadcast_buffers), ("forward_sync_buffers", forward_sync_buffers)):
-            if flag is not None:
-                boolean(name, flag)
-        if broadcast_buffers is not None:
-            warnings.warn(BOTH if forward_sync_buffers is not None else DEPRECATED, FutureWarning, stacklevel=stacklevel)
-        if forward_sync_buffers is not None:
-            self.forward_sync_buffers = forward_sync_buffers
-            return True
-        self.forward_sync_buffers = broadcast_buffers is not False
-        return self.forward_sync_buffers
+    def wire(self) -> None:
+        self.reducer.on_backward_end.append(self.wait)
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """torch's old name for `forward_sync_buffers`."""
-        return self.forward_sync_buffers
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in ("hook", "futures")} | {"hook": None, "futures": ()}
 
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    def _sync_buffers(self, where: _BufferCommHookLocation) -> None:
-        """Before (`PRE_FORWARD`) or after forward: rank 0's buffers to every rank, or the buffer hook, when due."""
-        hook = self._buffer_hook
-        if not (self.require_forward_param_sync and self.forward_sync_buffers) or where != (hook[2] if hook else PRE_FORWARD):
+    def sync(self, where: _BufferCommHookLocation, due: bool) -> None:
+        """Before (`PRE_FORWARD`) or after forward, when `due`: rank 0's buffers to every rank, or the buffer hook."""
+        hook = self.hook
+        if not due or where != (hook[2] if hook else PRE_FORWARD):
             return
         if hook is None:
-            self._default_broadcast_coalesced()
+            self.broadcast()
             return
-        named = dict(kept_named(self.module.named_buffers(), self.parameters_to_ignore))
+        named = dict(kept_named(self.module.named_buffers(), self.ignored))
         if named:  # as torch: no buffers, no hook
             futures = hook[1](hook[0], named)
-            self._buffer_futures = tuple(futures) if futures is not None else ()
+            self.futures = tuple(futures) if futures is not None else ()
 
-    def _wait_buffer_futures(self) -> None:
+    def wait(self, used=None) -> None:
         """End of backward: the futures the buffer hook returned are done, as torch waits for them there."""
-        futures, self._buffer_futures = self._buffer_futures, ()
+        futures, self.futures = self.futures, ()
         for future in futures:
             future.wait()
 
-    def _default_broadcast_coalesced(self, bufs=None, bucket_size=None, authoritative_rank: int = 0) -> None:
-        """Copy `bufs` (default: the module's buffers) from group rank `authoritative_rank` to every rank.
+    def broadcast(self, bufs=None, authoritative_rank: int = 0) -> None:
+        """Copy `bufs` (default: the module's buffers) from group rank `authoritative_rank` to every rank."""
+        r = self.reducer
+        tensors = state_tensors(self.module, self.ignored) if bufs is None else list(bufs)
+        broadcast_from_rank0(tensors, r.rank, r.peers, r.group, r.timeout, src=authoritative_rank)
 
-        torch's name, which buffer hooks call. `bucket_size` is accepted and ignored: one message per dtype.
-        """
-        tensors = state_tensors(self.module, self.parameters_to_ignore) if bufs is None else list(bufs)
-        broadcast_from_rank0(tensors, self.rank, self._peers, self.process_group, self.timeout, src=authoritative_rank)
-
-    def _register_buffer_comm_hook(self, state, hook, comm_hook_location=POST_FORWARD) -> None:
-        """torch's private API: sync buffers with `hook(state, {name: buffer})` instead of rank 0's copy.
+    def register(self, state, hook, comm_hook_location=POST_FORWARD) -> None:
+        """Sync buffers with `hook(state, {name: buffer})` instead of rank 0's copy (torch's private API).
 
         The hook runs before or after each forward that syncs (`comm_hook_location`, torch's
         `_BufferCommHookLocation`); futures it returns are waited for at the end of backward.
@@ -94,4 +91,4 @@ class BufferSync:
         a_callable("hook", hook)
         if not isinstance(comm_hook_location, _BufferCommHookLocation):
             raise TypeError(f"comm_hook_location must be a _BufferCommHookLocation, got {comm_hook_location!r}")
-        self._buffer_hook = (state, hook, comm_hook_location)
+        self.hook = (state, hook, comm_hook_location)

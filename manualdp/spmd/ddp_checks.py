@@ -1,115 +1,90 @@
-"""What a `DistributedDataParallel` step checks at run time, in torch's words where torch has some.
+"""Unused-parameter detection and static graph for `DistributedDataParallel`, in torch's words.
 
-- at the first synchronised step: every rank runs the same comm hook (or none);
-- `debug`: before each bucket, every rank shows (step, bucket, size, parameters) to every rank;
+After each synchronised backward (`GraphChecks`, on the reducer's summed "ready" flags):
 - `static_graph`: the parameters used must stay those of the first iteration;
 - otherwise, without `find_unused_parameters`: every rank's backward must reach every parameter;
 - at construction: the module's devices against `device_ids`, and no in-backward optimizers.
+What the ranks compare during a step (calls, comm hooks, debug mode) is in `ddp_debug`.
 """
 from __future__ import annotations
-
-import zlib
 
 import torch
 import torch.distributed as dist
 
-from .hooks import hook_name
-from .collectives import allreduce
-
-__all__ = ["StepChecks", "unfinished_message", "module_device", "refuse_in_backward_optimizers"]
+__all__ = ["GraphChecks", "unfinished_message", "module_device", "refuse_in_backward_optimizers"]
 
 
-class StepChecks:
-    """The run-time checks of `DistributedDataParallel` (a mixin: they read the wrapper's buckets)."""
+class GraphChecks:
+    """After each synchronised backward: unused-parameter detection, or static graph's rule.
 
-    def _check_same_hook(self) -> None:
-        """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them.
+    Args:
+        reducer: the drop-in's `Reducer`; rank: this rank; logged: (error) -> error, the wrapper's error log.
+        static_graph, find_unused_parameters: the wrapper's flags (neither: every parameter must be used).
+    """
 
-        A hook on one rank only would send other messages than its peers' allreduce (gloo aborts).
-        The ranks sum a table of one fingerprint each, and only on a mismatch gather the names.
-        """
-        mine = hook_name(self._comm_hook[1]) if self._comm_hook is not None else "none (manualdp's allreduce)"
-        table = torch.zeros(self.world_size, dtype=torch.int64, device=self.device)
-        table[self.rank] = zlib.crc32(mine.encode())
-        allreduce(table, "naive", self.process_group, timeout=self.timeout, check=False)
-        if len(set(table.tolist())) == 1:
-            return
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        raise ValueError(f"rank {self.rank}: DistributedDataParallel: the ranks registered different comm hooks ("
-                         + ", ".join(f"rank {r}: {name}" for r, name in enumerate(everyone))
-                         + "); call register_comm_hook with the same hook on every rank")
+    def __init__(self, reducer, rank: int, static_graph: bool, find_unused_parameters: bool, logged) -> None:
+        self.reducer, self.rank, self.logged = reducer, rank, logged
+        self.static_graph, self.find_unused_parameters = static_graph, find_unused_parameters
+        # The error the next forward raises on every rank, as torch's reducer does: a backward pass
+        # left a parameter without a gradient on some rank (or, with static_graph, changed the graph).
+        self.unfinished: str | None = None
+        self.static_used: frozenset[int] | None = None  # static_graph: indices of the parameters the first iteration used
+        self.static_gap: list[int] | None = None  # what had not arrived when a parameter the first iteration left out did
 
-    def _check_in_step(self, index: int, bucket) -> None:
-        """Debug mode: every rank must be about to reduce the same bucket of the same step; else all raise."""
-        mine = {"step": self._step, "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype),
-                "params": self._names[index], "joined": self._joined,
-                "unused": [n for n, arrived in zip(self._names[index], bucket.arrived) if not arrived]}
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.process_group)
-        training = [(r, f) for r, f in enumerate(everyone) if not f["joined"]]
-        keys = ("bucket", "numel", "dtype", "params") + (("step",) if len(training) == self.world_size else ())
-        first_rank, first = training[0] if training else (0, everyone[0])
-        for r, theirs in training:
-            wrong = [k for k in keys if theirs[k] != first[k]]
-            if not wrong:
-                continue
-            a, b = first["params"], theirs["params"]
-            differs = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            named = (f"parameter {differs} of the bucket is {a[differs] if differs < len(a) else 'missing'!r} on rank "
-                     f"{first_rank} but {b[differs] if differs < len(b) else 'missing'!r} on rank {r}")
-            unused = "; ".join(f"rank {q}: {f['unused'] or 'none'}" for q, f in enumerate(everyone))
-            raise RuntimeError(
-                f"DistributedDataParallel desync: rank {first_rank} is at step {first['step']} bucket {first['bucket']} "
-                f"({first['numel']} elements, {first['dtype']}), rank {r} at step {theirs['step']} bucket "
-                f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
-                f"{named}. Unused parameters: {unused}")
+    def wire(self) -> None:
+        if self.static_graph:
+            self.reducer.on_grad.append(self.note_static)
+        self.reducer.on_backward_end.append(self.check_static if self.static_graph else self.check_all_ready)
 
-    def _note_static(self, b: int, i: int) -> None:
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "logged"}
+
+    def note_static(self, param) -> None:
         """static_graph, in a gradient hook: torch's reduction stops at the first parameter the first iteration
         did not use; what had not arrived by then is what torch's next forward names."""
-        if (b, i) not in self._static_used and self._static_gap is None:
-            self._static_gap = sorted(self._index[id(self._buckets[c].params[j])]
-                                      for c, j in self._static_used if not self._buckets[c].arrived[j])
+        if self.static_used is not None and self.static_gap is None and self.reducer.index(param) not in self.static_used:
+            self.static_gap = sorted(self.static_used - self.reducer.arrived())
 
-    def _check_static(self, used: frozenset) -> None:
+    def check_static(self, used: frozenset[int]) -> None:
         """static_graph: the parameters used must be those of the first iteration, as torch insists.
 
         A parameter newly used raises at once; one no longer used, at the next forward, as torch's
         reducer does. Either way the reduction is unfinished in torch's eyes, so every later forward
         raises too.
         """
-        gap, self._static_gap = self._static_gap, None
-        if self._static_used is None:
-            self._static_used = used
+        gap, self.static_gap = self.static_gap, None
+        if self.static_used is None:
+            self.static_used = used
             return
-        by_index = {self._index[id(self._buckets[b].params[i])]: self._names[b][i] for b, i in self._static_used}
-        if used - self._static_used:
-            self._unfinished = unfinished_message("static", self.rank, [(k, by_index[k]) for k in gap])
-            raise self._logged(RuntimeError(
-                f"{GRAPH_CHANGED} Newly used: {sorted(self._names[b][i] for b, i in used - self._static_used)}"))
-        if self._static_used - used:
-            missing = sorted(self._index[id(self._buckets[b].params[i])] for b, i in self._static_used - used)
-            self._unfinished = (unfinished_message("static", self.rank, [(k, by_index[k]) for k in missing])
-                                + f"\nNot used in this iteration: {sorted(by_index[k] for k in missing)}")
+        name = self.reducer.name
+        if used - self.static_used:
+            self.unfinished = unfinished_message("static", self.rank, [(k, name(k)) for k in gap])
+            raise self.logged(RuntimeError(f"{GRAPH_CHANGED} Newly used: {sorted(name(k) for k in used - self.static_used)}"))
+        if self.static_used - used:
+            missing = sorted(self.static_used - used)
+            self.unfinished = (unfinished_message("static", self.rank, [(k, name(k)) for k in missing])
+                               + f"\nNot used in this iteration: {sorted(name(k) for k in missing)}")
 
-    def _check_all_ready(self) -> None:
+    def check_all_ready(self, used: frozenset[int]) -> None:
         """Without find_unused_parameters every rank's backward must reach every parameter, as torch requires.
 
         The ready flags were summed with the gradients, so every rank finds the same parameters
         missing and the next forward raises on all of them (torch's reducer raises there too).
         """
-        missing = sorted((self._index[id(p)], self._names[b][i], int(count), bucket.arrived[i])
-                         for b, bucket in enumerate(self._buckets)
+        if self.find_unused_parameters:
+            return
+        r = self.reducer
+        missing = sorted((r.index(p), r.names[b][i], int(count), bucket.arrived[i])
+                         for b, bucket in enumerate(r.buckets)
                          for i, (p, count) in enumerate(zip(bucket.params, bucket.ready.tolist()))
-                         if count < self._active)
+                         if count < r.active)
         if not missing:
             return
         here = [(k, name) for k, name, _, arrived in missing if not arrived]  # what torch's message names
-        self._unfinished = (
+        self.unfinished = (
             unfinished_message("unused", self.rank, here)
-            + f"\nOn all {self._active} ranks, those which did not receive grad somewhere (ranks where they did): "
-            + ", ".join(f"{name} ({count} of {self._active})" for _, name, count, _ in missing))
+            + f"\nOn all {r.active} ranks, those which did not receive grad somewhere (ranks where they did): "
+            + ", ".join(f"{name} ({count} of {r.active})" for _, name, count, _ in missing))
 
 
 # torch's words (its reducer's, in libtorch); `unfinished_message` puts them together as torch does.

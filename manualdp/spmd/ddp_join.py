@@ -17,7 +17,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, JoinHook
 
 from ..validate import boolean
 from .ddp_buffers import PRE_FORWARD
@@ -25,104 +25,103 @@ from .ddp_sync import state_tensors
 from .peers import PeerError, talking_to, wait
 from .postmortem import store_key
 
-__all__ = ["UnevenInputs"]
+__all__ = ["UnevenInputs", "JoinContext"]
 
 
-class UnevenInputs(Joinable):
-    """The Join half of `DistributedDataParallel` (a mixin: it uses the wrapper's buckets and worker)."""
+class UnevenInputs:
+    """The Join half of `DistributedDataParallel`: what its rank does once out of data, and after.
 
-    _join_used = False  # True once a Join context has taken this wrapper
+    The wrapper stays torch's `Joinable` (torch's `Join` takes it, and calls its `join_hook`);
+    this object keeps the state and does the work, through the reducer's public names.
+    """
 
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """A context for uneven inputs: ranks out of data shadow the others' collectives until all are done."""
-        return _Join([self], enable, throw_on_early_termination, self.timeout,
-                     divide_by_initial_world_size=divide_by_initial_world_size)
+    def __init__(self, reducer, module, ignored: set[str]) -> None:
+        self.reducer, self.module, self.ignored = reducer, module, ignored
+        self.joined = False  # True while Join shadows this rank's steps
+        self.used = False  # True once a Join context has taken the wrapper (torch logs it)
+        self.divide_by_initial = True  # divide by the initial world size, not by the ranks left
+        self.authoritative_rank = 0  # the group rank whose model every rank took at the end of the last Join
+        self.stale_grads: list = []  # what `.grad` held when this rank joined, given back at the end
 
-    def join_hook(self, **kwargs) -> JoinHook:
-        """What this wrapper does while its rank has joined (`divide_by_initial_world_size`: default True)."""
-        divide = kwargs.get("divide_by_initial_world_size", True)
-        boolean("divide_by_initial_world_size", divide)
-        self._join_divide_by_initial = divide
-        self._join_used = True  # torch logs it (`_get_ddp_logging_data()["join_uneven_inputs"]`)
-        return _JoinedRank(self)
+    def is_joined(self) -> bool:
+        return self.joined
 
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
+    def hook(self, ddp, divide_by_initial_world_size: bool = True, **kwargs) -> JoinHook:
+        """Join's hook for `ddp` (`divide_by_initial_world_size`: default True)."""
+        boolean("divide_by_initial_world_size", divide_by_initial_world_size)
+        self.divide_by_initial = divide_by_initial_world_size
+        self.used = True  # torch logs it (`_get_ddp_logging_data()["join_uneven_inputs"]`)
+        return _JoinedRank(ddp)
 
-    @property
-    def join_process_group(self):
-        return self.process_group
+    def training_step(self, syncing: bool) -> None:
+        """A training rank's forward inside Join: joined ranks learn whether this step syncs; the divisor follows."""
+        r = self.reducer
+        r.active, _ = self.agree_on_step(1, int(syncing))
+        r.divisor = len(r.peers) if self.divide_by_initial else r.active
 
-    def _agree_on_step(self, active: int, syncing: int) -> tuple[int, int]:
+    def agree_on_step(self, active: int, syncing: int) -> tuple[int, int]:
         """Allreduce (ranks still training, ranks whose step syncs gradients); joined ranks add zeros."""
-        counts = torch.tensor([active, syncing], dtype=torch.int64, device=self.device)
-        self._join_collective(dist.all_reduce, counts)
+        counts = torch.tensor([active, syncing], dtype=torch.int64, device=self.reducer.device)
+        self.collective(dist.all_reduce, counts)
         return int(counts[0]), int(counts[1])
 
-    def _join_collective(self, collective, tensor: torch.Tensor, **kwargs) -> None:
-        """A collective of the group's ranks, waited for with the wrapper's timeout: a `PeerError` if one is lost."""
-        with talking_to(None, self.timeout):
-            work = collective(tensor, group=self.process_group, async_op=True, **kwargs)
-        wait(work, None, self.timeout)
+    def collective(self, collective, tensor: torch.Tensor, **kwargs) -> None:
+        """A collective of the group's ranks, waited for with the reducer's timeout: a `PeerError` if one is lost."""
+        timeout = self.reducer.timeout
+        with talking_to(None, timeout):
+            work = collective(tensor, group=self.reducer.group, async_op=True, **kwargs)
+        wait(work, None, timeout)
 
-    def _shadow_step(self) -> None:
+    def shadow_step(self, ddp) -> None:
         """One step of a joined rank: the buffer broadcast and zero buckets that the training ranks expect."""
-        self._sync_buffers(PRE_FORWARD)
-        active, syncing = self._agree_on_step(0, 0)
-        self.require_forward_param_sync = syncing > 0
+        r = self.reducer
+        ddp.buffer_sync.sync(PRE_FORWARD, ddp.require_forward_param_sync and ddp.forward_sync_buffers)
+        active, syncing = self.agree_on_step(0, 0)
+        ddp.require_forward_param_sync = syncing > 0
         if not syncing:
             return
-        self._divisor = self.world_size if self._join_divide_by_initial else active
-        if not self._joined:  # what `.grad` held when this rank joined, given back at the end (a bucket view by value)
-            self._stale_grads = [(p, p.grad, p.grad.clone() if self.gradient_as_bucket_view and p.grad is not None
-                                  else None) for p in self._params]
-        self._joined = True
-        self._step_check = self._check_step()  # as the training ranks' first gradient hook does
-        for b, bucket in enumerate(self._buckets):
-            bucket.flat.zero_()
-            bucket.future = self._executor.submit(self._reduce, b, bucket)
-        try:
-            for bucket in self._buckets:
-                bucket.future.result()
-            # The step's averages into `.grad`, as the training ranks get them: a Joinable sharded
-            # optimizer (manualdp.spmd.zero at stage 1) steps this rank's shard with them.
-            for bucket in self._buckets:
-                self._write_grads(bucket)
-        finally:
-            self._reset_backward()
+        r.divisor = len(r.peers) if self.divide_by_initial else active
+        if not self.joined:  # given back at the end (a bucket view by value)
+            self.stale_grads = [(p, p.grad, p.grad.clone() if r.gradient_as_bucket_view and p.grad is not None
+                                 else None) for p in r.params]
+        self.joined = True
+        ddp.calls.queue()  # as the training ranks' first gradient hook does
+        # The step's averages into `.grad`, as the training ranks get them: a Joinable sharded
+        # optimizer (manualdp.spmd.zero at stage 1) steps this rank's shard with them.
+        r.shadow_step()
 
-    def _sync_final_model(self, is_last_joiner: bool) -> None:
+    def sync_final_model(self, is_last_joiner: bool, buffers: bool) -> None:
         """Every rank takes the model of the last rank to join (the highest such rank); buffers only if they sync."""
-        self._joined = False
-        for p, grad, value in self.__dict__.pop("_stale_grads", ()):
+        r = self.reducer
+        self.joined = False
+        stale, self.stale_grads = self.stale_grads, []
+        for p, grad, value in stale:
             p.grad = grad
             if value is not None:
                 grad.copy_(value)
-        candidate = torch.tensor([self.rank if is_last_joiner else -1], device=self.device)
-        self._join_collective(dist.all_reduce, candidate, op=dist.ReduceOp.MAX)
-        self._authoritative_rank = int(candidate)  # torch's name for it; its Join tests read it
-        root = self._peers[self._authoritative_rank]
+        candidate = torch.tensor([r.rank if is_last_joiner else -1], device=r.device)
+        self.collective(dist.all_reduce, candidate, op=dist.ReduceOp.MAX)
+        self.authoritative_rank = int(candidate)
+        root = r.peers[self.authoritative_rank]
         with torch.no_grad():
-            for t in state_tensors(self.module, self.parameters_to_ignore, params=True, buffers=self.forward_sync_buffers):
-                self._join_collective(dist.broadcast, t.data, src=root)
+            for t in state_tensors(self.module, self.ignored, params=True, buffers=buffers):
+                self.collective(dist.broadcast, t.data, src=root)
 
 
 class _JoinedRank(JoinHook):
     """Join's hook for the wrapper: shadow each training step, then agree on the final model."""
 
-    def __init__(self, ddp: UnevenInputs) -> None:
+    def __init__(self, ddp) -> None:
         self.ddp = ddp
 
     def main_hook(self) -> None:
-        self.ddp._shadow_step()
+        self.ddp.uneven.shadow_step(self.ddp)
 
     def post_hook(self, is_last_joiner: bool) -> None:
-        self.ddp._sync_final_model(is_last_joiner)
+        self.ddp.uneven.sync_final_model(is_last_joiner, self.ddp.forward_sync_buffers)
 
 
-class _Join(Join):
+class JoinContext(Join):
     """torch's `Join`, whose ranks name a rank that raised inside it, and wait for each other with a timeout."""
 
     def __init__(self, joinables, enable: bool, throw_on_early_termination: bool, timeout: float | None, **kwargs):

@@ -1,0 +1,117 @@
+"""The drop-in's debug checks: the ranks compare their calls, once per step, or each bucket in debug mode.
+
+The ranks compare their calls once per step, not once per bucket: the forward pass (or else
+the first gradient hook) queues `check_same_call` for the whole step ahead of the buckets, so
+it runs while forward and backward compute, and the buckets go out unchecked (their sizes were
+compared at construction). A forward without a backward leaves it queued for the next step's.
+In debug mode every bucket is compared instead, in more words (`Desync`).
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+
+import torch.distributed as dist
+
+from .p2p import check_same_call
+from .ddp_checks import refuse_in_backward_optimizers
+from .ddp_hooks import check_same_hook
+from .ddp_sync import kept_named
+
+__all__ = ["CallCheck", "Desync"]
+
+
+class CallCheck:
+    """The step's call check, queued on the reducer's worker ahead of the step's buckets.
+
+    One `check_same_call` for all buckets (their total size, bucket 0's algorithm): a rank that
+    is out of step, or calls some other allreduce meanwhile, meets this fixed-size table instead
+    of a bucket, and every rank raises in one line. At the first synchronised step the ranks
+    also compare their comm hooks, and in-backward optimizers are refused.
+    """
+
+    def __init__(self, reducer, module, ignored: set[str], world_size: int, debug: bool) -> None:
+        self.reducer, self.module, self.ignored = reducer, module, ignored
+        self.world_size, self.debug = world_size, debug
+        self.enabled = True  # off only to measure what the check costs (bench/faults.py): a mismatch then aborts in gloo
+        self.started = False  # the first synchronised step has come: the hooks were compared
+        self.comm_hook = None  # the registered `CommHook`, compared at the first step
+        self.future: concurrent.futures.Future | None = None  # this step's check, or None
+
+    def wire(self) -> None:
+        """Wait for the step's check before each bucket; queue it at backward's start; forget it at the end."""
+        self.reducer.before_reduce.append(self.wait)
+        self.reducer.on_backward_start.append(self.queue)  # a backward whose forward did not queue it
+        self.reducer.on_reset.append(self.clear)
+
+    def __getstate__(self):
+        return self.__dict__ | {"future": None, "comm_hook": None, "started": False}
+
+    def queue(self) -> None:
+        """Queue the step's check, unless this step already has it."""
+        if self.future is None:
+            self.future = self._submit()
+
+    def wait(self, index: int, bucket) -> None:
+        if self.future is not None:
+            self.future.result()  # done (the worker runs in order); raises if the ranks called differently
+
+    def clear(self) -> None:
+        self.future = None
+
+    def _submit(self) -> concurrent.futures.Future | None:
+        r = self.reducer
+        if not self.started:  # the first synchronised step: torch sets up in-backward optimizers here
+            refuse_in_backward_optimizers(kept_named(self.module.named_parameters(), self.ignored))
+        hooks, self.started = not self.started, True
+        calls = self.enabled and not self.debug  # debug: each bucket is checked, in more words
+        if self.world_size == 1 or not (hooks or calls):
+            return None
+        first, total = r.buckets[0].flat, sum(b.flat.numel() for b in r.buckets)
+        recorder, call = r.recorder, (first, r.algorithms[0], r.segment_bytes, r.group, r.timeout)
+        comm_hook = self.comm_hook
+
+        def run() -> None:
+            if hooks:
+                check_same_hook(comm_hook, r.rank, self.world_size, r.group, r.device, r.timeout)
+            if calls:
+                with recorder.span("step check", "comm", cat="comm") if recorder is not None else contextlib.nullcontext():
+                    check_same_call(*call, numel=total)
+        return r.submit(run)
+
+
+class Desync:
+    """Debug mode: before each bucket, every rank shows (step, bucket, size, parameters) to every rank."""
+
+    def __init__(self, reducer, world_size: int, joined) -> None:
+        self.reducer, self.world_size = reducer, world_size
+        self.joined = joined  # () -> whether Join shadows this rank's steps
+
+    def wire(self) -> None:
+        self.reducer.before_reduce.append(self.check)
+
+    def check(self, index: int, bucket) -> None:
+        """Every rank must be about to reduce the same bucket of the same step; else all raise."""
+        names = self.reducer.names[index]
+        mine = {"step": self.reducer.steps, "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype),
+                "params": names, "joined": self.joined(),
+                "unused": [n for n, arrived in zip(names, bucket.arrived) if not arrived]}
+        everyone: list = [None] * self.world_size
+        dist.all_gather_object(everyone, mine, group=self.reducer.group)
+        training = [(r, f) for r, f in enumerate(everyone) if not f["joined"]]
+        keys = ("bucket", "numel", "dtype", "params") + (("step",) if len(training) == self.world_size else ())
+        first_rank, first = training[0] if training else (0, everyone[0])
+        for r, theirs in training:
+            wrong = [k for k in keys if theirs[k] != first[k]]
+            if not wrong:
+                continue
+            a, b = first["params"], theirs["params"]
+            differs = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            named = (f"parameter {differs} of the bucket is {a[differs] if differs < len(a) else 'missing'!r} on rank "
+                     f"{first_rank} but {b[differs] if differs < len(b) else 'missing'!r} on rank {r}")
+            unused = "; ".join(f"rank {q}: {f['unused'] or 'none'}" for q, f in enumerate(everyone))
+            raise RuntimeError(
+                f"DistributedDataParallel desync: rank {first_rank} is at step {first['step']} bucket {first['bucket']} "
+                f"({first['numel']} elements, {first['dtype']}), rank {r} at step {theirs['step']} bucket "
+                f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
+                f"{named}. Unused parameters: {unused}")

@@ -1,0 +1,373 @@
+"""The drop-in's reducer: rung 4's buckets, plus what torch's features need to see and change.
+
+As in rung 4 (`bucketed.py`): a hook copies each finished gradient into its bucket; full
+buckets are reduced, strictly in order, on the group's worker while backward goes on; at the
+end of backward the missing gradients are filled in, every bucket is waited for and the
+averages go into `.grad`. Rung 5 = rung 4's buckets
+- + two flags per parameter ("used", "ready") summed with the gradients, so every rank learns
+  which parameters some rank left unused (unused-parameter detection, static graph);
+- + a per-bucket reduction that a comm hook replaces (`reduce`), and a divisor that Join changes;
+- + sparse gradients, `.grad` as a view into the bucket, and buckets rebuilt after the first
+  step in the order the gradients arrived (rank 0's), as torch's DDP does.
+It composes rung 4's idea rather than inheriting `BucketedDDP`: that class is a whole wrapper
+(its constructor broadcasts and checks the model, its buckets are bare slices), so inheriting
+would drag its constructor into the drop-in, or make rung 4 longer for a student.
+
+What a feature may read or call (nothing else):
+- `buckets`, `layout`, `algorithms`, `names` (per bucket), `params`, `worker`, `steps`;
+- `locate(param)` -> (bucket, index in it); `index(param)`: torch's index (position in `params`);
+- `arrived()`: the indices of the parameters whose gradient this backward pass produced;
+- `divisor` (what the sums are divided by) and `active` (ranks training this step), set by Join;
+- `syncing` (this backward syncs; False under `no_sync`) and `used_in_no_sync`;
+- `reduce(index, bucket)`: the reduction, on the worker; `allreduce_bucket` unless a comm hook replaced it
+  (then `reduces_to_average`: its results are averages already);
+- callbacks: `before_reduce` (index, bucket; on the worker), `on_backward_start` (), `on_grad` (param),
+  `on_backward_end` (arrived indices), `on_reset` (), `may_rebuild` () -> bool, `logged` (error) -> error;
+- `submit(fn, *args)`, `shadow_step()`, `write_grads(bucket)`, `reset()`, `remove_hooks()`.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import weakref
+
+import torch
+from torch import nn
+
+from ..buckets import assign_buckets
+from .collectives import allreduce
+from .ddp_sync import broadcast_from_rank0
+from .group import group_worker
+from .tune import resolve
+
+__all__ = ["Bucket", "Reducer"]
+
+
+class Bucket:
+    """Gradients of a few parameters, flattened into one buffer and allreduced together."""
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params  # parameters whose gradients live here, in the order they sit in `flat`
+        self.offsets = [0]  # where each parameter's gradient starts in `flat` (one extra entry: the end)
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        # the gradients, then two flags per parameter ("used", "ready"); after the allreduce their sums
+        k = len(params)
+        self.flat = torch.zeros(self.offsets[-1] + 2 * k, dtype=params[0].dtype, device=params[0].device)
+        self.grads = self.flat[:self.offsets[-1]]  # what a comm hook sees
+        self.flags = self.flat[self.offsets[-1]:]  # reduced apart from the gradients when a comm hook runs
+        # This rank's flags while gradients arrive, written into `flags` once, by `seal`: a write
+        # into a tensor element is a torch call, two per parameter per step otherwise.
+        self.used_here = [0] * k  # 1 where this rank's backward produced gradient i (or a no_sync one did)
+        self.ready_here = [0] * k  # 1 where gradient i's hook fired in this rank's backward pass
+        self.used = self.flags[:k]  # `used_here` once sealed; after the allreduce, how many ranks used gradient i
+        self.ready = self.flags[k:]  # `ready_here` once sealed; after the allreduce, how many ranks' hooks fired
+        # Each parameter's slice of `flat`, made once: slicing and reshaping in every hook costs as
+        # much as copying a small gradient.
+        self.views = [self.flat[a:b].view(p.shape) for p, a, b in zip(params, self.offsets, self.offsets[1:])]
+        self.arrived = [False] * len(params)  # whose gradient this backward pass has copied into `flat`
+        self.sparse = [False] * len(params)  # whose gradient came sparse (densified here, sparse again after)
+        self.pending = len(params)  # gradients still to arrive before the bucket can be sent
+        self.future: concurrent.futures.Future | None = None  # the running allreduce, or None
+
+    def view(self, i: int) -> torch.Tensor:
+        """Parameter `i`'s slice of `flat`, shaped like the parameter."""
+        return self.views[i]
+
+    def mark_ready(self, i: int, grad: torch.Tensor | None) -> bool:
+        """Copy parameter `i`'s finished gradient in; True when it was the last one missing."""
+        if self.arrived[i]:
+            raise RuntimeError("a gradient arrived twice in one backward pass (reentrant backward?), "
+                               "which manualdp.DistributedDataParallel does not support")
+        if grad is None:  # the hook fired but autograd produced nothing: as if unused here
+            self.view(i).zero_()
+        else:
+            self.sparse[i] = grad.is_sparse
+            view = self.view(i)
+            if grad.is_sparse:
+                view.copy_(grad.to_dense())
+            elif grad.data_ptr() != view.data_ptr():  # gradient_as_bucket_view: already in place
+                view.copy_(grad)
+            self.used_here[i] = 1
+        self.ready_here[i] = 1
+        self.arrived[i] = True
+        self.pending -= 1
+        return self.pending == 0
+
+    def fill_missing(self, used_earlier: set[int]) -> None:
+        """End of backward: unused parameters send their accumulated gradient (or zeros); the bucket is ready.
+
+        `used_earlier`: ids of parameters used in a `no_sync` step since the last sync; they count as
+        used, as torch keeps its used map across `no_sync` iterations (pytorch#69031).
+        """
+        for i, arrived in enumerate(self.arrived):
+            if arrived:
+                continue
+            p = self.params[i]
+            if p.grad is None:
+                self.view(i).zero_()
+            elif p.grad.data_ptr() != self.view(i).data_ptr():
+                self.view(i).copy_(p.grad.to_dense() if p.grad.is_sparse else p.grad)
+            if id(p) in used_earlier:
+                self.used_here[i] = 1
+        self.pending = 0
+
+    def seal(self) -> None:
+        """Every gradient is in: write this rank's flags into `flat`, to be summed with the gradients."""
+        self.flags.copy_(torch.tensor(self.used_here + self.ready_here, dtype=self.flags.dtype))
+
+    def reset(self) -> None:
+        """Forget this backward pass: no gradient has arrived, nothing is running."""
+        self.flags.zero_()
+        self.used_here = [0] * len(self.params)
+        self.ready_here = [0] * len(self.params)
+        self.arrived = [False] * len(self.params)
+        self.pending = len(self.params)
+        self.future = None
+
+
+# What a copy (deepcopy, pickle) of a reducer leaves behind: per-process state and the features' wiring.
+_NOT_COPIED = ("group", "worker", "hooks", "_where", "names", "_names", "_position", "reduces_to_average",
+               "used_in_no_sync", "ready_order", "reduce", "before_reduce", "on_backward_start", "on_grad",
+               "on_backward_end", "on_reset", "may_rebuild", "logged")
+
+
+class Reducer:
+    """The buckets of `params` (grouped as `layout`) and their reduction across `group` during backward.
+
+    Args:
+        params: the parameters to average, in torch's order; module: the model (for names).
+        layout: indices into `params` per bucket; caps: the caps it came from (rebuilt with them).
+        group, rank, peers: the process group, this rank and the group's global ranks.
+        algorithm, segment_bytes, timeout: how each bucket is allreduced (`collectives.allreduce`).
+        gradient_as_bucket_view: `.grad` is a view into its bucket; rebuild: rebuild after the first step.
+    """
+
+    def __init__(self, params: list[nn.Parameter], module: nn.Module, layout: list[list[int]], caps, *, group,
+                 rank: int, peers: list[int], device: torch.device, algorithm: str, segment_bytes: int,
+                 timeout: float, gradient_as_bucket_view: bool, rebuild: bool) -> None:
+        self.params, self.caps, self.group, self.rank, self.peers = params, caps, group, rank, peers
+        self.device, self.algorithm, self.segment_bytes, self.timeout = device, algorithm, segment_bytes, timeout
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.recorder = None  # optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait
+        self.steps = 0  # synchronised backward passes so far
+        self.divisor = self.active = len(peers)  # fewer under Join
+        self.syncing = True  # whether this backward pass syncs (decided by the forward pass, as in DDP)
+        self.set_layout(layout)
+        self.start(module, rebuild)
+
+    def set_layout(self, layout: list[list[int]]) -> None:
+        """Buckets of `params` as `layout` groups them, each with its schedule."""
+        self.layout = layout
+        self.buckets = [Bucket([self.params[i] for i in b]) for b in layout]
+        # "auto" may calibrate the first time, a collective: every rank resolves here, together.
+        self.algorithms = [resolve(self.algorithm, b.flat.numel(), b.flat.element_size(), self.group,
+                                   self.timeout, self.segment_bytes) for b in self.buckets]
+
+    def start(self, module: nn.Module, rebuild: bool) -> None:
+        """The per-process state that neither deepcopy nor pickle carries: lookup tables, worker, hooks, wiring."""
+        self._names = {id(p): name for name, p in module.named_parameters()}
+        self._position = {id(p): k for k, p in enumerate(self.params)}
+        self._locate()
+        self.used_in_no_sync: set[int] = set()  # ids of parameters used by no_sync steps since the last sync
+        self.ready_order = [] if rebuild else None  # ids of the parameters in the order their gradients came
+        self._next = 0  # buckets launch strictly in order, the same on every rank
+        self.in_backward = False
+        self.worker = group_worker(self.group)
+        self.reduce = self.allreduce_bucket
+        self.reduces_to_average = False  # True where `reduce` hands back averages (a comm hook), not sums
+        self.before_reduce, self.on_backward_start, self.on_grad = [], [], []
+        self.on_backward_end, self.on_reset = [], []
+        self.may_rebuild = lambda: True
+        self.logged = lambda error: error
+        ref = weakref.ref(self)  # the module may outlive this reducer: its hooks must not keep it alive
+
+        def hook(param: nn.Parameter) -> None:
+            live = ref()
+            if live is not None:
+                live.grad_ready(param)
+        self.hooks = [p.register_post_accumulate_grad_hook(hook) for bucket in self.buckets for p in bucket.params]
+
+    def _locate(self) -> None:
+        """Where each parameter sits in the buckets, and their names; `.grad` into the buckets if they are views."""
+        self._where = {}  # id(param) -> (bucket index, index in the bucket)
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                self._where[id(p)] = (b, i)
+                if self.gradient_as_bucket_view and p.grad is not None:
+                    bucket.view(i).copy_(p.grad)
+                    p.grad = bucket.view(i)
+        self.names = [[self._names[id(p)] for p in bucket.params] for bucket in self.buckets]  # for error messages
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
+
+    def locate(self, param: nn.Parameter) -> tuple[int, int]:
+        return self._where[id(param)]
+
+    def index(self, param: nn.Parameter) -> int:
+        return self._position[id(param)]
+
+    def name(self, index: int) -> str:
+        return self._names[id(self.params[index])]
+
+    def arrived(self) -> frozenset[int]:
+        return frozenset(self._position[id(p)] for bucket in self.buckets
+                         for p, came in zip(bucket.params, bucket.arrived) if came)
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        """Run `fn` on the group's worker, after every collective queued before it."""
+        return self.worker.submit(fn, *args)
+
+    def remove_hooks(self) -> None:
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """Hook: `param.grad` is final for this backward pass; copy it into its bucket."""
+        if not self.syncing:
+            self.used_in_no_sync.add(id(param))
+            return
+        if self.ready_order is not None:
+            self.ready_order.append(id(param))
+        if not self.in_backward:
+            self.in_backward = True
+            # Runs when the whole backward pass is done, also when some hooks never fire.
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            for fn in self.on_backward_start:
+                fn()
+        b, i = self._where[id(param)]
+        for fn in self.on_grad:
+            fn(param)
+        with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
+            full = self.buckets[b].mark_ready(i, param.grad)
+        if full:
+            if self.recorder is not None:
+                self.recorder.instant(f"bucket {b} ready", "compute", bucket=b)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start the reduction of every full bucket, in bucket order (every rank must send them in the same order)."""
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            bucket = self.buckets[self._next]
+            bucket.seal()
+            run = self._reduce if self.recorder is None else _recorded(self._reduce, self.recorder, self._next)
+            bucket.future = self.worker.submit(run, self._next, bucket)
+            self._next += 1
+
+    def _reduce(self, index: int, bucket: Bucket) -> None:
+        for fn in self.before_reduce:
+            fn(index, bucket)
+        self.reduce(index, bucket)
+
+    def allreduce_bucket(self, index: int, bucket: Bucket) -> None:
+        """On the worker: sum `bucket.flat`, gradients and flags, over the group."""
+        allreduce(bucket.flat, self.algorithms[index], self.group, segment_bytes=self.segment_bytes,
+                  timeout=self.timeout, check=False)
+
+    @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data
+    def finish_backward(self) -> None:
+        """End of backward: send what is left, wait for every bucket, write the averages into `.grad`."""
+        try:
+            used = self.arrived()
+            for bucket in self.buckets[self._next:]:
+                bucket.fill_missing(self.used_in_no_sync)  # unused here: the bucket must still go out
+            self._launch_ready()
+            error = None
+            for b, bucket in enumerate(self.buckets):
+                try:
+                    with _waiting(self.recorder, b):
+                        bucket.future.result()
+                except Exception as e:  # keep waiting: leave no allreduce running behind us
+                    error = error or e
+                    continue
+                if error is None:
+                    self.write_grads(bucket)
+            if error is not None:
+                raise self.logged(error)
+            self.steps += 1
+            for fn in self.on_backward_end:
+                fn(used)
+        finally:
+            self.reset()
+        if self.ready_order is not None:
+            self._rebuild()
+
+    def shadow_step(self) -> None:
+        """A joined rank's step: zero buckets reduced with the training ranks', their averages into `.grad`."""
+        for b, bucket in enumerate(self.buckets):
+            bucket.flat.zero_()
+            bucket.future = self.worker.submit(self._reduce, b, bucket)
+        try:
+            for bucket in self.buckets:
+                bucket.future.result()
+            for bucket in self.buckets:
+                self.write_grads(bucket)
+        finally:
+            self.reset()
+
+    def _rebuild(self) -> None:
+        """After the first synchronised backward: buckets in the order its gradients became ready, as DDP.
+
+        Ranks may have seen different orders, so rank 0's is broadcast and every rank builds the
+        same buckets. Unused parameters go last, in reverse order.
+        """
+        ready, self.ready_order = self.ready_order, None
+        if not self.may_rebuild():  # under Join; a comm hook's state is per bucket: torch's hooks expect this rebuild too
+            return
+        seen = [self._position[i] for i in dict.fromkeys(ready)]
+        order = seen + sorted(set(range(len(self.params))) - set(seen), reverse=True)
+        agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
+        self.worker.submit(broadcast_from_rank0, [agreed], self.rank, self.peers, self.group,
+                           self.timeout).result()  # on the worker: in line with every other collective of the group
+        layout = assign_buckets(self.params, self.caps, order=agreed.tolist())
+        if layout != self.layout:
+            self.set_layout(layout)
+            self._locate()
+
+    def reset(self) -> None:
+        """Forget the backward pass: every bucket empty, none launched."""
+        for bucket in self.buckets:
+            bucket.reset()
+        self.used_in_no_sync.clear()
+        self._next = 0
+        self.in_backward = False
+        for fn in self.on_reset:
+            fn()
+
+    def write_grads(self, bucket: Bucket) -> None:
+        """The bucket's sums, divided by `divisor` (by 1 where a comm hook handed back averages), into `.grad`."""
+        divisor = 1 if self.reduces_to_average else self.divisor
+        with torch.no_grad():
+            used = bucket.used.tolist()
+            for i, p in enumerate(bucket.params):
+                if used[i] == 0:  # no rank used it: leave .grad alone, as DDP does, so optimizers skip it
+                    continue
+                view = bucket.view(i)
+                if bucket.sparse[i]:
+                    p.grad = (view / divisor).to_sparse(p.grad.sparse_dim() if p.grad is not None else 1)
+                elif self.gradient_as_bucket_view:
+                    view.div_(divisor)
+                    if p.grad is None or p.grad.data_ptr() != view.data_ptr():
+                        p.grad = view
+                elif p.grad is None:
+                    p.grad = view / divisor
+                else:
+                    torch.div(view, divisor, out=p.grad)
+
+
+# ---------------------------------------------------------------- optional timeline (manualdp.support.trace)
+
+def _recorded(fn, recorder, b: int):
+    """`fn` that records its run as bucket `b`'s allreduce on the communication track."""
+    def run(*args, **kwargs):
+        with recorder.span(f"bucket {b} allreduce", "comm", cat="comm", bucket=b):
+            return fn(*args, **kwargs)
+    return run
+
+
+def _waiting(recorder, b: int):
+    if recorder is None:
+        return contextlib.nullcontext()
+    return recorder.span(f"bucket {b} wait", "compute", cat="wait", bucket=b)
