@@ -1,14 +1,10 @@
 """`DistributedDataParallel`: a drop-in for torch's, allreducing with manualdp's schedules.
 
-Rung 5 of the ladder: rung 4's buckets (`reducer.py`) plus torch's features, each in a file
-of its own that talks to the reducer through its public names:
-- Join for uneven inputs (`ddp_join.py`); comm hooks (`ddp_hooks.py`);
-- unused-parameter detection and static graph (`ddp_checks.py`);
-- the ranks' call check and debug mode (`ddp_debug.py`); buffer sync (`ddp_buffers.py`);
-- torch's private methods that torch's tests call (`ddp_private.py`).
-This file is the wrapper: it checks the arguments once, builds the reducer and the features,
-and does what torch's wrapper does around them: forward, `no_sync`, `register_comm_hook`, copies.
-Every wrapper on one process group shares the group's one worker, so their messages never interleave.
+Rung 5 of the ladder: rung 4's buckets (`reducer.py`) plus torch's features, each in a file of
+its own that talks to the reducer through its public names: Join (`ddp_join`), comm hooks
+(`ddp_hooks`), unused parameters and static graph (`ddp_checks`), the ranks' call check and
+debug mode (`ddp_debug`), buffer sync (`ddp_buffers`), torch's private methods (`ddp_private`).
+This file is the wrapper: its arguments checked once, forward, `no_sync`, comm hooks, copies.
 """
 from __future__ import annotations
 
@@ -19,18 +15,19 @@ import weakref
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable
+from torch.distributed.algorithms.join import Join
 
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ..validate import (boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
 from .ddp_buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
-from .ddp_checks import GraphChecks, module_device, refuse_in_backward_optimizers
+from .ddp_checks import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers
 from .ddp_debug import CallCheck, Desync
 from .ddp_hooks import CommHook
-from .ddp_join import JoinContext, UnevenInputs
+from .ddp_join import JoinableWrapper, UnevenInputs
 from .ddp_private import ErrorLog, PrivateAPI
-from .ddp_sync import KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, kept_named, state_tensors
+from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, comm_layout, kept_named,
+                       state_tensors)
 from .group import group_worker
 from .p2p import DEFAULT_SEGMENT_BYTES
 from .peers import group_ranks, group_timeout
@@ -45,7 +42,7 @@ class NoParametersError(ValueError, RuntimeError):
     """The module has no parameter that requires grad (torch raises RuntimeError, manualdp ValueError)."""
 
 
-class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
+class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
     """A drop-in for `torch.nn.parallel.DistributedDataParallel`, allreducing with manualdp's schedules.
 
     The positional arguments come in torch's order.
@@ -105,33 +102,25 @@ class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, debug: bool | None = None,
                  rebuild_buckets: bool = True, forward_sync_buffers: bool | None = None) -> None:
         super().__init__()
-        Joinable.__init__(self)
+        JoinableWrapper.__init__(self)
         initialized("module", nn_module("module", module))  # as torch: run a forward pass before wrapping
         non_negative_int("dim", dim)
         positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)
-        if bucket_cap_mb_list is not None:
-            if not isinstance(bucket_cap_mb_list, (list, tuple)):
-                raise TypeError(f"bucket_cap_mb_list must be None or a list of MiB, got {bucket_cap_mb_list!r}")
-            for cap in bucket_cap_mb_list:
-                positive_number("bucket_cap_mb_list", cap)
+        if bucket_cap_mb_list is not None and not isinstance(bucket_cap_mb_list, (list, tuple)):
+            raise TypeError(f"bucket_cap_mb_list must be None or a list of MiB, got {bucket_cap_mb_list!r}")
+        for cap in bucket_cap_mb_list or ():
+            positive_number("bucket_cap_mb_list", cap)
         one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         positive_int("segment_bytes", segment_bytes)
         timeout = timeout_seconds("timeout", timeout)
-        for name, flag in (("init_sync", init_sync),
-                           ("find_unused_parameters", find_unused_parameters), ("check_reduction", check_reduction),
-                           ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph),
-                           ("rebuild_buckets", rebuild_buckets)):
+        for name, flag in (("init_sync", init_sync), ("find_unused_parameters", find_unused_parameters),
+                           ("check_reduction", check_reduction), ("gradient_as_bucket_view", gradient_as_bucket_view),
+                           ("static_graph", static_graph), ("rebuild_buckets", rebuild_buckets)):
             boolean(name, flag)
         if debug is not None:
             boolean("debug", debug)
         if device_mesh is not None:
-            if process_group is not None:  # torch's words
-                raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-            if not hasattr(device_mesh, "get_group") or not hasattr(device_mesh, "ndim"):
-                raise TypeError(f"device_mesh must be None or a DeviceMesh, got {device_mesh!r}")
-            if device_mesh.ndim != 1:
-                raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-            process_group = device_mesh.get_group()
+            process_group = mesh_group(device_mesh, process_group)
         # names set by `_set_params_and_buffers_to_ignore_for_model`: neither synchronised nor checked
         self.parameters_to_ignore = ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         kept = kept_named(module.named_parameters(), ignored)
@@ -150,14 +139,11 @@ class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.world_size = len(peers)
         self.device_ids, self.output_device, self.dim, self.device_mesh = device_ids, output_device, dim, device_mesh
-        self.algorithm = algorithm
-        self.bucket_cap_mb = bucket_cap_mb
+        self.algorithm, self.bucket_cap_mb, self.segment_bytes = algorithm, bucket_cap_mb, segment_bytes
         self.bucket_bytes_cap_list = [int(cap * 2**20) for cap in bucket_cap_mb_list or ()]  # as torch keeps it
-        self.find_unused_parameters = find_unused_parameters
         self.broadcast_bucket_size = 250 * 1024 * 1024  # torch's attribute, for torch's _sync_module_states
+        self.find_unused_parameters, self.static_graph = find_unused_parameters, static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.segment_bytes = segment_bytes
         self.timeout = float(timeout) if timeout is not None else group_timeout(process_group)
         self.move_inputs = device_ids is not None
         self.require_backward_grad_sync = True  # False inside no_sync()
@@ -171,7 +157,7 @@ class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
         if init_sync:
             check_same_model(KeptModule(module, ignored) if ignored else module, process_group, self.world_size)
             # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
-            check_same_layout(self._comm_layout(params, layout, caps, rebuild_buckets)
+            check_same_layout(comm_layout(self, [[params[i] for i in b] for b in layout], caps, rebuild_buckets)
                               | {"buffers copied at construction": init_buffers}, process_group, self.world_size)
             broadcast_from_rank0(state_tensors(module, ignored, params=True, buffers=init_buffers),
                                  self.rank, peers, process_group, self.timeout)
@@ -187,18 +173,6 @@ class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
         self.buffer_sync = BufferSync(module, ignored, self.reducer)
         self.uneven = UnevenInputs(self.reducer, module, ignored)
         self._wire()
-
-    def _comm_layout(self, params, layout: list[list[int]], caps, rebuild_buckets: bool) -> dict:
-        """What every rank's wrapper must agree on for their messages to pair up (see `check_same_layout`)."""
-        groups = [[params[i] for i in b] for b in layout]
-        return {"buckets": len(groups),
-                "bucket elements": [sum(p.numel() for p in g) for g in groups],
-                "bucket dtypes": [str(g[0].dtype).replace("torch.", "") for g in groups],
-                "bucket_cap_mb": self.bucket_cap_mb, "bucket caps (MiB)": caps, "algorithm": self.algorithm,
-                "segment_bytes": self.segment_bytes, "rebuild_buckets": rebuild_buckets,
-                "broadcast_buffers": self.forward_sync_buffers, "gradient_as_bucket_view": self.gradient_as_bucket_view,
-                "static_graph": self.static_graph, "find_unused_parameters": self.find_unused_parameters,
-                "debug": self.debug}
 
     def _wire(self) -> None:
         """Plug the features into the reducer (again after a copy, which carries no wiring)."""
@@ -221,7 +195,7 @@ class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        Joinable.__init__(self)
+        JoinableWrapper.__init__(self)
         r = self.reducer
         self.rank, peers = group_ranks(None)
         r.rank, r.peers = self.rank, peers
@@ -234,60 +208,19 @@ class DistributedDataParallel(nn.Module, Joinable, PrivateAPI):
 
     # ---------------------------------------------------------------- what torch's wrapper has
 
-    @property
-    def recorder(self):
-        """An optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait."""
-        return self.reducer.recorder
+    # An optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait.
+    recorder = property(lambda self: self.reducer.recorder, lambda self, trace: setattr(self.reducer, "recorder", trace))
+    # Compare the ranks' calls once per step (`ddp_debug`); turned off only to measure what the check costs.
+    check_calls = property(lambda self: self.calls.enabled, lambda self, on: setattr(self.calls, "enabled", on))
 
-    @recorder.setter
-    def recorder(self, trace) -> None:
-        self.reducer.recorder = trace
-
-    @property
-    def check_calls(self) -> bool:
-        """Compare the ranks' calls once per step (`ddp_debug`). Turned off only to measure what the check costs."""
-        return self.calls.enabled
-
-    @check_calls.setter
-    def check_calls(self, on: bool) -> None:
-        self.calls.enabled = on
-
-    @property
-    def broadcast_buffers(self) -> bool:
-        """torch's old name for `forward_sync_buffers`."""
-        return self.forward_sync_buffers
-
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    @property
-    def _authoritative_rank(self) -> int:
-        """torch's name: the group rank whose model every rank took at the end of the last Join (its tests read it)."""
-        return self.uneven.authoritative_rank
-
-    # What the tests and benchmarks read by torch's or earlier names.
+    # torch's old name for `forward_sync_buffers`
+    broadcast_buffers = property(lambda self: self.forward_sync_buffers,
+                                 lambda self, value: setattr(self, "forward_sync_buffers", value))
+    # What torch's tests (the rank whose model every rank took at the end of the last Join), ours and the benchmarks read
+    _authoritative_rank = property(lambda self: self.uneven.authoritative_rank)
     _buckets = property(lambda self: self.reducer.buckets)
     _layout = property(lambda self: self.reducer.layout)
     _algorithms = property(lambda self: self.reducer.algorithms)
-
-    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
-             throw_on_early_termination: bool = False) -> Join:
-        """A context for uneven inputs: ranks out of data shadow the others' collectives until all are done."""
-        return JoinContext([self], enable, throw_on_early_termination, self.timeout,
-                           divide_by_initial_world_size=divide_by_initial_world_size)
-
-    def join_hook(self, **kwargs):
-        """What this wrapper does while its rank has joined (`divide_by_initial_world_size`: default True)."""
-        return self.uneven.hook(self, **kwargs)
-
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self):
-        return self.process_group
 
     # ---------------------------------------------------------------- training
 

@@ -3,7 +3,7 @@
 After each synchronised backward (`GraphChecks`, on the reducer's summed "ready" flags):
 - `static_graph`: the parameters used must stay those of the first iteration;
 - otherwise, without `find_unused_parameters`: every rank's backward must reach every parameter;
-- at construction: the module's devices against `device_ids`, and no in-backward optimizers.
+- at construction: the module's devices against `device_ids`, the mesh, and no in-backward optimizers.
 What the ranks compare during a step (calls, comm hooks, debug mode) is in `ddp_debug`.
 """
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["GraphChecks", "unfinished_message", "module_device", "refuse_in_backward_optimizers"]
+__all__ = ["GraphChecks", "unfinished_message", "mesh_group", "module_device", "refuse_in_backward_optimizers"]
 
 
 class GraphChecks:
@@ -142,6 +142,17 @@ def module_device(params: list, device_ids, output_device) -> torch.device:
         if wanted != devices[0]:
             raise ValueError(f"device_ids={device_ids!r}, but the module is on {devices[0]}")
     return devices[0]
+
+
+def mesh_group(device_mesh, process_group):
+    """The process group of a one-dimensional `device_mesh`, in place of `process_group` (torch's words)."""
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if not hasattr(device_mesh, "get_group") or not hasattr(device_mesh, "ndim"):
+        raise TypeError(f"device_mesh must be None or a DeviceMesh, got {device_mesh!r}")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    return device_mesh.get_group()
 
 
 def refuse_in_backward_optimizers(named_params) -> None:

@@ -17,7 +17,7 @@ import datetime
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..validate import boolean
 from .ddp_buffers import PRE_FORWARD
@@ -25,7 +25,29 @@ from .ddp_sync import state_tensors
 from .peers import PeerError, talking_to, wait
 from .postmortem import store_key
 
-__all__ = ["UnevenInputs", "JoinContext"]
+__all__ = ["JoinableWrapper", "UnevenInputs", "JoinContext"]
+
+
+class JoinableWrapper(Joinable):
+    """torch's `Joinable` for the wrapper (a mixin over its public `uneven`, `device`, `process_group`, `timeout`)."""
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """A context for uneven inputs: ranks out of data shadow the others' collectives until all are done."""
+        return JoinContext([self], enable, throw_on_early_termination, self.timeout,
+                           divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        """What this wrapper does while its rank has joined (`divide_by_initial_world_size`: default True)."""
+        return self.uneven.hook(self, **kwargs)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
 
 
 class UnevenInputs:

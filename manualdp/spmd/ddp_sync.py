@@ -15,7 +15,7 @@ from ..buckets import flatten, unflatten_
 from ..validate import positive_int
 from .peers import talking_to, wait
 
-__all__ = ["check_same_model", "check_same_layout", "broadcast_from_rank0"]
+__all__ = ["check_same_model", "check_same_layout", "comm_layout", "broadcast_from_rank0"]
 
 
 def check_same_model(module: nn.Module, group, world_size: int) -> None:
@@ -62,6 +62,17 @@ def check_same_layout(layout: dict, group, world_size: int) -> None:
     raise ValueError(f"rank {dist.get_rank(group)}: DistributedDataParallel built differently across ranks: "
                      f"{'; '.join(differ)}; every rank must construct the wrapper with the same arguments "
                      "and the same model")
+
+
+def comm_layout(ddp, buckets: list[list[torch.Tensor]], caps, rebuild_buckets: bool) -> dict:
+    """What every rank's wrapper `ddp` must agree on for their messages to pair up (see `check_same_layout`)."""
+    return {"buckets": len(buckets),
+            "bucket elements": [sum(p.numel() for p in b) for b in buckets],
+            "bucket dtypes": [str(b[0].dtype).replace("torch.", "") for b in buckets],
+            "bucket_cap_mb": ddp.bucket_cap_mb, "bucket caps (MiB)": caps, "algorithm": ddp.algorithm,
+            "segment_bytes": ddp.segment_bytes, "rebuild_buckets": rebuild_buckets,
+            "broadcast_buffers": ddp.forward_sync_buffers, "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
+            "static_graph": ddp.static_graph, "find_unused_parameters": ddp.find_unused_parameters, "debug": ddp.debug}
 
 
 def _shown(value) -> str:
