@@ -28,14 +28,13 @@ from .ddp_join import JoinableWrapper, UnevenInputs
 from .ddp_private import ErrorLog, PrivateAPI
 from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, comm_layout, kept_named,
                        state_tensors)
-from .group import group_worker
 from .p2p import DEFAULT_SEGMENT_BYTES
 from .peers import group_ranks, group_timeout
 from .reducer import Bucket, Reducer
 from .tune import ENGINE_ALGORITHMS
 
 __all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "check_same_layout",
-           "broadcast_from_rank0", "group_worker"]
+           "broadcast_from_rank0"]
 
 
 class NoParametersError(ValueError, RuntimeError):
