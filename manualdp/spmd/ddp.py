@@ -20,6 +20,7 @@ from torch.distributed.algorithms.join import Join
 from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ..validate import (boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
+from .bucket import Bucket
 from .ddp_buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
 from .ddp_checks import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers
 from .ddp_debug import CallCheck, Desync
@@ -30,7 +31,7 @@ from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, chec
                        state_tensors)
 from .p2p import DEFAULT_SEGMENT_BYTES
 from .peers import group_ranks, group_timeout
-from .reducer import Bucket, Reducer
+from .reducer import Reducer
 from .tune import ENGINE_ALGORITHMS
 
 __all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "check_same_layout",
