@@ -110,6 +110,9 @@ def _drift(cache: str, given: bool):
     if given:
         os.environ["MANUALDP_LINK"] = "5e-5,2.5e-10,3e-11,1.0"
     tune.LARGE_BYTES = 1 << 16  # a quick calibration
+    # A busy host moves real timings 2-fold now and then (the planted drift below is 100-fold):
+    # only the planted drift must count here.
+    tune.DRIFT_FACTOR = 20.0
     calibrations = []
     measure = tune.calibrate
     tune.calibrate = lambda *a, **k: calibrations.append(1) or measure(*a, **k)
@@ -118,9 +121,9 @@ def _drift(cache: str, given: bool):
     for _ in range(2 * DRIFT_CALLS):
         allreduce(x)
     before = (len(calibrations), tune.drifted())
-    if dist.get_rank() == 1 and not given:  # this rank alone sees its calls take 10 times as long as they did
+    if dist.get_rank() == 1 and not given:  # this rank alone sees its calls take 100 times as long as they did
         first, latest = group_state().times[x.numel() * 4]
-        latest.extend([10 * r for r in first])
+        latest.extend([100 * r for r in first])
         assert tune.moved(first, latest)
         group_state().drifted = True
     x = torch.full((1000,), float(dist.get_rank() + 1))

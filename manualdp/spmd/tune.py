@@ -296,15 +296,16 @@ def drifted(group=None) -> bool:
     return group_state(group).drifted
 
 
-def moved(first: list[float], latest, factor: float = DRIFT_FACTOR) -> bool:
+def moved(first: list[float], latest, factor: float | None = None) -> bool:
     """Whether ratios of measured to predicted time say the link has changed.
 
     `first`: the ratios of the first `DRIFT_CALLS` calls of one size after the constants were
     agreed; `latest`: the last `DRIFT_CALLS` since. The model is off by its own amount at each
     size (a small call's Python costs more than its messages), so what counts is a change: the
-    medians of the two `factor` times apart, either way. Medians: a call now and then that waits
-    for a late peer moves neither.
+    medians of the two `factor` (default `DRIFT_FACTOR`) times apart, either way. Medians: a call
+    now and then that waits for a late peer moves neither.
     """
+    factor = DRIFT_FACTOR if factor is None else factor
     if len(first) < DRIFT_CALLS or len(latest) < DRIFT_CALLS:
         return False
     return not 1 / factor <= statistics.median(latest) / statistics.median(first) <= factor
