@@ -358,9 +358,11 @@ def test_train_with_zero_3_equals_train_without_and_resumes_exactly(tmp_path):
     torch.testing.assert_close(_flat(nets[3]), _flat(nets[None]), rtol=0, atol=1e-10)
     assert not torch.equal(_flat(nets[3]), _flat(_uneven_net()))
     ckpt = str(tmp_path / "ckpt")
-    with pytest.raises(_Stop):  # 4 steps an epoch: stop in step 7, after the checkpoint of step 6
+    with pytest.raises(_Stop):  # 4 steps an epoch: stop in step 7, after the checkpoint of step 6 (one loss per device)
         train(_uneven_net(), *_resume_loaders(), cpu_devices(3), 2, 1e-2, zero=3, nonfinite=None, checkpoint_dir=ckpt,
-              checkpoint_every=3, loss_fn=_StopAt(7), **kw)
+              checkpoint_every=3, loss_fn=_StopAt(7 * 3 + 1), **kw)
+    from manualdp.support.checkpoint import load_latest
+    assert load_latest(ckpt)["global_step"] == 6  # the resume below starts from a checkpoint, not from scratch
     resumed = _uneven_net()
     train(resumed, *_resume_loaders(), cpu_devices(3), 2, 1e-2, zero=3, nonfinite=None, checkpoint_dir=ckpt,
           checkpoint_every=3, resume=True, **kw)
