@@ -86,3 +86,15 @@ def test_a_new_process_group_gets_a_fresh_state(tmp_path):
         dist.destroy_process_group()
     assert [calls for calls, _ in seen] == [0, 0, 0]
     assert len({id(state) for _, state in seen}) == 3
+
+
+def test_at_world_size_one_auto_measures_nothing(one_rank, monkeypatch):
+    from manualdp.spmd import DistributedDataParallel, tune
+
+    monkeypatch.setattr(tune, "calibrate", lambda *a, **k: pytest.fail("calibrated with no peer to measure"))
+    assert tune.link_for() == tune.Link(0.0, 0.0, 0.0)
+    assert tune.resolve("auto", 1000, 4) in tune.ENGINE_ALGORITHMS
+    net = torch.nn.Linear(3, 2)
+    model = DistributedDataParallel(net, algorithm="auto")  # bench/scaling's world size 1
+    model(torch.ones(4, 3)).sum().backward()
+    assert torch.equal(net.weight.grad, torch.ones(4, 3).sum(0).expand(2, 3))
