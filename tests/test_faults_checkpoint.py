@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from manualdp import cpu_devices, train
 from manualdp.support import checkpoint as ck
-from manualdp.support.checkpoint import load_latest, lock_path, read_checkpoint, save_checkpoint
+from manualdp.support.checkpoint import lock_path, read_checkpoint, save_checkpoint
 
 
 def _net(hidden=12):

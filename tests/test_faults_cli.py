@@ -1,8 +1,6 @@
 """`manualdp train` fails before the work, in one line: numbers that cannot work, outputs that cannot be written."""
 import errno
-import json
 import os
-import re
 import shutil
 import subprocess
 import sys

@@ -8,7 +8,6 @@ import gc
 import weakref
 
 import torch
-import torch.distributed as dist
 
 from manualdp.spmd import allreduce, launch
 from manualdp.spmd.group import group_state
