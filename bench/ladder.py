@@ -78,7 +78,7 @@ def _instrument(models: dict, clock: _Clock) -> None:
     for module in (naive, flat, overlapped, bucketed):
         module.allreduce = timed(collectives.allreduce)
     import manualdp.spmd.reducer as reducer
-    reducer.allreduce = timed(reducer.allreduce)  # the drop-in's buckets, on its worker thread
+    reducer.run_allreduce = timed(reducer.run_allreduce)  # the drop-in's buckets, on its worker thread
 
     def stamp(_):  # backward's computation ends when the last gradient is accumulated
         clock.compute_end = time.perf_counter()

@@ -37,16 +37,16 @@ from torch import nn
 
 from ..buckets import assign_buckets
 from .bucket import Bucket
-from .collectives import allreduce
 from .ddp_sync import broadcast_from_rank0
-from .group import group_worker
+from .group import group_state
+from .p2p import run_allreduce
 from .tune import resolve
 
 __all__ = ["Bucket", "Reducer"]
 
 
 # What a copy (deepcopy, pickle) of a reducer leaves behind: per-process state and the features' wiring.
-_NOT_COPIED = ("group", "worker", "hooks", "_where", "names", "_names", "_position", "reduces_to_average",
+_NOT_COPIED = ("group", "state", "worker", "hooks", "_where", "names", "_names", "_position", "reduces_to_average",
                "used_in_no_sync", "ready_order", "reduce", "before_reduce", "on_backward_start", "on_grad",
                "on_backward_end", "on_reset", "may_rebuild", "logged")
 
@@ -92,7 +92,8 @@ class Reducer:
         self.ready_order = [] if rebuild else None  # ids of the parameters in the order their gradients came
         self._next = 0  # buckets launch strictly in order, the same on every rank
         self.in_backward = False
-        self.worker = group_worker(self.group)
+        self.state = group_state(self.group)  # the group's worker, scratch space, byte counter
+        self.worker = self.state.worker
         self.reduce = self.allreduce_bucket
         self.reduces_to_average = False  # True where `reduce` hands back averages (a comm hook), not sums
         self.before_reduce, self.on_backward_start, self.on_grad = [], [], []
@@ -182,8 +183,9 @@ class Reducer:
 
     def allreduce_bucket(self, index: int, bucket: Bucket) -> None:
         """On the worker: sum `bucket.flat`, gradients and flags, over the group."""
-        allreduce(bucket.flat, self.algorithms[index], self.group, segment_bytes=self.segment_bytes,
-                  timeout=self.timeout, check=False)
+        # Straight to the executor: the arguments were checked at construction, and the ranks'
+        # calls once per step (`ddp_debug.CallCheck`).
+        run_allreduce(bucket.flat, self.algorithms[index], self.state, self.segment_bytes, self.timeout)
 
     @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data
     def finish_backward(self) -> None:
