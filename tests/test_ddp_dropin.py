@@ -7,6 +7,7 @@ A scenario that raises returns its error text, so one failure does not hide the 
 import copy
 import functools
 import io
+import pickle
 import traceback
 
 import pytest
@@ -128,7 +129,7 @@ def _no_init_sync():
 
 
 def _copies():
-    """deepcopy and torch.save/load of the wrapper train like torch's DDP."""
+    """deepcopy, torch.save/load and plain pickle of the wrapper train like torch's DDP."""
     rank = dist.get_rank()
     ours, theirs, _ = _pair(_mlp)
     copied = copy.deepcopy(ours)
@@ -136,8 +137,25 @@ def _copies():
     torch.save(ours, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    models = [copied, loaded, theirs]
+    pickled = pickle.loads(pickle.dumps(ours))  # plain pickle stores each view of a bucket apart
+    models = [copied, loaded, pickled, theirs]
     return _train(models, [torch.optim.SGD(m.parameters(), lr=0.1) for m in models], _data(rank))
+
+
+def _copy_on_a_subgroup():
+    """A wrapper on another group than the default one: torch refuses to copy it, and so do we
+    (the copy would fall back to the default group and average over other ranks)."""
+    group = dist.new_group([0, 1])
+    errors = []
+    for wrapper in (DistributedDataParallel, TorchDDP):
+        model = wrapper(_mlp(), process_group=group)
+        for copier in (copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m))):
+            try:
+                copier(model)
+                errors.append(None)
+            except RuntimeError as e:
+                errors.append(str(e))
+    return errors
 
 
 def _no_parameters():
@@ -414,7 +432,8 @@ def _job(n):
                  "wrappers2": lambda: _wrappers(2), "wrappers3": lambda: _wrappers(3),
                  "hooks": _hook_pairs, "powersgd": _powersgd, "noop": _noop, "device_mesh": _device_mesh,
                  "rebuild": _rebuild, "unused_error": _unused_without_find_unused, "ignored": _ignored,
-                 "cap_list": _cap_list, "create_graph": _create_graph}
+                 "cap_list": _cap_list, "create_graph": _create_graph,
+                 "copy_subgroup": _copy_on_a_subgroup}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
     out = {}
@@ -481,6 +500,14 @@ def test_a_module_without_trainable_parameters_is_refused_as_torch_refuses_it():
     ours, theirs = _get(2, 0, "no_parameters")
     assert ours is not None and theirs is not None
     assert "doesn't have any parameter that requires a gradient" in ours
+
+
+def test_a_wrapper_on_another_group_than_the_default_is_not_copied_as_torch_refuses():
+    for rank in range(2):
+        errors = _get(2, rank, "copy_subgroup")
+        assert None not in errors, errors
+        ours, theirs = errors[:2], errors[2:]
+        assert all(e.startswith("DDP Pickling/Unpickling are only supported") for e in ours + theirs), errors
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -18,6 +18,11 @@ __all__ = ["Bucket"]
 class Bucket:
     """Gradients of a few parameters, flattened into one buffer and allreduced together."""
 
+    def __reduce__(self):
+        # Built afresh from its parameters: plain pickle would store `flat` and each of its views
+        # apart, and the copy's flags would no longer be the ones the allreduce sums.
+        return Bucket, (self.params,)
+
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params  # parameters whose gradients live here, in the order they sit in `flat`
         self.offsets = [0]  # where each parameter's gradient starts in `flat` (one extra entry: the end)

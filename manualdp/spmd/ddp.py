@@ -27,8 +27,8 @@ from .ddp_debug import CallCheck, Desync
 from .ddp_hooks import CommHook
 from .ddp_join import JoinableWrapper, UnevenInputs
 from .ddp_private import ErrorLog, PrivateAPI
-from .ddp_sync import (KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, comm_layout, kept_named,
-                       state_tensors)
+from .ddp_sync import (NOT_COPIED, KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, comm_layout,
+                       kept_named, state_tensors)
 from .p2p import DEFAULT_SEGMENT_BYTES
 from .peers import group_ranks, group_timeout
 from .reducer import Reducer
@@ -187,6 +187,8 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         self.graph.wire()
 
     def __getstate__(self):
+        if self.process_group is not dist.group.WORLD:  # the copy would average over another group
+            raise self.errors(RuntimeError(NOT_COPIED))
         state = dict(self.__dict__)
         state.pop("_join_config", None)
         state["process_group"] = None  # a process group does not pickle; the copy uses the default one

@@ -18,6 +18,11 @@ from .peers import talking_to, wait
 __all__ = ["check_same_model", "check_same_layout", "comm_layout", "broadcast_from_rank0"]
 
 
+# torch's words when a wrapper on another group than the default one is copied (the copy would use the default group)
+NOT_COPIED = ("DDP Pickling/Unpickling are only supported when using DDP with the default process group. That is, "
+              "when you have called init_process_group and have not passed process_group argument to DDP constructor")
+
+
 def check_same_model(module: nn.Module, group, world_size: int) -> None:
     """Raise on every rank unless every rank has the same parameter and buffer names, shapes and dtypes."""
     mine = [(kind, name, tuple(t.shape), str(t.dtype), t.requires_grad)

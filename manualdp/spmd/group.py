@@ -26,7 +26,8 @@ class Traffic:
     """The bytes this process has sent by the executor on one process group, per dtype (e.g. "float32").
 
     The data of every collective, counted from this rank's sends in its plan as each call
-    starts; not counted: the call check's fingerprints, and torch's own collectives. A
+    starts (the drop-in's comparison of comm hooks at its first step too, a few int64s); not
+    counted: the call check's fingerprints, and torch's own collectives. A
     benchmark reads `traffic(group).sent()` before and after a step, on each rank.
     """
 
