@@ -143,3 +143,20 @@ def test_spmd_sweep_busbw_is_algbw_times_2_n_minus_1_over_n(monkeypatch):
         assert r["time_us"] == pytest.approx(2000.0)
         assert r["algbw"] == pytest.approx(4096 / 2e-3 / 1e9)          # 0.002048 GB/s
         assert r["busbw"] == pytest.approx(4096 / 2e-3 / 1e9 * 6 / 4)  # 2(n-1)/n = 6/4 at four ranks: 0.003072
+
+
+def test_the_check_cost_breakdown_times_four_ways_at_each_size(tmp_path, capsys):
+    from bench import allreduce_check
+
+    out = tmp_path / "check.json"
+    assert allreduce_check.main(["--sizes", "64", "4096", "--calls", "2", "--warmup", "0", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(rows) == ["4096", "64"]
+    for row in rows.values():
+        assert row["pick"] in ALGORITHMS
+        assert all(row[w] > 0 for w in allreduce_check.WAYS)
+    printed = capsys.readouterr().out
+    assert all(w in printed for w in allreduce_check.WAYS)
+    with pytest.raises(SystemExit):
+        allreduce_check.main(["--world-size", "1"])
+    assert "--world-size must be 2 to 8, got 1" in capsys.readouterr().err
