@@ -7,7 +7,6 @@ break their process group's worker (a refused hook) run on a group of their own.
 import copy
 import functools
 import time
-import traceback
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import PeerError, hooks, launch
+from scenarios import run_scenarios
 
 JOB_TIMEOUT = 120.0
 N = 2  # ranks
@@ -207,14 +207,7 @@ def _job():
     scenarios = {"bad_results": _bad_results, "never_done": _never_done, "one_rank_hook": _one_rank_hook,
                  "zero_size": _powersgd_zero_size, "compressed": _compressed, "powersgd": _powersgd,
                  "torch_ddp": _on_torch_ddp}
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = "ERROR " + traceback.format_exc()
-        dist.barrier()
-    return out
+    return run_scenarios(scenarios)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,6 @@ import copy
 import functools
 import io
 import pickle
-import traceback
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from manualdp.buckets import assign_buckets
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import hooks, launch
+from scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0
 STEPS = 3
@@ -436,14 +436,7 @@ def _job(n):
                  "copy_subgroup": _copy_on_a_subgroup}
     if n == 3:
         scenarios = {k: scenarios[k] for k in ("keywords", "wrappers3", "hooks")}
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = "ERROR " + traceback.format_exc()
-        dist.barrier()
-    return out
+    return run_scenarios(scenarios)
 
 
 @functools.lru_cache(maxsize=None)

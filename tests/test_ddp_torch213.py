@@ -5,7 +5,6 @@ A scenario that raises returns its error text, so one failure does not hide the 
 """
 import copy
 import functools
-import traceback
 import types
 import warnings
 
@@ -22,6 +21,7 @@ from manualdp.spmd import hooks, launch
 from manualdp.spmd.ddp import DistributedDataParallel
 from manualdp.spmd.ddp_checks import module_device
 from manualdp.spmd.ddp_private import LOGGED_FIELDS
+from scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0
 WRAPPERS = (("ours", DistributedDataParallel), ("theirs", TorchDDP))
@@ -335,14 +335,7 @@ def _job():
     scenarios = {"buffers": _buffers, "warnings": _warnings, "errors": _errors, "logging": _logging,
                  "joined_grads": _joined_grads, "remove_hooks": _remove_hooks, "buffer_hook": _buffer_hook, "powersgd": _powersgd,
                  "powersgd_state": _powersgd_state, "in_backward": _in_backward, "device_errors": _device_errors}
-    out = {}
-    for name, fn in scenarios.items():
-        try:
-            out[name] = fn()
-        except Exception:
-            out[name] = "ERROR " + traceback.format_exc()
-        dist.barrier()
-    return out
+    return run_scenarios(scenarios)
 
 
 @functools.lru_cache(maxsize=None)
