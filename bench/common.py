@@ -2,14 +2,30 @@
 `--backend` (gloo on CPUs, NCCL on GPUs) and a stopwatch that times GPU work as it runs, not as it is queued."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import torch
 
-__all__ = ["check_output_paths", "save_outputs", "BACKENDS", "check_backend", "Stopwatch"]
+__all__ = ["environment", "check_output_paths", "save_outputs", "BACKENDS", "check_backend", "Stopwatch"]
 
 BACKENDS = ("gloo", "nccl")  # gloo: one process per rank on CPUs; nccl: one GPU per rank
+
+
+@contextlib.contextmanager
+def environment(**values):
+    """Set these environment variables for the block, and put back what was there (or nothing) after."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def check_output_paths(parser, args) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import functools
 import inspect
 import json
@@ -30,6 +29,11 @@ import textwrap
 import time
 import unittest
 
+if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the repository root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import environment  # noqa: E402
+
 # torch's test module reads these when it is imported (here, and again in every spawned rank).
 # They are set only while it is imported here and while a test runs (`_test_environment`), so
 # importing this module leaves the caller's environment as it was: a WORLD_SIZE left behind
@@ -37,19 +41,9 @@ import unittest
 TEST_ENVIRONMENT = {"BACKEND": "gloo", "WORLD_SIZE": "2"}
 
 
-@contextlib.contextmanager
 def _test_environment(**extra):
-    wanted = {k: os.environ.get(k, v) for k, v in TEST_ENVIRONMENT.items()} | extra
-    saved = {k: os.environ.get(k) for k in wanted}
-    os.environ.update(wanted)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """torch's test settings (unless already set) and `extra`, for a block."""
+    return environment(**({k: os.environ.get(k, v) for k, v in TEST_ENVIRONMENT.items()} | extra))
 
 
 _importing = _test_environment()

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from bench.common import environment
+
 __all__ = ["FEATURE_CASES"]
 
 CLI = ["--no-progress", "--num-train", "256", "--num-test", "128", "--batch-size", "32"]
@@ -197,24 +199,11 @@ def _changed(before: list[str], after: list[str], word: str, tmp: str, nproc: in
 
 def _cache_file(tmp: str, nproc: int = 2) -> str:
     from manualdp.spmd.link_cache import cache_path
-    with _env(XDG_CACHE_HOME=os.path.join(tmp, "cache")):
+    with environment(XDG_CACHE_HOME=os.path.join(tmp, "cache")):
         path = cache_path("gloo", nproc)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     return path
 
-
-@contextlib.contextmanager
-def _env(**values):
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _plant(kind: str, path: str) -> None:
@@ -266,7 +255,7 @@ def _hostile_read(kind: str, tmp: str) -> str:
             warnings.simplefilter("always")
             got.append((known_link("gloo", 2), [str(w.message) for w in caught]))
 
-    with _env(XDG_CACHE_HOME=os.path.join(tmp, "cache")):  # put back even if the reader never returns
+    with environment(XDG_CACHE_HOME=os.path.join(tmp, "cache")):  # put back even if the reader never returns
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         reader.join(10)
