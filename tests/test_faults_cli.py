@@ -118,3 +118,24 @@ def test_explain_says_its_limit_at_once_and_stays_fast_below_it():
     text = explain("ring", MAX_DEVICES)
     assert text.count(" -> dev") == 2 * (MAX_DEVICES - 1) * MAX_DEVICES
     assert time.perf_counter() - start < 30.0
+
+
+def test_an_error_line_is_one_write_so_ranks_sharing_stderr_never_run_their_lines_together(monkeypatch):
+    # print() wrote the newline apart; under torchrun two ranks' refusals came out as one line
+    # about 3 runs in 8 (bench/faults.py's bad MANUALDP_LINK case).
+    from manualdp.runners import cli
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            pass
+
+    stderr = Recorder()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    cli._error("rank 1: something went wrong")
+    assert stderr.writes == ["manualdp train: error: rank 1: something went wrong\n"]

@@ -14,6 +14,13 @@ DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
 DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
 
 
+def _error(message: str) -> None:
+    """One line on stderr, in one write: ranks under torchrun share the stream, and `print`'s
+    separate newline let two ranks' lines run into one."""
+    sys.stderr.write(f"manualdp train: error: {message}\n")
+    sys.stderr.flush()
+
+
 def positive(kind, at_most: float | None = None, why: str = ""):
     def parse(text: str):
         try:
@@ -236,7 +243,7 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     try:
         init_from_env(timeout=args.timeout)  # default: 300 s, not gloo's 30 minutes
     except (RuntimeError, ValueError) as e:
-        print(f"manualdp train: error: could not join the other ranks: {e}", file=sys.stderr)
+        _error(f"could not join the other ranks: {e}")
         return 1
     # Each rank reads and collates only its shard of every global batch (same order on every rank).
     train_iter = shard_loader(train_iter, dist.get_rank(), dist.get_world_size())
@@ -247,17 +254,17 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
                              resume=args.resume, config=run_config(args), progress=progress,
                              **_optimizer_args(args))
     except OSError as e:
-        print(f"manualdp train: error: rank {dist.get_rank()}: {_one_line(e)}", file=sys.stderr)
+        _error(f"rank {dist.get_rank()}: {_one_line(e)}")
         _save_partial(args, getattr(e, "history", None))
         return 1
     except (PeerError, NonFiniteGradientError, ValueError) as e:
         # No destroy_process_group here: a dead peer could make it wait; exiting closes everything.
         # A lost peer: leave our line in the store, and add the one it left, if it stopped before us.
-        print(f"manualdp train: error: {explain_peer_error(e) if isinstance(e, PeerError) else e}", file=sys.stderr)
+        _error(f"{explain_peer_error(e) if isinstance(e, PeerError) else e}")
         return 1
     except RuntimeError as e:  # anything else torch.distributed raised: one line, with the rank
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        print(f"manualdp train: error: rank {dist.get_rank()}: {first}", file=sys.stderr)
+        _error(f"rank {dist.get_rank()}: {first}")
         return 1
     dist.destroy_process_group()
     return history if history is not None else 0
@@ -320,7 +327,7 @@ def run_train(args) -> int:
                                                num_train=args.num_train, num_test=args.num_test)
     except (OSError, RuntimeError, ValueError) as e:
         hint = " (or pass --download)" if isinstance(e, FileNotFoundError) and not args.download else ""
-        print(f"manualdp train: error: {e}{hint}", file=sys.stderr)
+        _error(f"{e}{hint}")
         return 2
     epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
     net = models.get_model(args.model)
@@ -344,14 +351,14 @@ def run_train(args) -> int:
                             checkpoint_every=args.checkpoint_every, resume=args.resume, config=run_config(args),
                             progress=progress, **_optimizer_args(args))
         except NonFiniteGradientError as e:
-            print(f"manualdp train: error: {e} (--nonfinite skip skips such steps)", file=sys.stderr)
+            _error(f"{e} (--nonfinite skip skips such steps)")
             return 1
         except OSError as e:  # a write error during the run: one line, and the epochs done are kept
-            print(f"manualdp train: error: {_one_line(e)}", file=sys.stderr)
+            _error(f"{_one_line(e)}")
             _save_partial(args, getattr(e, "history", None))
             return 1
         except ValueError as e:  # found only at resume: a changed configuration, a folder in use
-            print(f"manualdp train: error: {e}", file=sys.stderr)
+            _error(f"{e}")
             return 1
         kind = "simulated CPU devices" if devices[0].type == "cpu" else "GPUs"
         where = f"{len(devices)} {kind}"
@@ -368,7 +375,7 @@ def run_train(args) -> int:
             write(path)
             print(f"wrote {path}")
         except OSError as e:  # the disk filled or went read-only while training
-            print(f"manualdp train: error: {option}: cannot write {path}: {_one_line(e)}", file=sys.stderr)
+            _error(f"{option}: cannot write {path}: {_one_line(e)}")
             failed = 1
     return failed
 
@@ -392,4 +399,4 @@ def _save_partial(args, history) -> None:
         history.to_json(args.json)
         print(f"wrote the {len(history.train_loss)} finished epoch(s) to {args.json}", file=sys.stderr)
     except OSError as e:
-        print(f"manualdp train: error: --json: cannot write {args.json} either: {_one_line(e)}", file=sys.stderr)
+        _error(f"--json: cannot write {args.json} either: {_one_line(e)}")
