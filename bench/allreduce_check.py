@@ -4,9 +4,10 @@
     python bench/allreduce_check.py --world-size 4 --calls 50
 
 Four ways, timed in turns in the same processes, each call after a barrier: `check_same_call`
-alone (the fixed-size exchange of fingerprints), `allreduce(check=False)` (the data alone),
-`allreduce()` (the default: check, then data) and `torch.distributed.all_reduce`. Medians of
-rank 0's times. The default's excess over "data alone" is what the check costs.
+alone (the fixed-size exchange of fingerprints, as DDP runs it once a step), `allreduce(check=False)`
+(the data alone), `allreduce()` (the default: the headers beside the first round of data) and
+`torch.distributed.all_reduce`. Medians of rank 0's times. The default's excess over "data
+alone" is what the check costs.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _rank(sizes: list[int], calls: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     from manualdp.spmd import allreduce
-    from manualdp.spmd.p2p import check_same_call
+    from manualdp.spmd.call_check import check_same_call
     from manualdp.spmd.tune import resolve
 
     out = {}

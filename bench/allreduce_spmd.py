@@ -6,8 +6,8 @@
 
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
-either), one for `auto` as users call it (`auto+check`: the per-call `check_same_call` first,
-one exchange of fixed-size fingerprints) and one for `torch.distributed.all_reduce`, with the columns nccl-tests
+either), one for `auto` as users call it (`auto+check`: with the call check, whose fixed-size
+headers travel beside the first round of data, `manualdp.spmd.call_check`) and one for `torch.distributed.all_reduce`, with the columns nccl-tests
 prints: time (median over runs of the slowest rank's time), algbw = S / time, busbw =
 algbw * 2(n-1)/n, #wrong (inputs are small integers, so every order of summation is exact
 and #wrong must be 0), and busbw / gloo's busbw at the same size. The implementations run

@@ -312,7 +312,7 @@ def run_cases(quick: bool = False, show=print, only: str | None = None) -> dict:
 # ---------------------------------------------------------------- cost of the always-on rank checks
 
 def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
-    from manualdp.spmd import p2p
+    from manualdp.spmd import call_check
     from manualdp.spmd.ddp import DistributedDataParallel
     from manualdp.support.models import get_model
     torch.manual_seed(0)
@@ -344,7 +344,7 @@ def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
     calls, total = [], sum(b.flat.numel() for b in model._buckets)
     for i in range(CHECK_CALLS + 5):
         start = time.perf_counter()
-        p2p.check_same_call(model._buckets[0].flat, model._algorithms[0], model.segment_bytes, None, 60, numel=total)
+        call_check.check_same_call(model._buckets[0].flat, model._algorithms[0], model.segment_bytes, None, 60, numel=total)
         if i >= 5:
             calls.append(time.perf_counter() - start)
     return {"on": statistics.median(on), "off": statistics.median(off), "buckets": len(model._buckets),

@@ -5,7 +5,8 @@ import torch
 from manualdp.allreduce import run_schedule
 from manualdp.cost import check_schedule
 from manualdp.spmd import launch
-from manualdp.spmd.p2p import everyone_hears_everyone, plan
+from manualdp.spmd.call_check import everyone_hears_everyone
+from manualdp.spmd.p2p import plan
 
 
 @pytest.mark.parametrize("n", range(1, 10))
@@ -37,9 +38,17 @@ def _mismatches(differs: int):
         "auto": (torch.ones(6), "naive" if odd else "auto", 1 << 20),
         "segment": (torch.ones(6), "ring", 8 if odd else 1 << 20),
         "call": (torch.ones(6), "ring", 1 << 20),
+        # after the first "auto" call (the link agreed), the headers travel beside the first round of data:
+        "auto size": (torch.ones(9 if odd else 6), "auto", 1 << 20),
+        "auto algorithm": (torch.ones(6), "ring" if odd else "auto", 1 << 20),
+        "segments": (torch.ones(300_000 if odd else 200_000), "ring", 1 << 16),  # several messages in round 0
+        "halving": (torch.ones(5 if odd else 7), "halving_doubling", 1 << 20),
+        "tree": (torch.ones(7, dtype=torch.float64 if odd else torch.float32), "tree", 1 << 20),
     }
     out = {}
     for name, (t, algorithm, segment_bytes) in cases.items():
+        if name == "auto size":  # agree the link first
+            allreduce(torch.ones(6), timeout=20)
         if name == "call" and odd:  # as if this rank had made one checked call more than the others
             group_state().calls += 1
         before = t.clone()
@@ -49,8 +58,8 @@ def _mismatches(differs: int):
         except ValueError as e:
             out[name] = str(e)
         out[name + " unchanged"] = torch.equal(t, before)
-    if odd:
-        group_state().calls -= 1  # back in step: the next call agrees
+        if name == "call" and odd:
+            group_state().calls -= 1  # back in step: the next call agrees
     t = torch.arange(10.0) * (rank + 1)
     allreduce(t, timeout=20)
     out["sum"] = t.tolist()
@@ -61,10 +70,13 @@ def _mismatches(differs: int):
 def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_size, differs):
     results = launch(_mismatches, world_size, (differs,), timeout=90)  # a rank that aborted fails launch
     ours, theirs = {"size": "6", "empty": "6", "dtype": "float32", "algorithm": "ring", "auto": "auto",
-                    "segment": "1048576"}, {"size": "9", "empty": "0", "dtype": "float64", "algorithm": "tree",
-                                            "auto": "naive", "segment": "8"}
+                    "segment": "1048576", "auto size": "6", "auto algorithm": "auto", "segments": "200000",
+                    "halving": "7", "tree": "float32"}, \
+                   {"size": "9", "empty": "0", "dtype": "float64", "algorithm": "tree", "auto": "naive", "segment": "8",
+                    "auto size": "9", "auto algorithm": "ring", "segments": "300000", "halving": "5", "tree": "float64"}
     field = {"size": "elements", "empty": "elements", "dtype": "dtype", "algorithm": "algorithm", "auto": "algorithm",
-             "segment": "segment_bytes"}
+             "segment": "segment_bytes", "auto size": "elements", "auto algorithm": "algorithm",
+             "segments": "elements", "halving": "elements", "tree": "dtype"}
     for rank, out in enumerate(results):
         for name in field:
             per_rank = ", ".join(theirs[name] if r == differs else ours[name] for r in range(world_size))

@@ -3,6 +3,7 @@
 Read in this order:
 - `peers.py`: waiting on other ranks with a deadline; `PeerError` names who is silent;
 - `p2p.py`: the book's schedules run by one rank as `isend`/`irecv` messages;
+- `call_check.py`: ranks that call an allreduce differently all raise, its headers beside the data;
 - `ddp.py`: `DistributedDataParallel`, the drop-in for torch's: buckets, hooks, the worker;
   `ddp_sync.py` (the ranks compare and copy the model at construction), `ddp_checks.py`
   (debug, static graph, unused parameters) and `ddp_join.py` (uneven inputs) are its parts;

@@ -15,7 +15,8 @@ from ..collectives import shard
 from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
 from .group import group_state
-from .p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule, same_call
+from .call_check import HeaderCheck, same_call
+from .p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule
 from .peers import group_timeout
 from .pick import choose
 from .tune import ENGINE_ALGORITHMS, agreed, measure_again, note
@@ -31,12 +32,15 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
     silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
 
-    `check` (default True): first compare the calls (`check_same_call`): every rank's
+    `check` (default True): compare the calls (`manualdp.spmd.call_check`): every rank's
     fingerprint (size, dtype, algorithm, segment size, call number) goes to every rank in
-    fixed-size messages, at two ranks one each way at once, so that ranks called differently
-    all raise instead of pairing wrong messages. Pass False only where the calls are known to
-    match, as `DistributedDataParallel` does for its buckets after checking each step once
-    (every rank's buckets were compared at construction).
+    fixed-size headers, so that ranks called differently all raise instead of pairing wrong
+    messages. On gloo the headers travel beside the first round of data, which is posted on a
+    tag only an identical call's messages carry; the check alone, first, costs a round trip
+    more, and runs only where there is no data to carry it (an empty tensor, the first "auto"
+    call, which must agree before it measures the link, NCCL). Pass False only where the calls
+    are known to match, as `DistributedDataParallel` does for its buckets after checking each
+    step once (every rank's buckets were compared at construction).
 
     With "auto" and the check, each rank times its calls against the cost model's prediction;
     when one of them sees those times drift (`manualdp.spmd.tune.drifted`), the check tells
@@ -53,21 +57,25 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     if len(state.peers) == 1:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
-    auto = algorithm == "auto"
-    # First: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
-    if check and same_call(state, tensor, algorithm, segment_bytes, timeout, flag=auto and state.drifted):
+    auto, requested = algorithm == "auto", algorithm
+    carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None)
+    # Alone, first: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
+    if check and not carried and same_call(state, tensor, algorithm, segment_bytes, timeout, flag=auto and state.drifted):
         measure_again(state, timeout)
     if tensor.numel() == 0:
         return
     nbytes = tensor.numel() * tensor.element_size()
     if auto:  # the cost model's pick
         algorithm = choose(len(state.peers), nbytes, agreed(state, timeout), tensor.element_size(), segment_bytes)
+    header = HeaderCheck(state, tensor, requested, segment_bytes, timeout, flag=auto and state.drifted,
+                         schedule=algorithm) if carried else None
     start = time.perf_counter()
-    run_allreduce(tensor, algorithm, state, segment_bytes, timeout)
+    run_allreduce(tensor, algorithm, state, segment_bytes, timeout, check=header)
     if auto and check and tensor.device.type == "cpu":  # on a GPU the call returns before the work is done
         note(state, algorithm, tensor.numel() * tensor.element_size(), tensor.element_size(), segment_bytes,
              time.perf_counter() - start)
-
+    if header is not None and header.flagged:  # every rank saw the same flags: all measure again, now
+        measure_again(state, timeout)
 
 
 def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool) -> int:

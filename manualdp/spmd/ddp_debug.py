@@ -13,7 +13,7 @@ import contextlib
 
 import torch.distributed as dist
 
-from .p2p import check_same_call
+from .call_check import check_same_call
 from .ddp_checks import refuse_in_backward_optimizers
 from .ddp_hooks import check_same_hook
 from .ddp_sync import kept_named

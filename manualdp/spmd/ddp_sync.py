@@ -50,7 +50,7 @@ def check_same_layout(layout: dict, group, world_size: int) -> None:
     counts, dtypes), bucket_cap_mb, algorithm (then each bucket's resolved one), segment_bytes
     and the flags that change which messages are sent. Ranks that differ there would pair wrong
     messages from the first backward on. The error names every differing field with each
-    rank's value, in `check_same_call`'s form (`manualdp.spmd.p2p`).
+    rank's value, in `check_same_call`'s form (`manualdp.spmd.call_check`).
     """
     if not isinstance(layout, dict) or not all(isinstance(k, str) for k in layout):
         raise TypeError(f"layout must be a dict from field names to values, got {layout!r}")

@@ -84,6 +84,7 @@ class GroupState:
         self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
         self.drifted = False     # the times have moved (`tune.moved`) since the constants were agreed
         self.calls = 0           # checked calls made so far: the call check's counter
+        self.headers = None      # the call check's receives for the next call's headers, posted early (gloo)
         self.traffic = Traffic()  # bytes sent by the executor
         self.local = threading.local()  # per thread (the worker's and the caller's): scratch space, kept works
         self._worker = None

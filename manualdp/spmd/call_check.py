@@ -1,0 +1,231 @@
+"""The call check: ranks that call an allreduce differently all raise, naming who had what.
+
+Every rank's fingerprint of its call (size, dtype, algorithm, segment size, call number, the
+schedule it runs) goes to every rank in fixed-size header messages (`everyone_hears_everyone`:
+at two ranks one each way at once). Headers of fixed size pair safely whatever the calls: a
+receive posted for another size than its send makes gloo abort, so only they may be exchanged
+before the ranks know they agree. Then every rank compares the same table and raises, or not,
+alike.
+
+Two ways to run it:
+- alone, before any data moves (`same_call`): one round trip more per call. Used where there
+  is no data to overlap it with (DDP's one check per step, queued while forward computes; an
+  empty tensor; the first "auto" call, which must agree before measuring the link; NCCL);
+- carried with the data (`HeaderCheck`, on gloo): the first round of data is posted at once,
+  on a tag derived from the fingerprint, and the headers travel beside it; the check completes
+  before that round's data is used. Ranks that agree lose nothing to a round trip. Ranks that
+  differ posted data on different tags, so no message pairs with a wrong one; each rank knows
+  from the table what every other rank posted toward it, receives those messages into
+  throwaway space and sends the ones its peers wait for, so nothing stays queued to meet a
+  later call, and then raises. Its tensor is unchanged: the first round's receives of every
+  allreduce schedule are reductions, which land in scratch space.
+"""
+from __future__ import annotations
+
+import datetime
+import functools
+import zlib
+from array import array
+
+import torch
+import torch.distributed as dist
+
+from ..schedule import ALGORITHMS, Schedule, Transfer
+from .group import GroupState, group_state
+from .p2p import exchange, plan, schedule_of
+from .peers import peer_error
+
+__all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone", "overlaps"]
+
+HEADER_TAG = 2 ** 31 - 1  # the headers' tag; unchecked data goes on tag 0, checked data on `HeaderCheck.tag`
+_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule")  # compared, named in the error
+_SIZE, _FLAG = len(_FIELDS), len(_FIELDS) + 1  # then the element size (compared), and the flag (not compared)
+_DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
+                  torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64), key=str)
+_NAMES = sorted((*ALGORITHMS, "auto"))
+
+
+@functools.lru_cache(maxsize=64)
+def everyone_hears_everyone(n: int) -> Schedule:
+    """Each device's own chunk sent on to every device (an all-gather) in ceil(log2 n) rounds.
+
+    Dissemination: before a round every device holds its own chunk and the `known - 1` chunks
+    below it (mod n); it passes them to the device `known` places up, which then holds twice as
+    many. Every round, every device sends one message and receives one, of fixed size.
+    """
+    rounds, known = [], 1
+    while known < n:
+        new = min(known, n - known)  # chunks the receiver does not hold yet
+        rounds.append(tuple(Transfer(r, (r + known) % n, (r - j) % n, False) for r in range(n) for j in reversed(range(new))))
+        known += new
+    return Schedule("dissemination", n, n, tuple(rounds), ("all-gather",) * len(rounds))
+
+
+def overlaps(rounds) -> bool:
+    """Whether a plan's first round may go out before the check: its receives all land in scratch space."""
+    return bool(rounds) and all(m.reduce for m in rounds[0].recvs)
+
+
+def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
+                    numel: int | None = None, flag: bool = False) -> bool:
+    """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm, segment size, call number.
+
+    The check alone, before any data moves. Returns whether any rank raised `flag`, a bit that
+    rides along uncompared, so that every rank takes the same decision from it (`allreduce`:
+    measure the link again).
+
+    `numel` (default `tensor.numel()`): the size to compare, for a caller that checks a whole
+    sequence of calls at once (`DistributedDataParallel`: all of a step's buckets). The call
+    number counts this group's checked calls: a rank that is a call ahead, or that lost one to
+    an error the others did not see, is found even when the sizes happen to agree.
+    """
+    return same_call(group_state(group), tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag)
+
+
+def same_call(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, timeout: float | None, *,
+              numel: int | None = None, flag: bool = False) -> bool:
+    """`check_same_call` on the group whose state is `state`."""
+    check = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag)
+    check.start()
+    check()
+    return check.flagged
+
+
+class HeaderCheck:
+    """One call's check: `start()` sends the headers, `check()` completes them and raises on a mismatch.
+
+    `schedule` (default None: the check alone): the algorithm this rank runs; the executor
+    (`manualdp.spmd.p2p.run_schedule`'s `check`) posts its first round on `self.tag`, between
+    `start()` and `check()`. Afterwards `flagged` says whether any rank raised `flag`.
+
+    On gloo the receives of the next call's headers are posted as soon as this call's have
+    arrived (they are of fixed size, on a tag of their own), and kept in the group's state:
+    gloo sends a message at once only to a receiver that has already posted its receive, and
+    otherwise exchanges notifications first, a round trip through both ranks' network threads.
+    """
+
+    def __init__(self, state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int,
+                 timeout: float | None, *, numel: int | None = None, flag: bool = False,
+                 schedule: str | None = None) -> None:
+        state.calls += 1
+        dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+        self.row = [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes,
+                    state.calls, -1 if schedule is None else _NAMES.index(schedule), tensor.element_size(), int(flag)]
+        self.state, self.timeout, self.device = state, timeout, tensor.device
+        self.deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.tag = _tag(self.row)
+        self.flagged = False
+
+    def start(self) -> None:
+        """Send this rank's row (gloo; on NCCL the whole exchange happens in `check()`)."""
+        state = self.state
+        if not state.early:
+            return
+        posted, state.headers = state.headers, None
+        try:
+            self.table, self.recvs = posted or _post_receives(state, len(self.row))
+            self.table.numpy()[state.rank] = self.row
+            self.sends = self._send(0)
+        except RuntimeError as e:
+            raise peer_error(e, None, self.timeout) from e
+
+    def _send(self, i: int) -> list:
+        flat, pg, peers, rounds = self.table.view(-1), self.state.pg(), self.state.peers, self.recvs[1]
+        return [(peers[m.peer], pg.send([flat[m.lo:m.hi]], m.peer, HEADER_TAG)) for m in rounds[i].sends]
+
+    def __call__(self) -> None:
+        """Complete the exchange: afterwards every rank holds every rank's row; raise unless all agree."""
+        state = self.state
+        if not state.early:  # NCCL: each round's messages as one group
+            n, width = len(state.peers), len(self.row)
+            table = torch.tensor([self.row if i == state.rank else [0] * width for i in range(n)],
+                                 dtype=torch.int64, device=self.device)
+            exchange(table.view(-1), _header_rounds(n, state.rank, width), state, self.timeout, HEADER_TAG)
+        else:
+            works, rounds = self.recvs
+            peer, sent = None, []
+            try:
+                for i in range(len(rounds)):
+                    for peer, work in works[i]:
+                        self._wait(work)
+                    sent += self.sends
+                    self.sends = self._send(i + 1) if i + 1 < len(rounds) else []
+                for peer, work in sent:
+                    self._wait(work)
+                state.headers = _post_receives(state, len(self.row))  # the next call's, now
+            except RuntimeError as e:
+                raise peer_error(e, peer, self.timeout) from e
+            table = self.table
+        rows = table.tolist()
+        if all(row[:_FLAG] == self.row[:_FLAG] for row in rows):
+            self.flagged = any(row[_FLAG] for row in rows)
+            return
+        self._settle(rows)
+        raise ValueError(f"rank {dist.get_rank()}: allreduce called differently across ranks: {_differences(rows)}; "
+                         "the ranks are out of step (one ran out of batches or skipped a step) or were given other "
+                         "arguments")
+
+    def _wait(self, work) -> None:
+        work.wait() if self.deadline is None else work.wait(self.deadline)
+
+    def _settle(self, rows: list[list[int]]) -> None:
+        """Complete what every peer that called otherwise posted toward this rank: receive its sends, answer its receives.
+
+        A peer with this rank's fingerprint posted on this rank's tag, and its messages pair
+        with this rank's own. The others' first rounds follow from their rows.
+        """
+        state, me, pg = self.state, self.state.rank, self.state.pg()
+        works = []
+        for p, row in enumerate(rows):
+            if p == me or row[:_FLAG] == self.row[:_FLAG] or row[5] < 0:
+                continue
+            numel, segment_bytes, element_size, tag = row[0], row[3], row[_SIZE], _tag(row)
+            first = plan(schedule_of(_NAMES[row[5]], len(rows)), p, numel, max(1, segment_bytes // element_size))[0]
+            for m in first.sends:
+                if m.peer == me:
+                    works.append((state.peers[p], pg.recv([torch.empty((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
+            for m in first.recvs:
+                if m.peer == me:
+                    works.append((state.peers[p], pg.send([torch.zeros((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
+        for peer, work in works:
+            try:
+                self._wait(work)
+            except RuntimeError as e:
+                raise peer_error(e, peer, self.timeout) from e
+
+
+def _post_receives(state: GroupState, width: int):
+    """A table for one call's headers, with every round's receives posted into it (each lands in rows of its own)."""
+    n, pg, peers = len(state.peers), state.pg(), state.peers
+    table = torch.zeros(n, width, dtype=torch.int64)
+    flat, rounds = table.view(-1), _header_rounds(n, state.rank, width)
+    return table, ([[(peers[m.peer], pg.recv([flat[m.lo:m.hi]], m.peer, HEADER_TAG)) for m in rnd.recvs]
+                    for rnd in rounds], rounds)
+
+
+@functools.lru_cache(maxsize=64)
+def _header_rounds(n: int, rank: int, width: int):
+    """This rank's share of the headers' exchange: `plan` keyed by plain numbers, cheap to look up on every call."""
+    return plan(everyone_hears_everyone(n), rank, n * width, n * width)
+
+
+def _tag(row: list[int]) -> int:
+    """The data tag of a call: a hash of its compared fields, from 2**30 to 2**31 - 2, above the tags people pick.
+
+    Distinct calls share a tag with odds 2**-30.
+    """
+    return 2 ** 30 + zlib.crc32(array("q", row[:_FLAG]).tobytes()) % (2 ** 30 - 1)
+
+
+def _differences(rows: list[list[int]]) -> str:
+    names = {"dtype": lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
+             "algorithm": lambda v: _NAMES[v], "schedule": lambda v: _NAMES[v] if v >= 0 else "none"}
+    differ = []
+    for i, field in enumerate(_FIELDS):
+        values = [names.get(field, str)(row[i]) for row in rows]
+        if len(set(values)) > 1:
+            differ.append(f"{field} {'..'.join(sorted(set(values), key=lambda v: (len(v), v)))} "
+                          f"(per rank: {', '.join(values)})")
+    if not differ:  # two dtypes outside the list above
+        differ.append(f"element size (per rank: {', '.join(str(row[_SIZE]) for row in rows)})")
+    return "; ".join(differ)
