@@ -1,6 +1,7 @@
 """allreduce's call check: ranks that call differently all raise, naming who had what; nothing aborts."""
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 
 from manualdp.allreduce import run_schedule
 from manualdp.cost import check_schedule
@@ -88,3 +89,16 @@ def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_siz
         assert calls is not None and "call " in calls and "elements" not in calls, (rank, calls)
         assert out["call unchanged"]
         assert out["sum"] == [i * sum(range(1, world_size + 1)) for i in range(10)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 1 << 40), min_size=8, max_size=8), st.integers(0, 6), st.integers(1, 1 << 40))
+def test_a_calls_data_tag_is_above_the_tags_people_pick_and_changes_with_every_compared_field(row, field, delta):
+    from manualdp.spmd.call_check import HEADER_TAG, _tag
+    other = list(row)
+    other[field] += delta
+    for r in (row, other):
+        assert 2 ** 30 <= _tag(r) < HEADER_TAG < 2 ** 31  # a C int, above 0 (unchecked data) and below the headers'
+    flagged = row[:7] + [1 - row[7] % 2]
+    assert _tag(flagged) == _tag(row)  # the flag rides along uncompared
+    assert _tag(other) != _tag(row)  # distinct calls share a tag with odds 2**-30
