@@ -130,6 +130,32 @@ def group_state(group=None) -> GroupState:
         return state
 
 
+def in_order(state: GroupState, fn, *args):
+    """`fn(*args)` in program order with the wrappers' collectives on the group: on their worker, if it has one.
+
+    A wrapper queues its collectives on the group's worker thread (`GroupState.worker`): the
+    step's call check as forward begins, the buckets during backward. A collective called
+    meanwhile on the main thread (a loss averaged between forward and backward) would race
+    them to the wire, and the ranks could pair one's with the other's. Queued behind them, it
+    goes out in the order the program called it, as in torch.distributed. Its error, a
+    mismatched call too, is raised here and leaves the worker usable.
+    """
+    worker = state._worker
+    if worker is None or isinstance(worker, InlineWorker) or worker.is_current():
+        return fn(*args)
+    ok, value = worker.submit(_captured, fn, args).result()
+    if not ok:
+        raise value
+    return value
+
+
+def _captured(fn, args: tuple) -> tuple[bool, object]:
+    try:
+        return True, fn(*args)
+    except Exception as e:  # raised again in the caller's thread; the worker goes on
+        return False, e
+
+
 def group_worker(group=None) -> SerialWorker | InlineWorker:
     """The one thread that runs, in submission order, every wrapper's collectives on `group`."""
     return group_state(group).worker

@@ -158,6 +158,10 @@ class SerialWorker:
         """Let the thread end once the calls already submitted are done."""
         self._jobs.put(None)
 
+    def is_current(self) -> bool:
+        """Whether the caller runs on this worker's thread (a call submitted from there would wait on itself)."""
+        return threading.current_thread() is self._thread
+
 
 EXIT_GRACE = 2.0  # seconds the interpreter's exit waits for running calls (a healthy peer answers in far less)
 _state = threading.Condition()  # guards the two below
