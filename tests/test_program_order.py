@@ -52,3 +52,34 @@ def test_a_mismatched_call_on_the_wrappers_worker_raises_in_the_caller_and_the_w
     (error0, grad0), (error1, grad1) = launch(_mismatch_beside_a_wrapper, 2, (), timeout=60)
     assert "elements 5..6 (per rank: 5, 6)" in error0 and "elements 5..6 (per rank: 5, 6)" in error1
     assert grad0 == grad1 == [[3.0] * 4] * 2
+
+
+def _step_against_allreduce_then_in_step():
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from manualdp.spmd import DistributedDataParallel, allreduce
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    net = DistributedDataParallel(nn.Linear(8, 2), timeout=20)
+    net(torch.randn(4, 8)).sum().backward()
+    try:  # rank 0 steps its wrapper (its worker fails for good) while rank 1 calls allreduce
+        if rank == 0:
+            net(torch.randn(4, 8)).sum().backward()
+        else:
+            allreduce(torch.ones(5), "ring", timeout=20)
+        first = None
+    except ValueError as e:
+        first = str(e)
+    after = []
+    for _ in range(2):  # back in step: both go out, also past rank 0's failed worker
+        t = torch.ones(4) * (rank + 1)
+        allreduce(t, "ring", timeout=20)
+        after.append(t.tolist())
+    return first, after
+
+
+def test_after_a_wrappers_step_met_an_allreduce_both_raise_and_calls_in_step_go_out():
+    for first, after in launch(_step_against_allreduce_then_in_step, 2, (), timeout=90):
+        assert first is not None and "allreduce called differently across ranks" in first
+        assert after == [[3.0] * 4] * 2

@@ -131,29 +131,27 @@ def group_state(group=None) -> GroupState:
 
 
 def in_order(state: GroupState, fn, *args):
-    """`fn(*args)` in program order with the wrappers' collectives on the group: on their worker, if it has one.
+    """`fn(*args)` in program order with the wrappers' collectives on the group: after what their worker holds.
 
     A wrapper queues its collectives on the group's worker thread (`GroupState.worker`): the
     step's call check as forward begins, the buckets during backward. A collective called
     meanwhile on the main thread (a loss averaged between forward and backward) would race
-    them to the wire, and the ranks could pair one's with the other's. Queued behind them, it
-    goes out in the order the program called it, as in torch.distributed. Its error, a
-    mismatched call too, is raised here and leaves the worker usable.
+    them to the wire, and the ranks could pair one's with the other's. So it first waits for
+    what is queued there to go out, then runs here, in the order the program called it, as
+    in torch.distributed. A worker that failed (a wrapper's mismatched step) runs nothing
+    more, so the call goes ahead at once, as on a rank whose worker is well.
     """
     worker = state._worker
-    if worker is None or isinstance(worker, InlineWorker) or worker.is_current():
-        return fn(*args)
-    ok, value = worker.submit(_captured, fn, args).result()
-    if not ok:
-        raise value
-    return value
+    if worker is not None and not isinstance(worker, InlineWorker) and not worker.is_current():
+        try:
+            worker.submit(_nothing).result()
+        except Exception:  # noqa: S110 - the worker failed for good: nothing queued there will go out
+            pass
+    return fn(*args)
 
 
-def _captured(fn, args: tuple) -> tuple[bool, object]:
-    try:
-        return True, fn(*args)
-    except Exception as e:  # raised again in the caller's thread; the worker goes on
-        return False, e
+def _nothing() -> None:
+    pass
 
 
 def group_worker(group=None) -> SerialWorker | InlineWorker:
