@@ -6,6 +6,7 @@ this module and nothing else of the package's machinery.
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import os
@@ -267,10 +268,23 @@ def check_summable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         raise TypeError(f"{name} has layout {t.layout}; allreduce sums dense tensors only")
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} has dtype {t.dtype}; allreduce sums real numbers")
+    if not _adds(t.dtype, t.device.type):
+        raise TypeError(f"{name} has dtype {t.dtype}, which torch cannot add on {t.device.type} "
+                        "(allreduce sums with add_); convert it first, e.g. to torch.int64 or torch.float32")
     if any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride())):
         # An expanded tensor cannot be written in place; torch would fail half-way through.
         raise ValueError(f"{name} has stride 0 (an expanded view); pass a tensor that owns its elements")
     return t
+
+
+@functools.lru_cache(maxsize=None)
+def _adds(dtype: torch.dtype, device: str) -> bool:
+    """Whether torch implements `add_` for `dtype` on `device` (not for uint16-64 or float8 on CPU in torch 2.13)."""
+    try:
+        torch.zeros(2, dtype=dtype, device=device).add_(torch.zeros(2, dtype=dtype, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

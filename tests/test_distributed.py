@@ -62,6 +62,8 @@ def test_plan_messages_match_and_compute_the_single_controller_sum(algorithm, n,
 @pytest.mark.parametrize("call, error, words", [
     (lambda: allreduce([torch.ones(2)]), TypeError, "tensor must be a torch.Tensor"),
     (lambda: allreduce(torch.ones(2, dtype=torch.bool)), TypeError, "torch.bool"),
+    (lambda: allreduce(torch.ones(2, dtype=torch.uint16)), TypeError, "torch.uint16, which torch cannot add on cpu"),
+    (lambda: allreduce(torch.zeros(2, dtype=torch.float8_e4m3fn)), TypeError, "float8_e4m3fn, which torch cannot add"),
     (lambda: allreduce(torch.ones(1).expand(3)), ValueError, "stride 0"),
     (lambda: allreduce(torch.ones(2), "rings"), ValueError, "'rings'"),
     (lambda: allreduce(torch.ones(2), segment_bytes=0), ValueError, "segment_bytes"),
