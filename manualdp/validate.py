@@ -268,7 +268,7 @@ def check_summable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
         raise TypeError(f"{name} has layout {t.layout}; allreduce sums dense tensors only")
     if t.dtype == torch.bool or t.is_complex():
         raise TypeError(f"{name} has dtype {t.dtype}; allreduce sums real numbers")
-    if not _adds(t.dtype, t.device.type):
+    if not _adds(t.dtype, t.device):
         raise TypeError(f"{name} has dtype {t.dtype}, which torch cannot add on {t.device.type} "
                         "(allreduce sums with add_); convert it first, e.g. to torch.int64 or torch.float32")
     if any(st == 0 and s > 1 for s, st in zip(t.shape, t.stride())):
@@ -278,13 +278,20 @@ def check_summable(t: torch.Tensor, name: str = "tensor") -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _adds(dtype: torch.dtype, device: str) -> bool:
-    """Whether torch implements `add_` for `dtype` on `device` (not for uint16-64 or float8 on CPU in torch 2.13)."""
+def _adds(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether torch implements `add_` for `dtype` on `device` (not for uint16-64 or float8 on CPU in torch 2.13).
+
+    Only torch's "not implemented" is an answer; any other error (out of memory) is raised, not kept.
+    """
     try:
         torch.zeros(2, dtype=dtype, device=device).add_(torch.zeros(2, dtype=dtype, device=device))
         return True
-    except (RuntimeError, NotImplementedError):
+    except NotImplementedError:
         return False
+    except RuntimeError as e:
+        if "not implemented" in str(e):
+            return False
+        raise
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:

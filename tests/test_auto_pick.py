@@ -112,6 +112,9 @@ def test_calls_stalled_on_a_busy_host_are_no_drift_however_many_of_them_a_window
         assert not moved(window(1.5, rng.uniform(0.0, 0.45)), window(1.5, rng.uniform(0.0, 0.45)))
     assert sum(moved(window(1.5, 0.3), window(4.5, 0.3)) for _ in range(50)) >= 45  # three times slower is drift
     assert sum(moved(window(1.5, 0.3), window(0.4, 0.3)) for _ in range(50)) >= 45  # and so is faster
+    assert not moved([0.0] * DRIFT_CALLS, [1.0] * DRIFT_CALLS)  # no time to compare against: no drift, no error
+    assert not moved([1.0] * DRIFT_CALLS, [float("nan")] * DRIFT_CALLS)
+    assert not moved([float("inf")] * DRIFT_CALLS, [float("inf")] * DRIFT_CALLS)
 
 
 def _drift(cache: str, given: bool):

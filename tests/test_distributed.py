@@ -447,3 +447,17 @@ def test_after_a_failed_backward_the_next_forward_says_the_ranks_are_out_of_step
     for first, second in launch(_failed_backward, 2, timeout=JOB_TIMEOUT):
         assert first == "injected"
         assert "previous backward pass failed part-way" in second
+
+
+def test_a_dtype_probe_that_runs_out_of_memory_is_raised_and_not_remembered(monkeypatch):
+    from manualdp import validate
+    validate._adds.cache_clear()
+    zeros = torch.zeros
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CPU out of memory")
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        validate.check_summable(torch.ones(2, dtype=torch.float16))
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert validate.check_summable(torch.ones(2, dtype=torch.float16)) is not None  # asked again, and it adds

@@ -83,3 +83,23 @@ def test_after_a_wrappers_step_met_an_allreduce_both_raise_and_calls_in_step_go_
     for first, after in launch(_step_against_allreduce_then_in_step, 2, (), timeout=90):
         assert first is not None and "allreduce called differently across ranks" in first
         assert after == [[3.0] * 4] * 2
+
+
+def _allreduce_after_the_worker_ended():
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    from manualdp.spmd import DistributedDataParallel, allreduce
+    from manualdp.spmd.group import group_state
+    net = DistributedDataParallel(nn.Linear(2, 2))
+    net(torch.ones(1, 2)).sum().backward()
+    worker = group_state().worker
+    worker.shutdown()  # as at interpreter exit: the thread ends and takes no more calls
+    worker._thread.join(10)
+    t = torch.ones(2) * (dist.get_rank() + 1)
+    allreduce(t, "ring", timeout=10)  # waited for the ended worker forever
+    return t.tolist()
+
+
+def test_an_allreduce_after_the_wrappers_worker_ended_goes_out_at_once():
+    assert launch(_allreduce_after_the_worker_ended, 2, (), timeout=60) == [[3.0, 3.0]] * 2

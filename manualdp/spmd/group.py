@@ -139,10 +139,11 @@ def in_order(state: GroupState, fn, *args):
     them to the wire, and the ranks could pair one's with the other's. So it first waits for
     what is queued there to go out, then runs here, in the order the program called it, as
     in torch.distributed. A worker that failed (a wrapper's mismatched step) runs nothing
-    more, so the call goes ahead at once, as on a rank whose worker is well.
+    more, so the call goes ahead at once, as on a rank whose worker is well; so does a call
+    made once the worker's thread has ended (at interpreter exit nothing would take it).
     """
     worker = state._worker
-    if worker is not None and not isinstance(worker, InlineWorker) and not worker.is_current():
+    if worker is not None and not isinstance(worker, InlineWorker) and not worker.is_current() and worker.serving():
         try:
             worker.submit(_nothing).result()
         except Exception:  # noqa: S110 - the worker failed for good: nothing queued there will go out

@@ -162,6 +162,10 @@ class SerialWorker:
         """Whether the caller runs on this worker's thread (a call submitted from there would wait on itself)."""
         return threading.current_thread() is self._thread
 
+    def serving(self) -> bool:
+        """Whether the thread still takes calls: not once it has ended, nor while the interpreter exits."""
+        return self._thread.is_alive() and not _exiting
+
 
 EXIT_GRACE = 2.0  # seconds the interpreter's exit waits for running calls (a healthy peer answers in far less)
 _state = threading.Condition()  # guards the two below

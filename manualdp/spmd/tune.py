@@ -313,8 +313,12 @@ def moved(first: list[float], latest, factor: float | None = None) -> bool:
     factor = DRIFT_FACTOR if factor is None else factor
     if len(first) < DRIFT_CALLS or len(latest) < DRIFT_CALLS:
         return False
-    return not 1 / factor <= _second_fastest(latest) / _second_fastest(first) <= factor
+    before, now = _second_fastest(first), _second_fastest(latest)
+    if not (0 < before < math.inf and 0 <= now < math.inf):  # no time to compare (NaN fails both)
+        return False
+    return not 1 / factor <= now / before <= factor
 
 
 def _second_fastest(ratios) -> float:
-    return sorted(ratios)[1]  # not the fastest: one reading off the clock should not decide
+    ordered = sorted(ratios)
+    return ordered[min(1, len(ordered) - 1)]  # not the fastest: one reading off the clock should not decide
