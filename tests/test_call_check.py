@@ -107,7 +107,7 @@ def test_a_calls_data_tag_is_above_the_tags_people_pick_and_changes_with_every_c
 @pytest.mark.parametrize("n", range(2, 9))
 def test_every_allreduces_first_round_lands_in_scratch_so_a_refused_call_leaves_the_tensor_unchanged(n):
     from manualdp.schedule import ALGORITHMS
-    from manualdp.spmd.call_check import overlaps
+    from manualdp.spmd.plan import overlaps
     from manualdp.spmd.p2p import schedule_of
     for algorithm in ALGORITHMS:
         for numel in (1, 2, 3, n, 7, 100, 1000):

@@ -35,7 +35,7 @@ from .group import GroupState, group_state
 from .p2p import exchange, plan, schedule_of
 from .peers import peer_error
 
-__all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone", "overlaps"]
+__all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone"]
 
 HEADER_TAG = 2 ** 31 - 1  # the headers' tag; unchecked data goes on tag 0, checked data on `HeaderCheck.tag`
 _FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule")  # compared, named in the error
@@ -59,11 +59,6 @@ def everyone_hears_everyone(n: int) -> Schedule:
         rounds.append(tuple(Transfer(r, (r + known) % n, (r - j) % n, False) for r in range(n) for j in reversed(range(new))))
         known += new
     return Schedule("dissemination", n, n, tuple(rounds), ("all-gather",) * len(rounds))
-
-
-def overlaps(rounds) -> bool:
-    """Whether a plan's first round may go out before the check: its receives all land in scratch space."""
-    return bool(rounds) and all(m.reduce for m in rounds[0].recvs)
 
 
 def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
@@ -123,15 +118,15 @@ class HeaderCheck:
             return
         posted, state.headers = state.headers, None
         try:
-            self.table, self.recvs = posted or _post_receives(state, len(self.row))
+            self.table, self.recvs, self.rounds = posted or _post_receives(state, len(self.row))
             self.table.numpy()[state.rank] = self.row
             self.sends = self._send(0)
         except RuntimeError as e:
             raise peer_error(e, None, self.timeout) from e
 
     def _send(self, i: int) -> list:
-        flat, pg, peers, rounds = self.table.view(-1), self.state.pg(), self.state.peers, self.recvs[1]
-        return [(peers[m.peer], pg.send([flat[m.lo:m.hi]], m.peer, HEADER_TAG)) for m in rounds[i].sends]
+        flat, pg, peers = self.table.view(-1), self.state.pg(), self.state.peers
+        return [(peers[m.peer], pg.send([flat[m.lo:m.hi]], m.peer, HEADER_TAG)) for m in self.rounds[i].sends]
 
     def __call__(self) -> None:
         """Complete the exchange: afterwards every rank holds every rank's row; raise unless all agree."""
@@ -142,20 +137,19 @@ class HeaderCheck:
                                  dtype=torch.int64, device=self.device)
             exchange(table.view(-1), _header_rounds(n, state.rank, width), state, self.timeout, HEADER_TAG)
         else:
-            works, rounds = self.recvs
             peer, sent = None, []
             try:
-                for i in range(len(rounds)):
-                    for peer, work in works[i]:
+                for i, received in enumerate(self.recvs):
+                    for peer, work in received:
                         self._wait(work)
                     sent += self.sends
-                    self.sends = self._send(i + 1) if i + 1 < len(rounds) else []
+                    self.sends = self._send(i + 1) if i + 1 < len(self.rounds) else []
                 for peer, work in sent:
                     self._wait(work)
                 state.headers = _post_receives(state, len(self.row))  # the next call's, now
                 # Freed only after the next call's messages are posted: a gloo work freed right after its
                 # wait costs about 2 ms on a 2-core machine (`manualdp.spmd.p2p._keep_until_next_call`).
-                state.local.header_works = (works, sent)
+                state.local.header_works = (self.recvs, sent)
             except RuntimeError as e:
                 raise peer_error(e, peer, self.timeout) from e
             table = self.table
@@ -198,12 +192,12 @@ class HeaderCheck:
 
 
 def _post_receives(state: GroupState, width: int):
-    """A table for one call's headers, with every round's receives posted into it (each lands in rows of its own)."""
+    """A table for one call's headers, every round's receives posted into it (each lands in rows of its own), the rounds."""
     n, pg, peers = len(state.peers), state.pg(), state.peers
     table = torch.zeros(n, width, dtype=torch.int64)
     flat, rounds = table.view(-1), _header_rounds(n, state.rank, width)
-    return table, ([[(peers[m.peer], pg.recv([flat[m.lo:m.hi]], m.peer, HEADER_TAG)) for m in rnd.recvs]
-                    for rnd in rounds], rounds)
+    recvs = [[(peers[m.peer], pg.recv([flat[m.lo:m.hi]], m.peer, HEADER_TAG)) for m in rnd.recvs] for rnd in rounds]
+    return table, recvs, rounds
 
 
 @functools.lru_cache(maxsize=64)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ..collectives import shard
 from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
-from .group import group_state, in_order
+from .group import after_wrappers, group_state
 from .call_check import HeaderCheck, same_call
 from .p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule
 from .peers import group_timeout
@@ -57,10 +57,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     if len(state.peers) == 1:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
-    in_order(state, _allreduce, tensor, algorithm, state, segment_bytes, timeout, check)
-
-
-def _allreduce(tensor: torch.Tensor, algorithm: str, state, segment_bytes: int, timeout: float, check: bool) -> None:
+    after_wrappers(state)
     auto, requested = algorithm == "auto", algorithm
     carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None)
     # Alone, first: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
@@ -95,7 +92,8 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     schedule = get_collective(collective, algorithm, len(state.peers), root)
     if len(state.peers) > 1 and tensor.numel():
         timeout = timeout if timeout is not None else group_timeout(group)
-        in_order(state, run_schedule, tensor, schedule, state, segment_bytes, timeout)
+        after_wrappers(state)
+        run_schedule(tensor, schedule, state, segment_bytes, timeout)
     return state.rank
 
 

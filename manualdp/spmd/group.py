@@ -130,17 +130,17 @@ def group_state(group=None) -> GroupState:
         return state
 
 
-def in_order(state: GroupState, fn, *args):
-    """`fn(*args)` in program order with the wrappers' collectives on the group: after what their worker holds.
+def after_wrappers(state: GroupState) -> None:
+    """Wait until what the wrappers queued on the group's worker has gone out: collectives then follow program order.
 
     A wrapper queues its collectives on the group's worker thread (`GroupState.worker`): the
     step's call check as forward begins, the buckets during backward. A collective called
     meanwhile on the main thread (a loss averaged between forward and backward) would race
-    them to the wire, and the ranks could pair one's with the other's. So it first waits for
-    what is queued there to go out, then runs here, in the order the program called it, as
-    in torch.distributed. A worker that failed (a wrapper's mismatched step) runs nothing
-    more, so the call goes ahead at once, as on a rank whose worker is well; so does a call
-    made once the worker's thread has ended (at interpreter exit nothing would take it).
+    them to the wire, and the ranks could pair one's with the other's. Called first, this
+    makes it go out in the order the program called it, as in torch.distributed. A worker
+    that failed (a wrapper's mismatched step) runs nothing more, so the call goes ahead at
+    once, as on a rank whose worker is well; so does one made once the worker's thread has
+    ended (at interpreter exit nothing would take it), or on the worker itself (a comm hook).
     """
     worker = state._worker
     if worker is not None and not isinstance(worker, InlineWorker) and not worker.is_current() and worker.serving():
@@ -148,7 +148,6 @@ def in_order(state: GroupState, fn, *args):
             worker.submit(_nothing).result()
         except Exception:  # noqa: S110 - the worker failed for good: nothing queued there will go out
             pass
-    return fn(*args)
 
 
 def _nothing() -> None:

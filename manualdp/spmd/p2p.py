@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..schedule import ALGORITHMS, Schedule
 from .group import GroupState, Traffic, group_state
 from .peers import PeerError, peer_error, talking_to, wait
-from .plan import DEFAULT_SEGMENT_BYTES, Message, Round, plan
+from .plan import DEFAULT_SEGMENT_BYTES, Message, Round, overlaps, plan
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "run_allreduce", "run_schedule", "schedule_of", "exchange",
            "Traffic", "traffic"]
@@ -212,9 +212,9 @@ def run_schedule(tensor: torch.Tensor, schedule: Schedule, state: GroupState, se
     """
     rounds = plan(schedule, state.rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
     early = state.early if early is None else early
-    if check is not None and not (early and rounds and all(m.reduce for m in rounds[0].recvs)):
+    if check is not None and not (early and overlaps(rounds)):
         raise RuntimeError("a call check carried with the data needs gloo's early receives and a first round of "
-                           "reductions (`manualdp.spmd.call_check.overlaps`); run it alone first")
+                           "reductions (`manualdp.spmd.plan.overlaps`); run it alone first")
     state.traffic.add(tensor.dtype, sum(m.hi - m.lo for r in rounds for m in r.sends) * tensor.element_size())
     width = max((r.scratch for r in rounds), default=0)
     space = _scratch(state, 2 * width, tensor)

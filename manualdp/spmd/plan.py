@@ -14,7 +14,7 @@ from ..schedule import Schedule, chunk_bounds
 from ..validate import int_between, non_negative_int, positive_int
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early"]
+           "may_post_early", "overlaps"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20  # messages are cut into segments of 1 MiB: the receiver adds one while the next arrives
 
@@ -101,3 +101,11 @@ def may_post_early(recvs: tuple[Message, ...], previous: list[Message]) -> bool:
     """
     return all(m.reduce or x.hi <= m.lo or m.hi <= x.lo or (x.send and x.peer == m.peer)
                for m in recvs for x in previous)
+
+
+def overlaps(rounds: tuple[Round, ...]) -> bool:
+    """Whether a plan's first round may go out before the call check agrees: its receives all land in scratch space.
+
+    So a refused call's tensor is unchanged (`manualdp.spmd.call_check`). True of every allreduce schedule.
+    """
+    return bool(rounds) and all(m.reduce for m in rounds[0].recvs)
