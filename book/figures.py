@@ -27,7 +27,7 @@ from manualdp.spmd.tune import Link, predict
 from manualdp.support.plot_rounds import draw_panel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COLLECTIVES = ["naive", "ring", "tree", "halving_doubling", "reduce_scatter", "all_gather"]  # chapter 2, 4 devices
+COLLECTIVES = ["naive", "ring", "tree", "halving_doubling", "recursive_doubling", "reduce_scatter", "all_gather"]  # chapter 2, 4 devices
 
 
 def _figure(width: float, height: float) -> Figure:

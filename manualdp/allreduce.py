@@ -44,12 +44,15 @@ def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     # Slice once per device and chunk: slicing in every transfer costs as much as adding a small chunk.
     chunks = [[flat[lo:hi] for lo, hi in bounds] for flat in flats]
     for rnd in schedule.rounds:
-        # A round's transfers are simultaneous; check_schedule guarantees no chunk is both
-        # read and written on one device within a round, so applying them in order is safe.
+        # A round's transfers are simultaneous: every device sends what it held when the round
+        # began. check_schedule guarantees no chunk is both sent and overwritten on one device
+        # within a round; one that is sent and added into (recursive doubling's partners swap
+        # their buffers) is copied before any addition. Then applying them in order is safe.
+        sent = {(src, chunk): chunks[src][chunk].clone() for src, chunk in _sent_and_added(rnd)}
         for src, dst, chunk, reduce in rnd:
             if bounds[chunk][0] == bounds[chunk][1]:
                 continue
-            incoming = chunks[src][chunk].to(flats[dst].device)
+            incoming = sent.get((src, chunk), chunks[src][chunk]).to(flats[dst].device)
             if reduce:
                 chunks[dst][chunk].add_(incoming)
             else:
@@ -57,3 +60,8 @@ def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     for t, flat in zip(tensors, flats):
         if not t.is_contiguous():
             t.copy_(flat.view_as(t))
+
+
+def _sent_and_added(rnd) -> set:
+    """The (device, chunk) pairs that the device both sends and adds into in round `rnd`."""
+    return {(t.src, t.chunk) for t in rnd} & {(t.dst, t.chunk) for t in rnd}

@@ -19,8 +19,13 @@ __all__ = ["check_schedule", "traffic", "round_loads", "merged", "cost", "loads_
 
 
 def check_schedule(schedule: Schedule) -> None:
-    """Raise `ValueError` unless transfers are in range, no device sends a chunk it receives in the same round,
-    and a chunk that is overwritten in a round is written only once in it (so applying them in order is safe).
+    """Raise `ValueError` unless transfers are in range, no device sends a chunk it overwrites in the same round,
+    and a chunk that is overwritten in a round is written only once in it.
+
+    A round's transfers happen at once: every device sends what it held when the round began.
+    A chunk that a device adds into may also go out in that round (the executors add once the
+    round's sends have read it); one it overwrites may not (the executors write it in place as
+    it arrives).
     """
     n, k = schedule.num_devices, schedule.num_chunks
     for r, rnd in enumerate(schedule.rounds):
@@ -35,8 +40,8 @@ def check_schedule(schedule: Schedule) -> None:
                 overwritten.add((t.dst, t.chunk))
             written.add((t.dst, t.chunk))
             read.add((t.src, t.chunk))
-        if written & read:
-            raise ValueError(f"round {r}: devices send chunks they receive in the same round: {sorted(written & read)}")
+        if overwritten & read:
+            raise ValueError(f"round {r}: devices send chunks they overwrite in the same round: {sorted(overwritten & read)}")
 
 
 def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str, list[int]]:

@@ -48,6 +48,12 @@ def allreduce_loads(algorithm: str, n: int, nbytes: int, element_size: int = 1) 
                  else {(small, small): n})
         rounds = [(Counter({(1, 1, s, r, r): c for (s, r), c in pairs.items() if c > 0}), n - 1),  # reduce-scatter
                   (Counter({(1, 1, s, r, 0): c for (s, r), c in pairs.items() if c > 0}), n - 1)]  # all-gather
+    elif algorithm == "recursive_doubling":  # the extra devices fold in, the p others swap and add, fold out
+        p = 1 << (n.bit_length() - 1)
+        r = n - p
+        rounds = ([(Counter({(1, 0, S, 0, 0): r, (0, 1, 0, S, S): r}), 1)] if r else [])
+        rounds += [(Counter({(1, 1, S, S, S): p}), p.bit_length() - 1)]
+        rounds += [(Counter({(1, 0, S, 0, 0): r, (0, 1, 0, S, 0): r}), 1)] if r else []
     else:
         rounds = _halving_doubling_loads(n, numel, element_size)
     return merged(rounds)

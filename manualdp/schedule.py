@@ -1,9 +1,12 @@
-"""Collectives as data: allreduce (naive, ring, halving_doubling, tree), reduce-scatter, all-gather, reduce, broadcast.
+"""Collectives as data: allreduce (naive, ring, halving_doubling, tree, recursive_doubling), reduce-scatter, all-gather,
+reduce, broadcast.
 
 A schedule is a list of rounds; a round is a list of transfers `(src, dst, chunk, reduce)`:
 device `src` sends chunk `chunk` of its flat buffer to `dst`, which adds it (`reduce=True`)
-or overwrites its own copy with it. Transfers in one round happen at the same time, so a
-device never sends a chunk that it receives in the same round (`check_schedule`).
+or overwrites its own copy with it. Transfers in one round happen at the same time: every
+device sends what it held when the round began. So a device never sends a chunk that it
+overwrites in the same round; one it adds into may go out (recursive doubling's partners swap
+their buffers), as the executors add only once the round's sends have read it (`check_schedule`).
 
 The types are in `manualdp.transfers`; halving/doubling, the longest schedule, has its own
 file. From a schedule alone `manualdp.cost` counts bytes per device and estimates time with the
@@ -18,7 +21,7 @@ from .transfers import Schedule, Transfer, then
 from .validate import int_between, one_of, positive_int
 
 __all__ = [
-    "Transfer", "Schedule", "naive", "ring", "halving_doubling", "tree", "get_schedule", "ALGORITHMS",
+    "Transfer", "Schedule", "naive", "ring", "halving_doubling", "tree", "recursive_doubling", "get_schedule", "ALGORITHMS",
     "ring_reduce_scatter", "ring_all_gather", "tree_reduce", "tree_broadcast", "owned_chunk", "then",
     "COLLECTIVES", "get_collective",
     "chunk_sizes", "chunk_bounds",
@@ -132,7 +135,37 @@ def tree(n: int) -> Schedule:
     return then("tree", tree_reduce(n), tree_broadcast(n))
 
 
-ALGORITHMS = {"naive": naive, "ring": ring, "halving_doubling": halving_doubling, "tree": tree}
+def recursive_doubling(n: int) -> Schedule:
+    """Recursive doubling: partners at distance 1, 2, 4, ... swap their whole buffers and both add.
+
+    The fewest rounds of all, log2(p) with p the largest power of two <= n, each moving the
+    whole buffer: MPICH's allreduce for short messages (Thakur, Rabenseifner and Gropp, 2005).
+    At two devices it is one round where naive and tree need two. Partners add the same two
+    numbers in opposite order, and IEEE addition is commutative: they hold the same bits.
+    When n is not a power of two, the r = n - p extra devices first add their buffer into
+    devices 0..r-1 and get the result back at the end, as in halving_doubling.
+    Bytes sent per device: S per round, S log2(p) in all (the ring: 2(n-1)/n S).
+    """
+    _check_n(n)
+    p = 1 << (n.bit_length() - 1)
+    r = n - p
+    rounds, phases = [], []
+    if r:
+        rounds.append(tuple(Transfer(p + i, i, 0, True) for i in range(r)))
+        phases.append("fold-in")
+    d = 1
+    while d < p:
+        rounds.append(tuple(Transfer(i, i ^ d, 0, True) for i in range(p)))
+        phases.append("swap and add")
+        d *= 2
+    if r:
+        rounds.append(tuple(Transfer(i, p + i, 0, False) for i in range(r)))
+        phases.append("fold-out")
+    return Schedule("recursive_doubling", n, 1, tuple(rounds), tuple(phases))
+
+
+ALGORITHMS = {"naive": naive, "ring": ring, "halving_doubling": halving_doubling, "tree": tree,
+              "recursive_doubling": recursive_doubling}
 
 # Every collective by name, and its algorithms. Reduce and broadcast take a `root`.
 COLLECTIVES = {

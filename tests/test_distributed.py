@@ -45,6 +45,9 @@ def test_plan_messages_match_and_compute_the_single_controller_sum(algorithm, n,
                 sent.setdefault((r, m.peer), []).append((m.lo, m.hi, flats[r][m.lo:m.hi].clone()))
         for r in range(n):
             assert plans[r][rnd].scratch == sum(m.hi - m.lo for m in plans[r][rnd].recvs if m.reduce)
+            for m in plans[r][rnd].recvs:  # what a rank receives and also sends in a round (partners swap) is added
+                if any(m.lo < x.hi and x.lo < m.hi for x in plans[r][rnd].sends):  # only once its sends have gone
+                    assert m.reduce and plans[r][rnd].sends_first, (algorithm, n, r, rnd, m)
             for m in plans[r][rnd].recvs:
                 lo, hi, data = sent[(m.peer, r)].pop(0)  # FIFO per direction, as isend/irecv match
                 assert (lo, hi) == (m.lo, m.hi)

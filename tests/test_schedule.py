@@ -151,7 +151,8 @@ def test_traffic_rejects_bad_sizes():
 
 
 @pytest.mark.parametrize("rnd, match", [
-    ((Transfer(0, 1, 0, True), Transfer(1, 0, 0, True)), "send chunks they receive"),
+    ((Transfer(0, 1, 0, False), Transfer(1, 0, 0, True)), "send chunks they overwrite"),
+    ((Transfer(0, 1, 1, True), Transfer(2, 0, 1, False)), "send chunks they overwrite"),
     ((Transfer(0, 0, 0, True),), "bad transfer"),
     ((Transfer(0, 3, 0, True),), "bad transfer"),
     ((Transfer(0, 1, 5, True),), "bad transfer"),
@@ -161,6 +162,11 @@ def test_traffic_rejects_bad_sizes():
 def test_check_schedule_rejects_unsafe_rounds(rnd, match):
     with pytest.raises(ValueError, match=match):
         check_schedule(Schedule("bad", 3, 2, (rnd,), ("x",)))
+
+
+def test_partners_may_swap_a_chunk_and_both_add():
+    """Recursive doubling's round: each sends what it held when the round began, then adds."""
+    check_schedule(Schedule("swap", 2, 1, ((Transfer(0, 1, 0, True), Transfer(1, 0, 0, True)),), ("x",)))
 
 
 def test_several_adds_into_one_chunk_are_allowed():

@@ -133,12 +133,16 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
                     raise
             ahead = i + 1 < len(rounds) and rounds[i + 1].early
             following = post(i + 1) if ahead else None
+            if rnd.sends_first:  # partners swap: what this rank adds into must have gone out first
+                for peer, work in sends:
+                    wait_for(work)
             for m, buf, work in pending:
                 peer = peers[m.peer]
                 wait_for(work)
                 _add(flat, m, buf)
-            for peer, work in sends:
-                wait_for(work)
+            if not rnd.sends_first:  # a gloo work is waited for once: a second wait waits for another message
+                for peer, work in sends:
+                    wait_for(work)
             spent += [w for *_, w in pending] + [w for _, w in sends]
             pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
     except (PeerError, ValueError):

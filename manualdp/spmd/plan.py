@@ -32,6 +32,7 @@ class Round(NamedTuple):
     recvs: tuple[Message, ...]  # segments it receives, in posting order, which is also the order of the additions
     early: bool                 # its receives may be posted while the previous round runs (they cannot clobber it)
     scratch: int                # elements of scratch space its reducing receives land in
+    sends_first: bool = False   # its sends read what it adds into (partners swap): add only once they have gone
 
 
 @functools.lru_cache(maxsize=256)  # training calls it with the same few bucket sizes every step
@@ -53,7 +54,8 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
         messages = merge_into_messages(rnd, rank, bounds)
         sends, recvs = cut_into_segments(messages, segment_numel)
         scratch = sum(m.hi - m.lo for m in recvs if m.reduce)
-        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch))
+        swapped = any(m.lo < x.hi and x.lo < m.hi for m in recvs for x in sends)
+        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch, swapped))
         previous = messages
     return tuple(rounds)
 
