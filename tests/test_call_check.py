@@ -45,6 +45,9 @@ def _mismatches(differs: int):
         "segments": (torch.ones(300_000 if odd else 200_000), "ring", 1 << 16),  # several messages in round 0
         "halving": (torch.ones(5 if odd else 7), "halving_doubling", 1 << 20),
         "tree": (torch.ones(7, dtype=torch.float64 if odd else torch.float32), "tree", 1 << 20),
+        # partners swap in round 0 (at 3 ranks the extra rank folds in first): sent and received ranges overlap
+        "doubling": (torch.ones(5 if odd else 7), "recursive_doubling", 1 << 20),
+        "doubling or ring": (torch.ones(7), "ring" if odd else "recursive_doubling", 1 << 20),
     }
     out = {}
     for name, (t, algorithm, segment_bytes) in cases.items():
@@ -72,12 +75,14 @@ def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_siz
     results = launch(_mismatches, world_size, (differs,), timeout=90)  # a rank that aborted fails launch
     ours, theirs = {"size": "6", "empty": "6", "dtype": "float32", "algorithm": "ring", "auto": "auto",
                     "segment": "1048576", "auto size": "6", "auto algorithm": "auto", "segments": "200000",
-                    "halving": "7", "tree": "float32"}, \
+                    "halving": "7", "tree": "float32", "doubling": "7", "doubling or ring": "recursive_doubling"}, \
                    {"size": "9", "empty": "0", "dtype": "float64", "algorithm": "tree", "auto": "naive", "segment": "8",
-                    "auto size": "9", "auto algorithm": "ring", "segments": "300000", "halving": "5", "tree": "float64"}
+                    "auto size": "9", "auto algorithm": "ring", "segments": "300000", "halving": "5", "tree": "float64",
+                    "doubling": "5", "doubling or ring": "ring"}
     field = {"size": "elements", "empty": "elements", "dtype": "dtype", "algorithm": "algorithm", "auto": "algorithm",
              "segment": "segment_bytes", "auto size": "elements", "auto algorithm": "algorithm",
-             "segments": "elements", "halving": "elements", "tree": "dtype"}
+             "segments": "elements", "halving": "elements", "tree": "dtype", "doubling": "elements",
+             "doubling or ring": "algorithm"}
     for rank, out in enumerate(results):
         for name in field:
             per_rank = ", ".join(theirs[name] if r == differs else ours[name] for r in range(world_size))
