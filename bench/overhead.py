@@ -25,6 +25,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import check_output_paths
+from manualdp.schedule import ALGORITHMS
 
 __all__ = ["main"]
 
@@ -112,7 +113,7 @@ def _parser():
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=0.1)
     p.add_argument("--devices", type=int, nargs="+", default=[1, 2, 4], help="manualdp device counts (default: 1 2 4)")
-    p.add_argument("--algorithm", default="naive", choices=["naive", "ring", "halving_doubling", "tree"])
+    p.add_argument("--algorithm", default="naive", choices=list(ALGORITHMS))
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration")
     p.add_argument("--steps", type=int, default=5, help="steps per timed round")
     p.add_argument("--rounds", type=int, default=7, help="timed rounds (the median is reported)")

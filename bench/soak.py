@@ -18,6 +18,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import check_output_paths
+from manualdp.schedule import ALGORITHMS
 
 __all__ = ["main", "rss_mib"]
 
@@ -102,7 +103,7 @@ def _parser():
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--devices", type=int, default=2, help="simulated devices (single mode)")
     p.add_argument("--world-size", type=int, default=2, help="processes (spmd mode)")
-    p.add_argument("--algorithm", default="ring", choices=["naive", "ring", "halving_doubling", "tree"])
+    p.add_argument("--algorithm", default="ring", choices=list(ALGORITHMS))
     p.add_argument("--bucket-mb", type=float, default=None)
     p.add_argument("--timeout", type=float, default=3600, help="seconds to wait for the ranks (spmd mode)")
     p.add_argument("--json", metavar="PATH")

@@ -45,10 +45,10 @@ def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     chunks = [[flat[lo:hi] for lo, hi in bounds] for flat in flats]
     for rnd in schedule.rounds:
         # A round's transfers are simultaneous: every device sends what it held when the round
-        # began. check_schedule guarantees no chunk is both sent and overwritten on one device
-        # within a round; one that is sent and added into (recursive doubling's partners swap
-        # their buffers) is copied before any addition. Then applying them in order is safe.
-        sent = {(src, chunk): chunks[src][chunk].clone() for src, chunk in _sent_and_added(rnd)}
+        # began. A chunk that a device both sends and receives in one round (recursive doubling's
+        # partners swap their buffers; check_schedule allows it for additions only) is copied
+        # before anything is written. Then applying the transfers in order is safe.
+        sent = {(src, chunk): chunks[src][chunk].clone() for src, chunk in _sent_and_written(rnd)}
         for src, dst, chunk, reduce in rnd:
             if bounds[chunk][0] == bounds[chunk][1]:
                 continue
@@ -62,6 +62,6 @@ def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
             t.copy_(flat.view_as(t))
 
 
-def _sent_and_added(rnd) -> set:
-    """The (device, chunk) pairs that the device both sends and adds into in round `rnd`."""
+def _sent_and_written(rnd) -> set:
+    """The (device, chunk) pairs that the device both sends and receives in round `rnd`."""
     return {(t.src, t.chunk) for t in rnd} & {(t.dst, t.chunk) for t in rnd}

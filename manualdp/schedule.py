@@ -138,9 +138,11 @@ def tree(n: int) -> Schedule:
 def recursive_doubling(n: int) -> Schedule:
     """Recursive doubling: partners at distance 1, 2, 4, ... swap their whole buffers and both add.
 
-    The fewest rounds of all, log2(p) with p the largest power of two <= n, each moving the
-    whole buffer: MPICH's allreduce for short messages (Thakur, Rabenseifner and Gropp, 2005).
-    At two devices it is one round where naive and tree need two. Partners add the same two
+    log2(p) rounds with p the largest power of two <= n (two more when n is not one), each of
+    one message each way, moving the whole buffer: half the tree's rounds, and no device
+    handles more than one message a round, as naive's device 0 handles n-1. MPICH's allreduce
+    for short messages (Thakur, Rabenseifner and Gropp, 2005). At two devices it is one round
+    where naive and tree need two. Partners add the same two
     numbers in opposite order, and IEEE addition is commutative: they hold the same bits.
     When n is not a power of two, the r = n - p extra devices first add their buffer into
     devices 0..r-1 and get the result back at the end, as in halving_doubling.

@@ -133,16 +133,17 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
                     raise
             ahead = i + 1 < len(rounds) and rounds[i + 1].early
             following = post(i + 1) if ahead else None
-            if rnd.sends_first:  # partners swap: what this rank adds into must have gone out first
-                for peer, work in sends:
-                    wait_for(work)
-            for m, buf, work in pending:
+            gone = 0  # sends waited for: a gloo work is waited for once (a second wait waits for another message)
+            for k, (m, buf, work) in enumerate(pending):
+                while rnd.sends_before and gone < rnd.sends_before[k]:  # partners swap: what this rank adds
+                    peer = sends[gone][0]                                # into must have gone out first
+                    wait_for(sends[gone][1])
+                    gone += 1
                 peer = peers[m.peer]
                 wait_for(work)
                 _add(flat, m, buf)
-            if not rnd.sends_first:  # a gloo work is waited for once: a second wait waits for another message
-                for peer, work in sends:
-                    wait_for(work)
+            for peer, work in sends[gone:]:
+                wait_for(work)
             spent += [w for *_, w in pending] + [w for _, w in sends]
             pending = following if ahead else (post(i + 1) if i + 1 < len(rounds) else [])
     except (PeerError, ValueError):

@@ -7,6 +7,7 @@ the same transfers in the same order, so every send meets its receive. The execu
 """
 from __future__ import annotations
 
+import bisect
 import functools
 from typing import NamedTuple
 
@@ -14,7 +15,7 @@ from ..schedule import Schedule, chunk_bounds
 from ..validate import int_between, non_negative_int, positive_int
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
-           "may_post_early", "overlaps"]
+           "may_post_early", "sends_before", "overlaps"]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20  # messages are cut into segments of 1 MiB: the receiver adds one while the next arrives
 
@@ -32,7 +33,8 @@ class Round(NamedTuple):
     recvs: tuple[Message, ...]  # segments it receives, in posting order, which is also the order of the additions
     early: bool                 # its receives may be posted while the previous round runs (they cannot clobber it)
     scratch: int                # elements of scratch space its reducing receives land in
-    sends_first: bool = False   # its sends read what it adds into (partners swap): add only once they have gone
+    sends_before: tuple[int, ...] = ()  # per receive, how many of its sends (in posting order) must have gone
+                                        # before it is added: partners swap; empty when no receive overlaps a send
 
 
 @functools.lru_cache(maxsize=256)  # training calls it with the same few bucket sizes every step
@@ -54,8 +56,7 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
         messages = merge_into_messages(rnd, rank, bounds)
         sends, recvs = cut_into_segments(messages, segment_numel)
         scratch = sum(m.hi - m.lo for m in recvs if m.reduce)
-        swapped = any(m.lo < x.hi and x.lo < m.hi for m in recvs for x in sends)
-        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch, swapped))
+        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch, sends_before(messages, sends, recvs)))
         previous = messages
     return tuple(rounds)
 
@@ -92,6 +93,28 @@ def cut_into_segments(messages: list[Message], segment_numel: int) -> tuple[tupl
          for i, m in enumerate(messages) for k, start in enumerate(range(m.lo, m.hi, segment_numel))),
         key=lambda x: x[:2])
     return tuple(m for _, _, m in segments if m.send), tuple(m for _, _, m in segments if not m.send)
+
+
+def sends_before(messages: list[Message], sends: tuple[Message, ...], recvs: tuple[Message, ...]) -> tuple[int, ...]:
+    """Per receive of a round, how many of the round's sends (in posting order) must have gone before it is added.
+
+    Only a round where a device sends what it also receives has any (recursive doubling's
+    partners swap; `check_schedule` allows it for additions only): the addition must not
+    change what is still going out. Else `()`. Found on the merged messages first, a few per
+    round, not on every pair of segments. Sends of one message go in increasing order: a
+    receive waits for those up to the last that overlaps it, and adds while the rest go; in
+    any other order, for all of them.
+    """
+    if not any(m.lo < x.hi and x.lo < m.hi for m in messages if not m.send for x in messages if x.send):
+        return ()
+    if not all(a.hi <= b.lo for a, b in zip(sends, sends[1:])):
+        return (len(sends),) * len(recvs)
+    starts = [x.lo for x in sends]
+    out = []
+    for m in recvs:
+        k = bisect.bisect_left(starts, m.hi)  # sends[:k] begin before m ends
+        out.append(k if k and sends[k - 1].hi > m.lo else 0)
+    return tuple(out)
 
 
 def may_post_early(recvs: tuple[Message, ...], previous: list[Message]) -> bool:
