@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .cost import check_schedule
 from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
 from .validate import check_tensors, one_of
 
@@ -28,12 +29,21 @@ def allreduce(tensors: list[torch.Tensor], algorithm: str = "naive") -> None:
 
 
 def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
-    """Execute any `schedule` on `tensors`, in place, after checking both."""
+    """Execute any `schedule` on `tensors`, in place, after checking both.
+
+    The schedule must pass `manualdp.cost.check_schedule`: a round that overwrites a chunk it
+    also sends, or writes a chunk twice, would give a result that depends on the order of its
+    transfers, which are meant to happen at once.
+    """
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a manualdp.schedule.Schedule, got {type(schedule).__name__}")
     check_tensors(tensors)
     if len(tensors) != schedule.num_devices:
         raise ValueError(f"schedule is for {schedule.num_devices} devices, got {len(tensors)} tensors")
+    try:
+        check_schedule(schedule)
+    except ValueError as e:
+        raise ValueError(f"schedule {schedule.algorithm!r} cannot run: {e}") from None
     execute(schedule, tensors)
 
 

@@ -113,3 +113,18 @@ def test_run_schedule_validates_its_tensors():
     with pytest.raises(ValueError, match=r"tensors\[1\] has shape \(6,\)"):
         run_schedule(ring(2), tensors)
     assert torch.equal(tensors[0], torch.ones(4))
+
+
+def test_run_schedule_refuses_a_schedule_whose_result_would_depend_on_the_order_of_a_rounds_transfers():
+    from manualdp.transfers import Schedule, Transfer
+
+    # Device 1 overwrites chunk 0 with device 0's while sending its own to device 0: applied in one order device 0
+    # gets 1 + 1, in the other 1 + 2. Transfers of a round happen at once; this round cannot.
+    clash = Schedule("clash", 2, 1, ((Transfer(0, 1, 0, False), Transfer(1, 0, 0, True)),), ("x",))
+    tensors = [torch.ones(3), torch.full((3,), 2.0)]
+    with pytest.raises(ValueError, match="schedule 'clash' cannot run: round 0: devices send chunks they overwrite"):
+        run_schedule(clash, tensors)
+    assert torch.equal(tensors[0], torch.ones(3)) and torch.equal(tensors[1], torch.full((3,), 2.0))
+    swap = Schedule("swap", 2, 1, ((Transfer(0, 1, 0, True), Transfer(1, 0, 0, True)),), ("x",))
+    run_schedule(swap, tensors)  # both add what the other held when the round began
+    assert all(torch.equal(t, torch.full((3,), 3.0)) for t in tensors)
