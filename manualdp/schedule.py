@@ -142,8 +142,8 @@ def recursive_doubling(n: int) -> Schedule:
     one message each way, moving the whole buffer: half the tree's rounds, and no device
     handles more than one message a round, as naive's device 0 handles n-1. MPICH's allreduce
     for short messages (Thakur, Rabenseifner and Gropp, 2005). At two devices it is one round
-    where naive and tree need two. Partners add the same two
-    numbers in opposite order, and IEEE addition is commutative: they hold the same bits.
+    where naive and tree need two. Partners add the same two numbers in opposite order, and
+    IEEE addition is commutative: they hold the same bits.
     When n is not a power of two, the r = n - p extra devices first add their buffer into
     devices 0..r-1 and get the result back at the end, as in halving_doubling.
     Bytes sent per device: S per round, S log2(p) in all (the ring: 2(n-1)/n S).

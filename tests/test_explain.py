@@ -215,3 +215,16 @@ def test_plot_refuses_more_devices_than_its_tables_hold_and_writes_nothing(tmp_p
         main(["ring", "--devices", str(STATE_LIMIT + 1), "--plot", str(tmp_path / "x.png")])
     assert f"at most {STATE_LIMIT} devices, got {STATE_LIMIT + 1}" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("n", [2, 4, 6, 8])
+def test_explain_gives_recursive_doublings_textbook_bytes_as_its_schedule_counts_them(n):
+    size = 1 << 20
+    text = explain("recursive_doubling", n, size)
+    p = 1 << (n.bit_length() - 1)
+    printed = int(re.search(r"send and receive S \* log2 p = (\d+) bytes", text)[1])
+    t = traffic(get_schedule("recursive_doubling", n), size)
+    assert printed == t["sent"][p - 1] == t["received"][p - 1]  # a device that does not fold: S per swap
+    if n > p:
+        assert f"plus S = {size} for dev0..dev{n - p - 1}" in text
+        assert t["sent"][0] == printed + size and t["sent"][n - 1] == size

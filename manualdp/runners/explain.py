@@ -94,8 +94,9 @@ def _textbook(name: str, n: int, size: int, root: int) -> str:
         return f"textbook: ceil(log2 n) = {log} rounds; every device but the root dev{root} {way} once, {size} bytes (busbw factor 1)"
     p = 1 << (n.bit_length() - 1)
     if name == "recursive_doubling":
-        k = p.bit_length() - 1  # log2 p swaps
-        line = f"textbook: p = {p}; {_devs(0, p - 1)} send and receive S * log2 p = {k * size} bytes" if p > 1 else "textbook: nothing to send"
+        if p == 1:
+            return "textbook: nothing to send"
+        line = f"textbook: p = {p}; {_devs(0, p - 1)} send and receive S * log2 p = {(p.bit_length() - 1) * size} bytes"
         if n > p:
             line += f", plus S = {size} for {_devs(0, n - p - 1)}; {_devs(p, n - 1)} send and receive S"
         return line
