@@ -34,8 +34,8 @@ def _rank(sizes: list[int], calls: int, warmup: int) -> dict:
     import torch.distributed as dist
 
     from manualdp.spmd import allreduce
-    from manualdp.spmd.call_check import check_same_call
-    from manualdp.spmd.tune import resolve
+    from manualdp.spmd.transport.call_check import check_same_call
+    from manualdp.spmd.auto.tune import resolve
 
     out = {}
     for nbytes in sizes:

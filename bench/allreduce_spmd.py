@@ -7,7 +7,7 @@
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
 either), one for `auto` as users call it (`auto+check`: with the call check, whose fixed-size
-headers travel beside the first round of data, `manualdp.spmd.call_check`) and one for `torch.distributed.all_reduce`, with the columns nccl-tests
+headers travel beside the first round of data, `manualdp.spmd.transport.call_check`) and one for `torch.distributed.all_reduce`, with the columns nccl-tests
 prints: time (median over runs of the slowest rank's time), algbw = S / time, busbw =
 algbw * 2(n-1)/n, #wrong (inputs are small integers, so every order of summation is exact
 and #wrong must be 0), and busbw / gloo's busbw at the same size. The implementations run
@@ -47,7 +47,7 @@ def _input(rank: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def _rank_main(config: dict) -> dict:
     """One rank: time every implementation at every size; return per-run times and wrong counts."""
     from manualdp.spmd import allreduce, rank_device
-    from manualdp.spmd.tune import link_for, resolve
+    from manualdp.spmd.auto.tune import link_for, resolve
 
     rank, n = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -100,7 +100,7 @@ def run(config: dict) -> dict:
                       backend=config.get("backend", "gloo"))
     n = config["world_size"]
     element_size = torch.empty((), dtype=DTYPES[config["dtype"]]).element_size()
-    from manualdp.spmd.pick import Link, predict
+    from manualdp.spmd.auto.pick import Link, predict
 
     link = Link(**per_rank[0]["link"])
     rows = []

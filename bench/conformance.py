@@ -55,8 +55,8 @@ from torch.testing._internal.distributed.distributed_test import DistributedTest
 
 _importing.__exit__(None, None, None)
 
-from manualdp.spmd.ddp import DistributedDataParallel as ManualDDP  # noqa: E402
-from manualdp.spmd.ddp_private import LOGGED_FIELDS  # noqa: E402
+from manualdp.spmd.ddp.wrapper import DistributedDataParallel as ManualDDP  # noqa: E402
+from manualdp.spmd.ddp.private import LOGGED_FIELDS  # noqa: E402
 from manualdp.validate import positive_int  # noqa: E402
 
 __all__ = ["TorchDDPTests", "select", "run_one", "main", "FAST", "IMPLEMENTATION"]

@@ -312,8 +312,8 @@ def run_cases(quick: bool = False, show=print, only: str | None = None) -> dict:
 # ---------------------------------------------------------------- cost of the always-on rank checks
 
 def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
-    from manualdp.spmd import call_check
-    from manualdp.spmd.ddp import DistributedDataParallel
+    from manualdp.spmd.transport import call_check
+    from manualdp.spmd.ddp.wrapper import DistributedDataParallel
     from manualdp.support.models import get_model
     torch.manual_seed(0)
     model = DistributedDataParallel(get_model(model_name), timeout=60)

@@ -198,7 +198,7 @@ def _changed(before: list[str], after: list[str], word: str, tmp: str, nproc: in
 # ---------------------------------------------------------------- a hostile tuner cache, a bad MANUALDP_LINK
 
 def _cache_file(tmp: str, nproc: int = 2) -> str:
-    from manualdp.spmd.link_cache import cache_path
+    from manualdp.spmd.auto.link_cache import cache_path
     with environment(XDG_CACHE_HOME=os.path.join(tmp, "cache")):
         path = cache_path("gloo", nproc)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -208,7 +208,7 @@ def _cache_file(tmp: str, nproc: int = 2) -> str:
 
 def _plant(kind: str, path: str) -> None:
     """A cache of this version's format (one it would use, but for `kind`'s damage) at `path`."""
-    from manualdp.spmd import link_cache
+    from manualdp.spmd.auto import link_cache
     good = {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5}
     numbers = {**{k: good.get(k, 0.0) for k in link_cache.MEASURED}, "measured_at": time.time(),
                "calibration": link_cache.CALIBRATION}
@@ -245,7 +245,7 @@ def _hostile_cache(kind: str, tmp: str) -> str:
 
 def _hostile_read(kind: str, tmp: str) -> str:
     """The cache read alone (`known_link`), within 10 s: no constants, one warning naming the file."""
-    from manualdp.spmd.link_cache import known_link
+    from manualdp.spmd.auto.link_cache import known_link
     path = _cache_file(tmp)
     _plant(kind, path)
     got: list = []

@@ -64,7 +64,8 @@ class _Clock:
 
 def _instrument(models: dict, clock: _Clock) -> None:
     """Wrap each rung's allreduce and end-of-backward, and torch's DDP in a timing comm hook."""
-    from manualdp.spmd import bucketed, collectives, flat, naive, overlapped
+    from manualdp.spmd import collectives
+    from manualdp.spmd.ladder import bucketed, flat, naive, overlapped
 
     def timed(fn):
         def call(*args, **kwargs):
@@ -77,7 +78,7 @@ def _instrument(models: dict, clock: _Clock) -> None:
 
     for module in (naive, flat, overlapped, bucketed):
         module.allreduce = timed(collectives.allreduce)
-    import manualdp.spmd.reducer as reducer
+    import manualdp.spmd.ddp.reducer as reducer
     reducer.run_allreduce = timed(reducer.run_allreduce)  # the drop-in's buckets, on its worker thread
 
     def stamp(_):  # backward's computation ends when the last gradient is accumulated

@@ -8,7 +8,7 @@
 Every rank builds the same MLP (`--layers` Linear layers of `--width`, then a head; fp32), trains
 it with Adam on its own batch, gloo on 127.0.0.1. Rows:
 - `manualdp DDP`: `manualdp.spmd.DistributedDataParallel` (ring allreduce);
-- `manualdp ZeRO-1`: that DDP and `manualdp.spmd.zero.ZeroRedundancyOptimizer(stage=1)`;
+- `manualdp ZeRO-1`: that DDP and `manualdp.spmd.sharding.zero.ZeroRedundancyOptimizer(stage=1)`;
 - `manualdp ZeRO-2`: `ZeroRedundancyOptimizer(stage=2)` on the bare module (it reduce-scatters the
   gradients itself, bucket by bucket during backward: no DDP buckets);
 - `manualdp ZeRO-3`: `manualdp.spmd.fully_shard` on each Linear, then on the root (which is left
@@ -37,7 +37,7 @@ more step in which memory is measured. Columns:
 - peak: the process's peak resident memory (`VmHWM`, reset by /proc/self/clear_refs where the
   kernel allows) minus its resident memory before the model was built;
 - sent: the floating-point bytes this rank's executor sent per timed step
-  (`manualdp.spmd.p2p.traffic`), against the formula: a ring allreduce sends 2(n-1)/n of its
+  (`manualdp.spmd.transport.p2p.traffic`), against the formula: a ring allreduce sends 2(n-1)/n of its
   buffer, a reduce-scatter or an all-gather (n-1)/n. DDP's buckets carry two flags per parameter
   with the gradients, so its buffer is the model plus 8 bytes per parameter tensor. Uneven
   chunks make ranks differ by a few bytes; summed over the ranks the count equals the formula
@@ -138,8 +138,8 @@ def _build(row: str, net: nn.Sequential):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from manualdp.spmd import DistributedDataParallel, fully_shard
-    from manualdp.spmd.fsdp import UNIT
-    from manualdp.spmd.zero import ZeroRedundancyOptimizer
+    from manualdp.spmd.sharding.fsdp import UNIT
+    from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
 
     def held() -> tuple[int, int]:
         params = list(net.parameters())
@@ -220,9 +220,9 @@ def _tcp_bytes_sent() -> int | None:
 def measure(config: dict) -> dict:
     """One rank of one row: build, warm up, time, then measure one step's memory."""
     from manualdp.spmd import rank_device
-    from manualdp.spmd.p2p import traffic
+    from manualdp.spmd.transport.p2p import traffic
 
-    for name in ("torch.distributed.fsdp", "torch.distributed.optim", "manualdp.spmd.zero"):
+    for name in ("torch.distributed.fsdp", "torch.distributed.optim", "manualdp.spmd.sharding.zero"):
         importlib.import_module(name)  # before the baseline: what an import takes is not the row's memory
 
     rank, device = dist.get_rank(), rank_device()

@@ -23,7 +23,7 @@ from manualdp.cost import traffic
 from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, pictures, plot
 from manualdp.runners.explain_zero3 import COLOURS, demo_step, plot_zero3
 from manualdp.schedule import ALGORITHMS, get_schedule
-from manualdp.spmd.tune import Link, predict
+from manualdp.spmd.auto.tune import Link, predict
 from manualdp.support.plot_rounds import draw_panel
 
 HERE = os.path.dirname(os.path.abspath(__file__))

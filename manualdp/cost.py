@@ -106,7 +106,7 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     costs the larger of the two plus `duplex` times the smaller: 0 for a full-duplex link
     (the textbook's), 1 where both directions take turns on one resource, up to `MAX_DUPLEX`
     where they also get in each other's way, as two processes on 2 cores that send, receive
-    and add at once do (`manualdp.spmd.tune` measures it).
+    and add at once do (`manualdp.spmd.auto.tune` measures it).
 
     `parallel`: how many devices can work at once; 0 (the textbook's) for all of them. With
     fewer (4 processes on 2 cores), the busy devices of a round share the cores equally, as
@@ -115,7 +115,7 @@ def cost(schedule: Schedule, nbytes: int, alpha: float, beta: float, gamma: floa
     of the work (naive's root) is slowed while the others share its core, then finishes alone.
 
     `segment_bytes`: messages cut into segments of this size, a receiver adding one segment
-    while the next is in flight (as `manualdp.spmd.p2p` does). Within a round, additions then
+    while the next is in flight (as `manualdp.spmd.transport.p2p` does). Within a round, additions then
     overlap transfers: a device with k segments to receive spends the larger of its transfer
     and addition times plus 1/k of the smaller. None (the textbook's): one after the other.
     """

@@ -1,9 +1,16 @@
-"""Kept so that `from manualdp.distributed import DistributedDataParallel` goes on working.
+"""The front door for swapping torch's data-parallel wrappers for manualdp's: change one import.
 
-The code lives in `manualdp.spmd`: `p2p.py` (allreduce across processes) and `ddp.py` (the wrapper).
+    from manualdp.distributed import DistributedDataParallel as DDP   # was torch.nn.parallel
+    from manualdp.distributed import ZeroRedundancyOptimizer          # was torch.distributed.optim
+    from manualdp.distributed import fully_shard                      # was torch.distributed.fsdp
+
+Each behaves as torch's does where torch's tests say so, and moves its bytes with the book's
+schedules. The code lives in the engine, `manualdp.spmd` (`ddp/`, `sharding/`, `transport/`).
 """
-from .spmd.ddp import Bucket, DistributedDataParallel
-from .spmd.collectives import allreduce
-from .spmd.p2p import DEFAULT_SEGMENT_BYTES, Message, Round, plan
+from .spmd import (Bucket, DEFAULT_SEGMENT_BYTES, DistributedDataParallel, Message, PeerError, Round, SyncBatchNorm,
+                   ZeroRedundancyOptimizer, allreduce, convert_sync_batchnorm, full_state_dict, fully_shard,
+                   init_from_env, plan)
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "allreduce", "Bucket", "DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "ZeroRedundancyOptimizer", "fully_shard", "full_state_dict", "SyncBatchNorm",
+           "convert_sync_batchnorm", "init_from_env", "PeerError", "allreduce", "Bucket", "DEFAULT_SEGMENT_BYTES",
+           "Message", "Round", "plan"]

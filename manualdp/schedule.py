@@ -10,7 +10,7 @@ their buffers), as the executors add only once the round's sends have read it (`
 
 The types are in `manualdp.transfers`; halving/doubling, the longest schedule, has its own
 file. From a schedule alone `manualdp.cost` counts bytes per device and estimates time with the
-alpha-beta-gamma model; the executors (`manualdp.allreduce`, `manualdp.spmd.p2p`) only run it.
+alpha-beta-gamma model; the executors (`manualdp.allreduce`, `manualdp.spmd.transport.p2p`) only run it.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """How ZeRO lays out the parameters: flat buffers, and each device's pieces of them.
 
-`manualdp.zero` (one process) and `manualdp.spmd.zero` (one rank per device) share this
+`manualdp.zero` (one process) and `manualdp.spmd.sharding.zero` (one rank per device) share this
 layout. The parameters are grouped by parameter group and dtype; each group becomes one
 flat buffer, and the parameters become views of it. Device i owns the near-equal chunk
 `manualdp.collectives.shard(buffer, i, N)` of every buffer, and hands it to its optimizer

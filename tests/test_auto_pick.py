@@ -9,8 +9,8 @@ import torch.distributed as dist
 from manualdp.schedule import ALGORITHMS
 from manualdp.spmd import launch
 from manualdp.cost import MAX_DUPLEX
-from manualdp.spmd.pick import Link, choose, predict
-from manualdp.spmd.tune import DRIFT_CALLS, LARGE_BYTES, LARGE_REPEATS, duplex_of, fit_duplex, measure_on, moved
+from manualdp.spmd.auto.pick import Link, choose, predict
+from manualdp.spmd.auto.tune import DRIFT_CALLS, LARGE_BYTES, LARGE_REPEATS, duplex_of, fit_duplex, measure_on, moved
 
 HOST = (5e-5, 2.5e-10, 3e-11)  # alpha, beta, gamma as two ranks on this project's 2-core host measure them
 SIZES = [(64 << 10) << 2 * k for k in range(6)]  # 64 KiB to 64 MiB
@@ -121,8 +121,9 @@ def test_calls_stalled_on_a_busy_host_are_no_drift_however_many_of_them_a_window
 
 
 def _drift(cache: str, given: bool):
-    from manualdp.spmd import allreduce, tune
-    from manualdp.spmd.group import group_state
+    from manualdp.spmd import allreduce
+    from manualdp.spmd.auto import tune
+    from manualdp.spmd.transport.group import group_state
 
     os.environ["XDG_CACHE_HOME"] = cache
     os.environ.pop("MANUALDP_LINK", None)

@@ -105,7 +105,7 @@ def test_the_table_and_the_targets_are_computed_from_the_rows(result, tmp_path):
 
 
 def test_the_counter_counts_what_this_rank_sends():
-    from manualdp.spmd.p2p import Traffic
+    from manualdp.spmd.transport.p2p import Traffic
 
     t = Traffic()
     t.add(torch.float32, 8)

@@ -42,7 +42,7 @@ def test_a_wrapper_bucket_writes_its_flags_once_sealed_and_its_views_are_its_buf
     import torch
     from torch import nn
 
-    from manualdp.spmd.ddp import Bucket
+    from manualdp.spmd.ddp.wrapper import Bucket
 
     params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(1))]
     bucket = Bucket(params)

@@ -6,8 +6,8 @@ from hypothesis import given, settings, strategies as st
 from manualdp.allreduce import run_schedule
 from manualdp.cost import check_schedule
 from manualdp.spmd import launch
-from manualdp.spmd.call_check import everyone_hears_everyone
-from manualdp.spmd.p2p import plan
+from manualdp.spmd.transport.call_check import everyone_hears_everyone
+from manualdp.spmd.transport.p2p import plan
 
 
 @pytest.mark.parametrize("n", range(1, 10))
@@ -28,7 +28,7 @@ def test_every_device_hears_every_device_in_log2_rounds_of_one_message(n):
 def _mismatches(differs: int):
     """Group rank `differs` calls allreduce otherwise, one way per case; then a call that agrees."""
     from manualdp.spmd.collectives import allreduce
-    from manualdp.spmd.group import group_state
+    from manualdp.spmd.transport.group import group_state
     rank = torch.distributed.get_rank()
     odd = rank == differs
     cases = {  # name -> (tensor, algorithm, segment_bytes)
@@ -99,7 +99,7 @@ def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_siz
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(0, 1 << 40), min_size=8, max_size=8), st.integers(0, 6), st.integers(1, 1 << 40))
 def test_a_calls_data_tag_is_above_the_tags_people_pick_and_changes_with_every_compared_field(row, field, delta):
-    from manualdp.spmd.call_check import HEADER_TAG, _tag
+    from manualdp.spmd.transport.call_check import HEADER_TAG, _tag
     other = list(row)
     other[field] += delta
     for r in (row, other):
@@ -112,8 +112,8 @@ def test_a_calls_data_tag_is_above_the_tags_people_pick_and_changes_with_every_c
 @pytest.mark.parametrize("n", range(2, 9))
 def test_every_allreduces_first_round_lands_in_scratch_so_a_refused_call_leaves_the_tensor_unchanged(n):
     from manualdp.schedule import ALGORITHMS
-    from manualdp.spmd.plan import overlaps
-    from manualdp.spmd.p2p import schedule_of
+    from manualdp.spmd.transport.plan import overlaps
+    from manualdp.spmd.transport.p2p import schedule_of
     for algorithm in ALGORITHMS:
         for numel in (1, 2, 3, n, 7, 100, 1000):
             for rank in range(n):

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from manualdp.cost import cost, round_loads
 from manualdp.loads import allreduce_loads
 from manualdp.schedule import ALGORITHMS, get_schedule
-from manualdp.spmd.tune import Link, choose, predict
+from manualdp.spmd.auto.tune import Link, choose, predict
 
 
 @settings(max_examples=300, deadline=None)

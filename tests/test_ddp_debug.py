@@ -85,8 +85,8 @@ def test_desync_raises_on_every_rank_naming_the_bucket_and_parameter():
     for result in _results():
         message = result["out_of_order"]
         assert message is not None and "desync" in message
-        assert "numel" in message and "28 elements" in message and "21 elements" in message
-        assert "Unused parameters: rank 0:" in message
+        assert "numel 21..28 (per rank: " in message
+        assert "unused parameters (per rank: " in message
 
 
 def test_debug_must_be_a_boolean():

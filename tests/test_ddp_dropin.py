@@ -18,7 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.buckets import assign_buckets
 from manualdp.distributed import DistributedDataParallel
-from manualdp.spmd import hooks, launch
+from manualdp.spmd import launch
+from manualdp.spmd import comm_hooks as hooks
 from scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0

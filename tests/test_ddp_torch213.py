@@ -17,10 +17,11 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.nn.parallel.distributed import _BufferCommHookLocation
 
-from manualdp.spmd import hooks, launch
-from manualdp.spmd.ddp import DistributedDataParallel
-from manualdp.spmd.ddp_checks import module_device
-from manualdp.spmd.ddp_private import LOGGED_FIELDS
+from manualdp.spmd import launch
+from manualdp.spmd import comm_hooks as hooks
+from manualdp.spmd.ddp.wrapper import DistributedDataParallel
+from manualdp.spmd.ddp.graph import module_device
+from manualdp.spmd.ddp.private import LOGGED_FIELDS
 from scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0

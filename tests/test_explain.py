@@ -117,7 +117,7 @@ def test_plot_refuses_a_path_that_is_not_png_and_writes_nothing(tmp_path):
 
 def test_explain_auto_shows_every_prediction_and_the_pick(capsys, monkeypatch, tmp_path):
     from manualdp.schedule import ALGORITHMS
-    from manualdp.spmd.tune import Link, choose, predict
+    from manualdp.spmd.auto.tune import Link, choose, predict
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -139,7 +139,7 @@ def test_explain_auto_shows_every_prediction_and_the_pick(capsys, monkeypatch, t
 
 
 def test_explain_auto_with_ranks_sharing_cores_prefers_the_schedules_where_most_ranks_wait(capsys, monkeypatch):
-    from manualdp.spmd.tune import Link, choose
+    from manualdp.spmd.auto.tune import Link, choose
 
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
     size = 1 << 20
@@ -169,7 +169,7 @@ def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given
     import json
     import time
 
-    from manualdp.spmd.tune import CALIBRATION, cache_path
+    from manualdp.spmd.auto.tune import CALIBRATION, cache_path
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -193,7 +193,7 @@ def test_explain_auto_reads_this_hosts_measured_constants_and_refuses_half_given
 
 
 def test_explain_auto_at_100000_ranks_answers_with_every_algorithms_rounds(capsys, monkeypatch, deadline):
-    from manualdp.spmd.tune import Link, predict
+    from manualdp.spmd.auto.tune import Link, predict
 
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
     with deadline(60):  # the schedules of 100,000 ranks are billions of transfers: building one must not be how

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from manualdp.spmd.peers import PeerError, talking_to, wait
-from manualdp.spmd.postmortem import explain_peer_error, store_key
+from manualdp.spmd.transport.peers import PeerError, talking_to, wait
+from manualdp.spmd.transport.postmortem import explain_peer_error, store_key
 
 
 def _chain(rank, tmp):

@@ -65,7 +65,7 @@ def test_a_rank_that_runs_out_of_batches_is_told_on_every_rank():
 
 def _mismatched_wrappers():
     """DDP wrappers built with another bucket size, algorithm, segment size or flag on rank 1; then alike."""
-    from manualdp.spmd.ddp import DistributedDataParallel
+    from manualdp.spmd.ddp.wrapper import DistributedDataParallel
     rank = torch.distributed.get_rank()
     out = {}
     cases = {"bucket_cap_mb": {"bucket_cap_mb": 25.0 if rank == 0 else 0.0003},
@@ -101,7 +101,7 @@ def _mismatched_wrappers():
 def test_wrappers_with_another_communication_layout_are_refused_at_construction_on_every_rank():
     results = launch(_mismatched_wrappers, 2, timeout=90)
     for r, out in enumerate(results):
-        assert out["bucket_cap_mb"].startswith(f"rank {r}: DistributedDataParallel built differently across ranks")
+        assert out["bucket_cap_mb"].startswith(f"rank {r}: DistributedDataParallel's layout differs across ranks")
         assert "bucket_cap_mb 25.0..0.0003 (per rank: 25.0, 0.0003)" in out["bucket_cap_mb"], out
         assert "buckets 1..4 (per rank: 1, 4)" in out["bucket_cap_mb"], out  # 0.0003 MiB: one bucket per parameter
         assert "bucket elements" in out["bucket_cap_mb"], out
@@ -179,7 +179,7 @@ def test_resume_after_an_eval_kill_or_a_damaged_file_on_one_rank_equals_a_straig
 def test_check_same_layout_refuses_bad_arguments_before_any_communication():
     import pytest
 
-    from manualdp.spmd.ddp import check_same_layout
+    from manualdp.spmd.ddp.wrapper import check_same_layout
     with pytest.raises(TypeError, match="layout must be a dict"):
         check_same_layout([("buckets", 1)], None, 2)
     with pytest.raises(TypeError, match="layout must be a dict"):
@@ -190,8 +190,8 @@ def test_check_same_layout_refuses_bad_arguments_before_any_communication():
 
 def _checks_per_step():
     """A 3-bucket wrapper for 3 steps: what goes through the worker, in order."""
-    from manualdp.spmd import ddp_debug, reducer
-    from manualdp.spmd.ddp import DistributedDataParallel
+    from manualdp.spmd.ddp import reducer, step_check as ddp_debug
+    from manualdp.spmd.ddp.wrapper import DistributedDataParallel
     seen = []
     check, reduce = ddp_debug.check_same_call, reducer.run_allreduce
     ddp_debug.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)), check(t, *a, numel=numel, **k))[1]

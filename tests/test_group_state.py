@@ -59,7 +59,7 @@ def one_rank(tmp_path):
 def test_at_world_size_one_the_worker_runs_calls_in_line(one_rank):
     import threading
 
-    from manualdp.spmd.group import group_state, group_worker
+    from manualdp.spmd.transport.group import group_state, group_worker
 
     state = group_state()
     assert group_state(dist.group.WORLD) is state and group_worker() is state.worker
@@ -75,7 +75,7 @@ def test_at_world_size_one_the_worker_runs_calls_in_line(one_rank):
 
 
 def test_a_new_process_group_gets_a_fresh_state(tmp_path):
-    from manualdp.spmd.group import group_state
+    from manualdp.spmd.transport.group import group_state
 
     seen = []
     for i in range(3):  # a freed group's id may come back: its state must not
@@ -89,7 +89,8 @@ def test_a_new_process_group_gets_a_fresh_state(tmp_path):
 
 
 def test_at_world_size_one_auto_measures_nothing(one_rank, monkeypatch):
-    from manualdp.spmd import DistributedDataParallel, tune
+    from manualdp.spmd import DistributedDataParallel
+    from manualdp.spmd.auto import tune
 
     monkeypatch.setattr(tune, "calibrate", lambda *a, **k: pytest.fail("calibrated with no peer to measure"))
     assert tune.link_for() == tune.Link(0.0, 0.0, 0.0)

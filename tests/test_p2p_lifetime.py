@@ -10,7 +10,7 @@ import weakref
 import torch
 
 from manualdp.spmd import allreduce, launch
-from manualdp.spmd.group import group_state
+from manualdp.spmd.transport.group import group_state
 
 
 def _job():

@@ -26,7 +26,7 @@ class _DieOrDawdle(nn.CrossEntropyLoss):
 
 
 def _rank(rank: int, rendezvous: str, report: str) -> None:
-    from manualdp.spmd.peers import PeerError
+    from manualdp.spmd.transport.peers import PeerError
     from manualdp.runners.loop import train_spmd
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=2,

@@ -6,7 +6,7 @@ import pytest
 from manualdp.cost import traffic
 from manualdp.runners.explain import _us, explain, explain_auto
 from manualdp.schedule import ALGORITHMS, get_collective
-from manualdp.spmd.tune import Link, predict
+from manualdp.spmd.auto.tune import Link, predict
 
 
 @pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])

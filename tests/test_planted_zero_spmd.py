@@ -9,7 +9,7 @@ from torch import nn
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch
-from manualdp.spmd.zero import ZeroRedundancyOptimizer
+from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
 
 
 def _net():

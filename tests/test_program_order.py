@@ -90,7 +90,7 @@ def _allreduce_after_the_worker_ended():
     import torch.nn as nn
 
     from manualdp.spmd import DistributedDataParallel, allreduce
-    from manualdp.spmd.group import group_state
+    from manualdp.spmd.transport.group import group_state
     net = DistributedDataParallel(nn.Linear(2, 2))
     net(torch.ones(1, 2)).sum().backward()
     worker = group_state().worker

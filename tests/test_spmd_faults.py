@@ -368,7 +368,7 @@ def test_timeouts_are_checked_before_any_communication(timeout):
 def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
     import pickle
 
-    from manualdp.spmd.peers import PeerError
+    from manualdp.spmd.transport.peers import PeerError
     silent = PeerError(0, 1, True, 10.0, "Timed out waiting 10000ms").at("step 12")
     assert str(silent) == "rank 0: step 12: no answer from rank 1 within 10 s (it may have died or hung) [Timed out waiting 10000ms]"
     gone = PeerError(2, None, False, 10.0)
@@ -377,7 +377,7 @@ def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
 
 
 def test_after_one_failed_call_the_worker_fails_the_queued_ones_without_running_them():
-    from manualdp.spmd.peers import SerialWorker
+    from manualdp.spmd.transport.peers import SerialWorker
     worker, ran = SerialWorker("test"), []
 
     def fail():

@@ -12,7 +12,7 @@ from hypothesis import given, strategies as st
 from manualdp.cost import shared_cores, traffic
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd import launch
-from manualdp.spmd.tune import CALIBRATION, Link, cache_path, choose, host_parallel, predict
+from manualdp.spmd.auto.tune import CALIBRATION, Link, cache_path, choose, host_parallel, predict
 
 
 @given(n=st.integers(2, 8), nbytes=st.integers(0, 1 << 26).map(lambda b: b - b % 4),
@@ -170,7 +170,7 @@ def test_host_parallel_counts_cores_per_host(monkeypatch):
 
 def _agree(links: list, sizes: list, cache: str):
     from manualdp.spmd import allreduce
-    from manualdp.spmd.tune import link_for, resolve
+    from manualdp.spmd.auto.tune import link_for, resolve
 
     os.environ["XDG_CACHE_HOME"] = cache
     if links[dist.get_rank()] is not None:
@@ -196,8 +196,8 @@ def test_ranks_agree_on_rank_zeros_constants_though_their_own_differ(tmp_path):
 
 
 def _calibrate_twice(cache: str):
-    import manualdp.spmd.tune as tune
-    from manualdp.spmd.group import group_state
+    import manualdp.spmd.auto.tune as tune
+    from manualdp.spmd.transport.group import group_state
 
     os.environ["XDG_CACHE_HOME"] = cache
     os.environ.pop("MANUALDP_LINK", None)
@@ -271,7 +271,7 @@ HOSTILE_CACHES = {
 def test_a_hostile_cache_is_named_in_one_warning_and_measured_again(case, tmp_path, monkeypatch, deadline):
     import warnings
 
-    from manualdp.spmd.tune import known_link
+    from manualdp.spmd.auto.tune import known_link
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -289,7 +289,7 @@ def test_a_hostile_cache_is_named_in_one_warning_and_measured_again(case, tmp_pa
 def test_an_older_manualdps_cache_is_measured_again_without_a_warning(tmp_path, monkeypatch):
     import warnings
 
-    from manualdp.spmd.tune import known_link
+    from manualdp.spmd.auto.tune import known_link
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -308,7 +308,7 @@ def test_an_older_manualdps_cache_is_measured_again_without_a_warning(tmp_path, 
 def test_constants_measured_a_day_ago_or_later_than_now_are_measured_again_without_a_warning(tmp_path, monkeypatch):
     import warnings
 
-    from manualdp.spmd.tune import MAX_CACHE_AGE, known_link
+    from manualdp.spmd.auto.tune import MAX_CACHE_AGE, known_link
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -324,8 +324,8 @@ def test_constants_measured_a_day_ago_or_later_than_now_are_measured_again_witho
 
 @pytest.mark.parametrize("case", ["a FIFO", "a link to /dev/zero", "nested 100000 deep"])
 def test_the_calibration_replaces_a_hostile_cache(case, tmp_path, monkeypatch, deadline):
-    import manualdp.spmd.link_cache as link_cache
-    import manualdp.spmd.tune as tune
+    import manualdp.spmd.auto.link_cache as link_cache
+    import manualdp.spmd.auto.tune as tune
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("MANUALDP_LINK", raising=False)
@@ -355,7 +355,7 @@ def test_the_calibration_replaces_a_hostile_cache(case, tmp_path, monkeypatch, d
     ("fast,0,0", "could not convert string to float: 'fast'"),
 ])
 def test_a_bad_manualdp_link_is_one_line_naming_the_variable_and_its_value(value, words, monkeypatch):
-    from manualdp.spmd.tune import known_link
+    from manualdp.spmd.auto.tune import known_link
 
     monkeypatch.setenv("MANUALDP_LINK", value)
     with pytest.raises(ValueError) as e:
@@ -366,7 +366,7 @@ def test_a_bad_manualdp_link_is_one_line_naming_the_variable_and_its_value(value
 
 
 def _agree_with_a_bad_link(cache: str):
-    from manualdp.spmd.tune import link_for
+    from manualdp.spmd.auto.tune import link_for
 
     os.environ["XDG_CACHE_HOME"] = cache
     if dist.get_rank() == 0:

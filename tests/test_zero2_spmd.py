@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch, shard
-from manualdp.spmd.zero import ZeroRedundancyOptimizer
+from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
 
 STEPS = 4
 CAP_MB = 2200 / 2**20  # a hidden layer's weight and bias (2176 bytes in float64), not two
@@ -189,7 +189,7 @@ def test_zero2_refuses_a_grad_no_backward_handed_over_different_buckets_and_a_ha
     for r, result in enumerate(_results(n)):
         message, untouched = result["refusals"]["loose"]
         assert f"{n} rank(s) hold a .grad" in message and "no_sync()" in message and untouched
-        assert "different numbers of buckets" in result["refusals"]["caps"]
+        assert "ZeroRedundancyOptimizer differs across ranks: buckets" in result["refusals"]["caps"]
         assert "failed part-way, after 3 of 8 gradient buckets were sent" in result["refusals"]["part-way"]
 
 

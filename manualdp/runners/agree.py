@@ -7,12 +7,12 @@ all load the oldest of those, so they restart from one state, or all raise the s
 from __future__ import annotations
 
 import os
-import zlib
 
 import torch
 import torch.distributed as dist
 
 from ..spmd.collectives import allreduce
+from ..spmd.transport.agree import agree
 from ..support.checkpoint import checkpoint_path, load_latest, read_checkpoint
 
 __all__ = ["agree_on_checkpoint", "agree_on_run_id", "agree_all_succeed", "agree_all_saved",
@@ -66,25 +66,10 @@ def agree_all_saved(error: OSError | None, directory: str, device, algorithm: st
                             f"{os.strerror(code) if code else 'an OS error'} (see its own error)")
 
 
-def agree_on_settings(settings: dict, device, algorithm: str, timeout: float | None) -> None:
-    """Raise on every rank unless every rank trains with the same `settings` (learning rate, optimizer, ...).
-
-    The ranks exchange one checksum; only when they differ do they send each other their
-    settings, so that the error names every field that differs, with each rank's value.
-    """
-    mine = {k: repr(v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in settings.items()}  # not its device
-    digest = zlib.crc32(repr(sorted(mine.items())).encode())
-    if len(set(_exchange(digest, device, algorithm, timeout))) == 1:
-        return
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    differ = []
-    for k in dict.fromkeys(k for theirs in everyone for k in theirs):
-        values = [theirs.get(k, "missing") for theirs in everyone]
-        if len(set(values)) > 1:
-            differ.append(f"{k} ({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))})")
-    raise ValueError(f"rank {dist.get_rank()}: the ranks were given different settings: {'; '.join(differ)}; "
-                     "every rank must pass the same")
+def agree_on_settings(settings: dict, timeout: float | None) -> None:
+    """Raise on every rank unless every rank trains with the same `settings` (learning rate, optimizer, ...)."""
+    agree("the training setup", settings, timeout=timeout, check=True,
+          hint="every rank must be given the same settings")
 
 
 def agree_on_run_id(run_id: str, device, algorithm: str, timeout: float | None) -> str:

@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, TensorDataset
 from ..spmd import DistributedDataParallel as DDP
 from ..spmd import PowerSGDState, SyncBatchNorm, full_state_dict, fully_shard, shard
 from ..spmd.collectives import allreduce
-from ..spmd.hooks import bf16_compress_hook, fp16_compress_hook, powerSGD_hook
-from ..spmd.p2p import traffic
-from ..spmd.peers import PeerError
-from ..spmd.zero import ZeroRedundancyOptimizer
+from ..spmd.comm_hooks import bf16_compress_hook, fp16_compress_hook, powerSGD_hook
+from ..spmd.transport.p2p import traffic
+from ..spmd.transport.peers import PeerError
+from ..spmd.sharding.zero import ZeroRedundancyOptimizer
 from ..support.trace import COMM, Trace
 from .loop import train_spmd
 

@@ -237,7 +237,7 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
 
     from ..guard import NonFiniteGradientError
     from ..spmd import PeerError, init_from_env, shard_loader
-    from ..spmd.postmortem import explain_peer_error
+    from ..spmd.transport.postmortem import explain_peer_error
     from .loop import train_spmd
 
     try:

@@ -17,7 +17,7 @@ from collections import Counter
 from ..cost import cost, traffic
 from ..loads import allreduce_loads
 from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective, get_schedule
-from ..spmd.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
+from ..spmd.auto.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int
 
 __all__ = ["NAMES", "plot", "plot_schedule", "pictures", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA",

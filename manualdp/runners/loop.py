@@ -19,14 +19,14 @@ from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..guard import NonFiniteGuard
 from ..replicate import copy_params_, replicate
 from ..schedule import ALGORITHMS
-from ..spmd.ddp import DistributedDataParallel
-from ..spmd.fsdp import fully_shard
+from ..spmd.ddp.wrapper import DistributedDataParallel
+from ..spmd.sharding.fsdp import fully_shard
 from ..spmd.launch import rank_device, shard
 from ..spmd.collectives import allreduce
-from ..spmd.peers import PeerError
+from ..spmd.transport.peers import PeerError
 from ..spmd.sampler import ShardedBatchSampler
-from ..spmd.tune import ENGINE_ALGORITHMS
-from ..spmd.zero import ZeroRedundancyOptimizer as SpmdZero
+from ..spmd.auto.tune import ENGINE_ALGORITHMS
+from ..spmd.sharding.zero import ZeroRedundancyOptimizer as SpmdZero
 from ..support.checkpoint import TrainingState, check_checkpoint_dir, check_layout, lock_checkpoint_dir, remove_orphans
 from ..support.files import write_json_atomic
 from ..support.history import History
@@ -186,7 +186,7 @@ def train_spmd(
     `nonfinite`, `checkpoint_dir`, `checkpoint_every` and `resume` work as in `train`;
     `config` and the resume checks work as in `train`; `timeout` (seconds, default: the
     process group's) bounds every wait for a peer.
-    `optimizer` and `zero` work as in `train` (`manualdp.spmd.zero`); ZeRO-2 takes no `nonfinite`
+    `optimizer` and `zero` work as in `train` (`manualdp.spmd.sharding.zero`); ZeRO-2 takes no `nonfinite`
     guard, since before its reduce-scatter the ranks hold different gradients and would disagree:
     the default, `"auto"`, is `"raise"` without ZeRO-2 and no check with it.
     """
@@ -226,7 +226,7 @@ def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_s
                                                   device=str(device)))
     identity = opts.identity(net, world_size=world_size, backend=dist.get_backend(), device_type=device.type)
     hyper = {f"{k} (group {i})": v for i, g in enumerate(optimizer.param_groups) for k, v in g.items() if k != "params"}
-    agree_on_settings({**identity, **hyper}, device, algorithm, timeout)  # e.g. a learning rate that differs
+    agree_on_settings({**identity, **hyper}, timeout)  # e.g. a learning rate that differs
     rank_dir = os.path.join(checkpoint_dir, f"rank{rank}") if checkpoint_dir is not None else None
     if checkpoint_dir is not None:
         check_layout(checkpoint_dir, per_rank=True)

@@ -1,38 +1,36 @@
-"""The engine: one process per device over `torch.distributed`.
+"""The engine: one process per device over `torch.distributed`, each step a function you can read.
 
-Read in this order:
-- `peers.py`: waiting on other ranks with a deadline; `PeerError` names who is silent;
-- `p2p.py`: the book's schedules run by one rank as `isend`/`irecv` messages;
-- `call_check.py`: ranks that call an allreduce differently all raise, its headers beside the data;
-- `ddp.py`: `DistributedDataParallel`, the drop-in for torch's: buckets, hooks, the worker;
-  `ddp_sync.py` (the ranks compare and copy the model at construction), `ddp_checks.py`
-  (debug, static graph, unused parameters) and `ddp_join.py` (uneven inputs) are its parts;
-- `hooks.py`: comm hooks (allreduce, fp16/bf16 compression, PowerSGD, no-op);
+Rooms, in reading order (each arrow points down this list only; `tests/test_layout.py` holds them):
+- `transport/`: how bytes move between ranks: a schedule's plan for one rank, the p2p executor,
+  deadlines and `PeerError`, the call check, and the one way ranks agree (`agree.py`);
+- `auto/`: `algorithm="auto"`: measure the link, let the cost model pick the schedule;
+- `collectives.py`: what users call: `allreduce`, `reduce_scatter`, `all_gather`, `reduce`, `broadcast`;
+- `ladder/`: rungs 1-4 of DDP, naive to bucketed, each the one below plus one idea;
+- `ddp/`: rung 5, the drop-in `DistributedDataParallel`: rung 4's buckets plus torch's features;
+- `comm_hooks.py`: torch's comm hooks (fp16/bf16 compression, PowerSGD, no-op) on our allreduce;
 - `syncbn.py`: `SyncBatchNorm`, statistics over the process group;
-- `launch.py`: joining torchrun's group, starting ranks on this machine, `shard`;
-- `sampler.py`: ranks that load only their own shard of each global batch;
-- `tune.py`: `algorithm="auto"`, the cost model's pick with constants fitted to the transport;
-- `collectives.py`, `zero.py`: reduce-scatter, all-gather, broadcast, reduce, and ZeRO-1/2
-  (`zero_grads.py`: ZeRO-2's buckets, reduce-scattered during backward).
+- `sharding/`: ZeRO-1/2 (`ZeroRedundancyOptimizer`) and ZeRO-3 (`fully_shard`);
+- `launch.py`, `sampler.py`: starting ranks (torchrun or on this machine), each rank's shard of the data.
+
+The drop-ins users swap for torch's are also importable from `manualdp.distributed`.
 """
-from .naive import NaiveDDP
-from .flat import FlatDDP
-from .overlapped import OverlappedDDP
-from .bucketed import BucketedDDP
-from .ddp import Bucket, DistributedDataParallel
-from .hooks import GradBucket, PowerSGDState
+from .transport.peers import DEFAULT_TIMEOUT, PeerError
+from .transport.plan import DEFAULT_SEGMENT_BYTES, Message, Round, plan
+from .collectives import all_gather, allreduce, broadcast, reduce, reduce_scatter
+from .ladder import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
+from .ddp.bucket import Bucket
+from .ddp import DistributedDataParallel
+from .comm_hooks import GradBucket, PowerSGDState
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm
+from .sharding import ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from .launch import init_from_env, launch, rank_device, shard
-from .collectives import allreduce
-from .p2p import DEFAULT_SEGMENT_BYTES, Message, Round, plan
-from .peers import DEFAULT_TIMEOUT, PeerError
 from .sampler import ShardedBatchSampler, shard_loader
-from .fsdp import full_state_dict, fully_shard
 
 __all__ = [
-    "NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "Bucket", "DistributedDataParallel", "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
-    "init_from_env", "launch", "rank_device", "shard",
-    "DEFAULT_SEGMENT_BYTES", "Message", "Round", "allreduce", "plan", "DEFAULT_TIMEOUT", "PeerError",
-    "ShardedBatchSampler", "shard_loader",
-    "fully_shard", "full_state_dict",
+    "DEFAULT_TIMEOUT", "PeerError", "DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan",
+    "allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast",
+    "NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "Bucket", "DistributedDataParallel",
+    "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
+    "ZeroRedundancyOptimizer", "fully_shard", "full_state_dict",
+    "init_from_env", "launch", "rank_device", "shard", "ShardedBatchSampler", "shard_loader",
 ]

@@ -1,7 +1,7 @@
 """Allreduce, reduce-scatter, all-gather, reduce and broadcast across processes, by the p2p executor.
 
 The schedules are the book's (`manualdp.schedule`); each rank runs its share of them with
-`manualdp.spmd.p2p.run_schedule`. As in the single controller they work in place on the
+`manualdp.spmd.transport.p2p.run_schedule`. As in the single controller they work in place on the
 whole buffer: rank i's own chunk is `manualdp.collectives.shard(tensor, i, world_size)`.
 """
 from __future__ import annotations
@@ -14,14 +14,14 @@ import torch.distributed as dist
 from ..collectives import shard
 from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
-from .group import after_wrappers, group_state
-from .call_check import HeaderCheck, same_call
-from .p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule
-from .peers import group_timeout
-from .pick import choose
-from .tune import ENGINE_ALGORITHMS, agreed, measure_again, note
+from .transport.group import after_wrappers, group_state
+from .transport.call_check import HeaderCheck, same_call
+from .transport.p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule
+from .transport.peers import group_timeout
+from .auto.pick import choose
+from .auto.tune import ENGINE_ALGORITHMS, agreed, measure_again, note
 
-__all__ = ["allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"]
+__all__ = ["ENGINE_ALGORITHMS", "allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"]
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
@@ -32,7 +32,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     `torch.distributed.all_reduce`. Afterwards the ranks hold bitwise identical sums. A peer
     silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
 
-    `check` (default True): compare the calls (`manualdp.spmd.call_check`): every rank's
+    `check` (default True): compare the calls (`manualdp.spmd.transport.call_check`): every rank's
     fingerprint (size, dtype, algorithm, segment size, call number) goes to every rank in
     fixed-size headers, so that ranks called differently all raise instead of pairing wrong
     messages. On gloo the headers travel beside the first round of data, which is posted on a
@@ -43,7 +43,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     step once (every rank's buckets were compared at construction).
 
     With "auto" and the check, each rank times its calls against the cost model's prediction;
-    when one of them sees those times drift (`manualdp.spmd.tune.drifted`), the check tells
+    when one of them sees those times drift (`manualdp.spmd.auto.tune.drifted`), the check tells
     every rank, and they measure the link again together.
     """
     if not isinstance(tensor, torch.Tensor):

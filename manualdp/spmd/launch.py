@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..split import shard_sizes
 from ..validate import check_batch, one_of, positive_int, timeout_seconds
-from .peers import DEFAULT_TIMEOUT
+from .transport.peers import DEFAULT_TIMEOUT
 
 __all__ = ["rank_device", "init_from_env", "shard", "launch"]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..validate import boolean, nn_module, non_negative_number, positive_int, positive_number
-from .group import group_worker
+from .transport.group import group_worker
 from .collectives import allreduce
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]

@@ -11,12 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 
-import torch.distributed as dist
-
-from .call_check import check_same_call
-from .ddp_checks import refuse_in_backward_optimizers
-from .ddp_hooks import check_same_hook
-from .ddp_sync import kept_named
+from ..transport.agree import ANY, agree
+from ..transport.call_check import check_same_call
+from .graph import refuse_in_backward_optimizers
+from .comm_hook import check_same_hook
+from .init_sync import kept_named
 
 __all__ = ["CallCheck", "Desync"]
 
@@ -73,7 +72,7 @@ class CallCheck:
 
         def run() -> None:
             if hooks:
-                check_same_hook(comm_hook, r.rank, self.world_size, r.group, r.device, r.timeout)
+                check_same_hook(comm_hook, r.group, r.timeout)
             if calls:
                 with recorder.span("step check", "comm", cat="comm") if recorder is not None else contextlib.nullcontext():
                     check_same_call(*call, numel=total)
@@ -93,25 +92,10 @@ class Desync:
     def check(self, index: int, bucket) -> None:
         """Every rank must be about to reduce the same bucket of the same step; else all raise."""
         names = self.reducer.names[index]
-        mine = {"step": self.reducer.steps, "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype),
-                "params": names, "joined": self.joined(),
-                "unused": [n for n, arrived in zip(names, bucket.arrived) if not arrived]}
-        everyone: list = [None] * self.world_size
-        dist.all_gather_object(everyone, mine, group=self.reducer.group)
-        training = [(r, f) for r, f in enumerate(everyone) if not f["joined"]]
-        keys = ("bucket", "numel", "dtype", "params") + (("step",) if len(training) == self.world_size else ())
-        first_rank, first = training[0] if training else (0, everyone[0])
-        for r, theirs in training:
-            wrong = [k for k in keys if theirs[k] != first[k]]
-            if not wrong:
-                continue
-            a, b = first["params"], theirs["params"]
-            differs = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            named = (f"parameter {differs} of the bucket is {a[differs] if differs < len(a) else 'missing'!r} on rank "
-                     f"{first_rank} but {b[differs] if differs < len(b) else 'missing'!r} on rank {r}")
-            unused = "; ".join(f"rank {q}: {f['unused'] or 'none'}" for q, f in enumerate(everyone))
-            raise RuntimeError(
-                f"DistributedDataParallel desync: rank {first_rank} is at step {first['step']} bucket {first['bucket']} "
-                f"({first['numel']} elements, {first['dtype']}), rank {r} at step {theirs['step']} bucket "
-                f"{theirs['bucket']} ({theirs['numel']} elements, {theirs['dtype']}); differing: {', '.join(wrong)}; "
-                f"{named}. Unused parameters: {unused}")
+        r = self.reducer
+        agree("DistributedDataParallel desync: the bucket to reduce", {
+            "step": ANY if self.joined() else r.steps,  # a joined rank shadows whichever step the others are at
+            "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype), "params": names},
+            r.group, error=RuntimeError, timeout=r.timeout, hint="every rank must run the same steps on the same model",
+            shown={"unused parameters": [n for n, arrived in zip(names, bucket.arrived) if not arrived] or "none",
+                   "joined": self.joined()})

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import nn
 
-from ..validate import iterable, nn_module
-from . import hooks
-from .ddp_buffers import POST_FORWARD
+from ...validate import iterable, nn_module
+from .. import comm_hooks as hooks
+from .buffers import POST_FORWARD
 
 __all__ = ["PrivateAPI", "ErrorLog", "LOGGED_FIELDS"]
 

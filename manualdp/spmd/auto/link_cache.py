@@ -15,9 +15,9 @@ import time
 import warnings
 from dataclasses import asdict
 
-from ..cost import MAX_DUPLEX
-from ..support.files import write_json_atomic
-from ..validate import is_int, non_negative_number, positive_int
+from ...cost import MAX_DUPLEX
+from ...support.files import write_json_atomic
+from ...validate import is_int, non_negative_number, positive_int
 from .pick import MAX_SECONDS, Link
 
 __all__ = ["ENV", "MEASURED", "CALIBRATION", "MAX_CACHE_AGE", "host_parallel", "cache_path", "known_link", "save"]

@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from ..validate import boolean
-from .ddp_buffers import PRE_FORWARD
-from .ddp_sync import state_tensors
-from .peers import PeerError, talking_to, wait
-from .postmortem import store_key
+from ...validate import boolean
+from .buffers import PRE_FORWARD
+from .init_sync import state_tensors
+from ..transport.peers import PeerError, talking_to, wait
+from ..transport.postmortem import store_key
 
 __all__ = ["JoinableWrapper", "UnevenInputs", "JoinContext"]
 
@@ -109,7 +109,7 @@ class UnevenInputs:
         self.joined = True
         ddp.calls.queue()  # as the training ranks' first gradient hook does
         # The step's averages into `.grad`, as the training ranks get them: a Joinable sharded
-        # optimizer (manualdp.spmd.zero at stage 1) steps this rank's shard with them.
+        # optimizer (manualdp.spmd.sharding.zero at stage 1) steps this rank's shard with them.
         r.shadow_step()
 
     def sync_final_model(self, is_last_joiner: bool, buffers: bool) -> None:

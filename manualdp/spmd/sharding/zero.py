@@ -36,15 +36,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB
-from ..validate import boolean, factory, one_of, positive_number, timeout_seconds
-from ..shards import ShardPlan, check_shard_fits, options_of, param_groups_of
-from ..zero import make_optimizer, state_bytes
-from .collectives import all_gather
-from .collectives import allreduce
-from .peers import group_ranks
-from .zero_compat import TorchCompat
-from .zero_grads import GradientShards, plan_buckets
+from ...buckets import DEFAULT_BUCKET_CAP_MB
+from ...validate import boolean, factory, one_of, positive_number, timeout_seconds
+from ...shards import ShardPlan, check_shard_fits, options_of, param_groups_of
+from ...zero import make_optimizer, state_bytes
+from ..collectives import all_gather
+from ..collectives import allreduce
+from ..transport.agree import agree
+from ..transport.peers import group_ranks
+from .zero_torch_api import TorchCompat
+from .grad_shards import GradientShards, plan_buckets
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -140,19 +141,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         return [v for j, _, _, v in self.pieces if self.plan.group_of[j] == group]
 
     def _agree_on_setup(self, plan: ShardPlan, parameters: int, buckets: int) -> None:
-        """Every rank sends (stage, buffers, elements, parameters, buckets); a rank that differs is named on all."""
-        fields = ("stage", "buffers", "elements", "parameters", "buckets")
-        table = torch.zeros(self.world_size, len(fields), dtype=torch.float64, device=self.params[0].device)
-        table[self.rank] = torch.tensor([self.stage, len(plan.sizes), sum(plan.sizes), parameters, buckets],
-                                        dtype=torch.float64)
-        self._sum_over_ranks(table.view(-1))
-        table = table.cpu().long()
-        for k, field in enumerate(fields):
-            values = {r: int(table[r, k]) for r in range(self.world_size)}
-            if len(set(values.values())) > 1:
-                what = "ZeRO stages" if field == "stage" else f"numbers of {field} to shard"
-                raise ValueError(f"ranks ask for different {what}: {values} (rank: {field}); every rank must pass "
-                                 "the same")
+        """Every rank must shard alike (stage, buffers, elements, parameters, buckets); else all raise, naming them."""
+        agree("ZeroRedundancyOptimizer", {"stage": self.stage, "algorithm": self.algorithm,
+                                          "buffers to shard": len(plan.sizes), "elements to shard": sum(plan.sizes),
+                                          "parameters to shard": parameters, "buckets": buckets},
+              self.group, timeout=self.timeout, check=True)
 
     def _sum_over_ranks(self, tensor: torch.Tensor) -> None:
         allreduce(tensor, self.algorithm, group=self.group, timeout=self.timeout)

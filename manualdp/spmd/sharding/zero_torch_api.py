@@ -1,4 +1,4 @@
-"""The parts of `manualdp.spmd.zero` that make it a drop-in for torch's `ZeroRedundancyOptimizer`.
+"""The parts of `manualdp.spmd.sharding.zero` that make it a drop-in for torch's `ZeroRedundancyOptimizer`.
 
 - `consolidate_state_dict(to)`: every rank sends its shard's state to rank `to`, which
   stitches each parameter's pieces back together; its `state_dict()` is then a plain
@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from ..shards import options_of
-from ..validate import boolean, index
+from ...shards import options_of
+from ...validate import boolean, index
 
 __all__ = ["TorchCompat"]
 

@@ -17,23 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..buckets import flatten, unflatten_
-from ..validate import nn_module, one_of, timeout_seconds
-from .collectives import broadcast
-from .ddp_sync import check_same_model
-from .collectives import allreduce
-from .peers import group_ranks
-from .tune import ENGINE_ALGORITHMS
+from ...validate import nn_module, one_of, timeout_seconds
+from ..collectives import ENGINE_ALGORITHMS, allreduce
+from ..transport.agree import broadcast_from_rank0, check_same_model
+from ..transport.peers import group_ranks
 
-__all__ = ["NaiveDDP", "by_dtype"]
-
-
-def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`tensors` split by dtype, in order: a flat buffer holds one dtype."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
+__all__ = ["NaiveDDP"]
 
 
 class NaiveDDP(nn.Module):
@@ -57,12 +46,9 @@ class NaiveDDP(nn.Module):
         self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones need no sync
         if not self.params:
             raise ValueError(f"module has no parameter that requires grad: nothing to average ({type(module).__name__})")
-        check_same_model(module, group, self.world_size)  # else the messages below would pair up wrong
-        with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
-            for same in by_dtype([t for t in [*module.parameters(), *module.buffers()] if t.numel()]):
-                flat = flatten(same)
-                broadcast(flat, 0, group=group, timeout=self.timeout)
-                unflatten_(flat, [t.data for t in same])
+        # the same model on every rank, from rank 0's state: else the messages below would pair up wrong
+        check_same_model(module, group, what=f"{type(self).__name__}'s model", timeout=self.timeout)
+        broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)
         self._queued = False  # whether this backward pass has queued `_end_of_backward`
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 

@@ -1,6 +1,6 @@
 """One unit of `fully_shard`: its parameters kept as flat shards, gathered while forward or backward needs them.
 
-`manualdp.spmd.fsdp` cuts the model into units (one per `fully_shard` call); this page is what
+`manualdp.spmd.sharding.fsdp` cuts the model into units (one per `fully_shard` call); this page is what
 one unit does in a step. It is the book's ZeRO-3 (`manualdp.zero3`) with one process per rank:
 
 1. before the unit's forward, an all-gather fills a full flat buffer per dtype from every rank's
@@ -29,11 +29,11 @@ import contextlib
 import torch
 from torch import nn
 
-from ..collectives import shard
-from ..shards import ShardPlan
-from .collectives import all_gather, reduce_scatter
-from .group import group_worker
-from .peers import group_ranks
+from ...collectives import shard
+from ...shards import ShardPlan
+from ..collectives import all_gather, reduce_scatter
+from ..transport.group import group_worker
+from ..transport.peers import group_ranks
 
 __all__ = ["Unit", "shard_name", "OWNER", "SLOTS"]
 

@@ -24,10 +24,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..buckets import assign_buckets
-from ..shards import ShardPlan
-from .collectives import reduce
-from .group import group_worker
+from ...buckets import assign_buckets
+from ...shards import ShardPlan
+from ..collectives import reduce
+from ..transport.group import group_worker
 
 __all__ = ["ScatterBucket", "plan_buckets", "GradientShards"]
 

@@ -17,25 +17,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
-from ..validate import (boolean, initialized, nn_module, non_negative_int, one_of,
+from ...buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
+from ...validate import (boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
 from .bucket import Bucket
-from .ddp_buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
-from .ddp_checks import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers
-from .ddp_debug import CallCheck, Desync
-from .ddp_hooks import CommHook
-from .ddp_join import JoinableWrapper, UnevenInputs
-from .ddp_private import ErrorLog, PrivateAPI
-from .ddp_sync import (NOT_COPIED, KeptModule, broadcast_from_rank0, check_same_layout, check_same_model, comm_layout,
-                       kept_named, state_tensors)
-from .p2p import DEFAULT_SEGMENT_BYTES
-from .peers import group_ranks, group_timeout
+from .buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
+from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers
+from .step_check import CallCheck, Desync
+from .comm_hook import CommHook
+from .join import JoinableWrapper, UnevenInputs
+from .private import ErrorLog, PrivateAPI
+from .init_sync import NOT_COPIED, KeptModule, check_same_layout, comm_layout, kept_named, state_tensors
+from ..transport.agree import broadcast_from_rank0, check_same_model
+from ..transport.p2p import DEFAULT_SEGMENT_BYTES
+from ..transport.peers import group_ranks, group_timeout
 from .reducer import Reducer
-from .tune import ENGINE_ALGORITHMS
+from ..auto.tune import ENGINE_ALGORITHMS
 
-__all__ = ["Bucket", "DistributedDataParallel", "NoParametersError", "check_same_model", "check_same_layout",
-           "broadcast_from_rank0"]
+__all__ = ["Bucket", "DistributedDataParallel", "NoParametersError"]
 
 
 class NoParametersError(ValueError, RuntimeError):
@@ -75,7 +74,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             for every later bucket. Replaces `bucket_cap_mb` when given.
         algorithm: a schedule of `manualdp.schedule` (`naive`, `ring`, `halving_doubling`, `tree`), or
             `auto` (default): for each bucket, the one the cost model predicts fastest on this
-            transport (`manualdp.spmd.tune`).
+            transport (`manualdp.spmd.auto.tune`).
         segment_bytes: messages are cut into segments of this size, see `allreduce`.
         rebuild_buckets: after the first synchronised backward, rebuild the buckets in the order
             the gradients became ready there (rank 0's order, on every rank), as DDP does, also with
@@ -155,12 +154,13 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             caps = [FIRST_BUCKET_CAP_MB, DEFAULT_BUCKET_CAP_MB]  # DDP's small first bucket
         layout = assign_buckets(params, caps)
         if init_sync:
-            check_same_model(KeptModule(module, ignored) if ignored else module, process_group, self.world_size)
+            check_same_model(KeptModule(module, ignored) if ignored else module, process_group,
+                             what="DistributedDataParallel's model", timeout=self.timeout)
             # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
             check_same_layout(comm_layout(self, [[params[i] for i in b] for b in layout], caps, rebuild_buckets)
                               | {"buffers copied at construction": init_buffers}, process_group, self.world_size)
-            broadcast_from_rank0(state_tensors(module, ignored, params=True, buffers=init_buffers),
-                                 self.rank, peers, process_group, self.timeout)
+            broadcast_from_rank0(state_tensors(module, ignored, params=True, buffers=init_buffers), process_group,
+                                 self.timeout)
         self.reducer = Reducer(params, module, layout, caps, group=self.process_group, rank=self.rank, peers=peers,
                                device=self.device, algorithm=algorithm, segment_bytes=segment_bytes,
                                timeout=self.timeout, gradient_as_bucket_view=gradient_as_bucket_view,

@@ -32,12 +32,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..buckets import flatten, unflatten_
-from ..validate import boolean, initialized, nn_module, timeout_seconds
-from .collectives import broadcast
+from ...validate import boolean, initialized, nn_module, timeout_seconds
+from ..transport.agree import agree, broadcast_from_rank0
+from ..transport.peers import group_ranks
 from .fsdp_unit import OWNER, SLOTS, Unit, shard_name
-from .naive import by_dtype
-from .peers import group_ranks
 
 __all__ = ["fully_shard", "full_state_dict"]
 
@@ -82,11 +80,8 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
         for u in child.tree():
             u.name = path + (f".{u.name}" if u.name else "")
     fresh = [p for p, _, _ in taken.values() if getattr(p, OWNER, None) is None]
-    with torch.no_grad():  # every rank starts from rank 0's parameters and buffers
-        for same in by_dtype([t for t in fresh + buffers if t.numel()]):
-            flat = flatten(same)
-            unit.worker.submit(broadcast, flat, 0, group=group, timeout=timeout).result()
-            unflatten_(flat, [t.data for t in same])
+    # every rank starts from rank 0's parameters and buffers; on the worker, in line with the units' collectives
+    unit.worker.submit(broadcast_from_rank0, fresh + buffers, group, timeout).result()
     for sub, attr in slot_order:
         del sub._parameters[attr]
         sub.__dict__.setdefault(SLOTS, {})[attr] = unit
@@ -146,18 +141,13 @@ def _walk(module: nn.Module):
 
 def _check_same_call(module, group, reshard_after_forward, taken, nested, buffers) -> None:
     """Raise on every rank unless every rank shards the same parameters, buffers and units alike."""
-    mine = {"reshard_after_forward": reshard_after_forward, "units inside": [path for path, _ in nested],
-            "parameters": [(name, "tied" if getattr(p, OWNER, None) else tuple(p.shape), str(p.dtype), p.requires_grad)
-                           for p, _, name in taken.values()],
-            "buffers": [(tuple(b.shape), str(b.dtype)) for b in buffers]}
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    for r, theirs in enumerate(everyone):
-        for field, value in theirs.items():
-            if value != everyone[0][field]:
-                raise ValueError(f"fully_shard({type(module).__name__}) differs across ranks: {field} is "
-                                 f"{everyone[0][field]!r:.200} on rank 0 but {value!r:.200} on rank {r}; "
-                                 "every rank must build the same model and shard it alike")
+    fields = {"reshard_after_forward": reshard_after_forward, "units inside": [path for path, _ in nested],
+              "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
+    for p, _, name in taken.values():
+        fields[f"parameter {name}"] = ("tied" if getattr(p, OWNER, None) else
+                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen"))
+    agree(f"fully_shard({type(module).__name__})", fields, group,
+          hint="every rank must build the same model and shard it alike")
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

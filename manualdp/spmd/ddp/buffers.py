@@ -13,8 +13,9 @@ import warnings
 
 from torch.nn.parallel.distributed import _BufferCommHookLocation  # torch's enum: its tests pass its values
 
-from ..validate import a_callable, boolean
-from .ddp_sync import broadcast_from_rank0, kept_named, state_tensors
+from ...validate import a_callable, boolean
+from ..transport.agree import broadcast_from_rank0
+from .init_sync import kept_named, state_tensors
 
 __all__ = ["BufferSync", "settle_buffer_flags", "PRE_FORWARD", "POST_FORWARD"]
 
@@ -80,7 +81,7 @@ class BufferSync:
         """Copy `bufs` (default: the module's buffers) from group rank `authoritative_rank` to every rank."""
         r = self.reducer
         tensors = state_tensors(self.module, self.ignored) if bufs is None else list(bufs)
-        broadcast_from_rank0(tensors, r.rank, r.peers, r.group, r.timeout, src=authoritative_rank)
+        broadcast_from_rank0(tensors, r.group, r.timeout, src=authoritative_rank)
 
     def register(self, state, hook, comm_hook_location=POST_FORWARD) -> None:
         """Sync buffers with `hook(state, {name: buffer})` instead of rank 0's copy (torch's private API).

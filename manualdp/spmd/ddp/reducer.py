@@ -35,12 +35,12 @@ import weakref
 import torch
 from torch import nn
 
-from ..buckets import assign_buckets
+from ...buckets import assign_buckets
 from .bucket import Bucket
-from .ddp_sync import broadcast_from_rank0
-from .group import group_state
-from .p2p import run_allreduce
-from .tune import resolve
+from ..transport.agree import broadcast_from_rank0
+from ..transport.group import group_state
+from ..transport.p2p import run_allreduce
+from ..auto.tune import resolve
 
 __all__ = ["Bucket", "Reducer"]
 
@@ -240,8 +240,7 @@ class Reducer:
         seen = [self._position[i] for i in dict.fromkeys(ready)]
         order = seen + sorted(set(range(len(self.params))) - set(seen), reverse=True)
         agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
-        self.worker.submit(broadcast_from_rank0, [agreed], self.rank, self.peers, self.group,
-                           self.timeout).result()  # on the worker: in line with every other collective of the group
+        self.worker.submit(broadcast_from_rank0, [agreed], self.group, self.timeout).result()  # on the worker: in line with every other collective of the group
         layout = assign_buckets(self.params, self.caps, order=agreed.tolist())
         if layout != self.layout:
             self.set_layout(layout)

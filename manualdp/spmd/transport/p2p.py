@@ -1,7 +1,7 @@
 """The executor: the schedules of `manualdp.schedule` across processes, one rank's share at a time.
 
 Every rank runs the same schedule and keeps the transfers where it is `src` or `dst`:
-1. `plan` (`manualdp.spmd.plan`) merges them into messages and cuts those into segments;
+1. `plan` (`manualdp.spmd.transport.plan`) merges them into messages and cuts those into segments;
 2. an executor posts them as non-blocking sends and receives of `torch.distributed` and adds
    what arrives: on gloo the process group's own `send`/`recv` (what `dist.isend`/`dist.irecv`
    call, without their per-message checks), on NCCL `dist.batch_isend_irecv`.
@@ -9,10 +9,10 @@ Every rank runs the same schedule and keeps the transfers where it is `src` or `
 The collectives users call (`allreduce` with its "auto" and its call check, reduce-scatter,
 all-gather, ...) are in `manualdp.spmd.collectives`, on top of this executor. What the
 executor keeps between calls (scratch space, finished works, bytes sent) is the process
-group's, in its `manualdp.spmd.group.GroupState`, which the caller hands in.
+group's, in its `manualdp.spmd.transport.group.GroupState`, which the caller hands in.
 
 Every wait has a deadline (`timeout`, default: the process group's): a peer that dies or
-hangs ends in a `manualdp.spmd.peers.PeerError` naming it, never in a hang.
+hangs ends in a `manualdp.spmd.transport.peers.PeerError` naming it, never in a hang.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from ..schedule import ALGORITHMS, Schedule
+from ...schedule import ALGORITHMS, Schedule
 from .group import GroupState, Traffic, group_state
 from .peers import PeerError, peer_error, talking_to, wait
 from .plan import DEFAULT_SEGMENT_BYTES, Message, Round, overlaps, plan
@@ -90,7 +90,7 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
     `talking_to` around every message cost 30 to 50 us per message on a 2-core machine,
     which is what a small allreduce costs in all.
 
-    `check` (a `manualdp.spmd.call_check.HeaderCheck`, or None) posts its headers once the
+    `check` (a `manualdp.spmd.transport.call_check.HeaderCheck`, or None) posts its headers once the
     first round's receives are posted, and is called once its sends are, before anything of
     it is used or the next round is posted: when it raises ValueError (the ranks called
     differently), the first round is waited for (the peers complete it) and the error raised.
@@ -190,7 +190,7 @@ def run_allreduce(tensor: torch.Tensor, algorithm: str, state: GroupState, segme
                   timeout: float | None = None, *, early: bool | None = None, check=None) -> None:
     """`algorithm` (a name, not "auto") run by this rank on `tensor`; the arguments are already checked.
 
-    `check`: a `manualdp.spmd.call_check.HeaderCheck` for this call, run beside its first round.
+    `check`: a `manualdp.spmd.transport.call_check.HeaderCheck` for this call, run beside its first round.
     """
     run_schedule(tensor, schedule_of(algorithm, len(state.peers)), state, segment_bytes, timeout, early=early,
                  check=check)
@@ -212,14 +212,14 @@ def run_schedule(tensor: torch.Tensor, schedule: Schedule, state: GroupState, se
     """Run this rank's share of any `schedule` on `tensor`, in place; the arguments are already checked.
 
     `early` (default: on gloo) posts each round's receives while the previous round runs.
-    `check` (a `manualdp.spmd.call_check.HeaderCheck` made for this schedule, or None): it runs
+    `check` (a `manualdp.spmd.transport.call_check.HeaderCheck` made for this schedule, or None): it runs
     beside the first round, which goes on its tag (gloo only).
     """
     rounds = plan(schedule, state.rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
     early = state.early if early is None else early
     if check is not None and not (early and overlaps(rounds)):
         raise RuntimeError("a call check carried with the data needs gloo's early receives and a first round of "
-                           "reductions (`manualdp.spmd.plan.overlaps`); run it alone first")
+                           "reductions (`manualdp.spmd.transport.plan.overlaps`); run it alone first")
     state.traffic.add(tensor.dtype, sum(m.hi - m.lo for r in rounds for m in r.sends) * tensor.element_size())
     width = max((r.scratch for r in rounds), default=0)
     space = _scratch(state, 2 * width, tensor)

@@ -3,7 +3,7 @@
 Every rank runs the same schedule and keeps the transfers where it is `src` or `dst`; `plan`
 merges them into messages and cuts those into segments. Both sides derive their lists from
 the same transfers in the same order, so every send meets its receive. The executor
-(`manualdp.spmd.p2p`) posts them.
+(`manualdp.spmd.transport.p2p`) posts them.
 """
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import bisect
 import functools
 from typing import NamedTuple
 
-from ..schedule import Schedule, chunk_bounds
-from ..validate import int_between, non_negative_int, positive_int
+from ...schedule import Schedule, chunk_bounds
+from ...validate import int_between, non_negative_int, positive_int
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "merge_into_messages", "cut_into_segments",
            "may_post_early", "sends_before", "overlaps"]
@@ -131,6 +131,6 @@ def may_post_early(recvs: tuple[Message, ...], previous: list[Message]) -> bool:
 def overlaps(rounds: tuple[Round, ...]) -> bool:
     """Whether a plan's first round may go out before the call check agrees: its receives all land in scratch space.
 
-    So a refused call's tensor is unchanged (`manualdp.spmd.call_check`). True of every allreduce schedule.
+    So a refused call's tensor is unchanged (`manualdp.spmd.transport.call_check`). True of every allreduce schedule.
     """
     return bool(rounds) and all(m.reduce for m in rounds[0].recvs)

@@ -19,8 +19,8 @@ import concurrent.futures
 import torch
 
 from .flat import FlatDDP
-from .collectives import allreduce
-from .group import group_worker  # the one thread per process group that runs collectives in order
+from ..collectives import allreduce
+from ..transport.group import group_worker  # the one thread per process group that runs collectives in order
 
 __all__ = ["OverlappedDDP"]
 

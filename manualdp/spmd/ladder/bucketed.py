@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ..buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
-from ..validate import positive_number
+from ...buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
+from ...validate import positive_number
 from .overlapped import OverlappedDDP
-from .collectives import allreduce
+from ..collectives import allreduce
 
 __all__ = ["BucketedDDP"]
 

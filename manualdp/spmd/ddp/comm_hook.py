@@ -7,14 +7,10 @@ hooks: a hook on one rank only would send other messages than its peers' allredu
 """
 from __future__ import annotations
 
-import zlib
-
-import torch
-import torch.distributed as dist
-
-from .collectives import allreduce
-from .hooks import GradBucket, hook_name, hook_result
-from .peers import DEFAULT_TIMEOUT
+from ..collectives import allreduce
+from ..comm_hooks import GradBucket, hook_name, hook_result
+from ..transport.agree import agree
+from ..transport.peers import DEFAULT_TIMEOUT
 
 __all__ = ["CommHook", "check_same_hook"]
 
@@ -40,19 +36,8 @@ class CommHook:
                   check=False)
 
 
-def check_same_hook(hook: CommHook | None, rank: int, world_size: int, group, device, timeout) -> None:
-    """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them.
-
-    The ranks sum a table of one fingerprint each, and only on a mismatch gather the names.
-    """
+def check_same_hook(hook: CommHook | None, group, timeout) -> None:
+    """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them."""
     mine = hook_name(hook.hook) if hook is not None else "none (manualdp's allreduce)"
-    table = torch.zeros(world_size, dtype=torch.int64, device=device)
-    table[rank] = zlib.crc32(mine.encode())
-    allreduce(table, "naive", group, timeout=timeout, check=False)
-    if len(set(table.tolist())) == 1:
-        return
-    everyone: list = [None] * world_size
-    dist.all_gather_object(everyone, mine, group=group)
-    raise ValueError(f"rank {rank}: DistributedDataParallel: the ranks registered different comm hooks ("
-                     + ", ".join(f"rank {r}: {name}" for r, name in enumerate(everyone))
-                     + "); call register_comm_hook with the same hook on every rank")
+    agree("DistributedDataParallel's comm hook", {"comm hook": mine}, group, timeout=timeout,
+          hint="call register_comm_hook with the same hook on every rank")

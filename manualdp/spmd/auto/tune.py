@@ -1,6 +1,6 @@
 """`algorithm="auto"`: the constants of the link, measured, agreed by every rank and cached.
 
-The pick itself is arithmetic (`manualdp.spmd.pick`). It needs this transport's constants,
+The pick itself is arithmetic (`manualdp.spmd.auto.pick`). It needs this transport's constants,
 fitted by a short calibration between two ranks that sends as the executor sends
 (`calibrate`): ping-pongs of one element give alpha (per message), a large transfer beta (per
 byte), a local addition gamma (per byte added). `duplex`, what sending and receiving at once
@@ -9,7 +9,7 @@ ranks timed against the naive schedule; on a busy machine the readings scatter, 
 with its spread, and `choose` takes the algorithm that loses least anywhere within it.
 `parallel` is counted, not measured (`host_parallel`): 4 processes on 2 cores share them.
 Every rank must choose alike, so rank 0 decides the constants (`MANUALDP_LINK`, its cache in
-`manualdp.spmd.link_cache`, or a calibration) and broadcasts them; they are kept in the
+`manualdp.spmd.auto.link_cache`, or a calibration) and broadcasts them; they are kept in the
 group's state (`GroupState.link`).
 
 Constants go stale: a cache older than `MAX_CACHE_AGE` is measured again, and so is a link
@@ -28,14 +28,14 @@ from dataclasses import astuple, fields, replace
 import torch
 import torch.distributed as dist
 
-from ..cost import MAX_DUPLEX
-from ..schedule import ALGORITHMS, Schedule, Transfer, get_schedule
-from .group import GroupState, group_state
+from ...cost import MAX_DUPLEX
+from ...schedule import ALGORITHMS, Schedule, Transfer, get_schedule
+from ..transport.group import GroupState, group_state
 from .link_cache import CALIBRATION, ENV, MAX_CACHE_AGE, cache_path, host_parallel, known_link, save
-from .p2p import run_schedule
-from .peers import talking_to, wait
+from ..transport.p2p import run_schedule
+from ..transport.peers import talking_to, wait
 from .pick import Link, choose, predict
-from .plan import DEFAULT_SEGMENT_BYTES
+from ..transport.plan import DEFAULT_SEGMENT_BYTES
 
 # Link, predict and choose (`pick`), and the cache's names, are used here and kept importable from here too.
 __all__ = ["ENGINE_ALGORITHMS", "resolve", "link_for", "agreed", "recalibrate", "measure_again", "calibrate",
@@ -148,7 +148,7 @@ def calibrate(group=None, timeout: float | None = None) -> Link:
     the ring of two against the naive schedule.
 
     Only those two ranks call it. The bytes move as an allreduce moves them: through the
-    executor (`manualdp.spmd.p2p.run_schedule`), in its segments, receives posted ahead where
+    executor (`manualdp.spmd.transport.p2p.run_schedule`), in its segments, receives posted ahead where
     it posts them. A single 4 MiB `isend` answered by an `irecv` posted only then measured 2 to
     3 times the time per byte that the executor takes (2 ranks on one 2-core host), and the
     predictions for large buffers came out that much too slow. Medians, after `WARMUP`

@@ -3,7 +3,7 @@
 Pure arithmetic on the constants of a transport (`Link`): `predict` is `manualdp.cost`'s
 alpha-beta-gamma time of a schedule, `choose` the algorithm that loses least to the fastest
 anywhere within the measured range of the duplex. Measuring and caching the constants is
-`manualdp.spmd.tune`'s. (Not in `manualdp.cost` itself: the book prices one schedule at a
+`manualdp.spmd.auto.tune`'s. (Not in `manualdp.cost` itself: the book prices one schedule at a
 time, and `predict` reads the loads that `manualdp.loads` writes down without building it.)
 """
 from __future__ import annotations
@@ -12,11 +12,11 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from ..cost import MAX_DUPLEX, loads_cost
-from ..loads import allreduce_loads
-from ..schedule import ALGORITHMS
-from ..validate import fraction, non_negative_int, non_negative_number, positive_int
-from .plan import DEFAULT_SEGMENT_BYTES  # the model pipelines additions with the executor's segments
+from ...cost import MAX_DUPLEX, loads_cost
+from ...loads import allreduce_loads
+from ...schedule import ALGORITHMS
+from ...validate import fraction, non_negative_int, non_negative_number, positive_int
+from ..transport.plan import DEFAULT_SEGMENT_BYTES  # the model pipelines additions with the executor's segments
 
 __all__ = ["Link", "predict", "choose", "MAX_SECONDS", "MAX_PARALLEL"]
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..validate import positive_int
 from .collectives import allreduce
-from .peers import PeerError
+from .transport.peers import PeerError
 
 __all__ = ["GradBucket", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "noop_hook",
            "PowerSGDState", "powerSGD_hook", "hook_name", "hook_result"]

@@ -30,12 +30,12 @@ from array import array
 import torch
 import torch.distributed as dist
 
-from ..schedule import ALGORITHMS, Schedule, Transfer
+from ...schedule import ALGORITHMS, Schedule, Transfer
 from .group import GroupState, group_state
 from .p2p import exchange, plan, schedule_of
 from .peers import peer_error
 
-__all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone"]
+__all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone", "differs"]
 
 HEADER_TAG = 2 ** 31 - 1  # the headers' tag; unchecked data goes on tag 0, checked data on `HeaderCheck.tag`
 _FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule")  # compared, named in the error
@@ -90,7 +90,7 @@ class HeaderCheck:
     """One call's check: `start()` sends the headers, `check()` completes them and raises on a mismatch.
 
     `schedule` (default None: the check alone): the algorithm this rank runs; the executor
-    (`manualdp.spmd.p2p.run_schedule`'s `check`) posts its first round on `self.tag`, between
+    (`manualdp.spmd.transport.p2p.run_schedule`'s `check`) posts its first round on `self.tag`, between
     `start()` and `check()`. Afterwards `flagged` says whether any rank raised `flag`.
 
     On gloo the receives of the next call's headers are posted as soon as this call's have
@@ -148,7 +148,7 @@ class HeaderCheck:
                     self._wait(work)
                 state.headers = _post_receives(state, len(self.row))  # the next call's, now
                 # Freed only after the next call's messages are posted: a gloo work freed right after its
-                # wait costs about 2 ms on a 2-core machine (`manualdp.spmd.p2p._keep_until_next_call`).
+                # wait costs about 2 ms on a 2-core machine (`manualdp.spmd.transport.p2p._keep_until_next_call`).
                 state.local.header_works = (self.recvs, sent)
             except RuntimeError as e:
                 raise peer_error(e, peer, self.timeout) from e
@@ -214,6 +214,15 @@ def _tag(row: list[int]) -> int:
     return 2 ** 30 + zlib.crc32(array("q", row[:_FLAG]).tobytes()) % (2 ** 30 - 1)
 
 
+def differs(field: str, values: list[str], wildcard: str | None = None) -> str:
+    """One differing field, as every agreement error of manualdp names it: `algorithm ring..tree (per rank: ring, tree)`.
+
+    `wildcard`: a value that matches every other (shown per rank, left out of the range).
+    """
+    seen = sorted({v for v in values if v != wildcard}, key=lambda v: (len(v), v))
+    return f"{field} {'..'.join(seen)} (per rank: {', '.join(values)})"
+
+
 def _differences(rows: list[list[int]]) -> str:
     names = {"dtype": lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
              "algorithm": lambda v: _NAMES[v], "schedule": lambda v: _NAMES[v] if v >= 0 else "none"}
@@ -221,8 +230,7 @@ def _differences(rows: list[list[int]]) -> str:
     for i, field in enumerate(_FIELDS):
         values = [names.get(field, str)(row[i]) for row in rows]
         if len(set(values)) > 1:
-            differ.append(f"{field} {'..'.join(sorted(set(values), key=lambda v: (len(v), v)))} "
-                          f"(per rank: {', '.join(values)})")
+            differ.append(differs(field, values))
     if not differ:  # two dtypes outside the list above
         differ.append(f"element size (per rank: {', '.join(str(row[_SIZE]) for row in rows)})")
     return "; ".join(differ)

@@ -14,7 +14,7 @@ import datetime
 
 import torch.distributed as dist
 
-from ..validate import positive_number
+from ...validate import positive_number
 from .peers import PeerError
 
 __all__ = ["explain_peer_error", "store_key"]

@@ -1,0 +1,12 @@
+"""Sharding: each rank keeps 1/N of the optimizer state (ZeRO-1), of the gradients (ZeRO-2), of the parameters (ZeRO-3).
+
+- `zero.py`: `ZeroRedundancyOptimizer`, a drop-in for torch's, at stage 1 or 2;
+  `grad_shards.py`: stage 2's gradient buckets, reduce-scattered during backward;
+  `zero_torch_api.py`: what makes it torch's (state-dict consolidation, Join);
+- `fsdp.py`: `fully_shard` (ZeRO-3, in the manner of torch's FSDP2); `fsdp_unit.py`: what one
+  unit does in a step (gather, free, gather again, reduce-scatter).
+"""
+from .zero import ZeroRedundancyOptimizer
+from .fsdp import full_state_dict, fully_shard
+
+__all__ = ["ZeroRedundancyOptimizer", "fully_shard", "full_state_dict"]

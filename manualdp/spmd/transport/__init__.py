@@ -1,0 +1,11 @@
+"""How bytes move between ranks, and how ranks agree before they move.
+
+- `peers.py`: waiting on another rank with a deadline; `PeerError` names who is silent;
+- `plan.py`: a book schedule cut into this rank's messages, round by round;
+- `p2p.py`: the executor: one rank runs its plan as `isend`/`irecv`;
+- `group.py`: what is kept per process group (its ordered worker thread, link constants, scratch);
+- `call_check.py`: ranks that call a collective differently all raise, headers beside the data;
+- `agree.py`: the one way ranks agree on anything (a digest, then the differing fields), and
+  the one rank-0 broadcast every wrapper starts from;
+- `postmortem.py`: which rank was lost first.
+"""
