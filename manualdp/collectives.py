@@ -13,10 +13,10 @@ from .allreduce import execute
 from .schedule import chunk_bounds, get_collective, owned_chunk
 from .validate import check_tensors, int_between
 
-__all__ = ["reduce_scatter", "all_gather", "reduce", "broadcast", "shard"]
+__all__ = ["reduce_scatter", "all_gather", "reduce", "broadcast", "chunk"]
 
 
-def shard(flat: torch.Tensor, device: int, n: int) -> torch.Tensor:
+def chunk(flat: torch.Tensor, device: int, n: int) -> torch.Tensor:
     """The slice of a buffer that `device` owns among `n` devices (a view when the buffer is contiguous)."""
     lo, hi = chunk_bounds(flat.numel(), n)[owned_chunk(device, n)]
     return flat.reshape(-1)[lo:hi]
@@ -30,7 +30,7 @@ def reduce_scatter(tensors: list[torch.Tensor], algorithm: str = "ring") -> list
     check_tensors(tensors)
     with torch.no_grad():
         execute(get_collective("reduce_scatter", algorithm, len(tensors)), tensors)
-    return [shard(t, i, len(tensors)) for i, t in enumerate(tensors)]
+    return [chunk(t, i, len(tensors)) for i, t in enumerate(tensors)]
 
 
 def all_gather(tensors: list[torch.Tensor], algorithm: str = "ring") -> None:

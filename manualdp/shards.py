@@ -3,7 +3,7 @@
 `manualdp.zero` (one process) and `manualdp.spmd.sharding.zero` (one rank per device) share this
 layout. The parameters are grouped by parameter group and dtype; each group becomes one
 flat buffer, and the parameters become views of it. Device i owns the near-equal chunk
-`manualdp.collectives.shard(buffer, i, N)` of every buffer, and hands it to its optimizer
+`manualdp.collectives.chunk(buffer, i, N)` of every buffer, and hands it to its optimizer
 as one piece per parameter that the chunk overlaps: torch's optimizers then skip a
 parameter without a gradient and apply each group's options, exactly as on whole tensors.
 """

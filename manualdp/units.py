@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from .collectives import all_gather, shard
+from .collectives import all_gather, chunk
 from .cost import traffic
 from .lockstep import LockStep
 from .schedule import get_collective
@@ -148,7 +148,7 @@ class Units:
         for b, size in enumerate(self.plans[u].sizes):
             full = [torch.empty(size, dtype=s[u][b].dtype, device=s[u][b].device) for s in self.shards]
             for i, f in enumerate(full):
-                shard(f, i, len(full)).copy_(self.shards[i][u][b])
+                chunk(f, i, len(full)).copy_(self.shards[i][u][b])
             all_gather(full, self.algorithm)
             for i, f in enumerate(full):
                 self.held[i].setdefault(u, []).append(f)

@@ -2,7 +2,7 @@
 
 Plain data parallelism keeps a full copy of the optimizer state on every device: for Adam
 two extra tensors the size of the model, on each of N devices. ZeRO cuts the flat
-parameter vector into N chunks (`manualdp.collectives.shard`) and lets device i keep the
+parameter vector into N chunks (`manualdp.collectives.chunk`) and lets device i keep the
 optimizer state of its chunk only:
 
 1. the gradients are summed, but each device needs only its own chunk of the sum, so a
@@ -31,7 +31,7 @@ from .collectives import all_gather, reduce_scatter
 from .shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from .validate import factory, one_of
 
-__all__ = ["ZeroRedundancyOptimizer", "make_optimizer", "state_bytes"]
+__all__ = ["ShardedOptimizer", "make_optimizer", "state_bytes"]
 
 
 def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer:
@@ -45,7 +45,7 @@ def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
                if isinstance(v, torch.Tensor))
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(torch.optim.Optimizer):
     """A sharded optimizer for `replicas` (one model per device, as from `manualdp.replicate`).
 
     Args:
@@ -155,7 +155,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state: dict) -> None:
         """Load what `state_dict` gave; refuses a state of another stage or number of devices, changing nothing."""
         if not isinstance(state, dict) or "shards" not in state:
-            raise ValueError("state is not a ZeroRedundancyOptimizer state_dict (it has no 'shards')")
+            raise ValueError("state is not a ShardedOptimizer state_dict (it has no 'shards')")
         if (state.get("stage"), state.get("num_devices")) != (self.stage, self.num_devices):
             raise ValueError(f"state is ZeRO-{state.get('stage')} on {state.get('num_devices')} devices; "
                              f"this is ZeRO-{self.stage} on {self.num_devices}")
@@ -177,14 +177,14 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer):
 
 
 class DeviceShard:
-    """Device `device`'s view of a ZeroRedundancyOptimizer: `step` on the last device runs the collective step.
+    """Device `device`'s view of a ShardedOptimizer: `step` on the last device runs the collective step.
 
     The single controller steps the devices one after another; the collectives need every
     device's gradients at once, so the step waits until every device has asked for it.
     Checkpoints hold the whole optimizer (`zero.state_dict()`), never one device's handle.
     """
 
-    def __init__(self, zero: ZeroRedundancyOptimizer, device: int) -> None:
+    def __init__(self, zero: ShardedOptimizer, device: int) -> None:
         self.zero, self.device = zero, device
         self.reduces_gradients = zero.reduces_gradients
 

@@ -33,7 +33,7 @@ import copy
 import torch
 from torch import nn
 
-from .collectives import reduce_scatter, shard
+from .collectives import chunk, reduce_scatter
 from .lockstep import check_own_gpus
 from .loss import correct_tensor, logits_of, summed_loss
 from .replicate import broadcast_buffers
@@ -86,7 +86,7 @@ class Zero3:
         for i, r in enumerate(replicas):
             ps = list(r.parameters())
             self.params.append([[ps[index[id(p)]] for p in unit] for _, unit in chosen])
-            self.shards.append([[shard(flat, i, n).clone() for flat in plan.bind(self.params[i][u])]
+            self.shards.append([[chunk(flat, i, n).clone() for flat in plan.bind(self.params[i][u])]
                                 for u, plan in enumerate(self.plans)])
         self.devices = [s[0][0].device for s in self.shards]
         self.units = Units(replicas, [name for name, _ in chosen], self.plans, self.params, self.shards, algorithm)
@@ -195,6 +195,6 @@ class Zero3:
             for b, size in enumerate(plan.sizes):
                 fulls[u, b] = torch.empty(size, dtype=self.shards[0][u][b].dtype, device=self.devices[0])
                 for i in range(self.num_devices):
-                    shard(fulls[u, b], i, self.num_devices).copy_(self.shards[i][u][b])
+                    chunk(fulls[u, b], i, self.num_devices).copy_(self.shards[i][u][b])
         return [fulls[u, self.plans[u].where[j][0]][slice(*self.plans[u].where[j][1:])].view_as(self.params[0][u][j])
                 for u, j in self.order]

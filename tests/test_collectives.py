@@ -169,11 +169,11 @@ def test_single_controller_collectives_compute_the_sum_or_copy(n, numel, dtype, 
     total = torch.stack(xs).sum(0)
     shards = collectives.reduce_scatter([x.clone() for x in xs])
     for d, s in enumerate(shards):
-        torch.testing.assert_close(s, collectives.shard(total, d, n), **tol)
+        torch.testing.assert_close(s, collectives.chunk(total, d, n), **tol)
     gathered = [x.clone() for x in xs]
     expected = torch.empty_like(total)
     for d in range(n):
-        collectives.shard(expected, d, n).copy_(collectives.shard(xs[d], d, n))
+        collectives.chunk(expected, d, n).copy_(collectives.chunk(xs[d], d, n))
     collectives.all_gather(gathered)
     assert all(torch.equal(g, expected) for g in gathered)
     reduced = [x.clone() for x in xs]
@@ -199,14 +199,14 @@ def _p2p_job():
             dist.all_reduce(ref)
             mine = x.clone()
             out[("reduce_scatter", numel, dtype)] = (spmd_collectives.reduce_scatter(mine, segment_bytes=4000).clone(),
-                                                     collectives.shard(ref, rank, n))
+                                                     collectives.chunk(ref, rank, n))
             mine = x.clone()
             spmd_collectives.all_gather(mine)
             parts = [torch.empty_like(x) for _ in range(n)]
             dist.all_gather(parts, x)
             ref = torch.empty_like(x)
             for d in range(n):
-                collectives.shard(ref, d, n).copy_(collectives.shard(parts[d], d, n))
+                collectives.chunk(ref, d, n).copy_(collectives.chunk(parts[d], d, n))
             out[("all_gather", numel, dtype)] = (mine, ref)
             root = n - 1
             mine, ref = x.clone(), x.clone()

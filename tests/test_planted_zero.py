@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from manualdp import cpu_devices, replicate, train_batch
-from manualdp.zero import ZeroRedundancyOptimizer
+from manualdp.zero import ShardedOptimizer
 
 
 def _net():
@@ -25,12 +25,12 @@ def test_a_loaded_state_brings_back_the_schedulers_learning_rate():
     """A resumed run steps with the lr its scheduler had reached, not the one the optimizer was built with."""
     devices = cpu_devices(3)
     first, again = replicate(_net(), devices), replicate(_net(), devices)
-    zero = ZeroRedundancyOptimizer(first, torch.optim.SGD, lr=0.1, momentum=0.9)
+    zero = ShardedOptimizer(first, torch.optim.SGD, lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.1)
     (X, y), (X2, y2) = _batches(2)
     train_batch(X, y, first, zero.per_device(), devices)
     scheduler.step()
-    resumed = ZeroRedundancyOptimizer(again, torch.optim.SGD, lr=0.1, momentum=0.9)
+    resumed = ShardedOptimizer(again, torch.optim.SGD, lr=0.1, momentum=0.9)
     for r in again:
         r.load_state_dict(first[0].state_dict())
     resumed.load_state_dict(zero.state_dict())

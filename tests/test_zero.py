@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 from manualdp import cpu_devices, replicate, train_batch
-from manualdp.collectives import shard
+from manualdp.collectives import chunk
 from manualdp.schedule import chunk_sizes, owned_chunk
-from manualdp.zero import ZeroRedundancyOptimizer, state_bytes
+from manualdp.zero import ShardedOptimizer, state_bytes
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-2),
@@ -53,7 +53,7 @@ def _data_parallel(make, batches, n, stage=None, algorithm="ring"):
     if stage is None:
         opts = [make(r.parameters()) for r in replicas]
     else:
-        zero = ZeroRedundancyOptimizer(replicas, make, stage=stage, algorithm=algorithm)
+        zero = ShardedOptimizer(replicas, make, stage=stage, algorithm=algorithm)
         opts = zero.per_device()
     out = []
     for X, y in batches:
@@ -108,10 +108,10 @@ def test_stage_2_does_not_allreduce():
 
 def test_each_device_owns_its_chunk_of_the_parameters():
     replicas = replicate(_net(), cpu_devices(3))
-    zero = ZeroRedundancyOptimizer(replicas, OPTIMIZERS["adam"])
+    zero = ShardedOptimizer(replicas, OPTIMIZERS["adam"])
     for i, pieces in enumerate(zero.pieces):
         mine = torch.cat([piece.detach() for *_, piece in pieces])
-        assert torch.equal(mine, shard(_flat(replicas[i]), i, 3))
+        assert torch.equal(mine, chunk(_flat(replicas[i]), i, 3))
         # the pieces are views of the replica's own parameters, not copies
         first = dict(zip(range(len(zero.params[i])), zero.params[i]))[pieces[0][0]]
         assert pieces[0][3].untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
@@ -125,7 +125,7 @@ def test_each_device_owns_its_chunk_of_the_parameters():
 def test_bad_input_names_the_argument(kwargs, error, match):
     replicas = kwargs.pop("replicas")
     with pytest.raises(error, match=match):
-        ZeroRedundancyOptimizer(replicas, **kwargs)
+        ShardedOptimizer(replicas, **kwargs)
 
 
 def _loaders(dtype=torch.float64):
@@ -187,7 +187,7 @@ def test_shards_are_balanced_when_the_size_is_1_mod_3():
     net = _uneven_net()
     total = sum(p.numel() for p in net.parameters())
     assert total % 3 == 1
-    zero = ZeroRedundancyOptimizer(replicate(net, cpu_devices(3)), OPTIMIZERS["sgd"])
+    zero = ShardedOptimizer(replicate(net, cpu_devices(3)), OPTIMIZERS["sgd"])
     sizes = [sum(hi - lo for _, lo, hi, _ in pieces) for pieces in zero.pieces]
     assert sum(sizes) == total and max(sizes) - min(sizes) <= 1, sizes
 
@@ -246,7 +246,7 @@ def test_a_parameter_with_no_gradient_is_skipped_as_torch_skips_it(stage, name):
     make = OPTIMIZERS[name]
     plain, sharded = replicate(_Branchy(), devices), replicate(_Branchy(), devices)
     opts = [make(r.parameters()) for r in plain]
-    zero = ZeroRedundancyOptimizer(sharded, make, stage=stage)
+    zero = ShardedOptimizer(sharded, make, stage=stage)
     for step, (X, y) in enumerate(_batches(12, steps=5)):
         for r in plain + sharded:
             r.use_side = step % 2 == 0
@@ -262,7 +262,7 @@ def test_zero_2_with_a_nan_on_one_device_raises_or_skips(mode):
     from manualdp.guard import NonFiniteGradientError
     devices = cpu_devices(3)
     replicas = replicate(_net(), devices)
-    zero = ZeroRedundancyOptimizer(replicas, OPTIMIZERS["sgd"], stage=2)
+    zero = ShardedOptimizer(replicas, OPTIMIZERS["sgd"], stage=2)
     before = _flat(replicas[0])
     X, y = _batches(12, steps=1)[0]
     X[-1, 0] = float("nan")  # the last shard only: devices 0 and 1 hold finite gradients
@@ -284,7 +284,7 @@ def test_param_groups_and_a_scheduler_work_as_on_plain_data_parallelism():
                 {"params": list(net[4].parameters()), "lr": 1e-3, "weight_decay": 0.0}]
 
     opts = [torch.optim.SGD(groups(r), lr=1e-2, momentum=0.9, weight_decay=1e-2) for r in plain]
-    zero = ZeroRedundancyOptimizer(sharded, torch.optim.SGD, param_groups=groups(sharded[0]), lr=1e-2, momentum=0.9,
+    zero = ShardedOptimizer(sharded, torch.optim.SGD, param_groups=groups(sharded[0]), lr=1e-2, momentum=0.9,
                                    weight_decay=1e-2)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in opts]
     zsched = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.5)
@@ -314,7 +314,7 @@ def test_mixed_float32_and_float64_keep_their_dtypes():
     devices = cpu_devices(2)
     plain, sharded = replicate(Cast(), devices), replicate(Cast(), devices)
     opts = [OPTIMIZERS["adam"](r.parameters()) for r in plain]
-    zero = ZeroRedundancyOptimizer(sharded, OPTIMIZERS["adam"], stage=2)
+    zero = ShardedOptimizer(sharded, OPTIMIZERS["adam"], stage=2)
     for X, y in _batches(10, steps=3):
         train_batch(X, y, plain, opts, devices)
         train_batch(X, y, sharded, zero.per_device(), devices)
@@ -326,7 +326,7 @@ def test_mixed_float32_and_float64_keep_their_dtypes():
 
 def test_load_state_dict_refuses_another_devices_shard_and_changes_nothing():
     replicas = replicate(_uneven_net(), cpu_devices(3))
-    zero = ZeroRedundancyOptimizer(replicas, OPTIMIZERS["adam"])
+    zero = ShardedOptimizer(replicas, OPTIMIZERS["adam"])
     X, y = _batches(12, steps=1)[0]
     train_batch(X, y, replicas, zero.per_device(), cpu_devices(3))
     state = zero.state_dict()

@@ -33,7 +33,7 @@ from ..support.history import History
 from ..support.trace import Trace
 from ..loss import count_correct, logits_of, summed_loss
 from ..train import StepResult, evaluate, train_batch
-from ..zero import ZeroRedundancyOptimizer
+from ..zero import ShardedOptimizer
 from ..zero3 import Zero3
 from ..validate import check_devices, iterable, nn_module, trainable, xy_pair
 from .options import RunOptions, optimizer_factory
@@ -105,7 +105,7 @@ def _train(net, train_iter, test_iter, devices, opts: RunOptions) -> History:
     if opts.zero == 3:
         return _train_zero3(net, replicas, make, kwargs, train_iter, test_iter, devices, opts)
     if opts.zero:
-        sharded = ZeroRedundancyOptimizer(replicas, make, stage=opts.zero, **kwargs)
+        sharded = ShardedOptimizer(replicas, make, stage=opts.zero, **kwargs)
         optimizers, saved = sharded.per_device(), [sharded]  # a checkpoint holds every device's shard
     else:
         optimizers = saved = [make(r.parameters(), **kwargs) for r in replicas]

@@ -2,7 +2,7 @@
 
 The schedules are the book's (`manualdp.schedule`); each rank runs its share of them with
 `manualdp.spmd.transport.p2p.run_schedule`. As in the single controller they work in place on the
-whole buffer: rank i's own chunk is `manualdp.collectives.shard(tensor, i, world_size)`.
+whole buffer: rank i's own chunk is `manualdp.collectives.chunk(tensor, i, world_size)`.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..collectives import shard
+from ..collectives import chunk
 from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
 from .transport.group import after_wrappers, group_state
@@ -101,7 +101,7 @@ def reduce_scatter(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
                    segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> torch.Tensor:
     """Sum `tensor` over the ranks so that this rank holds the sum of its own chunk; returns that chunk (a view)."""
     rank = _run("reduce_scatter", tensor, algorithm, group, 0, segment_bytes, timeout, sums=True)
-    return shard(tensor, rank, dist.get_world_size(group))
+    return chunk(tensor, rank, dist.get_world_size(group))
 
 
 def all_gather(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,

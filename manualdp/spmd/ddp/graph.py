@@ -4,7 +4,7 @@ After each synchronised backward (`GraphChecks`, on the reducer's summed "ready"
 - `static_graph`: the parameters used must stay those of the first iteration;
 - otherwise, without `find_unused_parameters`: every rank's backward must reach every parameter;
 - at construction: the module's devices against `device_ids`, the mesh, and no in-backward optimizers.
-What the ranks compare during a step (calls, comm hooks, debug mode) is in `ddp_debug`.
+What the ranks compare during a step (calls, comm hooks, debug mode) is in `step_check.py`.
 """
 from __future__ import annotations
 

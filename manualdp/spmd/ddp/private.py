@@ -7,7 +7,7 @@
 - `_remove_autograd_hooks()`: the wrapper's gradient hooks come off the module's parameters.
 - `_register_builtin_comm_hook(dist.BuiltinCommHookType.X)`: torch's C++ hooks, as manualdp's own.
 - `_set_params_and_buffers_to_ignore_for_model(module, names)`: names a later wrapper neither syncs nor checks.
-- `_register_buffer_comm_hook`, `_default_broadcast_coalesced`: the buffer comm hook (`ddp_buffers`).
+- `_register_buffer_comm_hook`, `_default_broadcast_coalesced`: the buffer comm hook (`buffers.py`).
 """
 from __future__ import annotations
 

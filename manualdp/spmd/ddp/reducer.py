@@ -184,7 +184,7 @@ class Reducer:
     def allreduce_bucket(self, index: int, bucket: Bucket) -> None:
         """On the worker: sum `bucket.flat`, gradients and flags, over the group."""
         # Straight to the executor: the arguments were checked at construction, and the ranks'
-        # calls once per step (`ddp_debug.CallCheck`).
+        # calls once per step (`step_check.CallCheck`).
         run_allreduce(bucket.flat, self.algorithms[index], self.state, self.segment_bytes, self.timeout)
 
     @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data

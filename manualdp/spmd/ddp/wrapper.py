@@ -1,9 +1,9 @@
 """`DistributedDataParallel`: a drop-in for torch's, allreducing with manualdp's schedules.
 
 Rung 5 of the ladder: rung 4's buckets (`reducer.py`) plus torch's features, each in a file of
-its own that talks to the reducer through its public names: Join (`ddp_join`), comm hooks
-(`ddp_hooks`), unused parameters and static graph (`ddp_checks`), the ranks' call check and
-debug mode (`ddp_debug`), buffer sync (`ddp_buffers`), torch's private methods (`ddp_private`).
+its own that talks to the reducer through its public names: Join (`join.py`), comm hooks
+(`comm_hook.py`), unused parameters and static graph (`graph.py`), the ranks' call check and
+debug mode (`step_check.py`), buffer sync (`buffers.py`), torch's private methods (`private.py`).
 This file is the wrapper: its arguments checked once, forward, `no_sync`, comm hooks, copies.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         output_device: accepted for compatibility; outputs stay on the module's device.
         dim: accepted for compatibility: one device per process, so nothing is scattered.
         broadcast_buffers: torch's deprecated name for `forward_sync_buffers` (a `FutureWarning`);
-            `False` also keeps the buffers out of the copy at construction (see `ddp_buffers`).
+            `False` also keeps the buffers out of the copy at construction (see `buffers.py`).
         init_sync: check that the ranks hold the same model and communication layout (buckets,
             algorithm, segment size, flags; every rank raises on a difference) and broadcast rank 0's state.
         process_group: the group to average over (default: all ranks).
@@ -212,7 +212,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
 
     # An optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait.
     recorder = property(lambda self: self.reducer.recorder, lambda self, trace: setattr(self.reducer, "recorder", trace))
-    # Compare the ranks' calls once per step (`ddp_debug`); turned off only to measure what the check costs.
+    # Compare the ranks' calls once per step (`step_check.py`); turned off only to measure what the check costs.
     check_calls = property(lambda self: self.calls.enabled, lambda self, on: setattr(self.calls, "enabled", on))
 
     # torch's old name for `forward_sync_buffers`

@@ -29,7 +29,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ...collectives import shard
+from ...collectives import chunk
 from ...shards import ShardPlan
 from ..collectives import all_gather, reduce_scatter
 from ..transport.group import group_worker
@@ -102,7 +102,7 @@ class Unit:
             trainable = trains[members[0]]
             flat = torch.cat([values[j].reshape(-1) for j in members])
             name = shard_name(flat.dtype, trainable)
-            self.module.register_parameter(name, nn.Parameter(shard(flat, self.rank, self.world_size).clone(),
+            self.module.register_parameter(name, nn.Parameter(chunk(flat, self.rank, self.world_size).clone(),
                                                               requires_grad=trainable))
             self.shards.append(getattr(self.module, name))
             self.shard_names.append(name)
@@ -166,7 +166,7 @@ class Unit:
         with self._span(f"all_gather {self.name} ({why})", "comm", "comm"):
             for full, own in zip(fulls, self.shards):
                 data = full.data  # not `full`: writing here must not bump the counter autograd checks
-                shard(data, self.rank, self.world_size).copy_(own.detach())
+                chunk(data, self.rank, self.world_size).copy_(own.detach())
                 all_gather(data, group=self.group, timeout=self.timeout)
 
     def free(self) -> None:

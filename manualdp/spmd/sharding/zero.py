@@ -4,7 +4,7 @@ The SPMD twin of `manualdp.zero`, and a drop-in for torch's `ZeroRedundancyOptim
 same constructor keywords, parameter groups and `add_param_group`, `step(closure)`,
 `zero_grad`, learning-rate schedulers, `consolidate_state_dict` and a full `state_dict`, the
 state of a plain optimizer loaded, and `Join([model, opt])` on uneven inputs
-(`zero_compat.py`):
+(`zero_torch_api.py`):
 
     model = DistributedDataParallel(net)                           # stage 1: DDP averages the gradients
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
@@ -19,7 +19,7 @@ buffer per (parameter group, dtype), the parameters made views of it, and this r
 handed to its optimizer as one piece per parameter it overlaps. Elementwise optimizers give
 the same numbers either way, and a parameter no rank has a gradient for is skipped.
 
-At stage 2 the gradients never exist whole on a rank (`zero_grads.py`): during backward each
+At stage 2 the gradients never exist whole on a rank (`grad_shards.py`): during backward each
 bucket is reduce-scattered as it fills and `.grad` freed, so after backward a rank holds 1/N
 of the gradient (`gradient_bytes()`), summed over the backward passes since `zero_grad`; the
 parameters' `.grad` stay None, so a clip or a check of them must be done on the shards.
