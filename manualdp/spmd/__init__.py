@@ -18,7 +18,7 @@ from .transport.peers import DEFAULT_TIMEOUT, PeerError
 from .transport.plan import DEFAULT_SEGMENT_BYTES, Message, Round, plan
 from .collectives import all_gather, allreduce, broadcast, reduce, reduce_scatter
 from .ladder import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP
-from .ddp.bucket import Bucket
+from .ladder.bucket import Bucket
 from .ddp import DistributedDataParallel
 from .comm_hooks import GradBucket, PowerSGDState
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm

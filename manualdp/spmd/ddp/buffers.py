@@ -16,6 +16,7 @@ from torch.nn.parallel.distributed import _BufferCommHookLocation  # torch's enu
 from ...validate import a_callable, boolean
 from ..transport.agree import broadcast_from_rank0
 from .init_sync import kept_named, state_tensors
+from .feature import Feature
 
 __all__ = ["BufferSync", "settle_buffer_flags", "PRE_FORWARD", "POST_FORWARD"]
 
@@ -44,16 +45,13 @@ def settle_buffer_flags(broadcast_buffers: bool | None, forward_sync_buffers: bo
     return synced, synced
 
 
-class BufferSync:
+class BufferSync(Feature):
     """The module's buffers across the reducer's ranks: rank 0's copy, or a buffer comm hook."""
 
     def __init__(self, module, ignored: set[str], reducer) -> None:
         self.module, self.ignored, self.reducer = module, ignored, reducer
         self.hook = None  # (state, hook, location) from `register`, or None: rank 0's copy
         self.futures: tuple = ()  # what the buffer hook returned this step, waited for at the end of backward
-
-    def wire(self) -> None:
-        self.reducer.on_backward_end.append(self.wait)
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in ("hook", "futures")} | {"hook": None, "futures": ()}
@@ -71,7 +69,7 @@ class BufferSync:
             futures = hook[1](hook[0], named)
             self.futures = tuple(futures) if futures is not None else ()
 
-    def wait(self, used=None) -> None:
+    def backward_end(self, used=None) -> None:
         """End of backward: the futures the buffer hook returned are done, as torch waits for them there."""
         futures, self.futures = self.futures, ()
         for future in futures:

@@ -11,10 +11,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .feature import Feature
+
 __all__ = ["GraphChecks", "unfinished_message", "mesh_group", "module_device", "refuse_in_backward_optimizers"]
 
 
-class GraphChecks:
+class GraphChecks(Feature):
     """After each synchronised backward: unused-parameter detection, or static graph's rule.
 
     Args:
@@ -31,10 +33,12 @@ class GraphChecks:
         self.static_used: frozenset[int] | None = None  # static_graph: indices of the parameters the first iteration used
         self.static_gap: list[int] | None = None  # what had not arrived when a parameter the first iteration left out did
 
-    def wire(self) -> None:
+    def grad_ready(self, param) -> None:
         if self.static_graph:
-            self.reducer.on_grad.append(self.note_static)
-        self.reducer.on_backward_end.append(self.check_static if self.static_graph else self.check_all_ready)
+            self.note_static(param)
+
+    def backward_end(self, used: frozenset[int]) -> None:
+        self.check_static(used) if self.static_graph else self.check_all_ready(used)
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k != "logged"}

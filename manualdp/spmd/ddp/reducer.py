@@ -1,29 +1,27 @@
 """The drop-in's reducer: rung 4's buckets, plus what torch's features need to see and change.
 
-As in rung 4 (`bucketed.py`): a hook copies each finished gradient into its bucket; full
+As in rung 4 (`ladder/bucketed.py`): a hook copies each finished gradient into its bucket; full
 buckets are reduced, strictly in order, on the group's worker while backward goes on; at the
 end of backward the missing gradients are filled in, every bucket is waited for and the
-averages go into `.grad`. Rung 5 = rung 4's buckets
-- + two flags per parameter ("used", "ready") summed with the gradients, so every rank learns
-  which parameters some rank left unused (unused-parameter detection, static graph);
+averages go into `.grad`. Rung 5 = rung 4's `Bucket`
+- + two flags per parameter ("used", "ready") summed with the gradients (`FlaggedBucket`), so
+  every rank learns which parameters some rank left unused (unused parameters, static graph);
 - + a per-bucket reduction that a comm hook replaces (`reduce`), and a divisor that Join changes;
 - + sparse gradients, `.grad` as a view into the bucket, and buckets rebuilt after the first
-  step in the order the gradients arrived (rank 0's), as torch's DDP does.
-It composes rung 4's idea rather than inheriting `BucketedDDP`: that class is a whole wrapper
-(its constructor broadcasts and checks the model, its buckets are bare slices), so inheriting
-would drag its constructor into the drop-in, or make rung 4 longer for a student.
+  step in the order the gradients arrived (rank 0's), as torch's DDP does;
+- + the wrapper's features, an ordered list of `Feature` objects whose named hooks the reducer
+  calls, in list order, at five moments of a step (`use`, `feature.py`).
 
-What a feature may read or call (nothing else; `tests/test_ddp_parts.py` holds them to it):
+What a feature may read or call (nothing else; the ddp tests hold them to it):
 - its settings: `group`, `rank`, `peers`, `device`, `timeout`, `segment_bytes`, `gradient_as_bucket_view`, `recorder`;
-- `buckets` (each a `Bucket`), `layout`, `algorithms`, `names` (per bucket), `params`, `steps`;
+- `buckets` (each a `FlaggedBucket`), `layout`, `algorithms`, `names` (per bucket), `params`, `steps`;
 - `locate(param)` -> (bucket, index in it); `index(param)`: torch's index (position in `params`); `name(index)`;
 - `arrived()`: the indices of the parameters whose gradient this backward pass produced;
 - `divisor` (what the sums are divided by) and `active` (ranks training this step), set by Join;
 - `syncing` (this backward syncs; False under `no_sync`), `in_backward`;
 - `reduce(index, bucket)`: the reduction, on the worker; `allreduce_bucket` unless a comm hook replaced it
   (then `reduces_to_average`: its results are averages already);
-- callbacks: `before_reduce` (index, bucket; on the worker), `on_backward_start` (), `on_grad` (param),
-  `on_backward_end` (arrived indices), `on_reset` (), `may_rebuild` () -> bool, `logged` (error) -> error;
+- `may_rebuild` () -> bool (False under Join) and `logged` (error) -> error, set by the wrapper;
 - `submit(fn, *args)`, `shadow_step()`, `reset()`, `remove_hooks()`.
 """
 from __future__ import annotations
@@ -36,19 +34,19 @@ import torch
 from torch import nn
 
 from ...buckets import assign_buckets
-from .bucket import Bucket
+from .bucket import FlaggedBucket
+from .feature import HOOKS, Feature
 from ..transport.agree import broadcast_from_rank0
 from ..transport.group import group_state
 from ..transport.p2p import run_allreduce
 from ..auto.tune import resolve
 
-__all__ = ["Bucket", "Reducer"]
+__all__ = ["Reducer"]
 
 
 # What a copy (deepcopy, pickle) of a reducer leaves behind: per-process state and the features' wiring.
 _NOT_COPIED = ("group", "state", "worker", "hooks", "_where", "names", "_names", "_position", "reduces_to_average",
-               "used_in_no_sync", "ready_order", "reduce", "before_reduce", "on_backward_start", "on_grad",
-               "on_backward_end", "on_reset", "may_rebuild", "logged")
+               "used_in_no_sync", "ready_order", "reduce", "features", "feature_hooks", "may_rebuild", "logged")
 
 
 class Reducer:
@@ -78,7 +76,7 @@ class Reducer:
     def set_layout(self, layout: list[list[int]]) -> None:
         """Buckets of `params` as `layout` groups them, each with its schedule."""
         self.layout = layout
-        self.buckets = [Bucket([self.params[i] for i in b]) for b in layout]
+        self.buckets = [FlaggedBucket([self.params[i] for i in b]) for b in layout]
         # "auto" may calibrate the first time, a collective: every rank resolves here, together.
         self.algorithms = [resolve(self.algorithm, b.flat.numel(), b.flat.element_size(), self.group,
                                    self.timeout, self.segment_bytes) for b in self.buckets]
@@ -96,8 +94,7 @@ class Reducer:
         self.worker = self.state.worker
         self.reduce = self.allreduce_bucket
         self.reduces_to_average = False  # True where `reduce` hands back averages (a comm hook), not sums
-        self.before_reduce, self.on_backward_start, self.on_grad = [], [], []
-        self.on_backward_end, self.on_reset = [], []
+        self.use([])
         self.may_rebuild = lambda: True
         self.logged = lambda error: error
         ref = weakref.ref(self)  # the module may outlive this reducer: its hooks must not keep it alive
@@ -121,6 +118,13 @@ class Reducer:
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
+
+    def use(self, features: list[Feature]) -> None:
+        """The wrapper's features, in order: at each moment of a step their hooks are called in this order."""
+        self.features = list(features)
+        # per hook, the features that override it: a gradient hook calls only what does something
+        self.feature_hooks = {name: [getattr(f, name) for f in self.features
+                                     if getattr(type(f), name, None) is not getattr(Feature, name)] for name in HOOKS}
 
     def locate(self, param: nn.Parameter) -> tuple[int, int]:
         return self._where[id(param)]
@@ -155,10 +159,10 @@ class Reducer:
             self.in_backward = True
             # Runs when the whole backward pass is done, also when some hooks never fire.
             torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
-            for fn in self.on_backward_start:
+            for fn in self.feature_hooks["backward_start"]:
                 fn()
         b, i = self._where[id(param)]
-        for fn in self.on_grad:
+        for fn in self.feature_hooks["grad_ready"]:
             fn(param)
         with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
             full = self.buckets[b].mark_ready(i, param.grad)
@@ -176,12 +180,12 @@ class Reducer:
             bucket.future = self.worker.submit(run, self._next, bucket)
             self._next += 1
 
-    def _reduce(self, index: int, bucket: Bucket) -> None:
-        for fn in self.before_reduce:
+    def _reduce(self, index: int, bucket: FlaggedBucket) -> None:
+        for fn in self.feature_hooks["before_reduce"]:
             fn(index, bucket)
         self.reduce(index, bucket)
 
-    def allreduce_bucket(self, index: int, bucket: Bucket) -> None:
+    def allreduce_bucket(self, index: int, bucket: FlaggedBucket) -> None:
         """On the worker: sum `bucket.flat`, gradients and flags, over the group."""
         # Straight to the executor: the arguments were checked at construction, and the ranks'
         # calls once per step (`step_check.CallCheck`).
@@ -208,7 +212,7 @@ class Reducer:
             if error is not None:
                 raise self.logged(error)
             self.steps += 1
-            for fn in self.on_backward_end:
+            for fn in self.feature_hooks["backward_end"]:
                 fn(used)
         finally:
             self.reset()
@@ -253,10 +257,10 @@ class Reducer:
         self.used_in_no_sync.clear()
         self._next = 0
         self.in_backward = False
-        for fn in self.on_reset:
+        for fn in self.feature_hooks["reset"]:
             fn()
 
-    def write_grads(self, bucket: Bucket) -> None:
+    def write_grads(self, bucket: FlaggedBucket) -> None:
         """The bucket's sums, divided by `divisor` (by 1 where a comm hook handed back averages), into `.grad`."""
         divisor = 1 if self.reduces_to_average else self.divisor
         with torch.no_grad():

@@ -16,11 +16,12 @@ from ..transport.call_check import check_same_call
 from .graph import refuse_in_backward_optimizers
 from .comm_hook import check_same_hook
 from .init_sync import kept_named
+from .feature import Feature
 
 __all__ = ["CallCheck", "Desync"]
 
 
-class CallCheck:
+class CallCheck(Feature):
     """The step's call check, queued on the reducer's worker ahead of the step's buckets.
 
     One `check_same_call` for all buckets (their total size, bucket 0's algorithm): a rank that
@@ -37,11 +38,8 @@ class CallCheck:
         self.comm_hook = None  # the registered `CommHook`, compared at the first step
         self.future: concurrent.futures.Future | None = None  # this step's check, or None
 
-    def wire(self) -> None:
-        """Wait for the step's check before each bucket; queue it at backward's start; forget it at the end."""
-        self.reducer.before_reduce.append(self.wait)
-        self.reducer.on_backward_start.append(self.queue)  # a backward whose forward did not queue it
-        self.reducer.on_reset.append(self.clear)
+    def backward_start(self) -> None:
+        self.queue()  # a backward whose forward did not queue it
 
     def __getstate__(self):
         return self.__dict__ | {"future": None, "comm_hook": None, "started": False}
@@ -51,11 +49,11 @@ class CallCheck:
         if self.future is None:
             self.future = self._submit()
 
-    def wait(self, index: int, bucket) -> None:
+    def before_reduce(self, index: int, bucket) -> None:
         if self.future is not None:
             self.future.result()  # done (the worker runs in order); raises if the ranks called differently
 
-    def clear(self) -> None:
+    def reset(self) -> None:
         self.future = None
 
     def _submit(self) -> concurrent.futures.Future | None:
@@ -79,17 +77,14 @@ class CallCheck:
         return r.submit(run)
 
 
-class Desync:
+class Desync(Feature):
     """Debug mode: before each bucket, every rank shows (step, bucket, size, parameters) to every rank."""
 
     def __init__(self, reducer, world_size: int, joined) -> None:
         self.reducer, self.world_size = reducer, world_size
         self.joined = joined  # () -> whether Join shadows this rank's steps
 
-    def wire(self) -> None:
-        self.reducer.before_reduce.append(self.check)
-
-    def check(self, index: int, bucket) -> None:
+    def before_reduce(self, index: int, bucket) -> None:
         """Every rank must be about to reduce the same bucket of the same step; else all raise."""
         names = self.reducer.names[index]
         r = self.reducer

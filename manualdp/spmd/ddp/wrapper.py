@@ -20,7 +20,6 @@ from torch.distributed.algorithms.join import Join
 from ...buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_buckets
 from ...validate import (boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
-from .bucket import Bucket
 from .buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
 from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers
 from .step_check import CallCheck, Desync
@@ -34,7 +33,7 @@ from ..transport.peers import group_ranks, group_timeout
 from .reducer import Reducer
 from ..auto.tune import ENGINE_ALGORITHMS
 
-__all__ = ["Bucket", "DistributedDataParallel", "NoParametersError"]
+__all__ = ["DistributedDataParallel", "NoParametersError"]
 
 
 class NoParametersError(ValueError, RuntimeError):
@@ -175,16 +174,15 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         self._wire()
 
     def _wire(self) -> None:
-        """Plug the features into the reducer (again after a copy, which carries no wiring)."""
+        """Hand the reducer its features, in the order their hooks run (again after a copy, which carries no wiring)."""
         r = self.reducer
         r.logged = self.errors
         r.may_rebuild = _outside_join(self)  # under Join, torch keeps the first buckets
         self.graph.logged = self.errors
-        self.calls.wire()
-        if self.debug:
-            Desync(r, self.world_size, self.uneven.is_joined).wire()
-        self.buffer_sync.wire()
-        self.graph.wire()
+        r.use([self.calls,  # the step's call check: queued as backward starts, waited for before each bucket
+               *([Desync(r, self.world_size, self.uneven.is_joined)] if self.debug else []),  # each bucket compared
+               self.buffer_sync,  # a buffer comm hook's futures, waited for at the end of backward
+               self.graph])  # unused parameters and static graph, checked at the end of backward
 
     def __getstate__(self):
         if self.process_group is not dist.group.WORLD:  # the copy would average over another group
