@@ -17,8 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 EPOCHS, STEPS_PER_EPOCH = 3, 4  # 60 examples in batches of 16
 
 
@@ -121,7 +120,7 @@ def _run_ranks(tmp, config, world_size=2, limit=60.0, hung=()):
     """
     os.makedirs(tmp, exist_ok=True)
     config = {"stamp": os.path.join(tmp, "fault-time"), "out": os.path.join(tmp, "result"), **config}
-    code = f"import sys; sys.path[:0] = {[ROOT, HERE]!r}; import test_spmd_faults as t; t._rank_main({config!r})"
+    code = f"import sys; sys.path[:0] = {[ROOT]!r}; import {__name__} as t; t._rank_main({config!r})"
     port = _free_port()
     procs = []
     for r in range(world_size):

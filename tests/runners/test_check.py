@@ -7,7 +7,7 @@ import pytest
 
 from manualdp.runners.cli import main
 
-SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "book" / "solutions"
+SOLUTIONS = pathlib.Path(__file__).resolve().parents[2] / "book" / "solutions"
 
 WRONG = {  # exercise -> (a wrong answer a student might write, what the grader must say of it)
     "split_batch": ("""

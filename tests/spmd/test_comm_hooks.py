@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import PeerError, launch
 from manualdp.spmd import comm_hooks as hooks
-from scenarios import run_scenarios
+from tests.scenarios import run_scenarios
 
 JOB_TIMEOUT = 120.0
 N = 2  # ranks

@@ -20,7 +20,7 @@ from manualdp.buckets import assign_buckets
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch
 from manualdp.spmd import comm_hooks as hooks
-from scenarios import run_scenarios
+from tests.scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0
 STEPS = 3

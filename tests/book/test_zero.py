@@ -200,7 +200,7 @@ def _resume_loaders():
             DataLoader(TensorDataset(X, y), batch_size=26))
 
 
-from test_checkpoint import Crash as _Stop, CrashingLoss as _StopAt  # noqa: E402 (a run killed mid-training)
+from tests.support.test_checkpoint import Crash as _Stop, CrashingLoss as _StopAt  # noqa: E402 (a run killed mid-training)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

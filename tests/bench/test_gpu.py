@@ -9,7 +9,7 @@ import torch
 
 from bench.common import Stopwatch
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -80,6 +80,6 @@ def test_importing_the_harness_leaves_the_environment_alone():
 
     env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "BACKEND")}
     code = "import os, bench.conformance; print(os.environ.get('WORLD_SIZE'), os.environ.get('BACKEND'))"
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["None", "None"], out.stderr[-500:]

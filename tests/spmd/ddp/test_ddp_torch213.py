@@ -22,7 +22,7 @@ from manualdp.spmd import comm_hooks as hooks
 from manualdp.spmd.ddp.wrapper import DistributedDataParallel
 from manualdp.spmd.ddp.graph import module_device
 from manualdp.spmd.ddp.private import LOGGED_FIELDS
-from scenarios import run_scenarios
+from tests.scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0
 WRAPPERS = (("ours", DistributedDataParallel), ("theirs", TorchDDP))

@@ -46,7 +46,7 @@ def test_a_zero_3_run_stopped_after_a_checkpoint_resumes_from_it_exactly(tmp_pat
     (Stopping at call 7 stops in step 3, before any checkpoint: the 'resumed' run then starts
     afresh and equals the uninterrupted one whatever the checkpoint holds.)
     """
-    from test_zero import _resume_loaders, _Stop, _StopAt, _uneven_net
+    from tests.book.test_zero import _resume_loaders, _Stop, _StopAt, _uneven_net
 
     from manualdp import train
     kw = dict(optimizer=torch.optim.Adam, progress=False, nonfinite=None, zero=3)

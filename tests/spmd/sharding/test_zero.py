@@ -149,7 +149,7 @@ def _uneven_mlp():
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
 
 
-from test_checkpoint import Crash as _Stop, CrashingLoss as _StopAt  # noqa: E402 (a run killed mid-training)
+from tests.support.test_checkpoint import Crash as _Stop, CrashingLoss as _StopAt  # noqa: E402 (a run killed mid-training)
 
 
 RESUME_CASES = [(stage, name) for stage in (1, 2) for name in ("sgd", "adam", "adamw")] + [(3, "adam")]
