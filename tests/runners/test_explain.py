@@ -4,9 +4,10 @@ from collections import Counter
 
 import pytest
 
-from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, explain, main
+from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, _us, explain, explain_auto, main
 from manualdp.cost import cost, traffic
-from manualdp.schedule import chunk_sizes, get_collective, get_schedule
+from manualdp.schedule import ALGORITHMS, chunk_sizes, get_collective, get_schedule
+from manualdp.spmd.auto.tune import Link, predict
 
 ROUND = re.compile(r"^round (\d+) \((.+)\): (\d+) transfers, estimated ([\d.]+) us$")
 TRANSFER = re.compile(r"^  dev(\d+) -> dev(\d+)  chunk (\d+)  (add|copy)  \((\d+) bytes\)$")
@@ -228,3 +229,26 @@ def test_explain_gives_recursive_doublings_textbook_bytes_as_its_schedule_counts
     if n > p:
         assert f"plus S = {size} for dev0..dev{n - p - 1}" in text
         assert t["sent"][0] == printed + size and t["sent"][n - 1] == size
+
+
+# ---------------------------------------------------------------- planted bugs slipped past these (issue 20)
+
+@pytest.mark.parametrize("collective", ["reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_textbook_bytes_of_reduce_scatter_and_all_gather_are_what_the_schedule_sends(collective, n):
+    size = 4096  # n divides it: every device sends exactly (n-1)/n * S
+    text = explain(collective, n, size_bytes=size)
+    printed = int(re.search(r"textbook: every device sends and receives \(n-1\)/n \* S = (\d+) bytes", text)[1])
+    sent = traffic(get_collective(collective, "ring", n), size, 4)["sent"]
+    assert printed == (n - 1) * size // n == max(sent)
+
+
+def test_explain_auto_predicts_with_the_element_size_it_is_given():
+    link = Link(1e-6, 1e-6, 1e-6, 0.5)
+    size = 56  # 7 elements of 8 bytes cut in 3 chunks (24, 16, 16 bytes); 14 of 4 bytes would be 20, 20, 16
+    text = explain_auto(3, size, link, element_size=8)
+    predicted = {a: predict(a, 3, size, link, 8) for a in ALGORITHMS}
+    assert predicted != {a: predict(a, 3, size, link, 4) for a in ALGORITHMS}, "the test would see nothing"
+    for a in ALGORITHMS:
+        line = next(x for x in text.splitlines() if x.strip().startswith(a + " "))
+        assert _us(predicted[a]) in line, line
