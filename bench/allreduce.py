@@ -74,7 +74,8 @@ def _inputs(num_devices: int, numel: int, dtype: torch.dtype) -> list[torch.Tens
     return [torch.randint(-8, 8, (numel,), generator=g).to(dtype) for _ in range(num_devices)]
 
 
-def time_in_process(algorithm: str, numel: int, dtype: torch.dtype, num_devices: int, iters: int, warmup: int) -> Measurement:
+def time_in_process(algorithm: str, numel: int, dtype: torch.dtype, num_devices: int, iters: int,
+                    warmup: int) -> Measurement:
     """Time `allreduce` on `num_devices` simulated devices, and the memcpy that resets its inputs before each run."""
     pristine = _inputs(num_devices, numel, dtype)
     expected = pristine[0].clone()
@@ -165,7 +166,8 @@ def sweep(
         schedule = get_schedule(algorithm, num_devices)
         algbw = size / t / 1e9
         rows.append({
-            "algorithm": algorithm, "size": size, "count": size // element_size, "type": str(dtype).removeprefix("torch."),
+            "algorithm": algorithm, "size": size, "count": size // element_size,
+            "type": str(dtype).removeprefix("torch."),
             "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (num_devices - 1) / num_devices, "wrong": m.wrong,
             "effbw": memory_bytes(schedule, size, element_size) / t / 1e9,
             "memcpy": 2 * num_devices * size / statistics.median(m.copy_times) / 1e9,
@@ -219,17 +221,19 @@ def format_table(result: dict) -> str:
         f"model: alpha = {m['alpha_s'] * 1e6:.3f} us per transfer, beta = {m['beta']:.3f} per byte moved, "
         f"gamma = {m['gamma']:.3f} per byte added, in units of the row's memcpy time per byte "
         f"(beta + gamma/2 = {m['beta'] + m['gamma'] / 2:.3f})",
-        f"const: alpha = {k['alpha_s'] * 1e6:.3f} us per transfer, beta = {k['beta_s_per_byte'] * 1e12:.2f} ps per byte moved, "
+        f"const: alpha = {k['alpha_s'] * 1e6:.3f} us per transfer, "
+        f"beta = {k['beta_s_per_byte'] * 1e12:.2f} ps per byte moved, "
         f"gamma = {k['gamma_s_per_byte'] * 1e12:.2f} ps per byte added, one bandwidth for every size "
         f"(beta + gamma/2 = {(k['beta_s_per_byte'] + k['gamma_s_per_byte'] / 2) * 1e12:.2f} ps)",
-        "(every schedule adds half the bytes it moves, so the timings fix only beta + gamma/2, not beta and gamma apart)",
+        "(every schedule adds half the bytes it moves, so the timings fix only beta + gamma/2, "
+        "not beta and gamma apart)",
     ]
     for algorithm in dict.fromkeys(r["algorithm"] for r in result["rows"]):
         out += ["", f"# {algorithm}", fmt(*head)]
         for r in (r for r in result["rows"] if r["algorithm"] == algorithm):
             out.append(fmt(
-                r["size"], r["count"], r["type"], f"{r['time_us']:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}", r["wrong"],
-                f"{r['effbw']:.2f}", f"{r['memcpy']:.2f}", f"{r['eff_ratio']:.2f}", f"{r['model_us']:.1f}",
+                r["size"], r["count"], r["type"], f"{r['time_us']:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}",
+                r["wrong"], f"{r['effbw']:.2f}", f"{r['memcpy']:.2f}", f"{r['eff_ratio']:.2f}", f"{r['model_us']:.1f}",
                 f"{r['model_err']:+.0%}", f"{r['constant_model_us']:.1f}", f"{r['constant_model_err']:+.0%}",
             ))
     t = result["targets"]
@@ -306,11 +310,14 @@ def main(argv: list[str] | None = None) -> int:
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     checks = [
         (args.devices >= 1, f"--devices must be >= 1, got {args.devices}"),
-        (args.iters >= 1 and args.warmup >= 0, f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"),
+        (args.iters >= 1 and args.warmup >= 0,
+         f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"),
         (args.factor >= 2, f"--factor must be >= 2, got {args.factor}"),
         (args.threads >= 0, f"--threads must be >= 0, got {args.threads}"),
-        (0 < args.min_bytes <= args.max_bytes, f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}"),
-        (args.min_bytes % element_size == 0, f"--min-bytes must be a multiple of {element_size} ({args.dtype}), got {args.min_bytes}"),
+        (0 < args.min_bytes <= args.max_bytes,
+         f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}"),
+        (args.min_bytes % element_size == 0,
+         f"--min-bytes must be a multiple of {element_size} ({args.dtype}), got {args.min_bytes}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -52,7 +52,8 @@ def _rank(sizes: list[int], calls: int, warmup: int) -> dict:
                 f()
                 if i >= warmup:
                     times[k].append(time.perf_counter() - start)
-        out[nbytes] = {"pick": resolve("auto", x.numel(), 4), **{k: statistics.median(v) * 1e6 for k, v in times.items()}}
+        out[nbytes] = {"pick": resolve("auto", x.numel(), 4),
+                       **{k: statistics.median(v) * 1e6 for k, v in times.items()}}
     return out
 
 

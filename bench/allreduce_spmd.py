@@ -7,11 +7,12 @@
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
 either), one for `auto` as users call it (`auto+check`: with the call check, whose fixed-size
-headers travel beside the first round of data, `manualdp.spmd.transport.call_check`) and one for `torch.distributed.all_reduce`, with the columns nccl-tests
-prints: time (median over runs of the slowest rank's time), algbw = S / time, busbw =
-algbw * 2(n-1)/n, #wrong (inputs are small integers, so every order of summation is exact
-and #wrong must be 0), and busbw / gloo's busbw at the same size. The implementations run
-in turns, run by run, after a barrier each, so that machine noise hits all of them alike.
+headers travel beside the first round of data, `manualdp.spmd.transport.call_check`) and one
+for `torch.distributed.all_reduce`, with the columns nccl-tests prints: time (median over
+runs of the slowest rank's time), algbw = S / time, busbw = algbw * 2(n-1)/n, #wrong (inputs
+are small integers, so every order of summation is exact and #wrong must be 0), and busbw /
+gloo's busbw at the same size. The implementations run in turns, run by run, after a barrier
+each, so that machine noise hits all of them alike.
 With `--backend nccl` the same on GPUs, against NCCL's all_reduce, timed by CUDA events
 (`bench.common.Stopwatch`); the columns keep their names ("gloo" is then NCCL).
 """
@@ -108,12 +109,14 @@ def run(config: dict) -> dict:
         names = list(per_rank[0][size]["times"])
         block = []
         for name in names:
-            slowest = [max(ts) for ts in zip(*(r[size]["times"][name] for r in per_rank))]  # the collective ends with its last rank
+            # the collective ends with its last rank
+            slowest = [max(ts) for ts in zip(*(r[size]["times"][name] for r in per_rank))]
             t = statistics.median(slowest)
             algbw = size / t / 1e9
             block.append({"algorithm": name, "size": size, "count": size // element_size, "type": config["dtype"],
                           "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
-                          "wrong": sum(r[size]["wrong"][name] for r in per_rank), "times_us": [x * 1e6 for x in slowest]})
+                          "wrong": sum(r[size]["wrong"][name] for r in per_rank),
+                          "times_us": [x * 1e6 for x in slowest]})
         gloo = next(r for r in block if r["algorithm"] == _peer(config))["busbw"]
         for r in block:
             r["vs_gloo"] = r["busbw"] / gloo
@@ -140,7 +143,8 @@ def run(config: dict) -> dict:
                        "auto_picks_within_5pct": sum(r["pick_within_5pct"] for r in autos),
                        # What a wrong pick costs: its time over the fastest's, at the worst size it missed.
                        "pick_vs_fastest_max": max((r["pick_vs_fastest"] for r in autos
-                                                   if not r["pick_is_fastest"] and r["pick_vs_fastest"]), default=None)}}
+                                                   if not r["pick_is_fastest"] and r["pick_vs_fastest"]),
+                                                  default=None)}}
 
 
 def format_table(result: dict) -> str:
@@ -149,9 +153,10 @@ def format_table(result: dict) -> str:
     fmt = "{:>10} {:>9} {:>7} {:>16} {:>10} {:>11} {:>11} {:>6} {:>10}".format
     backend = c.get("backend", "gloo")
     lines = [f"allreduce across {c['world_size']} processes ({backend}, 127.0.0.1, {c['threads']} thread(s) each), "
-             f"{c['dtype']}, median of {c['iters']} runs after {c['warmup']} warm-up, segments of {c['segment_bytes']} B, "
-             f"torch {c['torch']}",
-             fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", f"busbw/{backend}")]
+             f"{c['dtype']}, median of {c['iters']} runs after {c['warmup']} warm-up, "
+             f"segments of {c['segment_bytes']} B, torch {c['torch']}",
+             fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong",
+                 f"busbw/{backend}")]
     for r in result["rows"]:
         name = f"auto={r['pick']}" if r["algorithm"] == "auto" else r["algorithm"]
         line = fmt(r["size"], r["count"], r["type"], name, f"{r['time_us']:.1f}", f"{r['algbw']:.3f}",
@@ -166,10 +171,12 @@ def format_table(result: dict) -> str:
                  f"gamma {link['gamma'] * 1e9:.3f} ns/B, duplex {link.get('duplex', 0.0):.2f}"
                  f" +- {link.get('duplex_spread', 0.0):.2f}")
     if t["auto_vs_gloo_min"] is not None:
-        lines.append(f"target auto busbw >= 1.0 x {backend} from 64 KiB to 64 MiB: worst {t['auto_vs_gloo_min']:.2f} -> "
+        lines.append(f"target auto busbw >= 1.0 x {backend} from 64 KiB to 64 MiB: "
+                     f"worst {t['auto_vs_gloo_min']:.2f} -> "
                      f"{'met' if t['auto_vs_gloo_min'] >= 1.0 else 'NOT met'}")
     if t.get("checked_vs_gloo_min") is not None:
-        lines.append(f"  with the per-call check (allreduce's default): worst {t['checked_vs_gloo_min']:.2f} x {backend}")
+        lines.append("  with the per-call check (allreduce's default): "
+                     f"worst {t['checked_vs_gloo_min']:.2f} x {backend}")
     share = t["auto_picks_within_5pct"] / t["sizes"]
     lines.append(f"target auto picks the measured-fastest algorithm, or one within 5% of its time, at >= 90% of "
                  f"sizes: {t['auto_picks_within_5pct']}/{t['sizes']} -> {'met' if share >= 0.9 else 'NOT met'} "
@@ -209,10 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--algorithms", nargs="+", choices=sorted(ALGORITHMS), default=sorted(ALGORITHMS))
     parser.add_argument("--iters", type=int, default=10, help="timed runs per point (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first (default 2)")
-    parser.add_argument("--segment-bytes", type=int, default=1 << 20, help="manualdp's message segments (default 1 MiB)")
+    parser.add_argument("--segment-bytes", type=int, default=1 << 20,
+                        help="manualdp's message segments (default 1 MiB)")
     parser.add_argument("--threads", type=int, help="torch threads per rank (default: cores / world size)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
-    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo",
+                        help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw against size to a PNG")
     args = parser.parse_args(argv)
@@ -221,13 +230,16 @@ def main(argv: list[str] | None = None) -> int:
     element_size = torch.empty((), dtype=DTYPES[args.dtype]).element_size()
     checks = [
         (args.world_size >= 2, f"--world-size must be >= 2, got {args.world_size}"),
-        (args.iters >= 1 and args.warmup >= 0, f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"),
+        (args.iters >= 1 and args.warmup >= 0,
+         f"--iters must be >= 1 and --warmup >= 0, got {args.iters} and {args.warmup}"),
         (args.factor >= 2, f"--factor must be >= 2, got {args.factor}"),
         (args.segment_bytes >= 1, f"--segment-bytes must be >= 1, got {args.segment_bytes}"),
         (args.threads is None or args.threads >= 1, f"--threads must be >= 1, got {args.threads}"),
         (args.timeout > 0, f"--timeout must be > 0, got {args.timeout}"),
-        (0 < args.min_bytes <= args.max_bytes, f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}"),
-        (args.min_bytes % element_size == 0, f"--min-bytes must be a multiple of {element_size} ({args.dtype}), got {args.min_bytes}"),
+        (0 < args.min_bytes <= args.max_bytes,
+         f"need 0 < --min-bytes <= --max-bytes, got {args.min_bytes} and {args.max_bytes}"),
+        (args.min_bytes % element_size == 0,
+         f"--min-bytes must be a multiple of {element_size} ({args.dtype}), got {args.min_bytes}"),
     ]
     for ok, message in checks:
         if not ok:

@@ -53,7 +53,8 @@ def _rank_main(config: dict) -> dict | None:
     torch.manual_seed(config["seed"])
     net = get_model(config["model"]).to(device)
     gpu = [device.index] if device.type == "cuda" else None
-    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(net), device_ids=gpu, bucket_cap_mb=config["bucket_mb"])
+    theirs = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(net), device_ids=gpu,
+                                                       bucket_cap_mb=config["bucket_mb"])
     ours = DistributedDataParallel(copy.deepcopy(net), bucket_cap_mb=config["bucket_mb"], algorithm=config["algorithm"],
                                    process_group=dist.new_group(backend=backend), segment_bytes=config["segment_bytes"])
     models = dict(zip(NAMES, (theirs, ours)))
@@ -62,8 +63,10 @@ def _rank_main(config: dict) -> dict | None:
     batch = config["batch_size"]
     g = torch.Generator().manual_seed(config["seed"] + 1)
     total_steps = config["warmup"] + config["rounds"] * config["steps"]
-    data = [shard(torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g), rank, world_size)
-            for _ in range(min(total_steps, 16))]  # a few batches, cycled: both models see the same sequence
+    # a few batches, cycled: both models see the same sequence
+    data = [shard(torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g),
+                  rank, world_size)
+            for _ in range(min(total_steps, 16))]
     data = [(X.to(device), y.to(device)) for X, y in data]
     step_clock, block_clock = Stopwatch(device), Stopwatch(device)
 
@@ -108,7 +111,8 @@ def run(config: dict) -> dict:
         stats[name] = {"samples_per_s": statistics.median(raw["samples_per_s"][name]),
                        **{f"p{q}_ms": 1e3 * _percentile(times, q / 100) for q in (50, 75, 90, 95)},
                        "rounds_samples_per_s": raw["samples_per_s"][name], "step_times_s": times}
-    paired = [ours / theirs for ours, theirs in zip(raw["samples_per_s"]["manualdp"], raw["samples_per_s"]["torch DDP"])]
+    paired = [ours / theirs for ours, theirs in zip(raw["samples_per_s"]["manualdp"],
+                                                    raw["samples_per_s"]["torch DDP"])]
     return {"config": dict(config, torch=torch.__version__), "results": stats,
             "ratio": stats["manualdp"]["samples_per_s"] / stats["torch DDP"]["samples_per_s"],
             "paired_ratio": statistics.median(paired),
@@ -133,7 +137,8 @@ def format_table(result: dict) -> str:
     ok = "met" if result["ratio"] >= 1.0 else "NOT met"  # at least as fast as torch's DDP on the same engine
     lines += [f"ratio manualdp/DDP (samples/s): {result['ratio']:.3f}  (target >= 1.00: {ok}); "
               f"median of per-round ratios {result['paired_ratio']:.3f}",
-              f"max |parameter difference| after {result['steps_per_model']} steps each: {result['max_param_diff']:.3g}"]
+              f"max |parameter difference| after {result['steps_per_model']} steps each: "
+              f"{result['max_param_diff']:.3g}"]
     return "\n".join(lines)
 
 
@@ -178,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=positive(int), help="torch threads per rank (default: cores / world size)")
     parser.add_argument("--timeout", type=positive(float), default=1800.0, help="give up after this many seconds")
-    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo",
+                        help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s per round and step times to a PNG")
     args = parser.parse_args(argv)

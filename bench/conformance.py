@@ -271,7 +271,8 @@ def first_error_line(text: str) -> str:
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
             j = i + 1
-            while j < len(lines) and (lines[j].startswith("File ") or not re.match(r"^[\w.]+(Error|Exception|Exit)\b", lines[j])):
+            while j < len(lines) and (lines[j].startswith("File ")
+                                      or not re.match(r"^[\w.]+(Error|Exception|Exit)\b", lines[j])):
                 j += 1
             if j < len(lines):
                 return lines[j][:160]

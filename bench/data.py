@@ -78,7 +78,8 @@ def run(world_sizes: list[int], batch_size: int, num_train: int, rounds: int, ra
                     times[kind].append(time.perf_counter() - start)
         whole, mine = statistics.median(times["whole"]), statistics.median(times["shard"])
         steps = num_train // batch_size
-        rows.append({"world_size": w, "whole_s": whole, "shard_s": mine, "saved_ms_per_step": (whole - mine) / steps * 1e3,
+        rows.append({"world_size": w, "whole_s": whole, "shard_s": mine,
+                     "saved_ms_per_step": (whole - mine) / steps * 1e3,
                      "speedup": whole / mine, "times": times})
     return {"config": {"world_sizes": world_sizes, "batch_size": batch_size, "num_train": num_train, "rounds": rounds,
                        "rank": rank, "torch": torch.__version__}, "rows": rows}

@@ -214,7 +214,8 @@ def _kill(sig_name: str, tmp: str) -> str:
     straight = _manualdp([*run, "--json", a])
     victim = _manualdp([*run, "--checkpoint-dir", ckpt, "--checkpoint-every", "2"])
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len([f for f in os.listdir(ckpt) if f.endswith(".pt")] if os.path.isdir(ckpt) else []) < 2:
+    while (time.monotonic() < deadline
+           and len([f for f in os.listdir(ckpt) if f.endswith(".pt")] if os.path.isdir(ckpt) else []) < 2):
         if victim.poll() is not None:
             break
         time.sleep(0.05)
@@ -344,7 +345,8 @@ def _cost_job(steps: int, rounds: int, model_name: str = "lenet") -> dict:
     calls, total = [], sum(b.flat.numel() for b in model._buckets)
     for i in range(CHECK_CALLS + 5):
         start = time.perf_counter()
-        call_check.check_same_call(model._buckets[0].flat, model._algorithms[0], model.segment_bytes, None, 60, numel=total)
+        call_check.check_same_call(model._buckets[0].flat, model._algorithms[0], model.segment_bytes, None, 60,
+                                   numel=total)
         if i >= 5:
             calls.append(time.perf_counter() - start)
     return {"on": statistics.median(on), "off": statistics.median(off), "buckets": len(model._buckets),
@@ -390,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--world-size must be from 2 to 8, got {args.world_size}")
     if args.check_cost:
         r = check_cost(args.steps, args.rounds, args.model, args.world_size)
-        print(f"{args.model} step, {args.world_size} ranks: {r['on'] * 1e3:.2f} ms with the rank checks, {r['off'] * 1e3:.2f} ms without: "
+        print(f"{args.model} step, {args.world_size} ranks: {r['on'] * 1e3:.2f} ms with the rank checks, "
+              f"{r['off'] * 1e3:.2f} ms without: "
               f"{100 * r['overhead']:+.2f}%; the check alone: {r['check_s'] * 1e6:.0f} us, once per step for its "
               f"{r['buckets']} bucket(s) = {100 * r['check_share']:.2f}% of the step without it (target < 2%), "
               "less in the step, where it runs while forward and backward compute")

@@ -37,7 +37,8 @@ def _free_port() -> int:
 
 
 def start_nodes(train_args: list[str], nproc: int, log_dir: str) -> list[subprocess.Popen]:
-    """Start `manualdp train train_args` as two torchrun nodes of `nproc` ranks; each worker's output goes under `log_dir`.
+    """Start `manualdp train train_args` as two torchrun nodes of `nproc` ranks; each worker's output goes
+    under `log_dir`.
 
     Node 0 hosts the c10d store (`is_host=1`), as the machine named in `--rdzv-endpoint`
     would; node 1 only connects to it (`is_host=0`), so both start at once and killing node 1
@@ -131,7 +132,8 @@ def kill_node_and_resume(tmp: str, nproc: int = 2, num_train: int = 512, every: 
     positive_int("every", every)
     positive_number("limit", limit, finite=True)
     args = ["--no-progress", "--model", "mlp", "--num-train", str(num_train), "--num-test", "64", "--batch-size", "32",
-            "--epochs", "2", "--algorithm", "ring", "--threads", "1", "--timeout", "30", "--checkpoint-every", str(every)]
+            "--epochs", "2", "--algorithm", "ring", "--threads", "1", "--timeout", "30",
+            "--checkpoint-every", str(every)]
     straight_dir, ckpt = os.path.join(tmp, "straight"), os.path.join(tmp, "ckpt")
     straight_json, resumed_json = os.path.join(tmp, "straight.json"), os.path.join(tmp, "resumed.json")
     out: dict = {}

@@ -35,7 +35,8 @@ def sweep(models: list[str], world_sizes: list[int], base: dict, progress: bool 
     rows = []
     configs = [(m, w) for m in models for w in world_sizes]
     for model, world_size in tqdm(configs, desc="scaling", disable=not progress, leave=False):
-        config = dict(base, model=model, world_size=world_size, batch_size=base.get("batch_size") or DEFAULT_BATCH[model],
+        config = dict(base, model=model, world_size=world_size,
+                      batch_size=base.get("batch_size") or DEFAULT_BATCH[model],
                       threads=base["threads"] or max(1, (os.cpu_count() or 1) // world_size))
         result = run(config)
         row = {"model": model, "world_size": world_size, "ratio": result["ratio"],
@@ -105,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket-mb", type=positive(float), default=25.0, help="bucket cap of both (default 25)")
     parser.add_argument("--threads", type=positive(int), help="torch threads per rank (default: cores / world size)")
     parser.add_argument("--timeout", type=positive(float), default=1800.0, help="give up on one run after this many s")
-    parser.add_argument("--backend", choices=BACKENDS, default="gloo", help="gloo (CPUs, default) or nccl (a GPU per rank)")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo",
+                        help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--json", metavar="PATH", help="write the table as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s against world size to a PNG")

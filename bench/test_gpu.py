@@ -1,4 +1,5 @@
-"""Checks that need CUDA; `bash bench/gpu.sh` runs them (`pytest -m gpu`), the CPU suite in tests/ never collects them."""
+"""Checks that need CUDA; `bash bench/gpu.sh` runs them (`pytest -m gpu`), the CPU suite in tests/ never
+collects them."""
 import time
 
 import pytest

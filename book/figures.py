@@ -27,7 +27,8 @@ from manualdp.spmd.auto.tune import Link, predict
 from manualdp.support.plot_rounds import draw_panel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-COLLECTIVES = ["naive", "ring", "tree", "halving_doubling", "recursive_doubling", "reduce_scatter", "all_gather"]  # chapter 2, 4 devices
+# chapter 2, 4 devices
+COLLECTIVES = ["naive", "ring", "tree", "halving_doubling", "recursive_doubling", "reduce_scatter", "all_gather"]
 
 
 def _figure(width: float, height: float) -> Figure:
@@ -135,7 +136,8 @@ def ladder(path: str, fast: bool) -> None:
     from manualdp.spmd import launch
 
     timelines = launch(record_ladder, 2, (1 if fast else 5,), timeout=300)[0]
-    colours = {"forward": "#4c9be8", "backward": "#e8884c", "step": "#59b36b", "wait": "#d04a4a", "allreduce": "#b04ad0"}
+    colours = {"forward": "#4c9be8", "backward": "#e8884c", "step": "#59b36b", "wait": "#d04a4a",
+               "allreduce": "#b04ad0"}
     fig = _figure(7.5, 4.2)
     ax = fig.add_subplot(1, 1, 1)
     labels = []

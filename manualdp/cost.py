@@ -41,7 +41,8 @@ def check_schedule(schedule: Schedule) -> None:
             written.add((t.dst, t.chunk))
             read.add((t.src, t.chunk))
         if overwritten & read:
-            raise ValueError(f"round {r}: devices send chunks they overwrite in the same round: {sorted(overwritten & read)}")
+            raise ValueError(f"round {r}: devices send chunks they overwrite in the same round: "
+                             f"{sorted(overwritten & read)}")
 
 
 def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str, list[int]]:

@@ -21,8 +21,8 @@ from .transfers import Schedule, Transfer, then
 from .validate import int_between, one_of, positive_int
 
 __all__ = [
-    "Transfer", "Schedule", "naive", "ring", "halving_doubling", "tree", "recursive_doubling", "get_schedule", "ALGORITHMS",
-    "ring_reduce_scatter", "ring_all_gather", "tree_reduce", "tree_broadcast", "owned_chunk", "then",
+    "Transfer", "Schedule", "naive", "ring", "halving_doubling", "tree", "recursive_doubling", "get_schedule",
+    "ALGORITHMS", "ring_reduce_scatter", "ring_all_gather", "tree_reduce", "tree_broadcast", "owned_chunk", "then",
     "COLLECTIVES", "get_collective",
     "chunk_sizes", "chunk_bounds",
 ]

@@ -74,7 +74,8 @@ def train_batch(
     return result
 
 
-def allreduce_gradients(replicas: list[nn.Module], algorithm: str = "naive", bucket_cap_mb: float | None = None) -> None:
+def allreduce_gradients(replicas: list[nn.Module], algorithm: str = "naive",
+                        bucket_cap_mb: float | None = None) -> None:
     """Sum the gradients of all replicas, in place, parameter by parameter or bucket by bucket."""
     one_of("algorithm", algorithm, ALGORITHMS)
     positive_number("bucket_cap_mb", bucket_cap_mb, none_ok=True)

@@ -32,4 +32,5 @@ class Schedule:
 def then(name: str, first: Schedule, second: Schedule) -> Schedule:
     """`first`'s rounds followed by `second`'s, on the same devices and chunks."""
     assert (first.num_devices, first.num_chunks) == (second.num_devices, second.num_chunks)
-    return Schedule(name, first.num_devices, first.num_chunks, first.rounds + second.rounds, first.phases + second.phases)
+    return Schedule(name, first.num_devices, first.num_chunks, first.rounds + second.rounds,
+                    first.phases + second.phases)

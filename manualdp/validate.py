@@ -17,7 +17,8 @@ from torch import nn
 __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
     "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
-    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "initialized", "trainable", "iterable", "callable_or_none",
+    "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "initialized", "trainable",
+    "iterable", "callable_or_none",
     "factory", "a_callable", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch", "xy_pair",
 ]
@@ -91,7 +92,8 @@ def learning_rate(name: str, value):
     """A learning rate: a number > 0, finite and at most MAX_LR (float32's largest, 3.4e38)."""
     if _is_number(value) and 0 < value <= MAX_LR:
         return value
-    raise ValueError(f"{name} must be a positive number, got {value!r} (finite, at most {MAX_LR:.3g}: float32's largest)")
+    raise ValueError(f"{name} must be a positive number, got {value!r} "
+                     f"(finite, at most {MAX_LR:.3g}: float32's largest)")
 
 
 def mapping_or_none(name: str, value):
@@ -116,7 +118,8 @@ def initialized(name: str, module: nn.Module) -> nn.Module:
     """A module whose parameters all have shapes and values: no lazy module (LazyLinear) before its first forward."""
     lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
-        raise ValueError(f"{name} has uninitialized parameters ({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: "
+        raise ValueError(f"{name} has uninitialized parameters "
+                         f"({', '.join(lazy[:3])}{', ...' if len(lazy) > 3 else ''}: "
                          "a lazy module such as LazyLinear); run one forward pass on a batch first, so that they "
                          "get their shapes and values")
     return module
@@ -308,7 +311,8 @@ def xy_pair(name: str, batch):
     if isinstance(batch, dict):
         raise TypeError(f"{name} must yield (X, y) pairs, got a dict with keys {sorted(batch, key=str)}; wrap it, "
                         f"e.g. ((b['image'], b['label']) for b in loader)")
-    what = f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list)) else f"a {type(batch).__name__}"
+    what = (f"a {type(batch).__name__} of {len(batch)}" if isinstance(batch, (tuple, list))
+            else f"a {type(batch).__name__}")
     raise TypeError(f"{name} must yield (X, y) pairs, got {what}")
 
 

@@ -1,4 +1,7 @@
-"""Command line: `manualdp train | explain | check`. The benchmarks are scripts of the repository: `python bench/NAME.py`."""
+"""Command line: `manualdp train | explain | check`.
+
+The benchmarks are scripts of the repository: `python bench/NAME.py`.
+"""
 from __future__ import annotations
 
 import argparse
@@ -52,19 +55,22 @@ def _non_negative_int(at_most: int | None = None):
 def build_parser() -> argparse.ArgumentParser:
     """The `manualdp` argument parser; `explain` and `check` parse their own arguments."""
     parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.",
-                                     epilog="The benchmarks are scripts in a checkout of the repository: python bench/NAME.py")
+                                     epilog="The benchmarks are scripts in a checkout of the repository: "
+                                            "python bench/NAME.py")
     sub = parser.add_subparsers(dest="command", metavar="{train,explain,check}")
     sub.required = True
 
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
-                       description="Train with single-controller data parallelism; under torchrun, one process per device.")
+                       description="Train with single-controller data parallelism; "
+                                   "under torchrun, one process per device.")
     t.add_argument("--devices", type=positive(int, 4096), default=None,
                    help="number of devices (default: 2; under torchrun, the ranks are the devices: leave it out)")
     t.add_argument("--cpu", action="store_true", help="simulate the devices on the CPU even when GPUs exist")
     t.add_argument("--model", choices=sorted(DEFAULT_LR), default="lenet", help="network (default: lenet)")
     t.add_argument("--dataset", choices=["synthetic", "fashion-mnist"], default="synthetic",
                    help="data set (default: synthetic, needs no download)")
-    t.add_argument("--data-dir", default=None, help="where Fashion-MNIST lives (default: ~/.cache/manualdp/fashion-mnist)")
+    t.add_argument("--data-dir", default=None,
+                   help="where Fashion-MNIST lives (default: ~/.cache/manualdp/fashion-mnist)")
     t.add_argument("--download", action="store_true", help="download Fashion-MNIST if it is missing")
     t.add_argument("--num-train", type=positive(int), default=None, metavar="N",
                    help="use the first N training examples (default: all; synthetic has 10000)")
@@ -74,12 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=positive(int), default=256, help="global batch size (default: 256)")
     t.add_argument("--lr", type=positive(float, MAX_LR, " (float32's largest)"), default=None,
                    help="learning rate (default: per model)")
-    t.add_argument("--seed", type=_non_negative_int(MAX_SEED), default=0, help=f"random seed, 0..{MAX_SEED} (default: 0)")
+    t.add_argument("--seed", type=_non_negative_int(MAX_SEED), default=0,
+                   help=f"random seed, 0..{MAX_SEED} (default: 0)")
     t.add_argument("--algorithm", choices=[*ALGORITHMS, "auto"], default=None,
                    help="allreduce algorithm (default: naive in one process; under torchrun, auto: the cost "
                         "model's pick for each bucket, with constants measured on this transport)")
     t.add_argument("--bucket-mb", type=positive(float), default=None,
-                   help="fuse gradients into buckets of this many MiB (default: one allreduce per parameter; 25 under torchrun)")
+                   help="fuse gradients into buckets of this many MiB "
+                        "(default: one allreduce per parameter; 25 under torchrun)")
     t.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer (default: sgd)")
     t.add_argument("--zero", type=int, choices=[1, 2, 3], default=None,
                    help="ZeRO stage: 1 shards the optimizer state over the devices, 2 also the gradients, "
@@ -194,7 +202,8 @@ def _shared_output(args) -> str | None:
 
 
 def _output_problems(args) -> str | None:
-    """The first output (--json, --plot, --trace, --plot-trace, --checkpoint-dir) that cannot be written, as one line."""
+    """The first output (--json, --plot, --trace, --plot-trace, --checkpoint-dir) that cannot be written,
+    as one line."""
     from ..support.files import output_problem
 
     outputs = [("--json", args.json, 1 << 20, False), ("--plot", args.plot, 4 << 20, False),
@@ -300,7 +309,8 @@ def _report_trace(args, history) -> None:
         return
     s = history.config["timeline"]
     print(f"timeline: {args.trace}; communication {s['comm_ms_per_step']:.2f} ms/step, "
-          f"{100 * s['overlap_fraction']:.0f}% hidden behind backward, {s['exposed_comm_ms_per_step']:.2f} ms/step exposed")
+          f"{100 * s['overlap_fraction']:.0f}% hidden behind backward, "
+          f"{s['exposed_comm_ms_per_step']:.2f} ms/step exposed")
     if args.plot_trace:
         from ..support.trace import plot_trace
 

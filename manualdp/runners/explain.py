@@ -3,7 +3,8 @@
     manualdp explain ring --devices 4 --size 1048576
     manualdp explain reduce_scatter --devices 4        (also all_gather, reduce, broadcast)
     manualdp explain auto --devices 2 --size 1048576   (what algorithm="auto" would pick, and why)
-    manualdp explain zero3 --devices 4 [--plot zero3.png]  (one ZeRO-3 step's collectives: manualdp.runners.explain_zero3)
+    manualdp explain zero3 --devices 4 [--plot zero3.png]  (one ZeRO-3 step's collectives:
+                                                            manualdp.runners.explain_zero3)
 
 Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is chunk 0 of
 `a` plus chunk 0 of `b`, and `sum0` is chunk 0 summed over every device (the result).
@@ -81,17 +82,20 @@ def _state_table(state: list[list[Counter]], indent: str = "    ") -> list[str]:
 def _textbook(name: str, n: int, size: int, root: int) -> str:
     log = (n - 1).bit_length()  # ceil(log2 n)
     if name == "naive":
-        return f"textbook: dev0 sends and receives (n-1)*S = {(n - 1) * size} bytes, the others S = {size if n > 1 else 0}"
+        return (f"textbook: dev0 sends and receives (n-1)*S = {(n - 1) * size} bytes, "
+                f"the others S = {size if n > 1 else 0}")
     if name == "ring":
         return f"textbook: every device sends and receives 2(n-1)/n * S = {2 * (n - 1) * size / n:.0f} bytes"
     if name in ("reduce_scatter", "all_gather"):
-        return f"textbook: every device sends and receives (n-1)/n * S = {(n - 1) * size / n:.0f} bytes (busbw factor (n-1)/n)"
+        return (f"textbook: every device sends and receives (n-1)/n * S = {(n - 1) * size / n:.0f} bytes "
+                f"(busbw factor (n-1)/n)")
     if name == "tree":
-        return (f"textbook: 2*ceil(log2 n) = {2 * log} rounds; every device but dev0 sends S = {size} up and receives S down, "
-                f"plus S per child each way")
+        return (f"textbook: 2*ceil(log2 n) = {2 * log} rounds; every device but dev0 sends S = {size} up "
+                f"and receives S down, plus S per child each way")
     if name in ("reduce", "broadcast"):
         way = "sends S up" if name == "reduce" else "receives S"
-        return f"textbook: ceil(log2 n) = {log} rounds; every device but the root dev{root} {way} once, {size} bytes (busbw factor 1)"
+        return (f"textbook: ceil(log2 n) = {log} rounds; every device but the root dev{root} {way} once, "
+                f"{size} bytes (busbw factor 1)")
     p = 1 << (n.bit_length() - 1)
     if name == "recursive_doubling":
         if p == 1:
@@ -146,7 +150,8 @@ def explain(
     positive_int("element_size", element_size)
     non_negative_int("size_bytes", size_bytes)
     if size_bytes % element_size:
-        raise ValueError(f"size_bytes must be a non-negative multiple of element_size={element_size}, got {size_bytes!r}")
+        raise ValueError(f"size_bytes must be a non-negative multiple of element_size={element_size}, "
+                         f"got {size_bytes!r}")
     if num_devices > MAX_DEVICES:
         raise ValueError(f"num_devices must be at most {MAX_DEVICES} to be explained line by line, got {num_devices}; "
                          "the bytes and time of larger rings follow the formulas printed for smaller ones, "
@@ -162,16 +167,19 @@ def explain(
     sizes = [s * element_size for s in chunk_sizes(size_bytes // element_size, k)]
 
     out = [
-        f"{_title(algorithm, collective, name)} on {n} device{'s' * (n != 1)}: {len(schedule.rounds)} rounds, {k} chunks of a buffer of S = {size_bytes} bytes",
+        f"{_title(algorithm, collective, name)} on {n} device{'s' * (n != 1)}: {len(schedule.rounds)} rounds, "
+        f"{k} chunks of a buffer of S = {size_bytes} bytes",
         "chunk sizes (bytes): " + " ".join(str(s) for s in sizes),
-        "dev0 starts with a, dev1 with b, ...; 'a0+b0' is chunk 0 of a plus chunk 0 of b; 'sum0' is chunk 0 of the result.",
+        "dev0 starts with a, dev1 with b, ...; 'a0+b0' is chunk 0 of a plus chunk 0 of b; "
+        "'sum0' is chunk 0 of the result.",
     ]
     states = trace(schedule) if show_state else None
     if show_state:
         out += ["", "start:"] + _state_table(states[0])
     for r, (rnd, phase) in enumerate(zip(schedule.rounds, schedule.phases), start=1):
         one = Schedule(algorithm, n, k, (rnd,), (phase,))
-        out += ["", f"round {r} ({phase}): {len(rnd)} transfers, estimated {_us(cost(one, size_bytes, alpha, beta, gamma, element_size))}"]
+        out += ["", f"round {r} ({phase}): {len(rnd)} transfers, "
+                    f"estimated {_us(cost(one, size_bytes, alpha, beta, gamma, element_size))}"]
         for t in rnd:
             op = "add" if t.reduce else "copy"
             out.append(f"  dev{t.src} -> dev{t.dst}  chunk {t.chunk}  {op}  ({sizes[t.chunk]} bytes)")
@@ -192,7 +200,8 @@ def explain(
         "",
         f"estimated time: {_us(total)}",
         f"  model: each round lasts as long as its busiest device; alpha = {alpha:.3g} s per message, "
-        f"beta = {beta:.3g} s per byte sent or received{_rate(beta)}, gamma = {gamma:.3g} s per byte added{_rate(gamma)}",
+        f"beta = {beta:.3g} s per byte sent or received{_rate(beta)}, "
+        f"gamma = {gamma:.3g} s per byte added{_rate(gamma)}",
     ]
     return "\n".join(out)
 
@@ -205,7 +214,8 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     positive_int("segment_bytes", segment_bytes)
     pick = choose(num_devices, size_bytes, link, element_size, segment_bytes)
     rounds = {a: sum(repeats for _, repeats in allreduce_loads(a, num_devices, 0)) for a in ALGORITHMS}
-    # Two algorithms can be one schedule (naive and tree at two ranks); past MAX_DEVICES none are, and building them is slow.
+    # Two algorithms can be one schedule (naive and tree at two ranks); past MAX_DEVICES none are,
+    # and building them is slow.
     schedules = {a: get_schedule(a, num_devices).rounds if num_devices <= MAX_DEVICES else a for a in ALGORITHMS}
     out = [f"algorithm='auto' for an allreduce of {size_bytes} bytes on {num_devices} ranks",
            f"  link{f' ({source})' if source else ''}: alpha {_us(link.alpha)} per message, beta {link.beta:.3g} s/B"
@@ -222,7 +232,8 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     out += ["", f"pick: {pick}; the model is manualdp.cost.cost, each round as long as its busiest rank, "
                 "sending and receiving at once charged (1 + duplex) times the larger, additions overlapping "
                 f"transfers segment by segment ({segment_bytes} B)"
-            + (f", and the busy ranks sharing {link.parallel} cores equally" if 0 < link.parallel < num_devices else "")]
+            + (f", and the busy ranks sharing {link.parallel} cores equally"
+               if 0 < link.parallel < num_devices else "")]
     return "\n".join(out)
 
 
@@ -231,7 +242,8 @@ def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
     one_of("algorithm", algorithm, NAMES)
     positive_int("num_devices", num_devices)
     if num_devices > STATE_LIMIT:
-        raise ValueError(f"the rounds are drawn with their chunk tables, for at most {STATE_LIMIT} devices, got {num_devices}")
+        raise ValueError(f"the rounds are drawn with their chunk tables, for at most {STATE_LIMIT} devices, "
+                         f"got {num_devices}")
     collective, name = NAMES[algorithm]
     schedule = get_collective(collective, name, num_devices, root)
     return plot_schedule(schedule, path, f"{_title(algorithm, collective, name)} on {num_devices} devices")
@@ -267,20 +279,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", type=int, default=0, help="root device of reduce and broadcast (default 0)")
     parser.add_argument("--devices", type=int, default=4, help="number of devices (default 4)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help=f"buffer size in bytes (default {DEFAULT_SIZE})")
-    parser.add_argument("--element-size", type=int, default=4, help="bytes per element; chunks hold whole elements (default 4)")
+    parser.add_argument("--element-size", type=int, default=4,
+                        help="bytes per element; chunks hold whole elements (default 4)")
     parser.add_argument("--alpha", type=float, help=f"seconds per message (default {DEFAULT_ALPHA:g}; for auto: "
                         "this host's measured constants if a run has cached them)")
     parser.add_argument("--beta", type=float, help=f"seconds per byte moved (default {DEFAULT_BETA:g}, 20 GB/s)")
     parser.add_argument("--gamma", type=float, help=f"seconds per byte added (default {DEFAULT_GAMMA:g})")
     parser.add_argument("--duplex", type=float, help="auto only: extra cost of sending and receiving at once, "
-                        "0 (full duplex, default), 1 (the directions take turns), up to 2 (they also get in each other's way)")
+                        "0 (full duplex, default), 1 (the directions take turns), "
+                        "up to 2 (they also get in each other's way)")
     parser.add_argument("--segment-bytes", type=int, help=f"auto only: the executor's message segments "
                         f"(default {DEFAULT_SEGMENT_BYTES})")
     parser.add_argument("--parallel", type=int, help="auto only: ranks that can work at once, 0 for all (default: "
                         "this host's cores for cached constants, else 0)")
     parser.add_argument("--plot", metavar="PATH", help="also draw the rounds as a PNG")
     state = parser.add_mutually_exclusive_group()
-    state.add_argument("--state", dest="show_state", action="store_true", default=None, help="always print the chunk tables")
+    state.add_argument("--state", dest="show_state", action="store_true", default=None,
+                       help="always print the chunk tables")
     state.add_argument("--no-state", dest="show_state", action="store_false", help="never print the chunk tables")
     args = parser.parse_args(argv)
     if args.algorithm == "auto":
@@ -288,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.algorithm == "zero3":
         return _main_zero3(parser, args)
     if args.segment_bytes is not None:
-        parser.error("--segment-bytes is for explain auto (the schedules print per round, segments only matter to auto's pick)")
+        parser.error("--segment-bytes is for explain auto "
+                     "(the schedules print per round, segments only matter to auto's pick)")
     if args.parallel is not None:
         parser.error("--parallel is for explain auto (it only matters to auto's pick)")
     if args.duplex is not None:
@@ -320,7 +336,8 @@ def _main_zero3(parser, args) -> int:
              if getattr(args, k) is not None]
     try:
         if given:
-            raise ValueError(f"{', '.join(given)}: explain zero3 runs one step of a small MLP, it takes --devices and --plot")
+            raise ValueError(f"{', '.join(given)}: explain zero3 runs one step of a small MLP, "
+                             f"it takes --devices and --plot")
         text = explain_zero3(args.devices)
         if args.plot:
             if not args.plot.lower().endswith(".png"):

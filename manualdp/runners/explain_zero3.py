@@ -30,7 +30,8 @@ COLOURS = {("all_gather", "forward"): "#2c6fbb", ("all_gather", "backward"): "#e
 
 
 def demo_step(num_devices: int) -> Zero3:
-    """One ZeRO-3 step of a three-unit MLP (float32) on `num_devices` simulated devices; its `collectives` are the step's."""
+    """One ZeRO-3 step of a three-unit MLP (float32) on `num_devices` simulated devices;
+    its `collectives` are the step's."""
     int_between("num_devices", num_devices, 1, MAX_DEVICES)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10))
@@ -99,7 +100,8 @@ def plot_zero3(num_devices: int, path: str):
                 [f"{kind.replace('_', '-')} ({phase})" for kind, phase in COLOURS], fontsize=8)
     wire.set(ylabel="bytes sent per device", title=f"one ZeRO-3 step on {n} devices: the collectives, in order")
     for i in range(n):
-        memory.step(range(1, len(steps) + 1), [c.held[i] for c in steps], where="mid", label=f"dev{i}" if n <= 8 else None)
+        memory.step(range(1, len(steps) + 1), [c.held[i] for c in steps], where="mid",
+                    label=f"dev{i}" if n <= 8 else None)
     memory.axhline(model, color="grey", linestyle="--", label="plain data parallelism: the whole model")
     memory.axhline(model / n, color="grey", linestyle=":", label="1/n of the model")
     memory.set(ylabel="parameter bytes held after it", xlabel="collective", ylim=(0, model * 1.1))

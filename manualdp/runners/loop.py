@@ -117,7 +117,8 @@ def _train(net, train_iter, test_iter, devices, opts: RunOptions) -> History:
         if opts.log:
             opts.log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
                      if state is not None else f"no checkpoint in {opts.checkpoint_dir}: starting from the beginning")
-    timeline = (Timeline(Trace(), replicas, [f"dev{i}" for i in range(len(devices))], optimizers, single_controller=True)
+    timeline = (Timeline(Trace(), replicas, [f"dev{i}" for i in range(len(devices))], optimizers,
+                         single_controller=True)
                 if opts.trace is not None else None)
     mode = SingleController(replicas, optimizers, devices, summed_loss(opts.loss_fn), opts.algorithm,
                             opts.bucket_cap_mb, opts.nonfinite, test_iter, saved)

@@ -106,7 +106,8 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
         for i, s in enumerate(shards):
             s.fill_(-1)
             if not (torch.equal(X, X_kept) and torch.equal(y, y_kept)):
-                raise Mismatch(f"{call}: writing into {name}[{i}] changed the caller's batch: the shard is a view of it. "
+                raise Mismatch(f"{call}: writing into {name}[{i}] changed the caller's batch: "
+                               "the shard is a view of it. "
                                "Copy each shard (`.to(device, copy=True)`): on simulated devices, all of them `cpu`, "
                                "`.to(device)` returns the very same memory")
 
@@ -145,7 +146,8 @@ def allreduce_property(allreduce, n: int, shape: tuple, dtype: torch.dtype, seed
             right = torch.equal(t, expected)
         if not right:
             rebound = given[i] is not t
-            raise Mismatch(f"{call}: expected every device to hold the sum {_show(expected)}; device {i} holds {_show(t)}"
+            raise Mismatch(f"{call}: expected every device to hold the sum {_show(expected)}; "
+                           f"device {i} holds {_show(t)}"
                            + (". Your allreduce put a new tensor into the list (`tensors[i] = ...`): write into the "
                               "tensor the device holds (`tensors[i].copy_(...)`)" if rebound else ""))
         if not torch.equal(t, held[0]):
@@ -173,7 +175,8 @@ def as_schedule(out, n: int, call: str) -> Schedule:
 
 def _holds(contributions: Counter, chunk: int, n: int) -> str:
     names = "abcdefghijklmnopqrstuvwxyz"
-    return "+".join(f"{names[d] if n <= 26 else f'd{d}_'}{chunk}" for d in sorted(contributions.elements())) or "nothing"
+    return "+".join(f"{names[d] if n <= 26 else f'd{d}_'}{chunk}"
+                    for d in sorted(contributions.elements())) or "nothing"
 
 
 def schedule_property(schedule, n: int) -> Schedule:
@@ -196,9 +199,11 @@ def schedule_property(schedule, n: int) -> Schedule:
             if final[d][c] != everyone:
                 missing = sorted((everyone - final[d][c]).elements())
                 twice = sorted((final[d][c] - everyone).elements())
-                what = "; ".join(p for p in (f"it misses device{'s' * (len(missing) > 1)} {_listed(missing)}" if missing else "",
-                                             f"it counts device{'s' * (len(twice) > 1)} {_listed(twice)} twice" if twice else "") if p)
-                raise Mismatch(f"{call}: after its {len(sched.rounds)} rounds, device {d} holds {_holds(final[d][c], c, n)} "
+                what = "; ".join(p for p in (
+                    f"it misses device{'s' * (len(missing) > 1)} {_listed(missing)}" if missing else "",
+                    f"it counts device{'s' * (len(twice) > 1)} {_listed(twice)} twice" if twice else "") if p)
+                raise Mismatch(f"{call}: after its {len(sched.rounds)} rounds, "
+                               f"device {d} holds {_holds(final[d][c], c, n)} "
                                f"in chunk {c}, expected the sum of every device's chunk {c}, "
                                f"{_holds(everyone, c, n)}: {what}")
     return sched
@@ -212,7 +217,8 @@ class Twice(nn.Module):
     def __init__(self, seed: int = 0):
         super().__init__()
         torch.manual_seed(seed)
-        self.inp, self.shared, self.frozen, self.out = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.inp, self.shared, self.frozen, self.out = (nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 8),
+                                                        nn.Linear(8, 4))
         self.frozen.requires_grad_(False)
 
     def forward(self, x):
@@ -248,7 +254,8 @@ def train_steps(models: dict, steps: int = 3) -> dict:
             (nn.functional.cross_entropy(model(Xs), ys, reduction="sum") / len(X) * n).backward()
             if hasattr(model, "finish_gradient_synchronization"):
                 model.finish_gradient_synchronization()
-            grads = {p_name: p.grad.detach().clone() for p_name, p in named[k] if p.requires_grad and p.grad is not None}
+            grads = {p_name: p.grad.detach().clone() for p_name, p in named[k]
+                     if p.requires_grad and p.grad is not None}
             opts[k].step()
             out[k]["steps"].append({"grads": grads, "params": {p_name: p.detach().clone() for p_name, p in named[k]}})
     return out
@@ -282,7 +289,8 @@ def ddp_mismatch(results: list[dict], name: str, ref: str = "torch", atol: float
     for step in range(len(results[0][ref]["steps"])):
         for r, res in enumerate(results):
             mine, theirs = res[name]["steps"][step], res[ref]["steps"][step]
-            for what, key in (("the gradients when backward returned", "grads"), ("the parameters after the step", "params")):
+            for what, key in (("the gradients when backward returned", "grads"),
+                              ("the parameters after the step", "params")):
                 diff = _first_difference(mine[key], theirs[key], atol)
                 if diff:
                     hint = (f" Rank {r} holds {n} times the average: divide the sum by the world size."

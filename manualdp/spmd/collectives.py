@@ -61,7 +61,8 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     auto, requested = algorithm == "auto", algorithm
     carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None)
     # Alone, first: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
-    if check and not carried and same_call(state, tensor, algorithm, segment_bytes, timeout, flag=auto and state.drifted):
+    if check and not carried and same_call(state, tensor, algorithm, segment_bytes, timeout,
+                                           flag=auto and state.drifted):
         measure_again(state, timeout)
     if tensor.numel() == 0:
         return

@@ -33,7 +33,8 @@ def rank_device() -> torch.device:
 
 
 def init_from_env(backend: str | None = None, timeout: float | None = None) -> torch.device:
-    """Join the process group that `torchrun` describes in RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; return this rank's device.
+    """Join the process group that `torchrun` describes in RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+    return this rank's device.
 
     `backend` defaults to NCCL when there are GPUs and gloo otherwise. `timeout` (seconds,
     default `DEFAULT_TIMEOUT`) bounds the rendezvous and every wait of the group.
@@ -43,7 +44,8 @@ def init_from_env(backend: str | None = None, timeout: float | None = None) -> t
     if not dist.is_initialized():
         missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
         if missing:
-            raise RuntimeError(f"environment variables {', '.join(missing)} are not set: start the processes with torchrun")
+            raise RuntimeError(f"environment variables {', '.join(missing)} are not set: "
+                               "start the processes with torchrun")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -120,7 +122,8 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, thr
         try:
             while not context.join(timeout=0.2):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} did not finish in {timeout} s")
+                    raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} "
+                                       f"did not finish in {timeout} s")
         finally:
             for p in context.processes:
                 if p.is_alive():

@@ -30,8 +30,8 @@ from ..validate import non_negative_int, positive_int
 from .files import atomic_write
 
 __all__ = ["TrainingState", "check_checkpoint_dir", "check_layout", "save_checkpoint", "load_latest", "read_checkpoint",
-           "checkpoint_path", "rng_state", "set_rng_state", "loader_generator", "CheckpointError", "ConfigChanged", "lock_checkpoint_dir",
-           "check_same_config", "new_run_id", "remove_orphans", "ALLOWED_CHANGES", "lock_path"]
+           "checkpoint_path", "rng_state", "set_rng_state", "loader_generator", "CheckpointError", "ConfigChanged",
+           "lock_checkpoint_dir", "check_same_config", "new_run_id", "remove_orphans", "ALLOWED_CHANGES", "lock_path"]
 
 _NAME = re.compile(r"ckpt-(\d{8})(-epoch)?\.pt$")
 _FORMAT = "manualdp-checkpoint-2"  # a container {format, sha256, payload}; older files are the bare state
@@ -181,7 +181,8 @@ def check_same_config(saved: dict, now: dict, where: str, allowed=ALLOWED_CHANGE
                if k not in allowed and saved.get(k) != now.get(k)]
     if changed:
         raise ConfigChanged(f"cannot resume from {where}: the configuration changed ({'; '.join(changed)}); "
-                         f"only {', '.join(sorted(allowed))} may change on resume: restore the options or use another folder")
+                         f"only {', '.join(sorted(allowed))} may change on resume: "
+                         "restore the options or use another folder")
 
 
 def lock_path(directory: str) -> str:
@@ -215,7 +216,8 @@ def lock_checkpoint_dir(directory: str):
                 owner = _read_lock(lock)
                 if owner is not None and _alive(owner):
                     raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by process {owner.get('pid')} "
-                                     f"on {owner.get('host')}; wait for it, or delete {lock} if that run is gone") from None
+                                     f"on {owner.get('host')}; wait for it, "
+                                     f"or delete {lock} if that run is gone") from None
                 _remove_if_stale(lock)
                 continue
 

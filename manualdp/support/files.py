@@ -55,7 +55,8 @@ def _link_chain(path) -> list[str]:
 
 @contextlib.contextmanager
 def atomic_write(path, mode: str = "wb"):
-    """Open `path` for writing: atomically (temporary file, fsync, rename) for a regular file, in place for a special one."""
+    """Open `path` for writing: atomically (temporary file, fsync, rename) for a regular file, in place
+    for a special one."""
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
     if mode not in ("w", "wb"):
@@ -120,7 +121,8 @@ def write_json_atomic(path, obj) -> None:
 
 
 def output_problem(path, need_bytes: int = 1 << 20, folder: bool = False) -> str | None:
-    """Why writing `need_bytes` to `path` (a file, or with `folder=True` a folder of files) would fail; None if it would not.
+    """Why writing `need_bytes` to `path` (a file, or with `folder=True` a folder of files) would fail;
+    None if it would not.
 
     Tries it: a temporary file is made and removed where the output will go, so a read-only
     file system, missing permissions (also for root) and a full disk are found before any work.

@@ -37,7 +37,8 @@ def plot_rounds(path: str, title: str, rounds: list, phases: list[str], cells: l
         draw_panel(ax, cells[p], shares[p], rounds[p - 1] if p else [],
                    "start" if p == 0 else f"round {p}: {phases[p - 1]}")
     legend = "(red: add into the receiver, blue: overwrite; darker: more devices summed)"
-    fig.suptitle(f"{title}{'   ' if columns * width > 9 else chr(10)}{legend}", fontsize=9)  # on a line of its own if narrow
+    # on a line of its own if narrow
+    fig.suptitle(f"{title}{'   ' if columns * width > 9 else chr(10)}{legend}", fontsize=9)
     fig.tight_layout()
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png")

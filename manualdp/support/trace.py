@@ -101,12 +101,14 @@ def plot_trace(data: dict, path: str | os.PathLike) -> None:
     for e in events:
         if e.get("ph") == "X":
             colour = {"comm": "#b04ad0", "wait": "#d04a4a"}.get(e["cat"], colours.get(e["name"], "#999999"))
-            ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (rows[(e["pid"], e["tid"])] - 0.4, 0.8), facecolors=colour)
+            ax.broken_barh([(e["ts"] / 1e3, e["dur"] / 1e3)], (rows[(e["pid"], e["tid"])] - 0.4, 0.8),
+                           facecolors=colour)
     multi = len({pid for pid, _ in rows}) > 1
     ax.set_yticks(range(len(rows)), [f"rank {p} {names[(p, t)]}" if multi else names[(p, t)] for p, t in rows])
     ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("ms")
-    ax.set_title("forward (blue), backward (orange), step (green), allreduce (purple), waiting for it (red)", fontsize=9)
+    ax.set_title("forward (blue), backward (orange), step (green), allreduce (purple), waiting for it (red)",
+                 fontsize=9)
     fig.tight_layout()
     with atomic_write(path, "wb") as f:
         fig.savefig(f, format="png")

@@ -108,7 +108,8 @@ def _short(x, limit: int = 100) -> str:
 
 
 def _read_json(path: str):
-    """The JSON in the regular file `path` of at most MAX_CACHE_BYTES; never reads a FIFO (it would block) or a device."""
+    """The JSON in the regular file `path` of at most MAX_CACHE_BYTES; never reads a FIFO (it would block)
+    or a device."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))  # a FIFO without a writer: opens at once
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

@@ -45,7 +45,8 @@ class Link:
     def __post_init__(self) -> None:
         for name in ("alpha", "beta", "gamma"):
             if non_negative_number(name, getattr(self, name)) > MAX_SECONDS:
-                raise ValueError(f"{name} must be at most {MAX_SECONDS} s (per message or byte), got {getattr(self, name)!r}")
+                raise ValueError(f"{name} must be at most {MAX_SECONDS} s (per message or byte), "
+                                 f"got {getattr(self, name)!r}")
         fraction("duplex", self.duplex, MAX_DUPLEX)
         fraction("duplex_spread", self.duplex_spread, MAX_DUPLEX)
         if non_negative_int("parallel", self.parallel) > MAX_PARALLEL:

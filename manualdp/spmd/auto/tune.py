@@ -130,7 +130,8 @@ def _broadcast(t: torch.Tensor, state: GroupState, timeout: float | None) -> Non
 
 
 def _device(group) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    return (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+            else torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- measuring
@@ -250,7 +251,8 @@ def _timed(jobs: list[tuple[torch.Tensor, tuple]], repeats: int, state: GroupSta
 
     Ranks 0 and 1 of the group run each shape with the executor; both shapes have two rounds.
     """
-    schedules = [Schedule("calibration", len(state.peers), chunks, rounds, ("",) * len(rounds)) for _, (chunks, rounds) in jobs]
+    schedules = [Schedule("calibration", len(state.peers), chunks, rounds, ("",) * len(rounds))
+                 for _, (chunks, rounds) in jobs]
     times: list[list[float]] = [[] for _ in jobs]
     for _ in range(repeats + warmup):
         for (buf, _), schedule, out in zip(jobs, schedules, times):
@@ -270,7 +272,8 @@ MAX_SIZES = 64       # sizes followed per group; others are not
 
 def note(state: GroupState, algorithm: str, nbytes: int, element_size: int, segment_bytes: int,
          seconds: float) -> None:
-    """Record one "auto" allreduce on the group of `state` that took `seconds` (this rank's clock, after the call check)."""
+    """Record one "auto" allreduce on the group of `state` that took `seconds`
+    (this rank's clock, after the call check)."""
     link, source = state.link or (None, "given")
     if source == "given":
         return

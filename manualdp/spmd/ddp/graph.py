@@ -30,8 +30,10 @@ class GraphChecks(Feature):
         # The error the next forward raises on every rank, as torch's reducer does: a backward pass
         # left a parameter without a gradient on some rank (or, with static_graph, changed the graph).
         self.unfinished: str | None = None
-        self.static_used: frozenset[int] | None = None  # static_graph: indices of the parameters the first iteration used
-        self.static_gap: list[int] | None = None  # what had not arrived when a parameter the first iteration left out did
+        # static_graph: indices of the parameters the first iteration used
+        self.static_used: frozenset[int] | None = None
+        # what had not arrived when a parameter the first iteration left out did
+        self.static_gap: list[int] | None = None
 
     def grad_ready(self, param) -> None:
         if self.static_graph:
@@ -46,7 +48,8 @@ class GraphChecks(Feature):
     def note_static(self, param) -> None:
         """static_graph, in a gradient hook: torch's reduction stops at the first parameter the first iteration
         did not use; what had not arrived by then is what torch's next forward names."""
-        if self.static_used is not None and self.static_gap is None and self.reducer.index(param) not in self.static_used:
+        if (self.static_used is not None and self.static_gap is None
+                and self.reducer.index(param) not in self.static_used):
             self.static_gap = sorted(self.static_used - self.reducer.arrived())
 
     def check_static(self, used: frozenset[int]) -> None:
@@ -63,7 +66,8 @@ class GraphChecks(Feature):
         name = self.reducer.name
         if used - self.static_used:
             self.unfinished = unfinished_message("static", self.rank, [(k, name(k)) for k in gap])
-            raise self.logged(RuntimeError(f"{GRAPH_CHANGED} Newly used: {sorted(name(k) for k in used - self.static_used)}"))
+            raise self.logged(RuntimeError(f"{GRAPH_CHANGED} Newly used: "
+                                           f"{sorted(name(k) for k in used - self.static_used)}"))
         if self.static_used - used:
             missing = sorted(self.static_used - used)
             self.unfinished = (unfinished_message("static", self.rank, [(k, name(k)) for k in missing])
@@ -142,7 +146,8 @@ def module_device(params: list, device_ids, output_device) -> torch.device:
                          "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
                          f"{device_ids}, output_device {output_device}, and module parameters {set(devices)}.")
     if device_ids:
-        wanted = torch.device(device_ids[0]) if not isinstance(device_ids[0], int) else torch.device("cuda", device_ids[0])
+        wanted = (torch.device(device_ids[0]) if not isinstance(device_ids[0], int)
+                  else torch.device("cuda", device_ids[0]))
         if wanted != devices[0]:
             raise ValueError(f"device_ids={device_ids!r}, but the module is on {devices[0]}")
     return devices[0]

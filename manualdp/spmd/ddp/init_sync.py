@@ -53,7 +53,8 @@ def kept_named(named, ignored: set[str]) -> list:
     return [(n, t) for n, t in named if n not in ignored]
 
 
-def state_tensors(module: nn.Module, ignored: set[str], params: bool = False, buffers: bool = True) -> list[torch.Tensor]:
+def state_tensors(module: nn.Module, ignored: set[str], params: bool = False,
+                  buffers: bool = True) -> list[torch.Tensor]:
     """The module's buffers (and parameters first, with `params`) that are not ignored."""
     kept = kept_named(module.named_buffers(), ignored) if buffers else []
     return [t for _, t in (kept_named(module.named_parameters(), ignored) if params else []) + kept]

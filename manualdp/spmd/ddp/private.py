@@ -1,4 +1,5 @@
-"""torch's private `DistributedDataParallel` methods that torch's own tests call, where manualdp can offer them honestly.
+"""torch's private `DistributedDataParallel` methods that torch's own tests call, where manualdp
+can offer them honestly.
 
 - `_get_ddp_logging_data()`: torch's debugging dictionary. torch fills a C++ logger with its
   settings, run-time timings and the last error; manualdp keeps no timings, so it reports the
@@ -42,7 +43,8 @@ class ErrorLog:
 
 
 class PrivateAPI:
-    """torch's private methods on `DistributedDataParallel` (a mixin: it reads the wrapper's public settings and parts)."""
+    """torch's private methods on `DistributedDataParallel` (a mixin: it reads the wrapper's public settings
+    and parts)."""
 
     _comm_hook_name: str | None = None  # what torch logs: the hook's __qualname__, or the built-in type
 
@@ -50,7 +52,8 @@ class PrivateAPI:
         """torch's debugging dictionary, with the fields manualdp knows (`LOGGED_FIELDS`)."""
         params, hook, error = self.reducer.params, self.calls.comm_hook, self.errors.last
         data = {"world_size": self.world_size, "rank": self.rank, "module_name": type(self.module).__name__,
-                "backend_name": dist.get_backend(self.process_group), "broadcast_buffers": int(self.forward_sync_buffers),
+                "backend_name": dist.get_backend(self.process_group),
+                "broadcast_buffers": int(self.forward_sync_buffers),
                 "find_unused_parameters": int(self.find_unused_parameters),
                 "gradient_as_bucket_view": int(self.gradient_as_bucket_view), "static_graph": int(self.static_graph),
                 "num_parameter_tensors": len(params),

@@ -239,12 +239,14 @@ class Reducer:
         same buckets. Unused parameters go last, in reverse order.
         """
         ready, self.ready_order = self.ready_order, None
-        if not self.may_rebuild():  # under Join; a comm hook's state is per bucket: torch's hooks expect this rebuild too
+        # under Join; a comm hook's state is per bucket: torch's hooks expect this rebuild too
+        if not self.may_rebuild():
             return
         seen = [self._position[i] for i in dict.fromkeys(ready)]
         order = seen + sorted(set(range(len(self.params))) - set(seen), reverse=True)
         agreed = torch.tensor(order, dtype=torch.int64, device=self.device)
-        self.worker.submit(broadcast_from_rank0, [agreed], self.group, self.timeout).result()  # on the worker: in line with every other collective of the group
+        # on the worker: in line with every other collective of the group
+        self.worker.submit(broadcast_from_rank0, [agreed], self.group, self.timeout).result()
         layout = assign_buckets(self.params, self.caps, order=agreed.tolist())
         if layout != self.layout:
             self.set_layout(layout)

@@ -33,7 +33,8 @@ class CallCheck(Feature):
     def __init__(self, reducer, module, ignored: set[str], world_size: int, debug: bool) -> None:
         self.reducer, self.module, self.ignored = reducer, module, ignored
         self.world_size, self.debug = world_size, debug
-        self.enabled = True  # off only to measure what the check costs (bench/faults.py): a mismatch then aborts in gloo
+        # off only to measure what the check costs (bench/faults.py): a mismatch then aborts in gloo
+        self.enabled = True
         self.started = False  # the first synchronised step has come: the hooks were compared
         self.comm_hook = None  # the registered `CommHook`, compared at the first step
         self.future: concurrent.futures.Future | None = None  # this step's check, or None
@@ -72,7 +73,8 @@ class CallCheck(Feature):
             if hooks:
                 check_same_hook(comm_hook, r.group, r.timeout)
             if calls:
-                with recorder.span("step check", "comm", cat="comm") if recorder is not None else contextlib.nullcontext():
+                with (recorder.span("step check", "comm", cat="comm") if recorder is not None
+                      else contextlib.nullcontext()):
                     check_same_call(*call, numel=total)
         return r.submit(run)
 

@@ -209,14 +209,16 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
     # ---------------------------------------------------------------- what torch's wrapper has
 
     # An optional `manualdp.support.trace.Trace`: each bucket's ready, allreduce and wait.
-    recorder = property(lambda self: self.reducer.recorder, lambda self, trace: setattr(self.reducer, "recorder", trace))
+    recorder = property(lambda self: self.reducer.recorder,
+                        lambda self, trace: setattr(self.reducer, "recorder", trace))
     # Compare the ranks' calls once per step (`step_check.py`); turned off only to measure what the check costs.
     check_calls = property(lambda self: self.calls.enabled, lambda self, on: setattr(self.calls, "enabled", on))
 
     # torch's old name for `forward_sync_buffers`
     broadcast_buffers = property(lambda self: self.forward_sync_buffers,
                                  lambda self, value: setattr(self, "forward_sync_buffers", value))
-    # What torch's tests (the rank whose model every rank took at the end of the last Join), ours and the benchmarks read
+    # What torch's tests (the rank whose model every rank took at the end of the last Join), ours and the
+    # benchmarks read
     _authoritative_rank = property(lambda self: self.uneven.authoritative_rank)
     _buckets = property(lambda self: self.reducer.buckets)
     _layout = property(lambda self: self.reducer.layout)

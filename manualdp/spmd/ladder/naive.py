@@ -45,7 +45,8 @@ class NaiveDDP(nn.Module):
         self.world_size = len(peers)
         self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones need no sync
         if not self.params:
-            raise ValueError(f"module has no parameter that requires grad: nothing to average ({type(module).__name__})")
+            raise ValueError("module has no parameter that requires grad: nothing to average "
+                             f"({type(module).__name__})")
         # the same model on every rank, from rank 0's state: else the messages below would pair up wrong
         check_same_model(module, group, what=f"{type(self).__name__}'s model", timeout=self.timeout)
         broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)

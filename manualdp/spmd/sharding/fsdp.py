@@ -62,7 +62,8 @@ def fully_shard(module: nn.Module, *, group=None, reshard_after_forward: bool = 
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     group_ranks(group)  # torch.distributed is initialised, and this process belongs to `group`
     if UNIT in module.__dict__:
-        raise ValueError(f"module ({type(module).__name__}) is already sharded by fully_shard: apply it once per module")
+        raise ValueError(f"module ({type(module).__name__}) is already sharded by fully_shard: "
+                         "apply it once per module")
     taken, slot_order, nested, buffers = _walk(module)
     if len({p.device for p, _, _ in taken.values()}) > 1:
         raise ValueError(f"module ({type(module).__name__}) has parameters on several devices: fully_shard needs one")

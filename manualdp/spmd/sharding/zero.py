@@ -135,7 +135,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
 
     def _find_pieces(self) -> None:
         """This rank's pieces: (parameter, lo, hi, view of its flat buffer), in parameter order."""
-        self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi]) for j, lo, hi in self.plan.pieces(self.rank)]
+        self.pieces = [(j, lo, hi, self.flats[self.plan.where[j][0]][lo:hi])
+                       for j, lo, hi in self.plan.pieces(self.rank)]
 
     def _pieces_of(self, group: int) -> list[torch.Tensor]:
         return [v for j, _, _, v in self.pieces if self.plan.group_of[j] == group]

@@ -126,8 +126,10 @@ class TorchCompat(Joinable):
             outer.update(options_of(saved))
 
     def join_hook(self, **kwargs) -> JoinHook:
-        """Join's hook: a rank out of data runs each step's collectives (`divide_by_initial_world_size`: default True)."""
-        self._divide_by_initial = boolean("divide_by_initial_world_size", kwargs.get("divide_by_initial_world_size", True))
+        """Join's hook: a rank out of data runs each step's collectives
+        (`divide_by_initial_world_size`: default True)."""
+        self._divide_by_initial = boolean("divide_by_initial_world_size",
+                                          kwargs.get("divide_by_initial_world_size", True))
         return _JoinedRank(self)
 
     @property

@@ -107,7 +107,8 @@ def _digest(fields: dict[str, str]) -> int:
 
 def check_same_model(module: nn.Module, group=None, *, what: str = "the model", timeout: float | None = None) -> None:
     """Raise on every rank unless every rank's `module` has the same parameter and buffer names, shapes and dtypes."""
-    fields = {"parameters and buffers": sum(1 for _ in module.named_parameters()) + sum(1 for _ in module.named_buffers())}
+    fields = {"parameters and buffers": sum(1 for _ in module.named_parameters())
+                                        + sum(1 for _ in module.named_buffers())}
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in named:
             fields[f"{kind} {name}"] = (f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"

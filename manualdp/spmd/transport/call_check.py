@@ -56,7 +56,8 @@ def everyone_hears_everyone(n: int) -> Schedule:
     rounds, known = [], 1
     while known < n:
         new = min(known, n - known)  # chunks the receiver does not hold yet
-        rounds.append(tuple(Transfer(r, (r + known) % n, (r - j) % n, False) for r in range(n) for j in reversed(range(new))))
+        rounds.append(tuple(Transfer(r, (r + known) % n, (r - j) % n, False)
+                            for r in range(n) for j in reversed(range(new))))
         known += new
     return Schedule("dissemination", n, n, tuple(rounds), ("all-gather",) * len(rounds))
 
@@ -166,7 +167,8 @@ class HeaderCheck:
         work.wait() if self.deadline is None else work.wait(self.deadline)
 
     def _settle(self, rows: list[list[int]]) -> None:
-        """Complete what every peer that called otherwise posted toward this rank: receive its sends, answer its receives.
+        """Complete what every peer that called otherwise posted toward this rank: receive its sends,
+        answer its receives.
 
         A peer with this rank's fingerprint posted on this rank's tag, and its messages pair
         with this rank's own. The others' first rounds follow from their rows.
@@ -180,10 +182,12 @@ class HeaderCheck:
             first = plan(schedule_of(_NAMES[row[5]], len(rows)), p, numel, max(1, segment_bytes // element_size))[0]
             for m in first.sends:
                 if m.peer == me:
-                    works.append((state.peers[p], pg.recv([torch.empty((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
+                    works.append((state.peers[p],
+                                  pg.recv([torch.empty((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
             for m in first.recvs:
                 if m.peer == me:
-                    works.append((state.peers[p], pg.send([torch.zeros((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
+                    works.append((state.peers[p],
+                                  pg.send([torch.zeros((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
         for peer, work in works:
             try:
                 self._wait(work)
@@ -192,7 +196,8 @@ class HeaderCheck:
 
 
 def _post_receives(state: GroupState, width: int):
-    """A table for one call's headers, every round's receives posted into it (each lands in rows of its own), the rounds."""
+    """A table for one call's headers, every round's receives posted into it (each lands in rows of its own),
+    the rounds."""
     n, pg, peers = len(state.peers), state.pg(), state.peers
     table = torch.zeros(n, width, dtype=torch.int64)
     flat, rounds = table.view(-1), _header_rounds(n, state.rank, width)
@@ -215,7 +220,8 @@ def _tag(row: list[int]) -> int:
 
 
 def differs(field: str, values: list[str], wildcard: str | None = None) -> str:
-    """One differing field, as every agreement error of manualdp names it: `algorithm ring..tree (per rank: ring, tree)`.
+    """One differing field, as every agreement error of manualdp names it:
+    `algorithm ring..tree (per rank: ring, tree)`.
 
     `wildcard`: a value that matches every other (shown per rank, left out of the range).
     """

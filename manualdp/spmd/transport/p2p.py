@@ -27,8 +27,8 @@ from .group import GroupState, Traffic, group_state
 from .peers import PeerError, peer_error, talking_to, wait
 from .plan import DEFAULT_SEGMENT_BYTES, Message, Round, overlaps, plan
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "run_allreduce", "run_schedule", "schedule_of", "exchange",
-           "Traffic", "traffic"]
+__all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "run_allreduce", "run_schedule", "schedule_of",
+           "exchange", "Traffic", "traffic"]
 
 
 def _scratch(state: GroupState, numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,8 @@ def _scratch(state: GroupState, numel: int, like: torch.Tensor) -> torch.Tensor:
 
 
 def _targets(flat: torch.Tensor, rnd: Round, scratch: torch.Tensor) -> list[torch.Tensor]:
-    """Where each receive of `rnd` lands: scratch space for reductions (on flat's device), flat itself for overwrites."""
+    """Where each receive of `rnd` lands: scratch space for reductions (on flat's device), flat itself
+    for overwrites."""
     out, at = [], 0
     for m in rnd.recvs:
         if m.reduce:

@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_ranks", "group_timeout", "wait", "talking_to", "peer_error", "SerialWorker"]
+__all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_ranks", "group_timeout", "wait", "talking_to", "peer_error",
+           "SerialWorker"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds; gloo's own default is 30 minutes of silence
 

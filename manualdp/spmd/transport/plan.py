@@ -56,7 +56,8 @@ def plan(schedule: Schedule, rank: int, numel: int, segment_numel: int) -> tuple
         messages = merge_into_messages(rnd, rank, bounds)
         sends, recvs = cut_into_segments(messages, segment_numel)
         scratch = sum(m.hi - m.lo for m in recvs if m.reduce)
-        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch, sends_before(messages, sends, recvs)))
+        rounds.append(Round(sends, recvs, may_post_early(recvs, previous), scratch,
+                            sends_before(messages, sends, recvs)))
         previous = messages
     return tuple(rounds)
 

@@ -26,7 +26,8 @@ def store_key(rank: int) -> str:
 
 
 def explain_peer_error(error: PeerError, store=None, timeout: float = 2.0) -> str:
-    """`error`'s line, followed by the line its peer left if that peer stopped first; this rank's line is left for the others.
+    """`error`'s line, followed by the line its peer left if that peer stopped first; this rank's line is left
+    for the others.
 
     `store`: default, the default process group's. Store operations give up after
     `timeout` seconds: a store on a dead machine leaves `error`'s own line, never a hang.
