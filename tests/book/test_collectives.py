@@ -1,14 +1,12 @@
-"""Reduce-scatter, all-gather, reduce, broadcast and the binomial tree: schedules, bytes, both executors.
+"""Reduce-scatter, all-gather, reduce, broadcast and the binomial tree: schedules, bytes, the single controller.
 
 The byte formulas are written here from the textbook (nccl-tests' busbw factors: (n-1)/n for
 reduce-scatter and all-gather, 1 for reduce and broadcast), not read back from the code.
 """
-import functools
 from collections import Counter
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -16,8 +14,7 @@ from manualdp import collectives
 from manualdp.runners.explain import explain, trace
 from manualdp.cost import check_schedule, cost, traffic
 from manualdp.schedule import COLLECTIVES, get_collective, owned_chunk
-from manualdp.spmd import collectives as spmd_collectives
-from manualdp.spmd import launch
+from tests.helpers import device_inputs
 
 NS = range(1, 9)
 PARTS = [(c, a) for c, algs in COLLECTIVES.items() if c != "allreduce" for a in algs]
@@ -153,19 +150,12 @@ def test_bad_input_names_the_argument(call, match):
 
 # ---------------------------------------------------------------- the single-controller executor
 
-def _inputs(n, numel, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed + 17 * n + numel)
-    if dtype.is_floating_point:
-        return [torch.randn(numel, generator=g, dtype=dtype) for _ in range(n)]
-    return [torch.randint(-1000, 1000, (numel,), generator=g, dtype=dtype) for _ in range(n)]
-
-
 @settings_
 @given(n=st.sampled_from(NS), numel=st.integers(0, 10**5), dtype=st.sampled_from(DTYPES), root=st.integers(0, 7))
 def test_single_controller_collectives_compute_the_sum_or_copy(n, numel, dtype, root):
     root %= n
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=1e-9)
-    xs = _inputs(n, numel, dtype)
+    xs = device_inputs(n, numel, dtype)
     total = torch.stack(xs).sum(0)
     shards = collectives.reduce_scatter([x.clone() for x in xs])
     for d, s in enumerate(shards):
@@ -182,63 +172,3 @@ def test_single_controller_collectives_compute_the_sum_or_copy(n, numel, dtype, 
     copies = [x.clone() for x in xs]
     collectives.broadcast(copies, root)
     assert all(torch.equal(c, xs[root]) for c in copies)
-
-
-# ---------------------------------------------------------------- across processes, against torch.distributed
-
-P2P_SIZES = [0, 1, 3, 5, 1001, 30011]
-
-
-def _p2p_job():
-    rank, n = dist.get_rank(), dist.get_world_size()
-    out = {}
-    for numel in P2P_SIZES:
-        for dtype in DTYPES:
-            x = _inputs(n, numel, dtype)[rank]
-            ref = x.clone()
-            dist.all_reduce(ref)
-            mine = x.clone()
-            out[("reduce_scatter", numel, dtype)] = (spmd_collectives.reduce_scatter(mine, segment_bytes=4000).clone(),
-                                                     collectives.chunk(ref, rank, n))
-            mine = x.clone()
-            spmd_collectives.all_gather(mine)
-            parts = [torch.empty_like(x) for _ in range(n)]
-            dist.all_gather(parts, x)
-            ref = torch.empty_like(x)
-            for d in range(n):
-                collectives.chunk(ref, d, n).copy_(collectives.chunk(parts[d], d, n))
-            out[("all_gather", numel, dtype)] = (mine, ref)
-            root = n - 1
-            mine, ref = x.clone(), x.clone()
-            spmd_collectives.reduce(mine, dst=root)
-            dist.reduce(ref, dst=root)
-            out[("reduce", numel, dtype)] = (mine, ref) if rank == root else (ref, ref)
-            mine, ref = x.clone(), x.clone()
-            spmd_collectives.broadcast(mine, src=root)
-            dist.broadcast(ref, src=root)
-            out[("broadcast", numel, dtype)] = (mine, ref)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _p2p_results(n):
-    return launch(_p2p_job, n, timeout=120.0)
-
-
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_p2p_collectives_equal_torch_distributed_and_the_single_controller(n):
-    results = _p2p_results(n)
-    for key, pairs in results[0].items():
-        collective, numel, dtype = key
-        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0, atol=1e-9)
-        xs = _inputs(n, numel, dtype)
-        single = [x.clone() for x in xs]
-        if collective == "reduce_scatter":
-            single = collectives.reduce_scatter(single)
-        else:
-            getattr(collectives, collective)(single, *(() if collective == "all_gather" else (n - 1,)))
-        for r in range(n):
-            got, ref = results[r][key]
-            torch.testing.assert_close(got, ref, **tol)
-            if collective != "reduce" or r == n - 1:  # the same schedule in the same order: bit for bit
-                assert torch.equal(got, single[r]), f"{key}: rank {r} differs from the single controller"

@@ -3,6 +3,7 @@ import re
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import manualdp
@@ -11,6 +12,8 @@ from manualdp.buckets import assign_buckets, unflatten_
 from manualdp.runners.cli import main
 from manualdp.schedule import get_schedule
 from manualdp.cost import cost, traffic
+from manualdp.distributed import DistributedDataParallel, plan
+from manualdp.distributed import allreduce as spmd_allreduce
 from manualdp.train import train_batch
 
 
@@ -159,3 +162,54 @@ def test_cli_bad_arguments_are_one_line_errors(argv, words, capsys):
 def test_public_names_exist():
     for name in manualdp.__all__:
         assert hasattr(manualdp, name), name
+
+
+# ---------------------------------------------------------------- the engine (manualdp.distributed), outside any process group
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: spmd_allreduce([torch.ones(2)]), TypeError, "tensor must be a torch.Tensor"),
+    (lambda: spmd_allreduce(torch.ones(2, dtype=torch.bool)), TypeError, "torch.bool"),
+    (lambda: spmd_allreduce(torch.ones(2, dtype=torch.uint16)), TypeError, "torch.uint16, which torch cannot add on cpu"),
+    (lambda: spmd_allreduce(torch.zeros(2, dtype=torch.float8_e4m3fn)), TypeError, "float8_e4m3fn, which torch cannot add"),
+    (lambda: spmd_allreduce(torch.ones(1).expand(3)), ValueError, "stride 0"),
+    (lambda: spmd_allreduce(torch.ones(2), "rings"), ValueError, "'rings'"),
+    (lambda: spmd_allreduce(torch.ones(2), segment_bytes=0), ValueError, "segment_bytes"),
+    (lambda: spmd_allreduce(torch.ones(2)), RuntimeError, "not initialised"),
+    (lambda: plan(get_schedule("ring", 2), 2, 10, 1), ValueError, "rank must be an int >= 0 and <= 1, got 2"),
+    (lambda: plan(get_schedule("ring", 2), 0, -1, 1), ValueError, "numel"),
+    (lambda: plan(get_schedule("ring", 2), 0, 10, 0), ValueError, "segment_numel"),
+    (lambda: plan("ring", 0, 10, 1), TypeError, "schedule must be a Schedule"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2).parameters()), TypeError, "module must be an nn.Module"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2), bucket_cap_mb=0), ValueError, "bucket_cap_mb"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2), algorithm="fast"), ValueError, "'fast'"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2), broadcast_buffers="yes"), TypeError, "broadcast_buffers"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2).requires_grad_(False)), ValueError, "no parameters"),
+    (lambda: DistributedDataParallel(nn.Sequential(nn.LazyLinear(2))), ValueError, "uninitialized .* forward pass"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2), device_ids=[0, 1]), ValueError, "device_ids"),
+    (lambda: DistributedDataParallel(nn.Linear(2, 2)), RuntimeError, "not initialised"),
+])
+def test_bad_input_to_the_engine_is_a_clear_error(call, error, words):
+    assert not dist.is_initialized()
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_bad_input_to_the_engine_leaves_the_tensor_unchanged():
+    x = torch.arange(4.0)
+    with pytest.raises(ValueError):
+        spmd_allreduce(x, "nope")
+    assert torch.equal(x, torch.arange(4.0))
+
+
+def test_a_dtype_probe_that_runs_out_of_memory_is_raised_and_not_remembered(monkeypatch):
+    from manualdp import validate
+    validate._adds.cache_clear()
+    zeros = torch.zeros
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CPU out of memory")
+    monkeypatch.setattr(torch, "zeros", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        validate.check_summable(torch.ones(2, dtype=torch.float16))
+    monkeypatch.setattr(torch, "zeros", zeros)
+    assert validate.check_summable(torch.ones(2, dtype=torch.float16)) is not None  # asked again, and it adds

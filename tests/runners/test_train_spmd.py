@@ -1,4 +1,4 @@
-"""manualdp.spmd: the torchrun training path equals the single-controller loop on as many devices."""
+"""train_spmd: the torchrun training path equals the single-controller loop on as many devices."""
 import pytest
 import torch
 from torch import nn
@@ -53,21 +53,6 @@ def test_train_spmd_on_two_ranks_equals_train_on_two_devices():
     assert not torch.equal(ranks[0]["params"][0], _net()[0].weight), "training did not move the parameters"
 
 
-def test_init_from_env_outside_torchrun_says_so(monkeypatch):
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(var, raising=False)
-    with pytest.raises(RuntimeError, match="torchrun"):
-        init_from_env()
-
-
-@pytest.mark.parametrize("kwargs, words", [
-    ({"backend": "mpi2"}, "backend"), ({"timeout": 0}, "timeout"), ({"timeout": "10"}, "timeout"),
-])
-def test_init_from_env_rejects_bad_arguments(kwargs, words):
-    with pytest.raises(ValueError, match=words):
-        init_from_env(**kwargs)
-
-
 @pytest.mark.parametrize("args, kwargs, error, words", [
     (("net",), {}, TypeError, "net must be an nn.Module"),
     ((nn.Linear(2, 2), [], [], 0, 0.1), {}, ValueError, "num_epochs"),
@@ -80,16 +65,3 @@ def test_train_spmd_rejects_bad_arguments(args, kwargs, error, words):
     args = args + (None,) * (5 - len(args))
     with pytest.raises(error, match=words):
         train_spmd(*args, **kwargs)
-
-
-def _sleep_forever():
-    import time
-    time.sleep(600)
-
-
-def test_launch_kills_ranks_that_do_not_finish():
-    import time
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not finish"):
-        launch(_sleep_forever, 1, init=False, timeout=5)
-    assert time.monotonic() - start < 15

@@ -1,8 +1,10 @@
-"""Comm hooks: what a hook hands back is checked, ranks agree on the hook, and each hook computes what it says.
+"""Comm hooks: what a hook hands back is checked, ranks agree on the hook, each hook computes what it says, and
+trains as torch's DDP with torch's hooks; torch's hooks (PowerSGD too) on manualdp's wrapper.
 
-One spawned job (2 ranks, gloo on 127.0.0.1, killed after a timeout) runs every scenario and
-returns tensors or the error it met; the assertions run here, in the parent. Scenarios that
-break their process group's worker (a refused hook) run on a group of their own.
+One spawned job (2 ranks, and a second at 3 for the hooks against torch's; gloo on 127.0.0.1,
+killed after a timeout) runs every scenario and returns tensors or the error it met; the
+assertions run here, in the parent. Scenarios that break their process group's worker (a
+refused hook) run on a group of their own.
 """
 import copy
 import functools
@@ -13,14 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import PeerError, launch
 from manualdp.spmd import comm_hooks as hooks
+from tests.helpers import WRAPPERS, mlp, pair_of_wrappers, rank_batches, rank_input, same_rows, train_each
 from tests.scenarios import run_scenarios
 
-JOB_TIMEOUT = 120.0
+JOB_TIMEOUT = 240.0
 N = 2  # ranks
 
 
@@ -204,20 +208,134 @@ def _on_torch_ddp():
     return out
 
 
-def _job():
+def _gloo_bf16_hook(group, bucket):
+    """torch's bf16_compress_hook in gloo's words (torch's own insists on NCCL)."""
+    buffer = bucket.buffer()
+    small = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    return dist.all_reduce(small, group=group, async_op=True).get_future().then(
+        lambda fut: buffer.copy_(fut.value()[0]))
+
+
+def _hook_pairs():
+    """Each of our hooks and torch's own, registered on our wrapper, against torch's DDP with torch's hook."""
+    rank = dist.get_rank()
+    out = {}
+    cases = {
+        "ours_allreduce": (None, hooks.allreduce_hook, default_hooks.allreduce_hook),
+        "ours_fp16": (None, hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
+        "ours_bf16": (None, hooks.bf16_compress_hook, _gloo_bf16_hook),
+        "torch_allreduce": (None, default_hooks.allreduce_hook, default_hooks.allreduce_hook),
+        "torch_fp16": (None, default_hooks.fp16_compress_hook, default_hooks.fp16_compress_hook),
+    }
+    for name, (state, mine, reference) in cases.items():
+        ours, theirs, opts = pair_of_wrappers(lambda: mlp().float())
+        ours.register_comm_hook(state, mine)
+        theirs.register_comm_hook(state, reference)
+        out[name] = train_each([ours, theirs], opts, [(X.float(), y) for X, y in rank_batches(rank)])
+    return out
+
+
+def _powersgd_full_and_rank_one():
+    """Full-rank PowerSGD is exact (torch's plain DDP); rank 1 is not, yet the ranks stay identical."""
+    rank = dist.get_rank()
+    ours, theirs, opts = pair_of_wrappers(mlp)
+    ours.register_comm_hook(hooks.PowerSGDState(None, matrix_approximation_rank=16), hooks.powerSGD_hook)
+    full = train_each([ours, theirs], opts, rank_batches(rank))
+    low, _, low_opts = pair_of_wrappers(mlp)
+    low.register_comm_hook(hooks.PowerSGDState(None, matrix_approximation_rank=1), hooks.powerSGD_hook)
+    one = train_each([low], low_opts[:1], rank_batches(rank))
+    return {"full": full, "rank1": one[-1][0], "exact": full[-1][1]}
+
+
+def _noop():
+    """The no-op hook: no communication, so each rank trains on its own data."""
+    rank = dist.get_rank()
+    ours, _, opts = pair_of_wrappers(mlp)
+    ours.register_comm_hook(None, hooks.noop_hook)
+    torch.manual_seed(0)
+    local = mlp()
+    return train_each([ours, local], [opts[0], torch.optim.SGD(local.parameters(), lr=0.1)], rank_batches(rank))
+
+
+class _Tower(nn.Module):
+    """Registered head first, used last: its gradients come first, not in reverse registration order.
+
+    float32: torch's PowerSGD hangs in float64 with gloo (torch's DDP as well as ours).
+    """
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head, self.a, self.b = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(x))))).pow(2).sum()
+
+
+def _serial_powersgd(state, bucket):
+    """torch's powerSGD_hook, waited for. With gloo, torch's DDP runs several buckets' PowerSGD at once and their
+    allreduces, started from callbacks, interleave differently on each rank: it hangs. One bucket at a time, as
+    manualdp's wrapper runs hooks anyway."""
+    future = torch_powersgd.powerSGD_hook(state, bucket)
+    future.wait()
+    return future
+
+
+# One layer's gradients (16x16 + 16 floats) a bucket, exactly: torch closes a bucket once it holds the cap,
+# manualdp before it would pass it, so only a cap met exactly gives both wrappers the same buckets.
+LAYER_MB = 1088 / 2**20
+
+
+def _torchs_powersgd():
+    """torch's powerSGD_hook on both wrappers, 5 steps, several buckets whose order the first step changes."""
+    rank = dist.get_rank()
+    rows = []
+    for _, wrapper in WRAPPERS:
+        model = wrapper(_Tower(), bucket_cap_mb=LAYER_MB)
+        model.register_comm_hook(torch_powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2),
+                                 _serial_powersgd)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        steps = []
+        for step in range(5):
+            opt.zero_grad()
+            model(rank_input(rank + 10 * step, d=16).float()).backward()
+            opt.step()
+            steps.append(torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()]))
+        rows.append(steps)
+    return {"rows": rows, "buckets": len(DistributedDataParallel(_Tower(), bucket_cap_mb=LAYER_MB)._buckets)}
+
+
+def _powersgd_state():
+    """manualdp's PowerSGD: a bucket index that holds other parameters (buckets rebuilt) starts afresh."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    a, b = torch.empty(4, 3, dtype=torch.float64), torch.empty(4, 3, dtype=torch.float64)
+    grads = [torch.randn(12, generator=g, dtype=torch.float64) for _ in range(2)]
+    used = hooks.PowerSGDState(None, matrix_approximation_rank=1)
+    hooks.powerSGD_hook(used, hooks.GradBucket(0, grads[0].clone(), [a], [0, 12], True)).wait()
+    after = hooks.powerSGD_hook(used, hooks.GradBucket(0, grads[1].clone(), [b], [0, 12], True)).wait()
+    fresh = hooks.powerSGD_hook(hooks.PowerSGDState(None, matrix_approximation_rank=1),
+                                hooks.GradBucket(0, grads[1].clone(), [b], [0, 12], True)).wait()
+    again = hooks.powerSGD_hook(used, hooks.GradBucket(0, grads[1].clone(), [b], [0, 12], True)).wait()
+    return {"after": after, "fresh": fresh, "again": again}
+
+
+def _job(n):
     scenarios = {"bad_results": _bad_results, "never_done": _never_done, "one_rank_hook": _one_rank_hook,
                  "zero_size": _powersgd_zero_size, "compressed": _compressed, "powersgd": _powersgd,
-                 "torch_ddp": _on_torch_ddp}
+                 "torch_ddp": _on_torch_ddp, "hooks": _hook_pairs, "powersgd_full": _powersgd_full_and_rank_one,
+                 "noop": _noop, "torchs_powersgd": _torchs_powersgd, "powersgd_state": _powersgd_state}
+    if n == 3:
+        scenarios = {k: scenarios[k] for k in ("hooks",)}
     return run_scenarios(scenarios)
 
 
 @functools.lru_cache(maxsize=None)
-def _results():
-    return launch(_job, N, timeout=JOB_TIMEOUT)
+def _results(n=N):
+    return launch(_job, n, (n,), timeout=JOB_TIMEOUT)
 
 
-def _get(rank, name):
-    value = _results()[rank][name]
+def _get(rank, name, n=N):
+    value = _results(n)[rank][name]
     assert not (isinstance(value, str) and value.startswith("ERROR")), value
     return value
 
@@ -320,3 +438,42 @@ def test_manualdps_hooks_run_on_torchs_ddp(name):
             assert torch.allclose(ours, reference, rtol=0, atol=tolerance), f"rank {rank} step {step}"
         finals.append(value["ours"][-1])
     assert torch.equal(finals[0], finals[1]) != (name == "noop")  # noop: each rank trains on its own data
+
+
+# ---------------------------------------------------------------- against torch's DDP with torch's hooks
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_comm_hooks_equal_torch_ddp_with_torchs_hooks(n):
+    for rank in range(n):
+        for name, rows in _get(rank, "hooks", n).items():
+            tolerance = 1e-2 if "16" in name else 1e-6  # compressed: both round to 16 bits, perhaps differently
+            for step, (ours, theirs) in enumerate(rows):
+                assert torch.allclose(ours, theirs, rtol=0, atol=tolerance), f"{name} step {step}"
+
+
+def test_powersgd_full_rank_is_exact_and_rank_one_keeps_ranks_identical():
+    results = [_get(r, "powersgd_full") for r in range(2)]
+    for value in results:
+        same_rows(value["full"], atol=1e-9)
+        assert not torch.allclose(value["rank1"], value["exact"], atol=1e-9)
+    assert torch.equal(results[0]["rank1"], results[1]["rank1"])
+
+
+def test_noop_hook_trains_each_rank_on_its_own():
+    rows = [_get(r, "noop") for r in range(2)]
+    for r in range(2):
+        same_rows(rows[r])
+    assert not torch.allclose(rows[0][-1][0], rows[1][-1][0])
+
+
+def test_torchs_powersgd_hook_on_ours_equals_on_torchs_ddp_as_buckets_are_rebuilt():
+    for value in [_get(rank, "torchs_powersgd") for rank in range(N)]:
+        assert value["buckets"] >= 3
+        for step, (ours, theirs) in enumerate(zip(*value["rows"])):
+            assert torch.allclose(ours, theirs, rtol=0, atol=1e-6), f"step {step}: {(ours - theirs).abs().max()}"
+
+
+def test_manualdp_powersgd_starts_afresh_when_a_bucket_holds_other_parameters():
+    for value in [_get(rank, "powersgd_state") for rank in range(N)]:
+        assert torch.equal(value["after"], value["fresh"])
+        assert not torch.equal(value["again"], value["fresh"])  # the same parameters again: state kept

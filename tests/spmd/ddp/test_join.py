@@ -16,6 +16,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch
+from tests.helpers import WRAPPERS, rank_input
+from tests.scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0
 STEP_TIMEOUT = 20.0  # a wrapper waits this long for a peer: a rank out of step fails the test in seconds
@@ -83,9 +85,32 @@ CASES = {"plain": (True, False, False), "fewer": (False, False, False), "no_sync
          "generic": (True, False, True), "generic_no_sync_fewer": (False, True, True)}
 
 
+def _joined_grads():
+    """`.grad` of a rank that joined early, after the Join and after one more step, both wrappers (torch's test
+    test_ddp_grad_div_uneven_inputs): the shadowed steps' averages must not stay in it."""
+    rank = dist.get_rank()
+    out = {}
+    for name, wrapper in WRAPPERS:
+        rows = []
+        for view in (False, True):
+            torch.manual_seed(0)
+            model = wrapper(nn.Linear(3, 2).double(), gradient_as_bucket_view=view)
+            with model.join():
+                for step in range(rank + 2):  # rank 0 joins first and shadows one step
+                    model(rank_input(rank + step)).sum().backward()
+                    model.zero_grad(set_to_none=not view)
+            rows.append(None if model.module.weight.grad is None else model.module.weight.grad.clone())
+            model(rank_input(rank)).sum().backward()  # accumulates into what the Join left
+            rows.append(model.module.weight.grad.clone())
+        out[name] = rows
+    return out
+
+
 def _job():
     # A case that fails leaves the ranks out of step: stop there, or every later case would wait out its timeouts.
     out = dict.fromkeys([*CASES, "early"], "not run: an earlier case failed")
+    if dist.get_world_size() == 2:
+        out.update(run_scenarios({"joined_grads": _joined_grads}))
     for name, args in CASES.items():
         try:
             out[name] = _compare(*args)
@@ -123,6 +148,14 @@ def test_throw_on_early_termination_raises_on_every_rank(n):
     for rank in range(n):
         message = _results(n)[rank]["early"]
         assert message is not None and ("exhausted all inputs" in message if rank == 0 else "exhausted inputs" in message)
+
+
+def test_a_rank_that_joined_early_keeps_its_grad_as_torchs_does():
+    for ranks in _results(2):
+        value = ranks["joined_grads"]
+        assert not (isinstance(value, str) and value.startswith("ERROR")), value
+        for mine, torchs in zip(value["ours"], value["theirs"], strict=True):
+            assert (mine is None) == (torchs is None) and (mine is None or torch.equal(mine, torchs)), (mine, torchs)
 
 
 def _raise_inside_join(raiser, at):
