@@ -21,9 +21,58 @@ def mlp(dtype=torch.float64):
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)).to(dtype)
 
 
+def seeded_mlp(dtype=torch.float64):
+    """mlp(), built right after torch.manual_seed(0)."""
+    torch.manual_seed(0)
+    return mlp(dtype)
+
+
 def bn_mlp(dtype=torch.float64):
     """6 -> 16 -> BatchNorm -> tanh -> 4, not seeded."""
     return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).to(dtype)
+
+
+def seeded_bn_mlp(dtype=torch.float64):
+    """bn_mlp(), built right after torch.manual_seed(0)."""
+    torch.manual_seed(0)
+    return bn_mlp(dtype)
+
+
+def small_mlp():
+    """6 -> 8 -> 4 with tanh, float64, built right after torch.manual_seed(0)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+
+
+def uneven_mlp():
+    """6 -> 8 -> 5 -> 4 with tanh, float64, built right after torch.manual_seed(0).
+
+    56 + 45 + 24 = 125 elements, 2 mod 3, and the layers' sizes divide by neither 2 nor 3: uneven shards.
+    """
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+
+
+def dropout_mlp(hidden=12):
+    """5 -> hidden -> ReLU -> Dropout(0.2) -> 3, float32, built right after torch.manual_seed(0).
+
+    Dropout draws from the global RNG while it trains: a resumed run must restore that too.
+    """
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 3))
+
+
+class Branchy(nn.Module):
+    """`body`, and `side` added while `use_side`: when it is off, `side` gets no gradient. Seeded (0) as it is built."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.side = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
+        self.use_side = True
+
+    def forward(self, x):
+        return self.body(x) + (self.side(x) if self.use_side else 0)
 
 
 class EitherHead(nn.Module):
@@ -38,6 +87,24 @@ class EitherHead(nn.Module):
     def forward(self, x, use_b):
         h = torch.tanh(self.trunk(x))
         return self.b(h) if use_b else self.a(h)
+
+
+class Crash(Exception):
+    """What CrashingLoss raises."""
+
+
+class CrashingLoss(nn.CrossEntropyLoss):
+    """A loss that raises on its `at`-th call: a run killed in the middle of training."""
+
+    def __init__(self, at):
+        super().__init__(reduction="sum")
+        self.calls, self.at = 0, at
+
+    def forward(self, out, y):
+        self.calls += 1
+        if self.at is not None and self.calls == self.at:
+            raise Crash()
+        return super().forward(out, y)
 
 
 # ---------------------------------------------------------------- data

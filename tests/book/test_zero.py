@@ -11,17 +11,13 @@ from manualdp import cpu_devices, replicate, train_batch
 from manualdp.collectives import chunk
 from manualdp.schedule import chunk_sizes, owned_chunk
 from manualdp.zero import ShardedOptimizer, state_bytes
+from tests.helpers import Branchy, Crash, CrashingLoss, seeded_mlp, small_mlp, uneven_mlp
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-2),
     "adam": functools.partial(torch.optim.Adam, lr=1e-2),
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
 }
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)).double()
 
 
 def _batches(batch, steps=4):
@@ -36,7 +32,7 @@ def _flat(module):
 
 def _one_device(make, batches):
     """The reference: one model, the unsplit global batch, summed loss over the batch size."""
-    net = _net()
+    net = seeded_mlp()
     opt = make(net.parameters())
     out = []
     for X, y in batches:
@@ -49,7 +45,7 @@ def _one_device(make, batches):
 
 def _data_parallel(make, batches, n, stage=None, algorithm="ring"):
     devices = cpu_devices(n)
-    replicas = replicate(_net(), devices)
+    replicas = replicate(seeded_mlp(), devices)
     if stage is None:
         opts = [make(r.parameters()) for r in replicas]
     else:
@@ -76,7 +72,7 @@ def test_zero_equals_data_parallelism_and_one_device_after_every_step(name, n, b
     for step, (a, b, c) in enumerate(zip(one, plain, zero)):
         torch.testing.assert_close(c, b, rtol=0, atol=1e-10, msg=f"step {step}: ZeRO-{stage} vs data parallel")
         torch.testing.assert_close(c, a, rtol=0, atol=1e-10, msg=f"step {step}: ZeRO-{stage} vs one device")
-    assert not torch.equal(zero[0], _flat(_net())), "training did not move the parameters"
+    assert not torch.equal(zero[0], _flat(seeded_mlp())), "training did not move the parameters"
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -86,9 +82,9 @@ def test_adam_state_per_device_is_its_shard(n, stage):
     make = OPTIMIZERS["adam"]
     _, plain = _data_parallel(make, batches, n)
     _, zero = _data_parallel(make, batches, n, stage=stage)
-    total = sum(p.numel() for p in _net().parameters())
+    total = sum(p.numel() for p in seeded_mlp().parameters())
     step = torch.zeros(()).element_size()  # Adam keeps its step count as a 0-d float tensor per parameter
-    params = len(list(_net().parameters()))
+    params = len(list(seeded_mlp().parameters()))
     assert state_bytes(plain[0]) == 2 * 8 * total + params * step
     sizes = chunk_sizes(total, n)
     # one piece per parameter a device's chunk overlaps, each with its own step count
@@ -107,7 +103,7 @@ def test_stage_2_does_not_allreduce():
 
 
 def test_each_device_owns_its_chunk_of_the_parameters():
-    replicas = replicate(_net(), cpu_devices(3))
+    replicas = replicate(seeded_mlp(), cpu_devices(3))
     zero = ShardedOptimizer(replicas, OPTIMIZERS["adam"])
     for i, pieces in enumerate(zero.pieces):
         mine = torch.cat([piece.detach() for *_, piece in pieces])
@@ -141,11 +137,11 @@ def test_train_with_zero_equals_train_without(zero):
     train_iter, test_iter = _loaders()
     nets = {}
     for key in (None, zero):
-        nets[key] = _net()
+        nets[key] = seeded_mlp()
         train(nets[key], train_iter, test_iter, cpu_devices(3), 2, 1e-2, optimizer=torch.optim.AdamW,
               weight_decay=0.1, zero=key, progress=False, log=None)
     torch.testing.assert_close(_flat(nets[zero]), _flat(nets[None]), rtol=0, atol=1e-10)
-    assert not torch.equal(_flat(nets[zero]), _flat(_net()))
+    assert not torch.equal(_flat(nets[zero]), _flat(seeded_mlp()))
 
 
 @pytest.mark.parametrize("kwargs, match", [(dict(zero=3), "zero"), (dict(optimizer="adam"), "optimizer")])
@@ -153,7 +149,7 @@ def test_train_rejects_bad_optimizer_arguments(kwargs, match):
     from manualdp import train
     train_iter, test_iter = _loaders()
     with pytest.raises((ValueError, TypeError), match=match):
-        train(_net(), train_iter, test_iter, cpu_devices(2), 1, 0.1, progress=False, log=None, **kwargs)
+        train(seeded_mlp(), train_iter, test_iter, cpu_devices(2), 1, 0.1, progress=False, log=None, **kwargs)
 
 
 def test_cli_trains_with_zero_and_adam_and_refuses_a_bad_stage():
@@ -177,8 +173,7 @@ def test_cli_trains_with_zero_and_adam_and_refuses_a_bad_stage():
 
 def _uneven_net():
     """56 + 45 + 24 + 2 = 127 elements, 1 mod 3: ceil(127/3) = 43-element chunks would leave the last 41."""
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    net = uneven_mlp()
     net.register_parameter("unused", nn.Parameter(torch.zeros(2, dtype=torch.float64)))  # never gets a gradient
     return net
 
@@ -200,9 +195,6 @@ def _resume_loaders():
             DataLoader(TensorDataset(X, y), batch_size=26))
 
 
-from tests.support.test_checkpoint import Crash as _Stop, CrashingLoss as _StopAt  # noqa: E402 (a run killed mid-training)
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("name, kw", [("sgd", dict(momentum=0.9, weight_decay=1e-2)), ("adam", {}),
                                       ("adamw", dict(weight_decay=0.1))])
@@ -219,24 +211,11 @@ def test_resume_equals_an_uninterrupted_run_on_uneven_shards(tmp_path, stage, na
 
     ref = run()
     ckpt = str(tmp_path / "ckpt")
-    with pytest.raises(_Stop):
-        run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=_StopAt(7 * n + 1))
+    with pytest.raises(Crash):
+        run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=CrashingLoss(7 * n + 1))
     resumed = run(checkpoint_dir=ckpt, checkpoint_every=3, resume=True)
     assert torch.equal(resumed, ref), "a resumed ZeRO run differs from an uninterrupted one"
     assert not torch.equal(ref, _flat(_uneven_net()))
-
-
-class _Branchy(nn.Module):
-    """`side` gets no gradient in odd steps: torch's optimizers then leave it (and its momentum) alone."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body, self.side = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
-        self.use_side = True
-
-    def forward(self, x):
-        return self.body(x) + (self.side(x) if self.use_side else 0)
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -244,7 +223,7 @@ class _Branchy(nn.Module):
 def test_a_parameter_with_no_gradient_is_skipped_as_torch_skips_it(stage, name):
     devices = cpu_devices(3)
     make = OPTIMIZERS[name]
-    plain, sharded = replicate(_Branchy(), devices), replicate(_Branchy(), devices)
+    plain, sharded = replicate(Branchy(), devices), replicate(Branchy(), devices)
     opts = [make(r.parameters()) for r in plain]
     zero = ShardedOptimizer(sharded, make, stage=stage)
     for step, (X, y) in enumerate(_batches(12, steps=5)):
@@ -261,7 +240,7 @@ def test_a_parameter_with_no_gradient_is_skipped_as_torch_skips_it(stage, name):
 def test_zero_2_with_a_nan_on_one_device_raises_or_skips(mode):
     from manualdp.guard import NonFiniteGradientError
     devices = cpu_devices(3)
-    replicas = replicate(_net(), devices)
+    replicas = replicate(seeded_mlp(), devices)
     zero = ShardedOptimizer(replicas, OPTIMIZERS["sgd"], stage=2)
     before = _flat(replicas[0])
     X, y = _batches(12, steps=1)[0]
@@ -277,7 +256,7 @@ def test_zero_2_with_a_nan_on_one_device_raises_or_skips(mode):
 
 def test_param_groups_and_a_scheduler_work_as_on_plain_data_parallelism():
     devices = cpu_devices(3)
-    plain, sharded = replicate(_net(), devices), replicate(_net(), devices)
+    plain, sharded = replicate(seeded_mlp(), devices), replicate(seeded_mlp(), devices)
 
     def groups(net):  # the last layer learns 10x slower, without weight decay
         return [{"params": list(net[0].parameters()) + list(net[2].parameters())},
@@ -358,9 +337,9 @@ def test_train_with_zero_3_equals_train_without_and_resumes_exactly(tmp_path):
     torch.testing.assert_close(_flat(nets[3]), _flat(nets[None]), rtol=0, atol=1e-10)
     assert not torch.equal(_flat(nets[3]), _flat(_uneven_net()))
     ckpt = str(tmp_path / "ckpt")
-    with pytest.raises(_Stop):  # 4 steps an epoch: stop in step 7, after the checkpoint of step 6 (one loss per device)
+    with pytest.raises(Crash):  # 4 steps an epoch: stop in step 7, after the checkpoint of step 6 (one loss per device)
         train(_uneven_net(), *_resume_loaders(), cpu_devices(3), 2, 1e-2, zero=3, nonfinite=None, checkpoint_dir=ckpt,
-              checkpoint_every=3, loss_fn=_StopAt(7 * 3 + 1), **kw)
+              checkpoint_every=3, loss_fn=CrashingLoss(7 * 3 + 1), **kw)
     from manualdp.support.checkpoint import load_latest
     assert load_latest(ckpt)["global_step"] == 6  # the resume below starts from a checkpoint, not from scratch
     resumed = _uneven_net()
@@ -372,24 +351,19 @@ def test_train_with_zero_3_equals_train_without_and_resumes_exactly(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [(dict(nonfinite="raise"), "nonfinite"), (dict(trace="t.json"), "trace")])
 def test_train_with_zero_3_refuses_what_it_lacks_by_name(tmp_path, kwargs, match):
     from manualdp import train
-    net = _net()
+    net = seeded_mlp()
     with pytest.raises(ValueError, match=match):
         train(net, *_loaders(), cpu_devices(2), 1, 0.1, zero=3, progress=False, log=None,
               **{"nonfinite": None, **kwargs})
-    assert torch.equal(_flat(net), _flat(_net()))
+    assert torch.equal(_flat(net), _flat(seeded_mlp()))
 
 
 # ---------------------------------------------------------------- planted bugs slipped past these (issue 20)
 
-def _small_net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
-
-
 def test_a_loaded_state_brings_back_the_schedulers_learning_rate():
     """A resumed run steps with the lr its scheduler had reached, not the one the optimizer was built with."""
     devices = cpu_devices(3)
-    first, again = replicate(_small_net(), devices), replicate(_small_net(), devices)
+    first, again = replicate(small_mlp(), devices), replicate(small_mlp(), devices)
     zero = ShardedOptimizer(first, torch.optim.SGD, lr=0.1, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.1)
     (X, y), (X2, y2) = _batches(9, steps=2)
@@ -418,8 +392,8 @@ def test_a_zero_3_run_stopped_after_a_checkpoint_resumes_from_it_exactly(tmp_pat
     ckpt = str(tmp_path / "ckpt")
     try:
         train(_uneven_net(), *_resume_loaders(), cpu_devices(3), 2, 1e-2, checkpoint_dir=ckpt, checkpoint_every=3,
-              loss_fn=_StopAt(7 * 3 + 1), log=None, **kw)
-    except _Stop:
+              loss_fn=CrashingLoss(7 * 3 + 1), log=None, **kw)
+    except Crash:
         pass
     else:
         raise AssertionError("the run was not stopped")

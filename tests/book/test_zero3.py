@@ -13,6 +13,7 @@ from manualdp.lockstep import check_own_gpus
 from manualdp.schedule import get_schedule
 from manualdp.units import choose_units
 from manualdp.zero3 import Zero3, traffic_of
+from tests.helpers import seeded_mlp
 
 OPTIMIZERS = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-2),
@@ -42,11 +43,6 @@ class Tangled(nn.Module):
         h = torch.tanh(self.frozen(h))
         h = torch.tanh(self.twice(torch.tanh(self.twice(h))))
         return self.out(h) * self.scale
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4))
 
 
 def _batches(batch, steps, classes):
@@ -118,7 +114,7 @@ def test_between_steps_a_device_holds_its_shards_only(n):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_device_holds_one_unit_at_a_time_during_a_step(n):
-    zero = Zero3(replicate(_mlp().double(), cpu_devices(n)), OPTIMIZERS["sgd"])
+    zero = Zero3(replicate(seeded_mlp(torch.float32).double(), cpu_devices(n)), OPTIMIZERS["sgd"])
     shards = zero.param_bytes()
     X, y = _batches(9, steps=1, classes=4)[0]
     zero.train_batch(X, y)
@@ -133,7 +129,7 @@ def test_a_device_holds_one_unit_at_a_time_during_a_step(n):
 
 @pytest.mark.parametrize("n", [2, 3, 4, 5])
 def test_a_step_sends_two_all_gathers_and_one_reduce_scatter_of_the_model(n):
-    zero = Zero3(replicate(_mlp(), cpu_devices(n)), OPTIMIZERS["sgd"])
+    zero = Zero3(replicate(seeded_mlp(torch.float32), cpu_devices(n)), OPTIMIZERS["sgd"])
     sizes = [6 * 16 + 16, 16 * 8 + 8, 8 * 4 + 4]  # float32
     got = traffic_of(zero.planned(), n)
     # By hand, from the ring: over n-1 rounds device i sends every chunk but one. In the all-gather it
@@ -151,7 +147,7 @@ def test_a_step_sends_two_all_gathers_and_one_reduce_scatter_of_the_model(n):
 
 
 def test_a_replica_refuses_a_forward_between_steps():
-    zero = Zero3(replicate(_mlp(), cpu_devices(2)), OPTIMIZERS["sgd"])
+    zero = Zero3(replicate(seeded_mlp(torch.float32), cpu_devices(2)), OPTIMIZERS["sgd"])
     with pytest.raises(RuntimeError, match="holds only its shards between steps"):
         zero.replicas[1](torch.randn(3, 6))
 
@@ -195,7 +191,7 @@ def test_a_device_that_disagrees_or_fails_stops_the_step_and_changes_nothing(fai
     (dict(algorithm="tree"), ValueError, "algorithm"),
 ])
 def test_bad_input_names_the_argument_and_leaves_the_replicas_alone(kwargs, error, match):
-    replicas = replicate(_mlp(), cpu_devices(2))
+    replicas = replicate(seeded_mlp(torch.float32), cpu_devices(2))
     before = [p.detach().clone() for p in replicas[0].parameters()]
     with pytest.raises(error, match=match):
         Zero3(replicas, OPTIMIZERS["sgd"], **kwargs)

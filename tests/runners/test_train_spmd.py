@@ -7,13 +7,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from manualdp import cpu_devices, train
 from manualdp.runners.loop import train_spmd
 from manualdp.spmd import init_from_env, launch
+from tests.helpers import seeded_bn_mlp
 
 EPOCHS, LR, MOMENTUM = 2, 0.2, 0.9
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 4)).double()
 
 
 def _loaders():
@@ -28,7 +24,7 @@ def _loaders():
 def _train_two_ranks():
     assert not torch.distributed.is_initialized()
     device = init_from_env(timeout=60)  # from the RANK, WORLD_SIZE, MASTER_* variables, as under torchrun
-    net = _net()
+    net = seeded_bn_mlp()
     history = train_spmd(net, *_loaders(), EPOCHS, LR, momentum=MOMENTUM, bucket_cap_mb=0.0002,
                          progress=False, log=None)
     return {"device": device, "history": history, "state": net.state_dict(),
@@ -37,7 +33,7 @@ def _train_two_ranks():
 
 def test_train_spmd_on_two_ranks_equals_train_on_two_devices():
     ranks = launch(_train_two_ranks, 2, init=False, timeout=120)
-    net = _net()
+    net = seeded_bn_mlp()
     expected = train(net, *_loaders(), cpu_devices(2), EPOCHS, LR, momentum=MOMENTUM, progress=False, log=None)
 
     assert ranks[0]["device"] == torch.device("cpu")
@@ -50,7 +46,7 @@ def test_train_spmd_on_two_ranks_equals_train_on_two_devices():
         torch.testing.assert_close(ranks[0]["state"][name], value, rtol=0, atol=1e-10, msg=name)
     for p, q in zip(ranks[0]["params"], ranks[1]["params"]):
         assert torch.equal(p, q), "ranks ended with different parameters"
-    assert not torch.equal(ranks[0]["params"][0], _net()[0].weight), "training did not move the parameters"
+    assert not torch.equal(ranks[0]["params"][0], seeded_bn_mlp()[0].weight), "training did not move the parameters"
 
 
 @pytest.mark.parametrize("args, kwargs, error, words", [

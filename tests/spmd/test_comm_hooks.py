@@ -21,16 +21,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import PeerError, launch
 from manualdp.spmd import comm_hooks as hooks
-from tests.helpers import WRAPPERS, mlp, pair_of_wrappers, rank_batches, rank_input, same_rows, train_each
+from tests.helpers import WRAPPERS, mlp, pair_of_wrappers, rank_batches, rank_input, same_rows, small_mlp, train_each
 from tests.scenarios import run_scenarios
 
 JOB_TIMEOUT = 240.0
 N = 2  # ranks
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
 
 
 def _batches(rank, steps=3):
@@ -96,7 +91,7 @@ def _bad_results():
     out = {}
     for hook in (one_element_hook, twice_the_size_hook, integer_hook, tensor_not_future_hook):
         group = dist.new_group(backend="gloo")
-        model = DistributedDataParallel(_mlp(), process_group=group, bucket_cap_mb=None, timeout=20)
+        model = DistributedDataParallel(small_mlp(), process_group=group, bucket_cap_mb=None, timeout=20)
         model.register_comm_hook(None, hook)
         out[hook.__name__] = {"error": _error_of(lambda: _one_step(model)),
                               "buckets": [b.grads.numel() for b in model._buckets]}
@@ -106,7 +101,7 @@ def _bad_results():
 def _never_done():
     """A future that never completes ends at the wrapper's timeout."""
     group = dist.new_group(backend="gloo")
-    model = DistributedDataParallel(_mlp(), process_group=group, timeout=1.0)
+    model = DistributedDataParallel(small_mlp(), process_group=group, timeout=1.0)
     model.register_comm_hook(None, never_done_hook)
     return _error_of(lambda: _one_step(model))
 
@@ -114,12 +109,12 @@ def _never_done():
 def _one_rank_hook():
     """A hook registered on rank 0 only: every rank raises at the first step, naming both."""
     group = dist.new_group(backend="gloo")
-    model = DistributedDataParallel(_mlp(), process_group=group, timeout=20)
+    model = DistributedDataParallel(small_mlp(), process_group=group, timeout=20)
     if dist.get_rank() == 0:
         model.register_comm_hook(group, hooks.allreduce_hook)
     mismatch = _error_of(lambda: _one_step(model))
     # Registering once training has started is refused: the ranks compared their hooks already.
-    late = DistributedDataParallel(_mlp(), timeout=20)
+    late = DistributedDataParallel(small_mlp(), timeout=20)
     _one_step(late)
     return {"mismatch": mismatch, "late": _error_of(lambda: late.register_comm_hook(None, hooks.allreduce_hook))}
 
@@ -129,7 +124,7 @@ class _WithEmpty(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.body = _mlp()
+        self.body = small_mlp()
         self.none_in = nn.Linear(0, 3).double()  # weight 3x0
         self.rows = nn.Parameter(torch.zeros(0, 5, dtype=torch.float64))
         self.cols = nn.Parameter(torch.zeros(5, 0, dtype=torch.float64))
@@ -196,12 +191,12 @@ def _on_torch_ddp():
              "noop": (None, hooks.noop_hook, "local")}
     out = {}
     for name, (state, ours, reference) in cases.items():
-        model = TorchDDP(_mlp())
+        model = TorchDDP(small_mlp())
         model.register_comm_hook(state, ours)
         if reference == "local":
-            peer = _mlp()
+            peer = small_mlp()
         else:
-            peer = TorchDDP(_mlp())
+            peer = TorchDDP(small_mlp())
             if reference is not None:
                 peer.register_comm_hook(None, reference)
         out[name] = {"ours": _train(model, _batches(rank)), "reference": _train(peer, _batches(rank))}

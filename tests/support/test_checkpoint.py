@@ -8,11 +8,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from manualdp import cpu_devices, train
 from manualdp.support.checkpoint import load_latest, save_checkpoint
 from manualdp.guard import NonFiniteGradientError
-
-
-def _net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 12), nn.ReLU(), nn.Dropout(0.2), nn.Linear(12, 3))
+from tests.helpers import Crash, CrashingLoss, dropout_mlp
 
 
 def _loader(seed=0):
@@ -21,27 +17,9 @@ def _loader(seed=0):
     return DataLoader(data, batch_size=16, shuffle=True, generator=torch.Generator().manual_seed(seed))
 
 
-class Crash(Exception):
-    pass
-
-
-class CrashingLoss(nn.CrossEntropyLoss):
-    """A loss that raises on its `at`-th call: a run killed in the middle of training."""
-
-    def __init__(self, at):
-        super().__init__(reduction="sum")
-        self.calls, self.at = 0, at
-
-    def forward(self, out, y):
-        self.calls += 1
-        if self.at is not None and self.calls == self.at:
-            raise Crash()
-        return super().forward(out, y)
-
-
 def _run(tmp_path, n, **kw):
     torch.manual_seed(42)  # dropout draws from the global RNG: resume must restore it
-    net = _net()
+    net = dropout_mlp()
     history = train(net, _loader(), _loader(1), cpu_devices(n), num_epochs=3, lr=0.1, momentum=0.9,
                     progress=False, log=None, **kw)
     return net, history
@@ -157,9 +135,9 @@ def test_nonfinite_gradient_skip_skips_the_update_on_every_replica(tmp_path):
 
 def test_checkpoint_options_need_a_directory():
     with pytest.raises(ValueError, match="need checkpoint_dir"):
-        train(_net(), [], [], cpu_devices(1), 1, 0.1, resume=True, progress=False, log=None)
+        train(dropout_mlp(), [], [], cpu_devices(1), 1, 0.1, resume=True, progress=False, log=None)
     with pytest.raises(ValueError, match="checkpoint_every must be a positive int or None, got 0"):
-        train(_net(), [], [], cpu_devices(1), 1, 0.1, checkpoint_dir="x", checkpoint_every=0, progress=False, log=None)
+        train(dropout_mlp(), [], [], cpu_devices(1), 1, 0.1, checkpoint_dir="x", checkpoint_every=0, progress=False, log=None)
 
 
 def test_mid_epoch_and_end_of_epoch_checkpoints_of_one_step_are_both_kept(tmp_path):
@@ -175,7 +153,7 @@ def test_mid_epoch_and_end_of_epoch_checkpoints_of_one_step_are_both_kept(tmp_pa
 def test_resume_with_no_checkpoint_says_so(tmp_path):
     logs = []
     torch.manual_seed(42)
-    train(_net(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path / "none"),
+    train(dropout_mlp(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path / "none"),
           resume=True, progress=False, log=logs.append)
     assert logs[0].startswith("no checkpoint in") and "starting from the beginning" in logs[0]
 
@@ -183,9 +161,8 @@ def test_resume_with_no_checkpoint_says_so(tmp_path):
 def test_torchrun_checkpoints_are_not_resumed_by_a_single_process(tmp_path):
     os.makedirs(tmp_path / "rank0")
     with pytest.raises(ValueError, match="holds torchrun checkpoints"):
-        train(_net(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), resume=True,
+        train(dropout_mlp(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), resume=True,
               progress=False, log=None)
-
 
 
 # ---------------------------------------------------------------- edge cases found in review
@@ -193,7 +170,7 @@ def test_torchrun_checkpoints_are_not_resumed_by_a_single_process(tmp_path):
 def test_stale_checkpoints_are_refused_unless_resuming(tmp_path):
     save_checkpoint(str(tmp_path), 12, {"run": "old"})
     with pytest.raises(ValueError, match="already holds checkpoints"):
-        train(_net(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), progress=False,
+        train(dropout_mlp(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), progress=False,
               log=None)
 
 
@@ -214,16 +191,16 @@ def test_saving_never_deletes_the_checkpoint_just_written(tmp_path):
 def test_resume_refuses_a_changed_optimizer_or_zero_stage_in_one_line(tmp_path, before, after, option):
     from manualdp.support.checkpoint import ConfigChanged
     ckpt = str(tmp_path / "ckpt")
-    train(_net(), _loader(), _loader(1), cpu_devices(2), num_epochs=1, lr=0.01, progress=False, log=None,
+    train(dropout_mlp(), _loader(), _loader(1), cpu_devices(2), num_epochs=1, lr=0.01, progress=False, log=None,
           checkpoint_dir=ckpt, **before)
     files = {f: os.path.getmtime(os.path.join(ckpt, f)) for f in os.listdir(ckpt)}
-    net = _net()
+    net = dropout_mlp()
     with pytest.raises(ConfigChanged) as e:
         train(net, _loader(), _loader(1), cpu_devices(2), num_epochs=2, lr=0.01, progress=False, log=None,
               checkpoint_dir=ckpt, resume=True, **after)
     assert option in str(e.value) and "\n" not in str(e.value)
     assert {f: os.path.getmtime(os.path.join(ckpt, f)) for f in os.listdir(ckpt)} == files
-    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), _net().parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(net.parameters(), dropout_mlp().parameters()))
 
 
 def test_a_resume_keeps_the_run_id_of_the_first_start(tmp_path):

@@ -8,17 +8,12 @@ import sys
 
 import pytest
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from manualdp import cpu_devices, train
 from manualdp.support import checkpoint as ck
 from manualdp.support.checkpoint import lock_path, read_checkpoint, save_checkpoint
-
-
-def _net(hidden=12):
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, hidden), nn.ReLU(), nn.Dropout(0.2), nn.Linear(hidden, 3))
+from tests.helpers import dropout_mlp
 
 
 def _loader(seed=0):
@@ -29,7 +24,7 @@ def _loader(seed=0):
 
 def _run(epochs=2, net=None, **kw):
     torch.manual_seed(42)
-    net = net or _net()
+    net = net or dropout_mlp()
     kw = {"lr": 0.1, **kw}
     history = train(net, _loader(), _loader(1), cpu_devices(2), num_epochs=epochs, momentum=0.9,
                     progress=False, log=None, **kw)
@@ -73,7 +68,7 @@ def test_a_valid_file_of_another_model_falls_back_with_a_warning(tmp_path):
     _run(epochs=2, checkpoint_dir=ckpt)
     first, newest = (os.path.join(ckpt, f) for f in _ckpts(ckpt))
     other = read_checkpoint(first)
-    other["model"] = _net(hidden=7).state_dict()
+    other["model"] = dropout_mlp(hidden=7).state_dict()
     del other["path"]
     save_checkpoint(ckpt, 10**6, other)  # newest by name, valid torch, wrong content
     with pytest.warns(UserWarning, match="does not fit"):

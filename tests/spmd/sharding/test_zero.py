@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch, shard
 from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
+from tests.helpers import Branchy, Crash, CrashingLoss, seeded_mlp, small_mlp, uneven_mlp
 
 OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=1e-2)),
@@ -22,11 +23,6 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
 }
 STEPS = 3
-
-
-def _mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 8), nn.Tanh(), nn.Linear(8, 4)).double()
 
 
 def _batches(batch=13):
@@ -48,13 +44,13 @@ def _job():
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for name, (cls, kw) in OPTIMIZERS.items():
-        models = {"stage1": DistributedDataParallel(_mlp()), "stage2": DistributedDataParallel(_mlp()),
-                  "plain": DistributedDataParallel(_mlp()), "torch": TorchDDP(_mlp())}
+        models = {"stage1": DistributedDataParallel(seeded_mlp()), "stage2": DistributedDataParallel(seeded_mlp()),
+                  "plain": DistributedDataParallel(seeded_mlp()), "torch": TorchDDP(seeded_mlp())}
         opts = {"stage1": ZeroRedundancyOptimizer(models["stage1"].parameters(), cls, **kw),
                 "stage2": ZeroRedundancyOptimizer(models["stage2"].parameters(), cls, stage=2, **kw),
                 "plain": cls(models["plain"].parameters(), **kw),
                 "torch": TorchZero(models["torch"].parameters(), cls, **kw)}
-        single = _mlp()
+        single = seeded_mlp()
         single_opt = cls(single.parameters(), **kw)
         steps = []
         for X, y in _batches():
@@ -97,13 +93,13 @@ def test_zero_equals_torch_zero_ddp_and_one_process_after_every_step(n, name):
                 torch.testing.assert_close(got[stage], got["plain"], rtol=0, atol=1e-10, msg=f"{stage} vs plain DDP")
                 torch.testing.assert_close(got[stage], got["single"], rtol=0, atol=1e-10, msg=f"{stage} vs one process")
                 assert torch.equal(got[stage], results[0]["steps"][step][stage]), "ranks differ after the all-gather"
-    assert not torch.equal(results[0]["steps"][0]["stage1"], _flat(_mlp())), "training did not move the parameters"
+    assert not torch.equal(results[0]["steps"][0]["stage1"], _flat(seeded_mlp())), "training did not move the parameters"
 
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_adam_state_per_rank_is_about_one_nth(n):
     results = [r["adam"]["state"] for r in _results(n)]
-    total = sum(p.numel() for p in _mlp().parameters())
+    total = sum(p.numel() for p in seeded_mlp().parameters())
     for r in range(n):
         assert results[r]["plain"] == 2 * 8 * total
         for stage in ("stage1", "stage2"):
@@ -120,12 +116,12 @@ def _train_spmd_job():
     data = TensorDataset(torch.randn(60, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (60,), generator=g))
     out = {}
     for zero in (None, 1, 2, 3):
-        net = _mlp()
+        net = seeded_mlp()
         train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=30), 2, 1e-2,
                    optimizer=torch.optim.Adam, zero=zero, progress=False, log=None)
         out[zero] = _flat(net) if zero != 3 else torch.cat([v.reshape(-1) for k, v in full_state_dict(net).items()])
     try:
-        train_spmd(_mlp(), DataLoader(data, batch_size=13), DataLoader(data), 1, 1e-2, zero=2, nonfinite="raise", log=None)
+        train_spmd(seeded_mlp(), DataLoader(data, batch_size=13), DataLoader(data), 1, 1e-2, zero=2, nonfinite="raise", log=None)
     except ValueError as e:
         out["refused"] = str(e)
     return out
@@ -138,18 +134,10 @@ def test_train_spmd_with_zero_equals_train_spmd_without():
             torch.testing.assert_close(results[r][zero], results[r][None], rtol=0, atol=1e-10)
             assert torch.equal(results[r][zero], results[0][zero])
         assert "nonfinite" in results[r]["refused"]
-    assert not torch.equal(results[0][None], _flat(_mlp()))
+    assert not torch.equal(results[0][None], _flat(seeded_mlp()))
 
 
 # --- what a new user tries across processes: resume, unused parameters, groups, dtypes, stages ---
-
-def _uneven_mlp():
-    """56 + 45 + 24 = 125 elements, 2 mod 3: at 3 ranks the chunks differ in size."""
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
-
-
-from tests.support.test_checkpoint import Crash as _Stop, CrashingLoss as _StopAt  # noqa: E402 (a run killed mid-training)
 
 
 RESUME_CASES = [(stage, name) for stage in (1, 2) for name in ("sgd", "adam", "adamw")] + [(3, "adam")]
@@ -172,7 +160,7 @@ def _resume_job(root):
         lr = kw.pop("lr")
 
         def run(**extra):
-            net = _uneven_mlp()
+            net = uneven_mlp()
             train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=26), 2, lr, optimizer=cls,
                        zero=stage, nonfinite=None, progress=False, log=None, **kw, **extra)
             return _flat(net) if stage != 3 else torch.cat([v.reshape(-1) for v in full_state_dict(net).values()])
@@ -180,21 +168,21 @@ def _resume_job(root):
         ckpt = os.path.join(root, f"{stage}-{name}")
         ref = run()
         try:  # 4 steps an epoch; stop in step 7, after the checkpoint of step 6
-            run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=_StopAt(7))
-        except _Stop:
+            run(checkpoint_dir=ckpt, checkpoint_every=3, loss_fn=CrashingLoss(7))
+        except Crash:
             pass
         rank_dir = os.path.join(ckpt, f"rank{dist.get_rank()}")
         before = load_latest(rank_dir)["identity"]["run_id"]
         out[stage, name] = (ref, run(checkpoint_dir=ckpt, checkpoint_every=3, resume=True))
         out["run_id", stage, name] = (before, load_latest(rank_dir)["identity"]["run_id"])
     try:  # Adam's folder resumed with AdamW: the optimizer asked for is the run's, not ZeRO's wrapper
-        net = _uneven_mlp()
+        net = uneven_mlp()
         train_spmd(net, DataLoader(data, batch_size=13), DataLoader(data, batch_size=26), 2, 1e-2,
                    optimizer=torch.optim.AdamW, zero=1, nonfinite=None, progress=False, log=None,
                    checkpoint_dir=os.path.join(root, "1-adam"), checkpoint_every=3, resume=True)
         out["changed"] = None
     except ValueError as e:
-        out["changed"] = (str(e), torch.equal(_flat(net), _flat(_uneven_mlp())))
+        out["changed"] = (str(e), torch.equal(_flat(net), _flat(uneven_mlp())))
     return out
 
 
@@ -218,18 +206,7 @@ def test_resume_under_torchrun_equals_an_uninterrupted_run_on_uneven_shards(zero
             assert torch.equal(resumed, ref), f"{case}: rank {r}'s resumed run differs"
             # one run id for the whole run: rank 0's, kept across the resume
             assert results[r][("run_id", *case)] == (results[0][("run_id", *case)][0],) * 2
-        assert not torch.equal(results[0][case][0], _flat(_uneven_mlp()))
-
-
-class _Branchy(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.body, self.side = nn.Linear(6, 4).double(), nn.Linear(6, 4).double()
-        self.use_side = True
-
-    def forward(self, x):
-        return self.body(x) + (self.side(x) if self.use_side else 0)
+        assert not torch.equal(results[0][case][0], _flat(uneven_mlp()))
 
 
 def _features_job():
@@ -237,7 +214,7 @@ def _features_job():
     out = {"unused": {}, "groups": None, "dtypes": None}
     # 1. A parameter no rank has a gradient for is skipped, as torch's optimizers skip it.
     for name, (cls, kw) in OPTIMIZERS.items():
-        nets = {k: _Branchy() for k in ("plain", "stage1", "stage2")}
+        nets = {k: Branchy() for k in ("plain", "stage1", "stage2")}
         models = {k: DistributedDataParallel(m, find_unused_parameters=True) for k, m in nets.items()}
         opts = {"plain": cls(models["plain"].parameters(), **kw),
                 "stage1": ZeroRedundancyOptimizer(models["stage1"].parameters(), cls, **kw),
@@ -254,7 +231,7 @@ def _features_job():
                 opts[k].step()
         out["unused"][name] = {k: _flat(m) for k, m in nets.items()}
     # 2. Parameter groups as torch takes them, and a scheduler.
-    nets = {k: _mlp() for k in ("plain", "zero")}
+    nets = {k: seeded_mlp() for k in ("plain", "zero")}
     groups = lambda m: [{"params": list(m[0].parameters())}, {"params": list(m[4].parameters()) +
                                                               list(m[2].parameters()), "lr": 1e-3, "momentum": 0.0}]
     models = {k: DistributedDataParallel(m) for k, m in nets.items()}
@@ -285,7 +262,7 @@ def _features_job():
         out["refused"] = str(e)
     # 5. Ranks asking for different stages raise, naming them (last: it must not leave gloo broken).
     try:
-        ZeroRedundancyOptimizer(_mlp().parameters(), torch.optim.SGD, stage=1 + (rank == n - 1), lr=0.1)
+        ZeroRedundancyOptimizer(seeded_mlp().parameters(), torch.optim.SGD, stage=1 + (rank == n - 1), lr=0.1)
     except ValueError as e:
         out["stages"] = str(e)
     return out
@@ -320,11 +297,6 @@ def test_mixed_dtypes_kept_another_ranks_state_refused_and_different_stages_name
 
 # ---------------------------------------------------------------- planted bugs slipped past these (issue 20)
 
-def _small_net():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4)).double()
-
-
 def _fixed_loss(model):
     g = torch.Generator().manual_seed(3)
     X, y = torch.randn(10, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (10,), generator=g)
@@ -333,7 +305,7 @@ def _fixed_loss(model):
 
 def _zero_grad_job():
     """Stage 2: the gradient bytes held after zero_grad(), which drops the shards, and zero_grad(False), which keeps them."""
-    model = DistributedDataParallel(_small_net())
+    model = DistributedDataParallel(small_mlp())
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.1)
     held = {}
     for set_to_none in (False, True):
@@ -350,7 +322,7 @@ def _scheduler_resume_job():
     """A rank's shard saved after a scheduler's step, loaded into a new optimizer: its lr, and the next step."""
     out = {}
     for stage in (1, 2):
-        nets = [_small_net(), _small_net()]
+        nets = [small_mlp(), small_mlp()]
         models = [DistributedDataParallel(net) for net in nets]
         first = ZeroRedundancyOptimizer(models[0].parameters(), torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
         scheduler = torch.optim.lr_scheduler.StepLR(first, step_size=1, gamma=0.1)

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch
 from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
+from tests.helpers import uneven_mlp
 
 N = 3
 STEPS = 3
@@ -26,8 +27,7 @@ TIMEOUT = 120.0
 
 
 def _net():
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).double()
+    net = uneven_mlp()
     net[2].requires_grad_(False)
     return net
 
