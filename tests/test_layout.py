@@ -2,6 +2,7 @@
 import ast
 import inspect
 import json
+import os
 import pathlib
 import re
 import subprocess
@@ -62,8 +63,10 @@ ALLOWED = {  # every layer may use the validators; they use nothing
 }
 
 
-@pytest.mark.parametrize("name, path", [m for m in modules() if m[0].split(".")[-1] not in COMPAT and m[0]],
-                         ids=lambda x: str(x) if isinstance(x, str) else "")
+ARROWS = [m for m in modules() if m[0].split(".")[-1] not in COMPAT and m[0]]  # the front doors re-export all
+
+
+@pytest.mark.parametrize("name, path", ARROWS, ids=lambda x: str(x) if isinstance(x, str) else "")
 def test_arrows_point_one_way(name, path):
     mine = layer(name)
     for target, _ in imports(name, path):
@@ -77,6 +80,100 @@ def test_the_checker_sees_a_wrong_arrow(tmp_path):
     bad.write_text("from .support.checkpoint import save_checkpoint\nfrom .spmd import ddp\n")
     found = [layer(t) for t, _ in imports("split", bad)]
     assert found == ["utility", "engine"]
+
+
+def test_the_walk_sees_every_python_file_of_the_package():
+    # counted apart from rglob: a move into a folder the walk skipped would otherwise pass unchecked
+    found = sorted(pathlib.Path(folder, name) for folder, _, names in os.walk(ROOT)
+                   for name in names if name.endswith(".py"))
+    assert sorted(path for _, path in modules()) == found
+    checked = [name for name, _ in ARROWS]
+    assert len(checked) == len(found) - sum(name.split(".")[-1] in COMPAT or not name for name, _ in modules())
+    assert len(set(checked)) == len(checked)
+
+
+def test_every_sub_package_is_in_a_known_layer_and_the_engines_in_a_known_room():
+    packages = sorted(".".join(p.parent.relative_to(ROOT).parts) for p in ROOT.rglob("__init__.py") if p.parent != ROOT)
+    assert {"support", "runners", "spmd", "spmd.transport", "spmd.ladder", "spmd.ddp"} <= set(packages), packages
+    for package in packages:
+        assert layer(package) in ALLOWED, package
+        folder = f"manualdp/{package.replace('.', '/')}/"
+        assert layer(package) != "book", f"{folder} is in no layer: the book has no folders"
+        if package.startswith("spmd."):
+            assert room(package) in ROOMS, package  # room() raises KeyError for a room it does not know
+    for name, _ in modules():
+        if layer(name) == "engine" and name != "spmd":
+            room(name)
+
+
+# ---------------------------------------------------------------- the engine's rooms
+
+ROOMS = ["transport", "auto", "collectives", "ladder", "ddp", "sharding", "launch"]  # an arrow points back up this list
+ROOM_OF = {  # the engine's files and folders below spmd/, each in its room
+    "transport": "transport", "auto": "auto", "collectives": "collectives", "ladder": "ladder", "ddp": "ddp",
+    "comm_hooks": "ddp", "syncbn": "ddp", "sharding": "sharding", "launch": "launch", "sampler": "launch",
+}
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()  # (module, imported module) pairs the order allows for now: none
+
+
+def room(module: str) -> str:
+    """The room of `spmd.X...`: the first name below spmd/ (a file or a folder). A KeyError for one not in ROOM_OF."""
+    parts = module.split(".")
+    assert parts[0] == "spmd" and len(parts) > 1, module
+    return ROOM_OF[parts[1]]
+
+
+def room_arrows(name: str, path: pathlib.Path):
+    """(imported engine module, its room) for every import of an engine module in the file."""
+    for target, taken in imports(name, path):
+        if target == "spmd":  # `from .. import x` from spmd/X/: the names are modules of the engine
+            for t in taken:
+                yield f"spmd.{t}", room(f"spmd.{t}")
+        elif target.startswith("spmd."):
+            yield target, room(target)
+
+
+ENGINE = [m for m in modules() if layer(m[0]) == "engine" and m[0] != "spmd"]  # spmd/__init__ is the front door
+
+
+@pytest.mark.parametrize("name, path", ENGINE, ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_rooms_import_only_their_own_room_or_rooms_before_it(name, path):
+    mine = ROOMS.index(room(name))
+    for target, theirs in room_arrows(name, path):
+        if (name, target) in KNOWN_EXCEPTIONS:
+            continue
+        assert ROOMS.index(theirs) <= mine, (
+            f"{name} (room {room(name)}) imports {target} (room {theirs}): rooms import only {ROOMS[:mine + 1]}")
+
+
+@pytest.mark.parametrize("name, path", [m for m in ENGINE if m[0].split(".")[1] == "ladder"],
+                         ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_the_ladder_imports_nothing_from_ddp_sharding_or_auto(name, path):
+    # auto comes before the ladder in the order; the ladder's rungs still take an algorithm by name only
+    found = [target for target, theirs in room_arrows(name, path) if theirs in ("ddp", "sharding", "auto")]
+    assert not found, f"{name} imports {found}"
+
+
+def test_the_room_checker_sees_a_wrong_arrow(tmp_path):
+    bad = tmp_path / "flat.py"
+    bad.write_text("from ..ddp.reducer import Reducer\nfrom .. import syncbn\nfrom ..transport.peers import wait\n"
+                   "from manualdp.spmd.sharding import zero\n")
+    assert [t for t, _ in room_arrows("spmd.ladder.flat", bad)] == [
+        "spmd.ddp.reducer", "spmd.syncbn", "spmd.transport.peers", "spmd.sharding"]
+    wrong = r"spmd.ladder.flat \(room ladder\) imports spmd.ddp.reducer \(room ddp\)"
+    with pytest.raises(AssertionError, match=wrong):
+        test_rooms_import_only_their_own_room_or_rooms_before_it("spmd.ladder.flat", bad)
+    with pytest.raises(AssertionError, match="imports \\['spmd.ddp.reducer', 'spmd.syncbn', 'spmd.sharding'\\]"):
+        test_the_ladder_imports_nothing_from_ddp_sharding_or_auto("spmd.ladder.flat", bad)
+    bad.write_text("from ..auto.tune import resolve\n")
+    test_rooms_import_only_their_own_room_or_rooms_before_it("spmd.ladder.flat", bad)  # auto is before the ladder...
+    with pytest.raises(AssertionError, match="imports \\['spmd.auto.tune'\\]"):
+        test_the_ladder_imports_nothing_from_ddp_sharding_or_auto("spmd.ladder.flat", bad)  # ...and still refused
+    bad.write_text("from ..collectives import allreduce\n")  # transport/ cannot use what it carries
+    with pytest.raises(AssertionError, match="room transport"):
+        test_rooms_import_only_their_own_room_or_rooms_before_it("spmd.transport.p2p", bad)
+    with pytest.raises(KeyError):
+        room("spmd.pipeline.stages")  # a new room must be placed in the order before it is checked
 
 
 @pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
