@@ -42,10 +42,10 @@ def test_a_wrapper_bucket_writes_its_flags_once_sealed_and_its_views_are_its_buf
     import torch
     from torch import nn
 
-    from manualdp.spmd.ddp.wrapper import Bucket
+    from manualdp.spmd.ddp.bucket import FlaggedBucket
 
     params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(4)), nn.Parameter(torch.zeros(1))]
-    bucket = Bucket(params)
+    bucket = FlaggedBucket(params)
     for i, p in enumerate(params):  # each view is its parameter's slice of the one buffer, shaped like it
         assert bucket.view(i).shape == p.shape
         assert bucket.view(i).data_ptr() == bucket.flat[bucket.offsets[i]:].data_ptr()
