@@ -1,4 +1,4 @@
-"""The architecture of DESIGN.md, held by tests: which layer may import which, and a book a student can read."""
+"""The architecture of ARCHITECTURE.md, held by tests: which layer may import which, and a book a student can read."""
 import ast
 import inspect
 import json

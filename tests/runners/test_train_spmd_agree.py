@@ -64,5 +64,5 @@ def _train_with_settings_that_differ():
 def test_ranks_given_different_learning_rates_or_betas_are_found_on_every_rank():
     for message in launch(_train_with_settings_that_differ, 2, timeout=60):
         assert message is not None and "training setup differs across ranks" in message
-        assert "lr (rank 0: 0.1, rank 1: 0.2)" in message, message
-        assert "betas (group 0) (rank 0: (0.9, 0.99), rank 1: (0.9, 0.9))" in message, message
+        assert "lr 0.1..0.2 (per rank: 0.1, 0.2)" in message, message
+        assert "betas (group 0) [0.9 0.9]..[0.9 0.99] (per rank: [0.9 0.99], [0.9 0.9])" in message, message

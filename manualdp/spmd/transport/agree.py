@@ -58,7 +58,7 @@ def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must p
     """
     state = group_state(group)
     n = len(state.peers)
-    mine = {str(k): _shown(v) for k, v in fields.items()}
+    mine = {str(k): _full(v) for k, v in fields.items()}
     if n == 1:
         return
     timeout = timeout if timeout is not None else group_timeout(group)
@@ -72,16 +72,19 @@ def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must p
     if len(set(table.tolist())) == 1:
         return
     everyone: list = [None] * n
-    dist.all_gather_object(everyone, (mine, {str(k): _shown(v) for k, v in (shown or {}).items()}), group=group)
+    dist.all_gather_object(everyone, (mine, {str(k): _cut(_full(v)) for k, v in (shown or {}).items()}), group=group)
     differ = []
     for field in dict.fromkeys(k for theirs, _ in everyone for k in theirs):
         values = [theirs.get(field, "missing") for theirs, _ in everyone]
         if len({v for v in values if v != ANY}) > 1:
-            differ.append(differs(field, values, wildcard=ANY))
-    orders = [list(theirs) for theirs, _ in everyone]
-    if not differ and any(order != orders[0] for order in orders):  # the same fields, in another order
-        at = next(i for i in range(len(orders[0])) if any(order[i] != orders[0][i] for order in orders))
-        differ.append(differs(f"field {at}", [order[at] for order in orders]))
+            differ.append(differs(field, [_cut(v) for v in values], wildcard=ANY))
+    # the same fields in another order (a field a rank leaves out where another has ANY does not count)
+    common = set.intersection(*({k for k, v in theirs.items() if v != ANY} for theirs, _ in everyone))
+    orders = [[k for k in theirs if k in common] for theirs, _ in everyone]
+    if not differ and any(order != orders[0] for order in orders):
+        at = next(i for i in range(max(map(len, orders)))
+                  if len({order[i] if i < len(order) else "missing" for order in orders}) > 1)
+        differ.append(differs(f"field {at}", [order[at] if at < len(order) else "missing" for order in orders]))
     if not differ:  # only wildcards differed
         return
     more = len(differ) - SHOWN_FIELDS
@@ -91,11 +94,15 @@ def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must p
     raise error(f"rank {state.rank}: {what} differs across ranks: {listed}{extra}; {hint}")
 
 
-def _shown(value) -> str:
-    """A value as the error shows it: lists in brackets without quotes, cut to `SHOWN_CHARS`."""
+def _full(value) -> str:
+    """A value as the ranks compare it, whole: lists in brackets without quotes, tensors by their values."""
     if isinstance(value, torch.Tensor):
         value = value.tolist()  # its values, not its device
-    text = "[" + " ".join(map(_shown, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
+    return "[" + " ".join(map(_full, value)) + "]" if isinstance(value, (list, tuple)) else str(value)
+
+
+def _cut(text: str) -> str:
+    """A compared value as the error shows it: cut to `SHOWN_CHARS` (the comparison saw it whole)."""
     return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
 
 

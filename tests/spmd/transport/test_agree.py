@@ -274,22 +274,18 @@ def test_ddp_flags_hook_fully_shard_and_zero_settings_that_differ_are_named_on_e
     _raised(res, "zero algorithm", "algorithm ring..tree " + _per(n, "tree", "ring"))
 
 
-@pytest.mark.xfail(strict=True, reason="agree digests each value after cutting it to 200 characters")
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_difference_past_the_200th_character_is_found(n):
     for name in ("long late", "long list late", "tensor late"):
         _raised(_results(n), name, "t differs across ranks: s ")
 
 
-@pytest.mark.xfail(strict=True, reason="the same cut: fully_shard's buffer list and DDP's cap list compare equal")
 @pytest.mark.parametrize("n", [2, 3])
 def test_long_lists_that_differ_late_are_refused_by_fully_shard_and_ddp(n):
     _raised(_results(n), "fsdp extra buffer in a long list", "fully_shard(Sequential) differs across ranks: buffers")
-    # accepted today: the first backward aborts in gloo ("Received data size doesn't match")
     _raised(_results(n), "DDP long cap list", "layout differs across ranks: bucket")
 
 
-@pytest.mark.xfail(strict=True, reason="agree raises a bare StopIteration: the order check finds no differing index")
 @pytest.mark.parametrize("n", [2, 3])
 def test_any_on_one_rank_and_the_field_missing_on_another_is_one_clear_answer(n):
     res = _results(n)

@@ -1,4 +1,4 @@
-"""What belongs to a process group lives in its one `GroupState`, nowhere else (DESIGN.md, issue 21 item 3)."""
+"""What belongs to a process group lives in its one `GroupState`, nowhere else (ARCHITECTURE.md, issue 21 item 3)."""
 import ast
 import pathlib
 
