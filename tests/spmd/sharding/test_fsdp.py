@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from manualdp.spmd import full_state_dict, fully_shard, launch, shard
+from manualdp.spmd.sharding.fsdp import UNIT
 from manualdp.support.trace import Trace
 
 STEPS = 4
@@ -72,10 +73,13 @@ def _full(state):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in state.items()}
 
 
+def _units(model):
+    return [u for m in model.modules() if UNIT in vars(m) for u in [vars(m)[UNIT]]]
+
+
 def _held(model):
-    """Bytes held by the attributes that were parameters (views of the gather buffers)."""
-    return sum(t.untyped_storage().nbytes() for m in model.modules() for t in vars(m).values()
-               if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter))
+    """Bytes held by the full (unsharded) parameters of every unit."""
+    return sum(p.full.untyped_storage().nbytes() for u in _units(model) for p in u.params if p.full is not None)
 
 
 def _raise(grad):
@@ -114,8 +118,9 @@ def _job():
                      | {"torch": _full(models["torch"].state_dict()), "single": _full(single.state_dict())})
         held.append({k: _held(m) for k, m in models.items() if k != "torch"})
     ours = models["ours"]
-    return {"steps": steps, "held": held, "evaluated": evaluated, "params": [(name, p.numel(), p.requires_grad, p.grad is not None)
-                                                     for name, p in ours.named_parameters()],
+    return {"steps": steps, "held": held, "evaluated": evaluated,
+            "params": [(name, p.to_local().numel(), p.requires_grad, p.grad is not None, p.placements[0].is_shard(0),
+                        tuple(p.shape)) for name, p in ours.named_parameters()],
             "prefetch": _prefetch_job(), "bad input": _bad_input_job(),
             "checkpoint": _checkpoint_job() if n == 3 else None}
 
@@ -153,14 +158,15 @@ def test_equals_torch_fsdp2_and_one_process_with_tied_frozen_and_root_parameters
 @pytest.mark.parametrize("n", [2, 3])
 def test_parameters_are_this_ranks_shards_and_nothing_else_is_held_between_steps(n):
     results = _results(n)
-    sizes = [sum(numel for _, numel, _, _ in r["params"]) for r in results]
-    assert sum(sizes) == NUMEL
-    buffers = len(results[0]["params"])
-    assert all(abs(s - NUMEL / n) <= buffers for s in sizes), sizes  # near-equal chunks of every flat buffer
+    single = dict(Tied().named_parameters())
+    assert [row[0] for row in results[0]["params"]] == list(single), "the model's own names, in its order"
+    for name, p in single.items():  # rows cut as torch.chunk cuts them: ceil(rows / n) per rank, the last ones fewer
+        rows = [len(c) for c in torch.chunk(p, n)] + [0] * n
+        got = [next(row for row in r["params"] if row[0] == name) for r in results]
+        assert [g[1] for g in got] == [rows[r] * p[0].numel() for r in range(n)], name
+        assert all(g[4] and g[5] == tuple(p.shape) for g in got), "a DTensor of the full shape, sharded on dim 0"
+        assert all(g[2] == p.requires_grad == g[3] for g in got), name
     for r in results:
-        for name, _, trains, has_grad in r["params"]:
-            assert name.rpartition(".")[2].startswith("flat_shard_float32"), name
-            assert trains == (not name.endswith("_frozen")) == has_grad, name
         assert all(set(h.values()) == {0} for h in r["held"]), r["held"]
 
 
@@ -173,7 +179,8 @@ def _prefetch_job():
     seen = []  # ("forward" | "backward", layer, whether the neighbour's all-gather has begun), in order
 
     def allocated(layer):
-        return layer.weight.untyped_storage().nbytes() > 0
+        full = vars(layer)[UNIT].params[0].full
+        return full is not None and full.untyped_storage().nbytes() > 0
 
     def on_forward(k, module, args, output):  # runs after fully_shard's hooks on the same module
         if k + 1 < len(layers):
@@ -217,14 +224,19 @@ def _checkpoint_job():
     resumed_opt.load_state_dict(state["opt"])
     for X, y in batches[2:]:
         _step(resumed, resumed_opt, X, y, rank, n)
-    return {"keys": list(state["model"]), "straight": model.state_dict(), "resumed": resumed.state_dict(),
+    return {"keys": list(state["model"]), "straight": _local(model.state_dict()), "resumed": _local(resumed.state_dict()),
             "full": (full_state_dict(model), full_state_dict(resumed)),
-            "opt": (opt.state_dict()["state"], resumed_opt.state_dict()["state"])}
+            "opt": tuple({k: _local(s) for k, s in o.state_dict()["state"].items()} for o in (opt, resumed_opt))}
+
+
+def _local(state):
+    """DTensors as this rank's local tensors: what a job can send to the parent (which has no process group)."""
+    return {k: v.to_local() if hasattr(v, "to_local") else v for k, v in state.items()}
 
 
 def test_a_sharded_checkpoint_resumes_bitwise_at_three_ranks():
     for r in (r["checkpoint"] for r in _results(3)):
-        assert "layers.0.flat_shard_float32" in r["keys"] and "shift" in r["keys"]
+        assert list(r["keys"]) == list(Tied().state_dict())
         for a, b in [(r["straight"], r["resumed"]), r["full"]]:
             assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
         for k, s in r["opt"][0].items():
@@ -238,7 +250,7 @@ def _bad_input_job():
     def attempt(key, fn):
         try:
             fn()
-        except (TypeError, ValueError, RuntimeError) as e:
+        except (TypeError, ValueError, RuntimeError, NotImplementedError) as e:
             out[key] = (type(e).__name__, str(e))
 
     attempt("not a module", lambda: fully_shard([nn.Linear(2, 2)]))
@@ -266,7 +278,7 @@ def _bad_input_job():
 def test_bad_input_is_refused_naming_it_and_changing_nothing():
     got = [r["bad input"] for r in _results(2)]
     for r, out in enumerate(got):
-        assert out["not a module"][0] == "TypeError" and "module" in out["not a module"][1]
+        assert out["not a module"][0] == "NotImplementedError" and "not a list" in out["not a module"][1]
         assert out["twice"][0] == "ValueError" and "already sharded" in out["twice"][1] and out["twice unchanged"]
         assert out["group"][0] == "TypeError" and "group" in out["group"][1] and "str" in out["group"][1]
         assert "reshard_after_forward" in out["reshard"][1] and "'yes'" in out["reshard"][1]
