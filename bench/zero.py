@@ -108,6 +108,9 @@ def formula(row: str, n: int, model_bytes: int, tensors: int) -> int:
         return ddp
     if row == "manualdp ZeRO-1":
         return ddp + (n - 1) * model_bytes  # DDP's allreduce, then all-gather the stepped shards
+    if row == "manualdp ZeRO-3":  # each segment's tail: (unit, count) per all-gather; per rank, and a flag per
+        units = tensors // 2      # tensor, per reduce-scatter (fsdp_unit.py); a Linear (2 tensors) is a unit
+        return 3 * (n - 1) * model_bytes + (n - 1) * 4 * n * (units * (2 * 2 + 2 * n) + tensors)
     return passes[row] * (n - 1) * model_bytes
 
 
@@ -168,8 +171,8 @@ def _build(row: str, net: nn.Sequential):
 
     def held_zero3() -> tuple[int, int]:
         params = list(net.parameters())
-        fulls = [f for u in units for f in u.fulls]
-        leaf_grads = [leaf.grad for u in units for leaf in u.leaves]
+        fulls = [p.full for u in units for p in u.params if p.full is not None]
+        leaf_grads = [f.grad for f in fulls]
         return _storage_bytes(params + fulls), _storage_bytes([p.grad for p in params] + leaf_grads)
     return net, opt, held_zero3
 
