@@ -277,15 +277,19 @@ def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_s
 
 
 class FullyShardedModel(nn.Module):
-    """`net` with `fully_shard` applied to each child that has parameters, then to itself: what `OneRank`
-    needs of a wrapper (`rank`, `world_size`, `module`, `recorder`)."""
+    """`net` with `fully_shard` applied to each child that has parameters (a container's children), then to
+    itself: what `OneRank` needs of a wrapper (`rank`, `world_size`, `module`, `recorder`)."""
 
     def __init__(self, net: nn.Module, timeout: float | None, recorder=None):
         super().__init__()
         self.module, self.recorder = net, recorder
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        for child in net.children():
-            if any(True for _ in child.parameters()):
+        children = list(net.children())
+        while children:
+            child = children.pop(0)
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):  # a container never runs a forward: its children
+                children[:0] = list(child.children())
+            elif any(True for _ in child.parameters()):
                 fully_shard(child, timeout=timeout, recorder=recorder)
         fully_shard(net, timeout=timeout, recorder=recorder)
 
