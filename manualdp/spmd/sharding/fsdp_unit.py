@@ -83,6 +83,7 @@ class Param:
         setattr(self.sharded, OWNER, self)
         self.full: nn.Parameter | None = None  # made at the first gather (after `to_empty` on a meta model)
         self.original: nn.Parameter | None = None  # the parameter the user's model held before
+        self.accumulated: torch.Tensor | None = None  # gradients kept with sync off, in the reduce dtype
 
     def local(self) -> torch.Tensor:
         """This rank's rows (the DTensor's local tensor), detached."""
@@ -148,6 +149,7 @@ class Unit:
         self.reducing = None    # the reduce-scatter's future, until the end of backward
         self.gathers = 0        # all-gathers run so far (in every tail: ranks that ran one more disagree)
         self.reduces = 0        # reduce-scatters run so far
+        self.accumulating = False  # the full parameters' .grad hold gradients kept with gradient sync off
         self.ready = 0          # trainable parameters whose gradient autograd has accumulated
         self.reduced = False    # the gradients are sent: this backward is done with the unit
         self.seen = False       # backward has reached the unit's outputs
@@ -308,11 +310,18 @@ class Unit:
         """Start summing the unit's gradients over the ranks (zeros where one is missing); drop the full ones."""
         jobs = []
         for dtype, members in self.reduce_groups.items():
-            grads = [p.full.grad if p.full is not None else None for p in members]
+            grads = []
+            for p in members:
+                grad = p.full.grad if p.full is not None else None
+                if p.accumulated is not None:
+                    grad = p.accumulated if grad is None else p.accumulated + grad
+                    p.accumulated = None
+                grads.append(grad)
             jobs.append((dtype, members, grads))
         for p in self.params:
             if p.full is not None:
                 p.full.grad = None
+        self.accumulating = False
         self.reduces += 1
         self.reduced, self.reducing = True, self.worker.submit(self._reduce_scatter, jobs, self.reduces)
 
@@ -345,6 +354,17 @@ class Unit:
                         out.append((p, (grad / factor).to(p.dtype)))
                     at += p.padded
         return out
+
+    @torch.no_grad()
+    def keep_gradients(self) -> None:
+        """Gradient sync is off: keep this backward's gradients for the one that syncs. In a lower-precision
+        `param_dtype` they are added up in the reduce dtype (as torch's FSDP2 does), not in the parameters' own."""
+        self.accumulating = True
+        for dtype, members in self.reduce_groups.items():
+            for p in members:
+                if p.full is not None and p.full.grad is not None and p.full.grad.dtype != dtype:
+                    grad, p.full.grad = p.full.grad, None
+                    p.accumulated = grad.to(dtype) if p.accumulated is None else p.accumulated.add_(grad)
 
     @torch.no_grad()
     def take_gradients(self) -> None:
@@ -437,6 +457,8 @@ class Unit:
             for u in reversed(units):  # the same order on every rank
                 if not u.reduced and u.requires_gradient_sync and u.reduce_groups:
                     u.reduce_scatter()
+                elif not u.requires_gradient_sync:
+                    u.keep_gradients()
             for u in units:
                 u.take_gradients()
         finally:
@@ -449,10 +471,11 @@ class Unit:
             if u.reshard_after_backward or not after_backward:
                 u.free()
             u.ready, u.reduced, u.seen, u.reducing = 0, False, False, None
-            if u.requires_gradient_sync:
+            if not u.accumulating:
                 for p in u.params:  # left by a backward that raised
                     if p.full is not None:
                         p.full.grad = None
+                    p.accumulated = None
         if self.order:
             self.last_order, self.order = self.order, []
 
