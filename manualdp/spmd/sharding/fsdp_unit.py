@@ -28,8 +28,8 @@ A step, for one unit:
 its shape and place and holds no memory. The copy-out writes through `.data`, which leaves alone the
 version counter that autograd checks on saved tensors (torch's FSDP2 does the same).
 
-Every segment carries a short tail: the unit's number and how many all-gathers (or reduce-scatters)
-it has run. Ranks that run other units, or one more, see each other's tails and raise, naming the
+Every segment carries a short tail: the unit's number, how many all-gathers (or reduce-scatters) it has
+run and whether for backward. Ranks that run other units, or one more, see each other's tails and raise, naming the
 unit, instead of mixing two units' numbers. A reduce-scatter's tail also counts, per parameter, the
 ranks that produced a gradient: a parameter no rank used in this step gets no gradient (the
 optimizer skips it, as with torch's FSDP2); one used on some ranks only gets their sum over all ranks.
@@ -248,7 +248,9 @@ class Unit:
                 jobs.append((dtype, members, [p.local() for p in members], fulls))
             self.gathers += 1
             self.gathered = True
-            self.gathering = self.worker.submit(self._all_gather, jobs, self.gathers, why)
+            # the tail's count: all-gathers so far (mod 64), and whether this one is for backward
+            count = (self.gathers % 64) * 2 + (_inside_backward() or self.top().in_backward)
+            self.gathering = self.worker.submit(self._all_gather, jobs, count, why)
         if wait:
             if self.gathering is not None:
                 future, self.gathering = self.gathering, None
@@ -268,7 +270,7 @@ class Unit:
                 for p, local in zip(members, locals_):  # copy-in: this rank's rows, padded
                     own[at:at + local.numel()].copy_(local.reshape(-1))
                     at += p.padded
-                own[S - 2], own[S - 1] = self.number, count % 64
+                own[S - 2], own[S - 1] = self.number, count
                 all_gather(flat, group=self.group, timeout=self.timeout)
                 segments = flat.view(W, S)
                 tails = segments[:, S - 2:].tolist()
@@ -279,9 +281,10 @@ class Unit:
                     at += p.padded
 
     def _check_tails(self, tails: list[list[float]], what: str, count: int) -> None:
-        mine = [float(self.number), float(count % 64)]
+        mine = [float(self.number), float(count)]
         if any(t != mine for t in tails):
-            per_rank = "; ".join(f"rank {r}: unit {int(t[0])}, {what} {int(t[1])}" for r, t in enumerate(tails))
+            per_rank = "; ".join(f"rank {r}: unit {int(t[0])}, {what} {int(t[1]) // 2}"
+                                 + (" (backward)" if int(t[1]) % 2 else "") for r, t in enumerate(tails))
             raise UnitMismatch(f"rank {self.rank}: fully_shard's {what} of unit {self.number} "
                                f"({type(self.module).__name__}{' ' + self.name if self.name else ''}) met other units "
                                f"or counts on other ranks ({per_rank} mod 64): every rank must run the same units in "
@@ -323,7 +326,7 @@ class Unit:
                 p.full.grad = None
         self.accumulating = False
         self.reduces += 1
-        self.reduced, self.reducing = True, self.worker.submit(self._reduce_scatter, jobs, self.reduces)
+        self.reduced, self.reducing = True, self.worker.submit(self._reduce_scatter, jobs, (self.reduces % 64) * 2)
 
     @torch.no_grad()
     def _reduce_scatter(self, jobs, count: int) -> list:  # on the worker thread
@@ -341,7 +344,7 @@ class Unit:
                         _copy_in(segments[:, at:at + p.padded], grad, p)
                     at += p.padded
                 segments[:, data + 2 * self.rank] = self.number
-                segments[:, data + 2 * self.rank + 1] = count % 64
+                segments[:, data + 2 * self.rank + 1] = count
                 segments[:, data + 2 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
                 mine = reduce_scatter(flat, group=self.group, timeout=self.timeout)
                 self._check_tails(mine[data:data + 2 * W].view(W, 2).tolist(), "reduce-scatter", count)
