@@ -22,7 +22,7 @@ from .ladder.bucket import Bucket
 from .ddp import DistributedDataParallel
 from .comm_hooks import GradBucket, PowerSGDState
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm
-from .sharding import ZeroRedundancyOptimizer, full_state_dict, fully_shard
+from .sharding import FSDPModule, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from .launch import init_from_env, launch, rank_device, shard
 from .sampler import ShardedBatchSampler, shard_loader
 
@@ -31,6 +31,6 @@ __all__ = [
     "allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast",
     "NaiveDDP", "FlatDDP", "OverlappedDDP", "BucketedDDP", "Bucket", "DistributedDataParallel",
     "GradBucket", "PowerSGDState", "SyncBatchNorm", "convert_sync_batchnorm",
-    "ZeroRedundancyOptimizer", "fully_shard", "full_state_dict",
+    "ZeroRedundancyOptimizer", "fully_shard", "FSDPModule", "full_state_dict",
     "init_from_env", "launch", "rank_device", "shard", "ShardedBatchSampler", "shard_loader",
 ]

@@ -7,6 +7,6 @@
   unit does in a step (gather, free, gather again, reduce-scatter).
 """
 from .zero import ZeroRedundancyOptimizer
-from .fsdp import full_state_dict, fully_shard
+from .fsdp import FSDPModule, full_state_dict, fully_shard
 
-__all__ = ["ZeroRedundancyOptimizer", "fully_shard", "full_state_dict"]
+__all__ = ["ZeroRedundancyOptimizer", "fully_shard", "FSDPModule", "full_state_dict"]

@@ -1,4 +1,4 @@
-"""One unit of `fully_shard`: its parameters kept as per-parameter shards, gathered while forward or backward needs them.
+"""One unit of `fully_shard`: per-parameter shards, gathered while forward or backward needs them.
 
 `manualdp.spmd.sharding.fsdp` cuts the model into units (one per `fully_shard` call); this page is what
 one unit does in a step. Each parameter lives in two forms, as in torch's FSDP2:
