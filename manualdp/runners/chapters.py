@@ -198,7 +198,7 @@ def sharded(width: int = 128) -> dict:
             fully_shard(layer, recorder=trace)
     fully_shard(model, recorder=trace)
     out["zero3"] = {"full_bytes": sum(p.numel() * 8 for p in reference.parameters()),
-                    "shard_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+                    "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in model.parameters())}
     opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     (reference(X).pow(2).sum() / len(X)).backward()  # one process, the global batch
     opt.step()
