@@ -212,7 +212,64 @@ def _between_steps():
     averaged = _shard(Net(), fully_shard)
     nn.functional.cross_entropy(averaged(X).reshape(-1, VOCAB), y.reshape(-1)).backward()
     out["averaged grad"] = _local_grad_norm(averaged)
+    out.update(_options(rank, n))
     return out
+
+
+def _refusal(fn):
+    try:
+        fn()
+    except (TypeError, ValueError, NotImplementedError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _options(rank, n):
+    """torch's other keywords and methods: each gives torch's numbers, or one line saying it is not supported."""
+    import copy
+    X, y = shard(*_batches()[0][0], rank, n)
+
+    def grads(model):
+        nn.functional.cross_entropy(model(X).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        return {k: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone()
+                for k, p in model.named_parameters() if p.grad is not None}
+
+    plain = grads(_shard(Net(), fully_shard))
+    prefetched = _shard(Net(), fully_shard)
+    blocks = list(prefetched.blocks)
+    for k, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[k + 1:k + 2])
+        block.set_modules_to_backward_prefetch(blocks[k - 1:k] if k else [])
+    kept = _shard(Net(), fully_shard, reshard_after_forward=False)
+    narrow = _shard(Net(), fully_shard, reshard_after_forward=1)
+    model = Net()
+    ignored = set(model.head.parameters())
+    _shard(model, fully_shard, ignored_params=ignored)
+    handle = model.blocks[0].unshard(async_op=True)
+    handle.wait()
+    out = {"same grads": {name: all(torch.equal(g[k], plain[k]) for k in plain)
+                          for name, g in (("prefetch", grads(prefetched)), ("kept", grads(kept)),
+                                          ("reshard 1", grads(narrow)))},
+           "ignored": [type(p).__name__ for p in model.head.parameters()],
+           "unshard async": type(model.blocks[0].up.weight).__name__}
+    model.blocks[0].reshard()
+    out["ignored grads"] = {k: type(v).__name__ for k, v in grads(model).items() if k.startswith("head")}
+    out["refused"] = {
+        "deepcopy": _refusal(lambda: copy.deepcopy(model)),
+        "0-dim": _refusal(lambda: fully_shard(_Scalar())),
+        "2-D mesh keyword": _refusal(lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None)),
+        "reshard 5": _refusal(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=5)),
+        "custom all-gather": _refusal(lambda: model.set_custom_all_gather(None)),
+        "divide by 0": _refusal(lambda: model.set_gradient_divide_factor(0)),
+        "mp policy": _refusal(lambda: fully_shard(nn.Linear(2, 2), mp_policy="bf16")),
+    }
+    return out
+
+
+class _Scalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
 
 
 def _local_grad_norm(model):
@@ -317,4 +374,20 @@ def test_between_steps_a_weight_prints_sums_and_tells_its_class(results, n):
         assert "build the optimizer after fully_shard" in b["early"]
         assert "ModuleList" in b["container"] and "children" in b["container"]
         assert b["summed grad"] == pytest.approx(n * b["averaged grad"], rel=1e-5), "divide factor 1: sums"
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_torchs_other_keywords_and_methods_give_the_same_gradients_or_refuse_in_one_line(results, n):
+    for got in results[n]:
+        b = got["between"]
+        assert b["same grads"] == {"prefetch": True, "kept": True, "reshard 1": True}
+        assert b["ignored"] == ["Parameter", "Parameter"] and b["ignored grads"] == {"head.weight": "Tensor",
+                                                                                     "head.bias": "Tensor"}
+        assert b["unshard async"] == "Parameter"
+        refused = b["refused"]
+        assert all(refused.values()), refused
+        assert "deep-copied" in refused["deepcopy"] and "0-dim" in refused["0-dim"]
+        assert "shard_placement_fn" in refused["2-D mesh keyword"] and "5" in refused["reshard 5"]
+        assert "set_custom_all_gather" in refused["custom all-gather"] and "factor" in refused["divide by 0"]
+        assert "MixedPrecisionPolicy" in refused["mp policy"]
 
