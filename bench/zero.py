@@ -97,7 +97,7 @@ def model_sizes(width: int, layers: int) -> dict:
             "tensors": len(list(net.parameters())), "largest_unit": max(nbytes)}
 
 
-def formula(row: str, n: int, model_bytes: int, tensors: int) -> int:
+def formula(row: str, n: int, model_bytes: int, tensors: int, mp_policy: str = "none") -> int:
     """Floating-point bytes all ranks together send per step, by the textbook (ring: (n-1)/n of a buffer per pass)."""
     ddp = 2 * (n - 1) * (model_bytes + 2 * 4 * tensors)  # DDP's buckets: the gradients and two fp32 flags each
     passes = {"manualdp ZeRO-2": 2,   # reduce-scatter the gradients, all-gather the stepped shards
@@ -110,7 +110,9 @@ def formula(row: str, n: int, model_bytes: int, tensors: int) -> int:
         return ddp + (n - 1) * model_bytes  # DDP's allreduce, then all-gather the stepped shards
     if row == "manualdp ZeRO-3":  # each segment's tail: (unit, count) per all-gather; per rank, and a flag per
         units = tensors // 2      # tensor, per reduce-scatter (fsdp_unit.py); a Linear (2 tensors) is a unit
-        return 3 * (n - 1) * model_bytes + (n - 1) * 4 * n * (units * (2 * 2 + 2 * n) + tensors)
+        gathered = 2 if mp_policy == "bf16" else 4  # bytes per element of the all-gathers (the reductions: fp32)
+        return ((2 * gathered // 4 + 1) * (n - 1) * model_bytes
+                + (n - 1) * n * (units * 2 * 2 * gathered + 4 * (units * 2 * n + tensors)))
     return passes[row] * (n - 1) * model_bytes
 
 
@@ -134,7 +136,7 @@ def _state_bytes(opt) -> int:
                           for v in s.values() if isinstance(v, torch.Tensor))
 
 
-def _build(row: str, net: nn.Sequential):
+def _build(row: str, net: nn.Sequential, mp_policy: str = "none"):
     """The row's model and optimizer, and a function giving (param bytes, grad bytes) held right now."""
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -160,10 +162,13 @@ def _build(row: str, net: nn.Sequential):
         model = TorchDDP(net)
         return model, TorchZero(model.parameters(), torch.optim.Adam, lr=LR), held
     shard_fn = fully_shard if row == "manualdp ZeRO-3" else torch_fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+          } if mp_policy == "bf16" else {}
     for m in net:
         if any(True for _ in m.parameters()):
-            shard_fn(m)
-    shard_fn(net)
+            shard_fn(m, **mp)
+    shard_fn(net, **mp)
     opt = torch.optim.Adam(net.parameters(), lr=LR)
     if row == "torch FSDP2":
         return net, opt, held
@@ -238,7 +243,7 @@ def measure(config: dict) -> dict:
     _reset_peak()
     before = torch.cuda.memory_allocated(device) if gpu else _status("VmRSS")
     net = _mlp(config["width"], config["layers"]).to(device)
-    model, opt, held = _build(config["row"], net)
+    model, opt, held = _build(config["row"], net, config.get("mp_policy", "none"))
 
     def step(after_backward=None) -> None:
         opt.zero_grad(set_to_none=True)
@@ -276,12 +281,14 @@ def measure(config: dict) -> dict:
 # ---------------------------------------------------------------- the rows, their turns, the summary
 
 def run(world_size: int, rows=ROWS, width: int = 1024, layers: int = 8, batch_size: int = 32, warmup: int = 1,
-        steps: int = 3, repeats: int = 3, timeout: float = 900.0, progress=print, backend: str = "gloo") -> dict:
+        steps: int = 3, repeats: int = 3, timeout: float = 900.0, progress=print, backend: str = "gloo",
+        mp_policy: str = "none") -> dict:
     """Every row `repeats` times, each run in its own processes, the rows taking turns (each round in another order)."""
     from manualdp.spmd import launch
 
     config = {"world_size": world_size, "width": width, "layers": layers, "batch_size": batch_size,
-              "warmup": warmup, "steps": steps, "repeats": repeats, "optimizer": "adam", "lr": LR, "backend": backend}
+              "warmup": warmup, "steps": steps, "repeats": repeats, "optimizer": "adam", "lr": LR, "backend": backend,
+              "mp_policy": mp_policy}
     runs = []
     for repeat in range(repeats):
         order = list(rows[repeat % len(rows):]) + list(rows[:repeat % len(rows)])
@@ -301,7 +308,7 @@ def _median(values):
 
 def summarize(result: dict) -> dict:
     """Per row and rank, the medians over the runs; the formula; the targets. Returns `result` with them added."""
-    n, model = result["config"]["world_size"], result["model"]
+    n, model, mp = result["config"]["world_size"], result["model"], result["config"].get("mp_policy", "none")
     rows = []
     for row in dict.fromkeys(r["row"] for r in result["runs"]):
         runs = [r for r in result["runs"] if r["row"] == row]
@@ -320,7 +327,7 @@ def summarize(result: dict) -> dict:
             entry["sent_steady"] = len(set(floats)) <= 1  # every timed step sent the same
             entry["other_bytes"] = _median([sum(v for k, v in s.items() if not k.startswith(("float", "bfloat")))
                                             for s in steps]) if row.startswith("manualdp") else None
-            entry["formula_bytes"] = formula(row, n, model["bytes"], model["tensors"]) / n
+            entry["formula_bytes"] = formula(row, n, model["bytes"], model["tensors"], mp) / n
             entry["step_s"] = _median([statistics.median(m["step_s"]) for m in mine])
             rows.append(entry)
     for entry in rows:
@@ -353,7 +360,7 @@ def _targets(result: dict) -> list[dict]:
     for row in ("manualdp DDP", "manualdp ZeRO-1", "manualdp ZeRO-2", "manualdp ZeRO-3"):
         if of(row):
             total = sum(r["sent_bytes"] for r in of(row))
-            expected = formula(row, n, model["bytes"], model["tensors"])
+            expected = formula(row, n, model["bytes"], model["tensors"], result["config"].get("mp_policy", "none"))
             out.append({"name": f"sent {row}", "target": f"{row}: bytes sent per step, summed over ranks, == formula",
                         "value": total,
                         "bound": expected, "holds": total == expected and all(r["sent_steady"] for r in of(row))})
@@ -444,11 +451,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--txt", metavar="PATH", help="also write the table as text")
     p.add_argument("--plot", metavar="PATH", help="draw the memory per rank to a PNG")
+    p.add_argument("--mp-policy", choices=("none", "bf16"), default="none",
+                   help="ZeRO-3 and FSDP2 rows: bf16 = MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
     args = p.parse_args(argv)
     check_output_paths(p, args)
     check_backend(p, args.backend, args.world_size)
     result = run(args.world_size, tuple(args.rows), args.width, args.layers, args.batch_size, args.warmup,
-                 args.steps, args.repeats, args.timeout, backend=args.backend)
+                 args.steps, args.repeats, args.timeout, backend=args.backend, mp_policy=args.mp_policy)
     table = format_table(result)
     print(table)
     if args.txt:
