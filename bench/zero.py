@@ -452,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--txt", metavar="PATH", help="also write the table as text")
     p.add_argument("--plot", metavar="PATH", help="draw the memory per rank to a PNG")
     p.add_argument("--mp-policy", choices=("none", "bf16"), default="none",
-                   help="ZeRO-3 and FSDP2 rows: bf16 = MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)")
+                   help="ZeRO-3 and FSDP2 rows: bf16 = MixedPrecisionPolicy(param_dtype=bfloat16, "
+                   "reduce_dtype=float32)")
     args = p.parse_args(argv)
     check_output_paths(p, args)
     check_backend(p, args.backend, args.world_size)
