@@ -192,7 +192,8 @@ def run(world_size: int, layers: int = 2, batch_size: int = 8, steps: int = 3, r
 def format_table(result: dict) -> str:
     c = result["config"]
     lines = [f"# {c['world_size']} ranks, {c['layers']} blocks, batch {c['batch_size']} per rank, "
-             f"2 x {c['steps']} steps, mixed precision {c['mixed_precision']}, explicit prefetching {c['explicit_prefetching']}",
+             f"2 x {c['steps']} steps, mixed precision {c['mixed_precision']}, "
+             f"explicit prefetching {c['explicit_prefetching']}",
              f"{'impl':9} {'step ms':>8} {'/torch':>7} {'resume bitwise':>15} {'ranks equal':>12} "
              f"{'max |diff| vs torch':>20}  losses"]
     for r in result["rows"]:
