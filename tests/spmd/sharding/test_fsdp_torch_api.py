@@ -253,6 +253,7 @@ def _options(rank, n):
            "ignored": [type(p).__name__ for p in model.head.parameters()],
            "unshard async": type(model.blocks[0].up.weight).__name__}
     model.blocks[0].reshard()
+    out["mp outputs"] = [_mp_output(fn) for fn in (fully_shard, torch_fully_shard)]
     out["ignored grads"] = {k: type(v).__name__ for k, v in grads(model).items() if k.startswith("head")}
     out["refused"] = {
         "deepcopy": _refusal(lambda: copy.deepcopy(model)),
@@ -264,6 +265,15 @@ def _options(rank, n):
         "mp policy": _refusal(lambda: fully_shard(nn.Linear(2, 2), mp_policy="bf16")),
     }
     return out
+
+
+def _mp_output(shard_fn):
+    """Float32 inputs into bf16 parameters (`cast_forward_inputs`), a float32 output (`output_dtype`)."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    shard_fn(net[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    shard_fn(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    return net(torch.randn(4, 5, generator=torch.Generator().manual_seed(4))).detach()
 
 
 class _Scalar(nn.Module):
@@ -384,6 +394,8 @@ def test_torchs_other_keywords_and_methods_give_the_same_gradients_or_refuse_in_
         assert b["ignored"] == ["Parameter", "Parameter"] and b["ignored grads"] == {"head.weight": "Tensor",
                                                                                      "head.bias": "Tensor"}
         assert b["unshard async"] == "Parameter"
+        ours, theirs = b["mp outputs"]
+        assert ours.dtype == torch.float32 and torch.equal(ours, theirs), "inputs cast to bf16, the output to fp32"
         refused = b["refused"]
         assert all(refused.values()), refused
         assert "deep-copied" in refused["deepcopy"] and "0-dim" in refused["0-dim"]
