@@ -199,18 +199,21 @@ class Unit:
         for p in self.params:
             sub, attr = p.slots[0]
             now = sub._parameters.get(attr)
-            if now is p.sharded or now is p.full:
+            if now is p.full:
                 continue
-            if not isinstance(now, DTensor) or now.shape != p.shape:
-                raise TypeError(f"{p.name}: fully_shard expected its shard (a DTensor of shape {tuple(p.shape)}) "
-                                f"in the module, found {type(now).__name__}: replace a sharded parameter with "
-                                "one of the same kind (to_empty, load_state_dict) or shard the module after")
-            if not isinstance(now, nn.Parameter):
-                now = nn.Parameter(now, requires_grad=p.requires_grad)
-            p.sharded = now
-            setattr(now, OWNER, p)
-            for s, a in p.slots:
-                s._parameters[a] = now
+            if now is not p.sharded:
+                if not isinstance(now, DTensor) or now.shape != p.shape:
+                    raise TypeError(f"{p.name}: fully_shard expected its shard (a DTensor of shape {tuple(p.shape)}) "
+                                    f"in the module, found {type(now).__name__}: replace a sharded parameter with "
+                                    "one of the same kind (to_empty, load_state_dict) or shard the module after")
+                if not isinstance(now, nn.Parameter):
+                    now = nn.Parameter(now, requires_grad=p.requires_grad)
+                p.sharded = now
+                setattr(now, OWNER, p)
+                for s, a in p.slots:
+                    s._parameters[a] = now
+            p.dtype, p.device = p.sharded.dtype, p.sharded.device  # `model.double()` changes them in place
+        self._group()
 
     def tree(self) -> list["Unit"]:
         """This unit and every unit inside it, outermost first."""
