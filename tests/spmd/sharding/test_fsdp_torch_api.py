@@ -254,6 +254,7 @@ def _options(rank, n):
            "unshard async": type(model.blocks[0].up.weight).__name__}
     model.blocks[0].reshard()
     out["mp outputs"] = [_mp_output(fn) for fn in (fully_shard, torch_fully_shard)]
+    out["doubled"] = [_doubled(fn) for fn in (fully_shard, torch_fully_shard)]
     out["ignored grads"] = {k: type(v).__name__ for k, v in grads(model).items() if k.startswith("head")}
     out["refused"] = {
         "deepcopy": _refusal(lambda: copy.deepcopy(model)),
@@ -274,6 +275,17 @@ def _mp_output(shard_fn):
     shard_fn(net[0], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     shard_fn(net, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
     return net(torch.randn(4, 5, generator=torch.Generator().manual_seed(4))).detach()
+
+
+def _doubled(shard_fn):
+    """`model.double()` after sharding: float64 shards, gathers and gradients."""
+    torch.manual_seed(3)
+    net = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+    shard_fn(net[0])
+    shard_fn(net)
+    net.double()
+    net(torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))).sum().backward()
+    return [p.grad.full_tensor() for p in net.parameters()]
 
 
 class _Scalar(nn.Module):
@@ -396,6 +408,8 @@ def test_torchs_other_keywords_and_methods_give_the_same_gradients_or_refuse_in_
         assert b["unshard async"] == "Parameter"
         ours, theirs = b["mp outputs"]
         assert ours.dtype == torch.float32 and torch.equal(ours, theirs), "inputs cast to bf16, the output to fp32"
+        ours, theirs = b["doubled"]
+        assert all(a.dtype == torch.float64 and torch.equal(a, t) for a, t in zip(ours, theirs)), "model.double()"
         refused = b["refused"]
         assert all(refused.values()), refused
         assert "deep-copied" in refused["deepcopy"] and "0-dim" in refused["0-dim"]
