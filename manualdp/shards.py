@@ -16,11 +16,14 @@ from .schedule import chunk_bounds, owned_chunk
 __all__ = ["ShardPlan", "check_shard_fits", "options_of", "param_groups_of"]
 
 
-def param_groups_of(params, name: str = "params", *, keep_frozen: bool = False) -> list[dict]:
+def param_groups_of(params, name: str = "params", *, keep_frozen: bool = False,
+                    require_trainable: bool = True) -> list[dict]:
     """`params` as torch's optimizers take them (tensors, or dicts with "params"), as a list of group dicts.
 
     Only parameters that require grad are kept (all, with `keep_frozen`, as torch's optimizers keep
-    them); at least one must. A parameter named twice is refused, as torch refuses it.
+    them); at least one must (at least one tensor, frozen or not, without `require_trainable`, as
+    torch's `ZeroRedundancyOptimizer` takes a group of frozen tensors). A parameter named twice is
+    refused, as torch refuses it.
     """
     if isinstance(params, torch.Tensor):
         raise TypeError(f"{name} must be an iterable of tensors or of dicts, got a single tensor")
@@ -38,8 +41,10 @@ def param_groups_of(params, name: str = "params", *, keep_frozen: bool = False) 
                 raise ValueError(f"{name}: a parameter appears twice (in group {i})")
             seen.add(id(p))
         g["params"] = [p for p in ps if p.requires_grad or keep_frozen]
-    if not any(p.requires_grad for g in groups for p in g["params"]):
+    if require_trainable and not any(p.requires_grad for g in groups for p in g["params"]):
         raise ValueError(f"{name} must hold at least one parameter that requires grad, got none")
+    if not any(g["params"] for g in groups):
+        raise ValueError(f"{name} must hold at least one tensor, got none")
     return groups
 
 

@@ -9,6 +9,12 @@ steps only its shard. Stage 2 never builds the whole gradient on a rank:
 After backward a rank holds its shard, 1/N of the gradient, summed over the ranks and over
 the backward passes since `zero_grad`, and no bucket.
 
+Each parameter's `.grad` is then a `ShardedAway`: a tensor of the gradient's shape and dtype
+with no storage, which refuses every operation in one line. Left None, torch's
+`clip_grad_norm_(model.parameters())` would find no gradient, return 0 and clip nothing; this
+way it raises and names the optimizer's `clip_grad_norm_`, which reduces the norm over the ranks.
+The next backward drops it before autograd accumulates (a hook on the gradient, run first).
+
 A bucket is a run of consecutive parameters of one flat buffer of `manualdp.shards.ShardPlan`,
 taken in reverse as DDP takes them (backward produces the last layers' gradients first), so it
 is one range of the buffer. The ranks' shards cut it into parts; each part is summed into the
@@ -29,7 +35,32 @@ from ...shards import ShardPlan
 from ..collectives import reduce
 from ..transport.group import group_worker
 
-__all__ = ["ScatterBucket", "plan_buckets", "GradientShards"]
+__all__ = ["ScatterBucket", "plan_buckets", "GradientShards", "ShardedAway", "real_grad"]
+
+
+class ShardedAway(torch.Tensor):
+    """What `.grad` holds at stage 2 after backward: the gradient's shape and dtype, no data; any use raises."""
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2): a parameter's .grad is not on this rank ({func} "
+                           "called on it): backward reduce-scattered it and each rank holds its shard; clip with "
+                           "the optimizer's clip_grad_norm_(max_norm), which reduces the norm over the ranks, "
+                           "read it with gradient_bytes(), or use stage=1")
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self) -> str:
+        return f"ShardedAway(shape={tuple(self.shape)}, dtype={self.dtype}: reduce-scattered at stage 2)"
+
+
+def real_grad(p: torch.Tensor) -> torch.Tensor | None:
+    """`p.grad`, or None where it is a `ShardedAway`."""
+    return None if isinstance(p.grad, ShardedAway) else p.grad
 
 
 class ScatterBucket(NamedTuple):
@@ -83,7 +114,14 @@ class GradientShards:
         def hook(p: torch.Tensor) -> None:
             if (ready := method()) is not None:
                 ready(p)
+        def drop_stand_in(p: torch.Tensor):  # before autograd adds the new gradient into .grad
+            def hook(grad: torch.Tensor) -> torch.Tensor:
+                if isinstance(p.grad, ShardedAway):
+                    p.grad = None
+                return grad
+            return hook
         self.handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        self.handles += [p.register_hook(drop_stand_in(p)) for p in params]
         self.in_backward = False
         self._reset()
 
@@ -128,6 +166,13 @@ class GradientShards:
         finally:
             self.in_backward = False
             self._reset()
+        self.stand_in()
+
+    def stand_in(self) -> None:
+        """Every parameter without a `.grad` gets a `ShardedAway`: its gradient is in the shards."""
+        for p in self.params:
+            if p.grad is None:
+                p.grad = ShardedAway(p)
 
     def reduce_zeros(self) -> None:
         """A rank out of data under `Join`: zeros into every bucket, as the training ranks send theirs.
@@ -165,7 +210,7 @@ class GradientShards:
             self.view = self._buffer(bucket)
         _, start, end = self.plan.where[j]
         into = self.view[start - bucket.lo:end - bucket.lo]
-        if zeros or p.grad is None:
+        if zeros or real_grad(p) is None:
             into.zero_()
         else:
             into.copy_(p.grad.reshape(-1))
@@ -217,6 +262,9 @@ class GradientShards:
         if set_to_none:
             self.shards = [None] * len(self.shards)
             self.used = [False] * len(self.params)
+            for p in self.params:
+                if isinstance(p.grad, ShardedAway):
+                    p.grad = None
         for shard in self.shards:
             if shard is not None:
                 shard.zero_()

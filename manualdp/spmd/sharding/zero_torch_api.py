@@ -36,18 +36,14 @@ def _copied(value):
 class TorchCompat(Joinable):
     """torch's full state and Join for `ZeroRedundancyOptimizer` (a mixin: it uses the optimizer's plan and pieces)."""
 
-    def _all_params(self) -> list[torch.Tensor]:
-        """Every parameter of every group, frozen ones too, in the order torch's state_dict numbers them."""
-        return [p for g in self.param_groups for p in g["params"]]
-
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank `to` (call it on every rank), for its `state_dict()`."""
         index("to", to, self.world_size, "the ranks of the group")
-        shard = self.optimizer.state_dict()["state"] if self.optimizer is not None else {}
+        shard = self.optimizer.state_dict()["state"]
         sizes = [hi - lo for _, lo, hi, _ in self.pieces]
         bad = [f"{name} of piece {i}" for i, values in shard.items() for name, v in values.items()
                if _elementwise(v) and v.numel() != sizes[i]]
-        refused = torch.tensor([len(bad)], dtype=torch.int32, device=self.flats[0].device)
+        refused = torch.tensor([len(bad)], dtype=torch.int32, device=self._device)
         self._sum_over_ranks(refused)  # every rank raises, or none
         if int(refused):
             raise ValueError(f"cannot consolidate: the optimizer keeps state that is not elementwise "
@@ -66,14 +62,15 @@ class TorchCompat(Joinable):
         for rank, shard in enumerate(shards):
             for i, (j, lo, _) in enumerate(self.plan.pieces(rank)):
                 parts.setdefault(j, []).append((lo, shard.get(i)))
-        number = {id(p): k for k, p in enumerate(self._all_params())}
+        number = {id(p): k for k, p in enumerate(self._all_params)}
         state = {}
         for j, pieces in parts.items():
             pieces = [s for _, s in sorted(pieces, key=lambda t: t[0])]
             if any(s is None for s in pieces):  # not stepped yet (no rank steps a parameter in part)
                 continue
             p = self.params[j]
-            state[number[id(p)]] = {name: torch.cat([s[name] for s in pieces]).view(p.shape) if _elementwise(v)
+            state[number[id(p)]] = {name: torch.cat([s[name].reshape(-1) for s in pieces]).view(p.shape)
+                                    if _elementwise(v)
                                     else _copied(v) for name, v in pieces[0].items()}
         return dict(sorted(state.items()))
 
@@ -111,17 +108,16 @@ class TorchCompat(Joinable):
                                      f"has {p.numel()}")
             if id(p) in plan_index:  # a frozen parameter has nothing to shard
                 by_param[plan_index[id(p)]] = values
-        if self.optimizer is not None:
-            inner = {}
-            for i, (j, lo, hi, _) in enumerate(self.pieces):
-                if j in by_param:
-                    start = self.plan.where[j][1]
-                    inner[i] = {name: v.reshape(-1)[lo - start:hi - start].clone() if _elementwise(v) else _copied(v)
-                                for name, v in by_param[j].items()}
-            groups = [{**options_of(saved), "params": [i for i, (j, *_) in enumerate(self.pieces)
-                                                       if self.plan.group_of[j] == g]}
-                      for g, saved in enumerate(saved_groups)]
-            self.optimizer.load_state_dict({"state": inner, "param_groups": groups})
+        inner = {}  # keyed by piece, each tensor shaped as its piece (a whole parameter's shape, or flat)
+        for i, (j, lo, hi, piece) in enumerate(self.pieces):
+            if j in by_param:
+                start = self.plan.where[j][1]
+                inner[i] = {name: v.reshape(-1)[lo - start:hi - start].clone().view(piece.shape) if _elementwise(v)
+                            else _copied(v) for name, v in by_param[j].items()}
+        groups = [{**options_of(saved), "params": [i for i, (j, *_) in enumerate(self.pieces)
+                                                   if self.plan.group_of[j] == g]}
+                  for g, saved in enumerate(saved_groups)]
+        self.optimizer.load_state_dict({"state": inner, "param_groups": groups})
         for outer, saved in zip(self.param_groups, saved_groups):
             outer.update(options_of(saved))
 
@@ -134,7 +130,7 @@ class TorchCompat(Joinable):
 
     @property
     def join_device(self) -> torch.device:
-        return self.flats[0].device
+        return self._device
 
     @property
     def join_process_group(self):
