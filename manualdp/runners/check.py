@@ -12,16 +12,19 @@ check passes, 1 otherwise, and the first failing case is told in one paragraph: 
 was expected, what came back. The properties are `manualdp.runners.properties`, the very ones
 tests/ holds manualdp to; the exercises are in the book (book/), reference solutions in
 book/solutions/.
+
+FILE.py never runs in this process: `sandbox.Child` runs it in a child process, with a deadline per
+call (`--timeout`) and for the whole check (`--total`) and capped memory (`--memory`); this process
+draws the inputs, sends them, and judges what comes back.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib.util
 import os
-import signal
 import textwrap
-import threading
+import time
+
+from .sandbox import Child, Stopped
 
 __all__ = ["EXERCISES", "main"]
 
@@ -40,21 +43,30 @@ class Failed(Exception):
     """The file cannot be graded, or a check failed: the message says why."""
 
 
-def load(path: str, name: str):
-    """`name` as defined by the Python file at `path`."""
+def load(path: str, name: str, args) -> Child:
+    """A child process (`sandbox.Child`) that has loaded the file at `path`, which defines `name`."""
     if not os.path.isfile(path):
         raise Failed(f"{path}: no such file")
-    spec = importlib.util.spec_from_file_location("exercise", path)
-    if spec is None or spec.loader is None:
-        raise Failed(f"{path}: not a Python file (it should end in .py)")
-    module = importlib.util.module_from_spec(spec)
+    child = Child(path, name, args.timeout, args.deadline, args.memory)
     try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 (anything in a student's file)
-        raise Failed(f"importing the file raised {type(e).__name__}: {e}") from None
-    if not hasattr(module, name):
+        loaded = child.start()
+    except BaseException:
+        child.close()
+        raise
+    if "import_raised" in loaded:
+        child.close()
+        e = loaded["import_raised"]
+        hint = (". Is there a self-test at the end of the file? Put it under `if __name__ == \"__main__\":`, "
+                "which the grader does not run" if e["raised"] in ("SystemExit", "KeyboardInterrupt") else "")
+        raise Failed(f"importing the file raised {e['raised']}: {e['message']}"
+                     + (f" (at {e['at']})" if e["at"] else "") + hint)
+    if "missing" in loaded:
+        child.close()
         raise Failed(f"the file defines no {name!r}: the exercise asks for {EXERCISES[_exercise(name)]}")
-    return getattr(module, name)
+    if "error" in loaded:
+        child.close()
+        raise Failed(loaded["error"])
+    return child
 
 
 def _exercise(name: str) -> str:
@@ -73,48 +85,64 @@ def _hypothesis(prop, fn, strategies: dict, examples: int) -> None:
     run()
 
 
-def check_split_batch(path: str, examples: int) -> str:
-    from .properties import STRATEGIES, split_property
+def check_split_batch(path: str, args) -> str:
+    from .properties import STRATEGIES, split_devices_property, split_property
 
-    _hypothesis(split_property, load(path, "split_batch"), STRATEGIES["split_batch"], examples)
-    return (f"{examples} batches drawn by hypothesis (1 to 8 devices, up to 48 rows): every shard holds its near-equal "
-            "slice of X and y, on its device, in memory of its own")
+    def both(fn, **drawn):
+        split_property(fn, **drawn)
+        split_devices_property(fn, **drawn)
+
+    with load(path, "split_batch", args) as child:
+        _hypothesis(both, child, STRATEGIES["split_batch"], args.examples)
+    return (f"{args.examples} batches drawn by hypothesis (1 to 8 devices, up to 48 rows): every shard holds its "
+            "near-equal slice of X and y, in memory of its own, and lies on its device (told apart by alternating "
+            "cpu and meta devices)")
 
 
-def check_allreduce(path: str, examples: int) -> str:
+def check_allreduce(path: str, args) -> str:
     from .properties import STRATEGIES, allreduce_property
 
-    _hypothesis(allreduce_property, load(path, "allreduce"), STRATEGIES["allreduce"], examples)
-    return (f"{examples} lists of tensors drawn by hypothesis (1 to 8 devices, any shape up to 100,000 elements, float "
-            "and int dtypes, transposed views): every device's own tensor holds the sum, bitwise identical")
+    with load(path, "allreduce", args) as child:
+        _hypothesis(allreduce_property, child, STRATEGIES["allreduce"], args.examples)
+    return (f"{args.examples} lists of tensors drawn by hypothesis (1 to 8 devices, any shape up to 100,000 elements, "
+            "0-dim too, float and int dtypes, transposed views): every device's own tensor holds the sum, bitwise "
+            "identical")
 
 
-def check_schedule(path: str, plot_path: str) -> str:
+def schedule_sizes(powers_of_two: bool) -> list[int]:
+    """The numbers of devices the schedule exercise runs: 1 to 16, or its powers of two."""
+    return [1, 2, 4, 8, 16] if powers_of_two else list(range(1, 17))
+
+
+def check_schedule(path: str, plot_path: str, args) -> str:
     from ..cost import traffic
     from .explain import plot_schedule
     from .properties import Mismatch, schedule_property
 
-    fn = load(path, "schedule")
-    for n in range(1, 17):
-        try:
-            schedule_property(fn, n)
-        except Mismatch as e:
-            drawn = _draw(fn, n, plot_path) if n <= 8 else None
-            raise Failed(str(e) + (f" (drawn in {drawn})" if drawn else "")) from None
-    lines = ["schedule(n) for n = 1 to 16: every transfer valid, and every device ends with every device's "
-             "contribution to every chunk exactly once.",
-             f"bytes per device for a buffer of S = {SIZE} bytes, against 2(n-1)/n * S, the least an allreduce "
-             "can send (the ring's):",
-             "  {:>7}{:>8}{:>12}{:>15}{:>15}".format("devices", "rounds", "most sent", "most received", "2(n-1)/n * S")]
-    for n in (4, 8):
-        sched = schedule_property(fn, n)
-        t = traffic(sched, SIZE, 4)
-        bound = 2 * (n - 1) * SIZE // n
-        ratio = max(t["sent"]) / bound
-        lines.append("  {:>7}{:>8}{:>12}{:>15}{:>15}".format(n, len(sched.rounds), max(t["sent"]), max(t["received"]),
-                                                           bound)
-                     + ("   at the formula" if ratio <= 1.0001 else f"   {ratio:.2f} times the formula"))
-    plot_schedule(schedule_property(fn, 4), plot_path, "your schedule on 4 devices")
+    sizes = schedule_sizes(args.powers_of_two)
+    with load(path, "schedule", args) as fn:
+        for n in sizes:
+            try:
+                schedule_property(fn, n)
+            except Mismatch as e:
+                drawn = _draw(fn, n, plot_path) if n <= 8 else None
+                raise Failed(str(e) + (f" (drawn in {drawn})" if drawn else "")) from None
+        told = "1, 2, 4, 8 and 16 (powers of two)" if args.powers_of_two else "1 to 16"
+        lines = [f"schedule(n) for n = {told}: every transfer valid, and every device ends with every device's "
+                 "contribution to every chunk exactly once.",
+                 f"bytes per device for a buffer of S = {SIZE} bytes, against 2(n-1)/n * S, the least an allreduce "
+                 "can send (the ring's):",
+                 "  {:>7}{:>8}{:>12}{:>15}{:>15}".format("devices", "rounds", "most sent", "most received",
+                                                        "2(n-1)/n * S")]
+        for n in (4, 8):
+            sched = schedule_property(fn, n)
+            t = traffic(sched, SIZE, 4)
+            bound = 2 * (n - 1) * SIZE // n
+            ratio = max(t["sent"]) / bound
+            lines.append("  {:>7}{:>8}{:>12}{:>15}{:>15}".format(n, len(sched.rounds), max(t["sent"]),
+                                                               max(t["received"]), bound)
+                         + ("   at the formula" if ratio <= 1.0001 else f"   {ratio:.2f} times the formula"))
+        plot_schedule(schedule_property(fn, 4), plot_path, "your schedule on 4 devices")
     lines.append(f"drawn on 4 devices: {plot_path}")
     return "\n".join(lines)
 
@@ -126,52 +154,39 @@ def _draw(fn, n: int, plot_path: str) -> str | None:
     from .properties import as_schedule
 
     try:
-        sched = as_schedule(fn(n), n, "")
+        sched = as_schedule(fn.call(n)[2], n, "")
         check_schedule(sched)
         plot_schedule(sched, plot_path, f"your schedule on {n} devices")
-    except Exception:  # noqa: BLE001 (what cannot be drawn was already told in words)
+    except (Exception, Stopped):  # noqa: BLE001 (what cannot be drawn was already told in words)
         return None
     return plot_path
 
 
-def check_ddp(path: str) -> str:
+def check_ddp(path: str, args) -> str:
     from ..spmd.launch import launch
-    from .properties import ddp_job, ddp_mismatch
+    from .properties import ddp_mismatch, torch_ddp_job
 
-    load(path, "DDP")  # its errors are told here, in this process, before any rank starts
-    try:
-        results = launch(ddp_job, 2, (os.path.abspath(path),), timeout=DDP_TIMEOUT)
-    except TimeoutError:
+    with load(path, "DDP", args) as child:  # its errors are told here, before any rank starts
+        reply = child.request({"op": "ddp", "timeout": DDP_TIMEOUT}, DDP_TIMEOUT + 30, "running the 2 ranks")
+    if reply.get("timeout"):
         raise Failed(f"the 2 ranks did not finish in {DDP_TIMEOUT:.0f} s: a rank waits for a message the other never "
-                     "sends (do both ranks make the same collective calls, in the same order?)") from None
-    except Exception as e:  # noqa: BLE001 (a rank that died: its last lines)
-        raise Failed(f"a rank died: {str(e).strip().splitlines()[-1]}") from None
-    errors = [r["error"] for r in results if "error" in r]
+                     "sends (do both ranks make the same collective calls, in the same order?)")
+    if "rank_died" in reply:
+        raise Failed(f"a rank died: {reply['rank_died']}")
+    ranks = reply.get("ranks")
+    if not (isinstance(ranks, list) and len(ranks) == 2 and all(isinstance(r, dict) for r in ranks)):
+        raise Failed(f"the ranks sent back {str(ranks)[:200]} instead of their results")
+    errors = [r["error"] for r in ranks if "error" in r]
     if errors:
-        raise Failed(errors[0])
-    ddp_mismatch(results, "DDP")
+        raise Failed(str(errors[0]))
+    reference = launch(torch_ddp_job, 2, timeout=DDP_TIMEOUT)  # torch's DDP, in ranks the file never ran in
+    try:
+        ddp_mismatch([{"DDP": mine["DDP"], **ref} for mine, ref in zip(ranks, reference)], "DDP")
+    except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+        raise Failed(f"the ranks sent back results in another shape than train_steps' ({type(e).__name__}: {e})")
     return ("DDP equals torch's DDP on 2 ranks, fed the same data (a model with a layer used twice and a frozen layer, "
             "float64, to 1e-12): the parameters after construction, and after each of 3 steps the gradients when "
             "backward returned and the parameters after the optimizer step")
-
-
-@contextlib.contextmanager
-def _within(seconds: float):
-    """Raise TimeoutError after `seconds` where a student's function never returns (main thread on Unix only)."""
-    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def stop(*_):
-        raise TimeoutError(f"the check took more than {seconds:.0f} s: does your code loop forever?")
-
-    previous = signal.signal(signal.SIGALRM, stop)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -183,15 +198,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("file", help="your Python file")
     parser.add_argument("--examples", type=int, default=100, help="inputs hypothesis draws (default 100)")
     parser.add_argument("--plot", metavar="PATH", help="schedule: where to draw it (default: FILE with .png)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before giving up (default 300)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds each call of your code may take, and importing your file (default 60; ddp: "
+                             f"its 2 ranks take up to {DDP_TIMEOUT:.0f})")
+    parser.add_argument("--total", type=float, default=600.0, help="seconds for the whole check (default 600)")
+    parser.add_argument("--memory", type=int, default=4096, metavar="MB",
+                        help="memory your code's process may map, in MiB (default 4096)")
+    parser.add_argument("--powers-of-two", action="store_true",
+                        help="schedule: run n = 1, 2, 4, 8 and 16 only (exercise 2.2, halving-doubling)")
     args = parser.parse_args(argv)
     if args.examples < 1:
         parser.error(f"--examples must be at least 1, got {args.examples}")
-    if not args.timeout > 0:
-        parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    for option, value in (("--timeout", args.timeout), ("--total", args.total)):
+        if not value > 0:
+            parser.error(f"{option} must be > 0 seconds, got {value}")
+    if args.memory < 256:
+        parser.error(f"--memory must be at least 256 MiB (Python and torch need that much), got {args.memory}")
     plot_path = args.plot or os.path.splitext(args.file)[0] + ".png"
-    if args.exercise != "schedule" and args.plot:
-        parser.error("--plot is for the schedule exercise")
+    if args.exercise != "schedule" and (args.plot or args.powers_of_two):
+        parser.error("--plot and --powers-of-two are for the schedule exercise")
     if not plot_path.lower().endswith(".png"):
         parser.error(f"--plot: {plot_path!r} must end in .png")
     try:
@@ -202,14 +227,14 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     from .properties import Mismatch
 
+    args.deadline = time.monotonic() + args.total
     label = f"{args.exercise} ({args.file})"
     try:
-        with _within(args.timeout):
-            report = {"split_batch": lambda: check_split_batch(args.file, args.examples),
-                      "allreduce": lambda: check_allreduce(args.file, args.examples),
-                      "schedule": lambda: check_schedule(args.file, plot_path),
-                      "ddp": lambda: check_ddp(args.file)}[args.exercise]()
-    except (Failed, Mismatch, TimeoutError) as e:
+        report = {"split_batch": lambda: check_split_batch(args.file, args),
+                  "allreduce": lambda: check_allreduce(args.file, args),
+                  "schedule": lambda: check_schedule(args.file, plot_path, args),
+                  "ddp": lambda: check_ddp(args.file, args)}[args.exercise]()
+    except (Failed, Mismatch, Stopped) as e:
         print(textwrap.fill(f"FAIL {label}: {e}", width=100, break_long_words=False, break_on_hyphens=False))
         return 1
     except Exception as e:  # noqa: BLE001 (hypothesis' own complaints: a flaky function, ...)

@@ -25,8 +25,10 @@ from ..schedule import Schedule, Transfer
 from ..split import shard_sizes
 from .explain import trace
 
-__all__ = ["Mismatch", "STRATEGIES", "split_property", "allreduce_property", "schedule_property", "as_schedule",
-           "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job"]
+__all__ = ["Mismatch", "STRATEGIES", "split_property", "split_devices_property", "allreduce_property",
+           "schedule_property", "as_schedule",
+           "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
+           "torch_ddp_job"]
 
 FLOATS = [torch.float32, torch.float64]
 TORCH = os.path.dirname(torch.__file__)
@@ -37,14 +39,47 @@ class Mismatch(AssertionError):
     """A property does not hold: the message says for which input, what was expected and what came back."""
 
 
-def _call(call: str, fn, *args):
-    """`fn(*args)`; an exception becomes a Mismatch that names the call (and the line it came from)."""
+def _call(call: str, fn, *args) -> tuple:
+    """`fn(*args)` as `(before, after, out)`: the arguments as the caller held them before the call (lists copied,
+    so that a rebound slot shows), as they are after it, and what it returned. `fn` may be a `sandbox.Child`: the
+    call runs there, and what comes back is the child's. An exception becomes a Mismatch that names the call."""
+    from .sandbox import Child, Raised, Stopped
+
+    if isinstance(fn, Child):
+        try:
+            return fn.call(*args)
+        except Raised as e:
+            raise Mismatch(f"{call} raised {e.kind}" + (f": {e.message}" if e.message else "")
+                           + (f" (at {e.at})" if e.at else "")
+                           + _hint(e.kind, e.message)) from None
+        except Stopped as e:
+            raise Stopped(f"{call} {e}") from None
+    before = tuple(list(a) if isinstance(a, list) else a for a in args)
     try:
-        return fn(*args)
+        return before, args, fn(*args)
     except Exception as e:  # noqa: BLE001 (a student's code may raise anything)
         frames = traceback.extract_tb(e.__traceback__)
         frame = next((f for f in reversed(frames) if not f.filename.startswith(TORCH)), frames[-1])  # the caller's line
-        raise Mismatch(f"{call} raised {type(e).__name__}: {e} (at {frame.filename}, line {frame.lineno})") from e
+        raise Mismatch(f"{call} raised {type(e).__name__}: {e} (at {frame.filename}, line {frame.lineno})"
+                       + _hint(type(e).__name__, str(e))) from e
+
+
+def _hint(kind: str, message: str) -> str:
+    """What to write instead, for the slips a student makes most."""
+    if kind == "IndexError" and "0-dim" in message:
+        return (". A 0-dim tensor (shape ()) has no rows to slice, so d2l's `data[0][:] += ...` fails on it: write "
+                "in place with `tensors[0].add_(...)` and `tensors[i].copy_(tensors[0])`, which work for every shape")
+    if kind == "SystemExit":
+        return ". The grader calls your function: it must return, not exit"
+    if kind == "KeyboardInterrupt":
+        return ". The grader calls your function: it must return, not raise KeyboardInterrupt"
+    if kind == "RecursionError":
+        return ". Does your function call itself without end?"
+    if kind == "OSError" and "File too large" in message:
+        return ". The grader lets your code print or write 64 MiB into one file"
+    if kind == "MemoryError" or "can't allocate memory" in message:
+        return ". The grader caps the memory your code may take (--memory)"
+    return ""
 
 
 def _show(t) -> str:
@@ -80,7 +115,7 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
     X_kept, y_kept = X.clone(), y.clone()
     devices = cpu_devices(n)
     call = f"split_batch(X, y, devices) with X of shape {tuple(X.shape)}, y = torch.arange({batch}) and {_devices(n)}"
-    out = _call(call, split_batch, X, y, devices)
+    _, (X, y, _), out = _call(call, split_batch, X, y, devices)  # X and y as the caller holds them after the call
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise Mismatch(f"{call}: expected a pair (X_shards, y_shards), got {_show(out)}")
     X_shards, y_shards = out
@@ -99,9 +134,6 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
         if s.shape != X_kept[rows].shape or not torch.equal(s.cpu(), X_kept[rows]):
             raise Mismatch(f"{call}: expected X_shards[{i}] to be rows {rows} of X, {X_kept[rows].tolist()}; "
                            f"got {_show(s)}")
-    for i, (a, b, d) in enumerate(zip(X_shards, y_shards, devices)):
-        if a.device != d or b.device != d:
-            raise Mismatch(f"{call}: expected shard {i} on devices[{i}] = {d}; X's is on {a.device}, y's on {b.device}")
     for name, shards in (("X_shards", X_shards), ("y_shards", y_shards)):
         for i, s in enumerate(shards):
             s.fill_(-1)
@@ -110,6 +142,28 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
                                "the shard is a view of it. "
                                "Copy each shard (`.to(device, copy=True)`): on simulated devices, all of them `cpu`, "
                                "`.to(device)` returns the very same memory")
+
+
+def split_devices_property(split_batch, n: int, extra: int, features: int, dtype: torch.dtype) -> None:
+    """Shard i lives on devices[i]: told apart, on a machine with one CPU, by alternating cpu and meta (the grader's
+    check; manualdp's own split_batch refuses meta, and tests/ holds it on real devices)."""
+    if n == 1:
+        return
+    X = torch.arange((n + extra) * features, dtype=dtype).reshape(n + extra, features)
+    y = torch.arange(n + extra)
+    devices = [torch.device("cpu" if i % 2 == 0 else "meta") for i in range(n)]
+    call = (f"split_batch(X, y, devices) with X of shape {tuple(X.shape)}, y = torch.arange({len(y)}) and "
+            f"devices = [{', '.join(d.type for d in devices)}] (meta: a device that holds shapes but no values, so "
+            "that the shards' devices differ)")
+    _, _, out = _call(call, split_batch, X, y, devices)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2
+            and all(isinstance(s, (tuple, list)) and len(s) == n and all(isinstance(t, torch.Tensor) for t in s)
+                    for s in out)):
+        raise Mismatch(f"{call}: expected a pair (X_shards, y_shards) of {n} tensors each, got {_show(out)}")
+    for i, (a, b, d) in enumerate(zip(*out, devices)):
+        if a.device != d or b.device != d:
+            raise Mismatch(f"{call}: expected shard {i} on devices[{i}] = {d}; X's is on {a.device}, y's on "
+                           f"{b.device}. Move shard i with `.to(devices[i], ...)`")
 
 
 # ---------------------------------------------------------------- allreduce(tensors)
@@ -136,10 +190,14 @@ def allreduce_property(allreduce, n: int, shape: tuple, dtype: torch.dtype, seed
     call = (f"allreduce(tensors) on {n} tensor{'s' * (n != 1)} of shape {shape} and dtype {str(dtype)[6:]}"
             + (" (transposed views)" if transpose and len(shape) >= 2 else "")
             + (f", holding {', '.join(_show(t) for t in tensors)}" if expected.numel() <= 6 else ""))
-    held = list(tensors)
-    given = list(tensors)
-    _call(call, allreduce, given)
+    (held,), (given,), _ = _call(call, allreduce, list(tensors))  # the tensors the devices hold; the list passed
     for i, t in enumerate(held):
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or t.shape != expected.shape:
+            what = (f"a tensor of dtype {str(t.dtype)[6:]} and shape {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                    else _show(t))
+            raise Mismatch(f"{call}: expected every device to hold the sum, of dtype {str(dtype)[6:]} and shape "
+                           f"{shape}, in the very tensor it held; device {i} holds {what}. Write the sum into each "
+                           "device's tensor in place (`tensors[i].copy_(...)` keeps its dtype and shape)")
         if t.dtype.is_floating_point:
             right = torch.allclose(t, expected, rtol=1e-5, atol=1e-5)
         else:
@@ -183,7 +241,7 @@ def schedule_property(schedule, n: int) -> Schedule:
     """`schedule(n)` is an allreduce: every transfer valid, and in the end every device holds, in every chunk,
     each device's contribution exactly once. Returns the schedule."""
     call = f"schedule({n})"
-    sched = as_schedule(_call(call, schedule, n), n, call)
+    sched = as_schedule(_call(call, schedule, n)[2], n, call)
     for r, rnd in enumerate(sched.rounds):
         for t in rnd:
             if not all(isinstance(v, int) for v in t[:3]) or not isinstance(t.reduce, bool):
@@ -304,27 +362,33 @@ def ddp_mismatch(results: list[dict], name: str, ref: str = "torch", atol: float
                                "to rank 0's: the replicas drift apart")
 
 
-def ddp_job(path: str, steps: int = 3) -> dict:
-    """One rank of the ddp check: the class `DDP` of the file at `path` and torch's DDP train `Twice` side by side.
+def ddp_job(path: str, name: str = "DDP", steps: int = 3) -> dict:
+    """One rank of the ddp check: the class `name` of the file at `path` trains `Twice` (`train_steps`).
 
-    Returns the `train_steps` results, or {"error": ...} when the student's code raises.
+    Returns {name: results}, or {"error": ...} when the student's code raises. Torch's DDP trains in
+    ranks of the grader's own (`torch_ddp_job`), where the student's code cannot patch it.
     """
     import importlib.util
-
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     try:
         spec = importlib.util.spec_from_file_location("exercise", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         # every rank builds other weights: a DDP must start every rank from rank 0's, as torch's does
-        nets = {"DDP": Twice(seed=dist.get_rank()).double(), "torch": Twice(seed=dist.get_rank()).double()}
-        models = {"DDP": (module.DDP(nets["DDP"]), nets["DDP"]), "torch": (TorchDDP(nets["torch"]), nets["torch"])}
-        return train_steps(models, steps)
+        net = Twice(seed=dist.get_rank()).double()
+        return train_steps({name: (getattr(module, name)(net), net)}, steps)
     except Exception as e:  # noqa: BLE001
         frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
         where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
         return {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}"}
+
+
+def torch_ddp_job(steps: int = 3) -> dict:
+    """One rank of torch's DDP training `Twice` as `ddp_job` trains a student's: {"torch": results}."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    net = Twice(seed=dist.get_rank()).double()
+    return train_steps({"torch": (TorchDDP(net), net)}, steps)
 
 
 # ---------------------------------------------------------------- what hypothesis draws

@@ -1,0 +1,304 @@
+"""Run a student's file in a child process that cannot hang, fool or outlive the grader.
+
+The child (`sandbox_child`) is a fresh interpreter in a session of its own, in a temporary folder
+of its own, with capped memory. The grader keeps the inputs, the expected values and the verdict;
+it sends the child inputs only, and reads back what the child's function left in them and
+returned, loaded with `weights_only=True` (tensors and plain values: nothing that runs code here).
+Every call has a deadline. A call that does not return in time, or a child that dies, raises
+`Stopped` naming what happened; then the child's whole session is killed, and a later call starts
+a new child.
+"""
+from __future__ import annotations
+
+import io
+import os
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+__all__ = ["Stopped", "Raised", "Opaque", "Child"]
+
+STARTUP = 120.0  # seconds for a fresh interpreter to import torch on a busy machine
+
+
+class Stopped(BaseException):
+    """The student's code did not return: it ran past its deadline, exited, or was killed.
+
+    A BaseException, so that hypothesis stops at once instead of shrinking by calling it again."""
+
+
+class Raised(Exception):
+    """The student's function raised `kind` (a name) with `message`, `at` a file and line."""
+
+    def __init__(self, kind: str, message: str, at: str):
+        super().__init__(f"{kind}: {message}")
+        self.kind, self.message, self.at = kind, message, at
+
+
+class Opaque:
+    """What the child returned that is not a tensor or a plain value: its repr only."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _restore(obj):
+    """The child's plain form (`sandbox_child._plain`) back as objects: Opaque, Schedule."""
+    if isinstance(obj, dict):
+        if set(obj) == {"__object__"}:
+            return Opaque(obj["__object__"])
+        if set(obj) == {"__schedule__"}:
+            from ..transfers import Schedule, Transfer
+
+            n, chunks, rounds = obj["__schedule__"]
+            try:
+                rounds = tuple(tuple(Transfer(*t) for t in rnd) for rnd in _restore(rounds))
+            except TypeError:  # not rounds of transfers: told by the property, as a list
+                return _restore(rounds)
+            return Schedule("yours", n, chunks, rounds, ("",) * len(rounds))
+        return {k: _restore(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_restore(x) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_restore(x) for x in obj)
+    return obj
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+class Child:
+    """The student's file at `path`, loaded in a child process; `call(*args)` runs its `name` there.
+
+    Args:
+        timeout: seconds each call may take (and importing the file).
+        deadline: `time.monotonic()` after which no call may run, the bound on the whole check.
+        memory_mb: the child's address-space cap.
+    """
+
+    def __init__(self, path: str, name: str, timeout: float, deadline: float, memory_mb: int):
+        self.path, self.name = os.path.abspath(path), name
+        self.timeout, self.deadline, self.memory_mb = timeout, deadline, memory_mb
+        self.proc: subprocess.Popen | None = None
+        self.folder: str | None = None
+
+    # ------------------------------------------------------------ the child's life
+
+    def start(self) -> dict:
+        """Start a child and load the file in it: its answer to `load` (`ok`, `missing`, `import_raised`...)."""
+        self.folder = tempfile.mkdtemp(prefix="manualdp-check-")
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "manualdp.runners.sandbox_child", str(self.memory_mb << 20)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=self.folder, env=env,
+            start_new_session=True, close_fds=True)
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        self._recv(max(STARTUP, self.timeout), "starting Python and importing torch")
+        self._send({"op": "load", "path": self.path, "name": self.name}, self.timeout, "importing the file")
+        return self._recv(self.timeout, "importing the file")
+
+    def close(self) -> None:
+        """Kill the child and everything it started, and remove its folder."""
+        if self.proc is not None:
+            _kill_session(self.proc.pid)
+            for f in (self.proc.stdin, self.proc.stdout):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+            self.proc = None
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ calls
+
+    def call(self, *args) -> tuple:
+        """`name(*args)` in the child: `(before, after, out)`: the arguments as the caller held them before the
+        call, as they are after it, and what it returned; raise `Raised` or `Stopped`."""
+        reply = self.request({"op": "call", "args": args}, self.timeout, "")
+        if "raised" in reply:
+            raise Raised(reply["raised"], reply["message"], reply["at"])
+        if "error" in reply:
+            raise Raised("an output the grader cannot read", reply["error"], "")
+        return reply["before"], reply["after"], reply["out"]
+
+    def request(self, req: dict, timeout: float, doing: str) -> dict:
+        """Send `req` to a live child (starting one if needed) and return its answer within `timeout` s."""
+        if self.proc is None:
+            loaded = self.start()
+            if not loaded.get("ok"):
+                raise Stopped(f"the file no longer loads in a new child: {loaded}")
+        self._send(req, timeout, doing)
+        return self._recv(timeout, doing)
+
+    def _send(self, obj, timeout: float, doing: str) -> None:
+        import torch
+
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = memoryview(struct.pack(">Q", buf.getbuffer().nbytes) + buf.getvalue())
+        end = self._end(timeout)
+        fd = self.proc.stdin.fileno()
+        while data:
+            if not select.select([], [fd], [], max(0.0, end - time.monotonic()))[1]:
+                self._stop(timeout, doing)
+            try:
+                data = data[os.write(fd, data):]
+            except BlockingIOError:
+                continue
+            except BrokenPipeError:
+                self._stop(timeout, doing)
+
+    def _recv(self, timeout: float, doing: str) -> dict:
+        import torch
+
+        end = self._end(timeout)
+        head = self._read(8, end, timeout, doing)
+        body = self._read(struct.unpack(">Q", head)[0], end, timeout, doing)
+        try:
+            return _restore(torch.load(io.BytesIO(body), weights_only=True))
+        except Exception as e:  # noqa: BLE001 (a reply forged or garbled by the student's code)
+            self.close()
+            raise Stopped(f"sent the grader a reply it cannot read ({type(e).__name__}): does your code write to "
+                          "file descriptors it did not open, or patch torch.save?") from None
+
+    def _end(self, timeout: float) -> float:
+        return min(time.monotonic() + timeout, self.deadline)
+
+    def _read(self, n: int, end: float, timeout: float, doing: str) -> bytes:
+        fd, parts = self.proc.stdout.fileno(), []
+        while n:
+            if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
+                self._stop(timeout, doing)
+            part = os.read(fd, min(n, 1 << 20))
+            if not part:
+                self._stop(timeout, doing)
+            parts.append(part)
+            n -= len(part)
+        return b"".join(parts)
+
+    def _stop(self, timeout: float, doing: str) -> None:
+        """The child did not answer: say why (ran out of time, stopped, exited, killed), kill it, raise Stopped."""
+        pid = self.proc.pid
+        state = _state(pid)
+        code = _exit_status(pid, 0.5)
+        total = time.monotonic() >= self.deadline - 0.01
+        printed = self._printed()
+        self.close()
+        if code is None and state == "T":
+            why = "stopped (SIGSTOP?): it never answered"
+        elif code is None:
+            why = (f"did not return within the {timeout:g} s it may take" if not total else
+                   "was still running when the whole check ran out of time (--total)")
+            why += ": does it loop forever, or wait for something that never comes?"
+        elif code < 0:
+            why = f"was killed by {_signal_name(-code)}"
+            if -code == signal.SIGXFSZ:
+                why += " (it printed or wrote more than 64 MiB into one file)"
+        else:
+            why = (f"ended the process (exit status {code}) instead of returning: does it call sys.exit, os._exit "
+                   "or exit()? The grader calls your function; it must return")
+        raise Stopped(f"{why}{f' (while {doing})' if doing else ''}{printed}")
+
+    def _printed(self) -> str:
+        """The last line the child printed, if any: often the reason it died."""
+        try:
+            with open(os.path.join(self.folder, "output.txt"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 2000))
+                lines = f.read().decode(errors="replace").strip().splitlines()
+        except (OSError, TypeError):
+            return ""
+        return f". Its last printed line: {lines[-1][:200]!r}" if lines else ""
+
+
+def _exit_status(pid: int, wait: float) -> int | None:
+    """How the child ended (as Popen's returncode: negative for a signal), or None if it still runs after `wait`
+    seconds; it is not reaped, so that its pid cannot be reused before its session is killed."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        if info is not None:
+            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+        if time.monotonic() >= end:
+            return None
+        time.sleep(0.02)
+
+
+def _state(pid: int) -> str:
+    """The process state letter in /proc (R, S, T, Z...), or '' where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _session(sid: int) -> list[int]:
+    """Every process in session `sid`, or descended from it, that /proc lists (forks that left the group too)."""
+    found, parents = set(), {}
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return []
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        parents[pid] = int(fields[1])
+        if int(fields[3]) == sid:
+            found.add(pid)
+    grew = True
+    while grew:
+        more = {pid for pid, ppid in parents.items() if ppid in found or ppid == sid} - found
+        found |= more
+        grew = bool(more)
+    found.discard(os.getpid())
+    return sorted(found)
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL the child, its process group, and every process of its session or tree (found while the child
+    still lives, so that a fork that left the group is found by its parent), until none is left."""
+    for _ in range(20):
+        left = [pid for pid in [sid, *_session(sid)] if _state(pid) not in ("Z", "")]
+        try:
+            os.killpg(sid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if not left:
+            return
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.05)

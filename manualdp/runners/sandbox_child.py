@@ -1,0 +1,159 @@
+"""The grader's child: the one process where a student's file runs (`manualdp check`, `sandbox.Child`).
+
+    python -m manualdp.runners.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
+
+It caps its own memory and file sizes, sends what the file prints to `output.txt` in its working
+folder (a temporary one of its own), then answers the grader's requests on its stdin and stdout,
+one frame each: `load` a file, `call` its function on the inputs sent, `ddp` (train the file's DDP
+on 2 ranks). It judges nothing: it sends back the inputs and the output as they are after the call,
+in one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
+"""
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import resource
+import struct
+import sys
+import traceback
+
+LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
+
+
+def _frames(fd_in: int, fd_out: int):
+    """A `recv()` and a `send(obj)` of length-prefixed frames on two file descriptors."""
+    import torch
+
+    save, load = torch.save, torch.load  # taken before the student's file can patch them
+
+    def recv():
+        head = _read(fd_in, 8)
+        return load(io.BytesIO(_read(fd_in, struct.unpack(">Q", head)[0])), weights_only=False)
+
+    def send(obj) -> None:
+        buf = io.BytesIO()
+        try:
+            save(obj, buf)
+        except Exception as e:  # noqa: BLE001 (an output torch cannot save: a subclass, a view of a view...)
+            buf = io.BytesIO()
+            save({"error": f"what it returned cannot be sent to the grader ({type(e).__name__}: {e})"}, buf)
+        data = buf.getvalue()
+        os.write(fd_out, struct.pack(">Q", len(data)))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd_out, view):]
+
+    return recv, send
+
+
+def _read(fd: int, n: int) -> bytes:
+    parts = []
+    while n:
+        part = os.read(fd, n)
+        if not part:
+            raise SystemExit(0)  # the grader closed the pipe: it is done with us
+        parts.append(part)
+        n -= len(part)
+    return b"".join(parts)
+
+
+def _plain(obj, depth: int = 0):
+    """`obj` as what the grader may load (tensors, numbers, strings, lists, tuples, dicts), the same tensor
+    objects kept; a `Schedule` as a tagged dict; anything else as its repr."""
+    import torch
+
+    from ..transfers import Schedule
+
+    if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+        return obj
+    if obj is None or type(obj) in (bool, int, float, str, torch.device, torch.dtype):
+        return obj
+    if depth < 6 and isinstance(obj, Schedule):
+        return {"__schedule__": [obj.num_devices, obj.num_chunks, _plain(obj.rounds, depth + 1)]}
+    if depth < 6 and isinstance(obj, (list, tuple)) and len(obj) <= 100_000:
+        items = [_plain(x, depth + 1) for x in obj]
+        return items if isinstance(obj, list) else tuple(items)
+    try:
+        text = repr(obj)[:200]
+    except BaseException:  # noqa: BLE001 (a repr that raises)
+        text = f"<{type(obj).__name__}>"
+    return {"__object__": text}
+
+
+def _raised(e: BaseException, path: str) -> dict:
+    """What the grader needs to tell an exception: its type, message and the line of the student's file."""
+    frames = traceback.extract_tb(e.__traceback__)
+    torch_dir = os.path.dirname(sys.modules["torch"].__file__)
+    frame = next((f for f in reversed(frames) if f.filename == path), None) or next(
+        (f for f in reversed(frames) if not f.filename.startswith(torch_dir)), frames[-1] if frames else None)
+    try:
+        message = str(e)[:500]
+    except BaseException:  # noqa: BLE001
+        message = "(its message cannot be printed)"
+    return {"raised": type(e).__name__, "message": message,
+            "at": f"{frame.filename}, line {frame.lineno}" if frame else ""}
+
+
+def _load(path: str, name: str) -> dict:
+    sys.path.insert(0, os.path.dirname(path))  # as `python FILE.py` would: the file's neighbours import
+    spec = importlib.util.spec_from_file_location("exercise", path)
+    if spec is None or spec.loader is None:
+        return {"error": f"{path}: not a Python file (it should end in .py)"}
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["exercise"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:  # noqa: BLE001 (anything in a student's file, SystemExit and KeyboardInterrupt too)
+        return {"import_raised": _raised(e, path)}
+    if not hasattr(module, name):
+        return {"missing": name}
+    return {"ok": True, "fn": getattr(module, name)}
+
+
+def main() -> None:
+    memory = int(sys.argv[1])
+    fd_in, fd_out = os.dup(0), os.dup(1)  # the grader's pipes, kept apart from what the student prints
+    log = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (LOG_BYTES, LOG_BYTES))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    recv, send = _frames(fd_in, fd_out)
+    import torch
+
+    torch.set_num_threads(1)
+    send({"ready": True})
+    fn, path = None, ""
+    while True:
+        req = recv()
+        if req["op"] == "load":
+            path = req["path"]
+            got = _load(path, req["name"])
+            fn = got.pop("fn", None)
+            send(got)
+        elif req["op"] == "call":
+            args = req["args"]
+            before = _plain(args)  # the caller's own references, before the call can rebind a list's slots
+            try:
+                out = fn(*args)
+            except BaseException as e:  # noqa: BLE001
+                send(_raised(e, path))
+                continue
+            send({"before": before, "after": _plain(args), "out": _plain(out)})
+        elif req["op"] == "ddp":
+            from ..spmd.launch import launch
+            from .properties import ddp_job
+
+            try:
+                send({"ranks": launch(ddp_job, 2, (path, "DDP"), timeout=req["timeout"])})
+            except TimeoutError:
+                send({"timeout": True})
+            except Exception as e:  # noqa: BLE001 (a rank that died: its last lines)
+                send({"rank_died": (str(e).strip().splitlines() or [type(e).__name__])[-1]})
+
+
+if __name__ == "__main__":
+    main()

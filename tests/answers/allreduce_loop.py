@@ -1,0 +1,6 @@
+"""Loops forever."""
+
+
+def allreduce(tensors):
+    while True:
+        pass

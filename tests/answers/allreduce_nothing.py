@@ -1,0 +1,5 @@
+"""Does nothing."""
+
+
+def allreduce(tensors):
+    pass

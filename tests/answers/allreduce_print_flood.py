@@ -1,0 +1,6 @@
+"""Prints without end."""
+
+
+def allreduce(tensors):
+    while True:
+        print("x" * 10000)

@@ -1,0 +1,5 @@
+"""Recurses without end."""
+
+
+def allreduce(tensors):
+    return allreduce(tensors)

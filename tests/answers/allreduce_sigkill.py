@@ -1,0 +1,7 @@
+"""Kills its own process."""
+import os
+import signal
+
+
+def allreduce(tensors):
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,6 @@
+"""Loops forever."""
+
+
+def split_batch(X, y, devices):
+    while True:
+        pass
