@@ -6,8 +6,9 @@ on a background thread while backward computes the earlier layers' gradients. At
 backward the callback waits for the allreduces still running, then divides.
 
 Two details:
-- a parameter used twice in one forward pass gets its gradient in two parts; autograd's
-  post-accumulate hook fires once, after the last part, so it is sent once, complete;
+- a parameter used twice in one forward pass gets its gradient in two parts, which autograd
+  sums before any hook of the parameter fires (once per backward); the post-accumulate hook
+  fires after that sum is written into `.grad`, so the gradient it sends is complete;
 - the allreduces of all ranks are paired in the order they are started, so every rank must
   see its gradients become ready in the same order (the same model and the same graph).
   A parameter that no hook reported (unused in this step) is sent after backward, by rung 2.
