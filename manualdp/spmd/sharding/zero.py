@@ -59,7 +59,7 @@ from ..collectives import allreduce
 from ..transport.agree import agree
 from ..transport.peers import group_ranks
 from .zero_torch_api import TorchCompat
-from .grad_shards import GradientShards, ShardedAway, plan_buckets, real_grad
+from .grad_shards import GradientShards, plan_buckets, real_grad
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -128,8 +128,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         inner = [{"params": self._pieces_of(g), **options_of(given)} for g, given in enumerate(groups)]
         self.optimizer = make_optimizer(optimizer_class, inner, **defaults)
         self._built = False  # torch's constructor calls add_param_group for each group
-        super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, self.optimizer.param_groups)],
-                         dict(getattr(self.optimizer, "defaults", {})))
+        outer = [{"params": g["params"], **options_of(t)} for g, t in zip(groups, self.optimizer.param_groups)]
+        super().__init__(outer, dict(getattr(self.optimizer, "defaults", {})))
         self._built = True
         Joinable.__init__(self)
         self._divide_by_initial = True  # under Join at stage 2: average over all ranks, not the training ones
@@ -432,7 +432,8 @@ def _refuse_sparse(groups: list[dict], name: str = "params") -> None:
 
 def _name_of(optimizer_class) -> str:
     """The optimizer's class (or factory) as the ranks compare it: its module and qualified name."""
-    return f"{getattr(optimizer_class, '__module__', '')}.{getattr(optimizer_class, '__qualname__', type(optimizer_class).__name__)}"
+    name = getattr(optimizer_class, "__qualname__", type(optimizer_class).__name__)
+    return f"{getattr(optimizer_class, '__module__', '')}.{name}"
 
 
 def _options_text(options: dict) -> str:
