@@ -534,13 +534,25 @@ def _case_clip(out, rank, n, batches, everything):
             single_opt.step()
         out["clip", stage] = (norms, _flat(model.module), _flat(single))
 
+def _case_disagree(out, rank, n, batches, everything):
+    # one rank's group lr differs (not the defaults'): every rank raises naming the group's options
+    ps = list(_net().parameters())
+    try:
+        ZeroRedundancyOptimizer([{"params": ps[:2], "lr": 0.1 if rank < n - 1 else 0.2}, {"params": ps[2:]}],
+                                torch.optim.SGD, lr=0.1)
+        out["group lr"] = None
+    except ValueError as e:
+        out["group lr"] = str(e)
+
+
 def _three_job():
     """Every case, each on its own: one that raises leaves the others' results (the tests then fail one by one)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
     batches = _batches(99, 4)
     everything = lambda net: net.parameters()
-    for case in (_case_kwargs, _case_lr, _case_frozen, _case_format, _case_no_grad, _case_clip):
+    for case in (_case_kwargs, _case_lr, _case_frozen, _case_format, _case_no_grad, _case_clip,
+                 _case_disagree):
         try:
             case(out, rank, n, batches, everything)
         except Exception as e:  # noqa: BLE001 - recorded; the test of that case fails on the missing result
@@ -628,3 +640,10 @@ def test_torchs_clip_grad_norm_on_a_stage_2_model_raises_naming_ours_instead_of_
         message = r["torch clip", 2]
         assert message is not None and "\n" not in message
         assert "not on this rank" in message and "clip_grad_norm_(max_norm)" in message
+
+
+def test_ranks_whose_group_options_differ_all_raise_naming_the_group():
+    for r, result in enumerate(_three()):
+        message = result["group lr"]
+        assert message is not None and message.startswith(f"rank {r}: ZeroRedundancyOptimizer differs across ranks")
+        assert "group 0 options" in message and "lr=0.2" in message
