@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from .schedule import Schedule, chunk_sizes
+from .schedule import Schedule, chunk_sizes, get_collective
 from .validate import fraction, non_negative_int, non_negative_number, positive_int
 
-__all__ = ["check_schedule", "traffic", "round_loads", "merged", "cost", "loads_cost", "shared_cores", "MAX_DUPLEX"]
+__all__ = ["check_schedule", "traffic", "round_loads", "merged", "cost", "loads_cost", "shared_cores", "MAX_DUPLEX",
+           "traffic_of"]
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -174,3 +175,13 @@ def _shared(work: Counter, parallel: int) -> float:
         elapsed += (w - done) * max(1.0, m / parallel)
         done, m = w, m - devices
     return elapsed
+
+
+def traffic_of(collectives, num_devices: int, algorithm: str = "ring") -> dict[str, list[int]]:
+    """Bytes each device sends and receives in `collectives` (ZeRO-3's `manualdp.units.Collective`s: a kind,
+    a number of elements and their size each), from their schedules (`traffic`)."""
+    total = {"sent": [0] * num_devices, "received": [0] * num_devices}
+    for c in collectives:
+        t = traffic(get_collective(c.kind, algorithm, num_devices), c.numel * c.element_size, c.element_size)
+        total = {k: [a + b for a, b in zip(v, t[k])] for k, v in total.items()}
+    return total

@@ -48,10 +48,14 @@ class NonFiniteGuard:
 
     def passes(self, step: int | None = None) -> bool:
         """True to take the update; False after undoing a skipped step; raises in mode "raise"."""
+        return self.passes_on(((name, p.grad) for m in self.modules[:1 if self.reduced else None]
+                               for name, p in m.named_parameters() if p.grad is not None), step)
+
+    def passes_on(self, grads, step: int | None = None) -> bool:
+        """`passes`, for gradients held elsewhere than in `.grad` (ZeRO-3's summed shards): (name, tensor) pairs."""
         if self.mode is None:
             return True
-        bad = next((b for m in self.modules[:1 if self.reduced else None] if (b := first_nonfinite(m)) is not None),
-                   None)
+        bad = next((name for name, g in grads if not bool(torch.isfinite(g).all())), None)
         if bad is None:
             return True
         at = f" at step {step}" if step is not None else ""

@@ -22,19 +22,24 @@ import torch
 from torch import nn
 
 from .collectives import all_gather, chunk
-from .cost import traffic
 from .lockstep import LockStep
-from .schedule import get_collective
 from .shards import ShardPlan
 
-__all__ = ["Collective", "Units", "choose_units", "traffic_of"]
+__all__ = ["Collective", "Units", "choose_units"]
+NO_FORWARD = (nn.ParameterList, nn.ParameterDict)
 
 
 def choose_units(module: nn.Module, units=None) -> list[tuple[str, list[nn.Parameter]]]:
     """Every unit as (name, parameters): the submodules named in `units` (default: the root's children that
     have parameters), then the root unit "": the root's own parameters and those that two units share."""
-    if units is None:
-        units = [name for name, child in module.named_children() if next(child.parameters(), None) is not None]
+    if units is None:  # a ModuleList or ModuleDict never runs a forward: its children are units in its place, as
+        units, todo = [], list(module.named_children())  # torch's FSDP2 refuses a container and wraps its children
+        while todo:
+            name, child = todo.pop(0)
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)):
+                todo[:0] = [(f"{name}.{n}", c) for n, c in child.named_children()]
+            elif next(child.parameters(), None) is not None and not isinstance(child, NO_FORWARD):
+                units.append(name)  # (a ParameterList has no forward either: it stays in the root unit)
     if not isinstance(units, (list, tuple)) or not all(isinstance(u, str) and u for u in units):
         raise TypeError(f"units must be a list of submodule names such as ['0', 'layer1'], got {units!r:.80}")
     owners: dict[int, list[str]] = {}
@@ -93,10 +98,17 @@ class Units:
         """`work(device)` on every device side by side (`manualdp.lockstep`); afterwards every unit is let go of."""
         self.collectives, self.lockstep = [], LockStep(len(self.replicas))
         try:
-            return self.lockstep.run(work)
+            results = self.lockstep.run(work)
         finally:
             self.lockstep = None
             self.reset()
+        gathered = {c.unit for c in self.collectives if c.phase == "forward"}  # a unit not gathered lent NaN
+        lost = [name for u, name in enumerate(self.names) if name not in gathered
+                and any(p.grad is not None for ps in self.params for p in ps[u])]
+        if lost:
+            raise RuntimeError(f"unit {lost[0]!r} has gradients, but its forward never ran, so they come from its NaN "
+                               "placeholders: a unit must be a module that is called, not a container")
+        return results
 
     def saved_tensors_hooks(self, i: int):
         """The context in which device i runs its forward: saved weights are kept as where they lie."""
@@ -182,11 +194,3 @@ class Units:
             out.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
         return out
 
-
-def traffic_of(collectives: list[Collective], num_devices: int, algorithm: str = "ring") -> dict[str, list[int]]:
-    """Bytes each device sends and receives in `collectives`, from their schedules (`manualdp.cost.traffic`)."""
-    total = {"sent": [0] * num_devices, "received": [0] * num_devices}
-    for c in collectives:
-        t = traffic(get_collective(c.kind, algorithm, num_devices), c.numel * c.element_size, c.element_size)
-        total = {k: [a + b for a, b in zip(v, t[k])] for k, v in total.items()}
-    return total

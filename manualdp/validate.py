@@ -7,6 +7,7 @@ this module and nothing else of the package's machinery.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import os
@@ -18,7 +19,7 @@ __all__ = [
     "is_int", "positive_int", "non_negative_int", "positive_number", "non_negative_number", "finite_number",
     "one_of", "int_between", "learning_rate", "mapping_or_none", "MAX_LR",
     "MAX_TIMEOUT", "MAX_SEED", "seed", "non_empty_path", "index", "boolean", "nn_module", "initialized", "trainable",
-    "iterable", "callable_or_none",
+    "iterable", "callable_or_none", "same_replicas", "no_closure",
     "factory", "a_callable", "path", "timeout_seconds",
     "check_devices", "tensor_list", "check_tensors", "check_summable", "check_batch", "xy_pair",
 ]
@@ -133,6 +134,55 @@ def trainable(name: str, module: nn.Module) -> nn.Module:
         raise ValueError(f"{name} has no parameters that require grad "
                          f"({f'all {len(params)} are frozen' if params else 'it has none'}): there is nothing to train")
     return module
+
+
+def same_replicas(name: str, replicas) -> list[nn.Module]:
+    """A non-empty list of distinct modules, one per device, holding equal parameters and buffers.
+
+    A sharded optimizer keeps device i's chunk of each replica's values: replicas that differ
+    would be put together into a model that is none of them. The same module twice (or two that
+    share a parameter) would be stepped twice. Values must be equal exactly (NaN equals NaN).
+    """
+    if isinstance(replicas, nn.Module) or not isinstance(replicas, (list, tuple)) or not replicas:
+        raise TypeError(f"{name} must be a non-empty list of nn.Module, got {replicas!r:.80}")
+    first = nn_module(f"{name}[0]", replicas[0])
+    owner: dict[int, int] = {}  # id of a module, parameter or buffer -> the replica it belongs to
+    for i, r in enumerate(replicas):
+        nn_module(f"{name}[{i}]", r)
+        for t in (r, *r.parameters(), *r.buffers()):
+            j = owner.setdefault(id(t), i)
+            if j != i:
+                what = "is" if t is r else f"shares a {'parameter' if isinstance(t, nn.Parameter) else 'tensor'} with"
+                raise ValueError(f"{name}[{i}] {what} {name}[{j}]: every device needs its own copy "
+                                 "(manualdp.replicate makes them)")
+        for kind, mine, theirs in (("parameter", r.named_parameters(), first.named_parameters()),
+                                   ("buffer", r.named_buffers(), first.named_buffers())):
+            mine, theirs = list(mine), list(theirs)
+            if [(n, t.shape, t.dtype) for n, t in mine] != [(n, t.shape, t.dtype) for n, t in theirs]:
+                raise ValueError(f"{name}[{i}] does not have {name}[0]'s {kind}s (names, shapes, dtypes)")
+            for (n, a), (_, b) in zip(mine, theirs):
+                if not _bitwise_equal(a.detach(), b.detach().to(a.device)):
+                    raise ValueError(f"{name}[{i}]'s {kind} {n!r} differs from {name}[0]'s: replicas must start "
+                                     "equal (copy one model with manualdp.replicate)")
+    return list(replicas)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def no_closure(name: str, optimizer):
+    """An optimizer whose `step` needs no closure (LBFGS's does: it evaluates the loss itself)."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (AttributeError, TypeError, ValueError):  # no step, or one inspect cannot read: let it run as it is
+        return optimizer
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(f"{name}: {type(optimizer).__name__}'s step needs a closure (it evaluates the loss itself), "
+                         "and ZeRO steps each shard alone: use an elementwise optimizer (SGD, Adam, AdamW)")
+    return optimizer
 
 
 def iterable(name: str, value):

@@ -29,14 +29,15 @@ from torch import nn
 
 from .collectives import all_gather, reduce_scatter
 from .shards import ShardPlan, check_shard_fits, options_of, param_groups_of
-from .validate import factory, one_of
+from .validate import factory, no_closure, one_of
 
 __all__ = ["ShardedOptimizer", "make_optimizer", "state_bytes"]
 
 
 def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer:
-    """`optimizer_class(params, **defaults)`: a torch.optim class or any factory taking the parameters."""
-    return factory("optimizer_class", optimizer_class)(params, **defaults)
+    """`optimizer_class(params, **defaults)`: a torch.optim class or any factory taking the parameters, whose step
+    needs no closure (LBFGS's evaluates the whole loss: it is not elementwise, and no shard could take it)."""
+    return no_closure("optimizer_class", factory("optimizer_class", optimizer_class)(params, **defaults))
 
 
 def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:

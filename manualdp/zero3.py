@@ -19,12 +19,12 @@ Per step that is two all-gathers and one reduce-scatter of the model: each devic
 It buys memory with bytes: parameters, gradients and optimizer state are all 1/N per device
 between steps, plus the units in use during one.
 
-Why not `train_batch`: it runs device after device, but these collectives sit inside the
-forward and backward passes, and no device can pass one before all have reached it. So each
-device runs in its own thread, and the threads meet at every collective (`manualdp.lockstep`);
-the step is `Zero3.train_batch`. The default units are the root's children that have
-parameters, plus the root unit: the root's own parameters and any that two units share (a
-tied weight). Between steps the parameters read NaN: the values are in the shards.
+Why not `train_batch`: these collectives sit inside forward and backward, where no device can
+pass one before all have reached it; so each device runs in its own thread, and the threads
+meet at every collective (`manualdp.lockstep`). The default units are the root's children that
+have parameters (a ModuleList's children in its place: the list never runs a forward), plus
+the root unit: the root's own parameters and any that two units share (a tied weight).
+Between steps the parameters read NaN: the values are in the shards.
 """
 from __future__ import annotations
 
@@ -34,6 +34,8 @@ import torch
 from torch import nn
 
 from .collectives import chunk, reduce_scatter
+from .cost import traffic_of
+from .guard import NonFiniteGuard
 from .lockstep import check_own_gpus
 from .loss import correct_tensor, logits_of, summed_loss
 from .replicate import broadcast_buffers
@@ -41,8 +43,8 @@ from .schedule import COLLECTIVES
 from .shards import ShardPlan
 from .split import split_batch
 from .train import StepResult
-from .units import Collective, Units, choose_units, traffic_of
-from .validate import factory, one_of, trainable
+from .units import Collective, Units, choose_units
+from .validate import one_of, same_replicas, trainable
 from .zero import make_optimizer, state_bytes
 
 __all__ = ["Zero3", "traffic_of"]
@@ -64,20 +66,13 @@ class Zero3:
 
     def __init__(self, replicas: list[nn.Module], optimizer_class, *, units=None, algorithm: str = "ring",
                  **defaults) -> None:
-        if isinstance(replicas, nn.Module) or not replicas or not all(isinstance(r, nn.Module) for r in replicas):
-            raise TypeError(f"replicas must be a non-empty list of nn.Module, got {replicas!r:.80}")
+        replicas = same_replicas("replicas", replicas)  # all checked, optimizers built, before a replica is hooked
         trainable("replicas[0]", replicas[0])
-        factory("optimizer_class", optimizer_class)
         self.algorithm = one_of("algorithm", algorithm, COLLECTIVES["all_gather"])
         chosen = choose_units(replicas[0], units)
-        first = list(replicas[0].parameters())
-        for i, r in enumerate(replicas):  # all checked before any replica is touched
-            ps = list(r.parameters())
-            if len(ps) != len(first) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ps, first)):
-                raise ValueError(f"replicas[{i}] does not have replicas[0]'s parameters (shapes, dtypes)")
         check_own_gpus([next(r.parameters()).device for r in replicas])
         n = self.num_devices = len(replicas)
-        index = {id(p): k for k, p in enumerate(first)}
+        index = {id(p): k for k, p in enumerate(replicas[0].parameters())}
         # (unit, position in the unit) of every parameter, in replicas[0].parameters() order
         self.order = sorted(((u, j) for u, (_, ps) in enumerate(chosen) for j in range(len(ps))),
                             key=lambda uj: index[id(chosen[uj[0]][1][uj[1]])])
@@ -89,7 +84,7 @@ class Zero3:
             self.shards.append([[chunk(flat, i, n).clone() for flat in plan.bind(self.params[i][u])]
                                 for u, plan in enumerate(self.plans)])
         self.devices = [s[0][0].device for s in self.shards]
-        self.units = Units(replicas, [name for name, _ in chosen], self.plans, self.params, self.shards, algorithm)
+        self.names = dict(zip(self.order, (name for name, _ in replicas[0].named_parameters())))  # (unit, j) -> name
         # Device i's optimizer steps one piece of its shards per trainable parameter they overlap.
         self.pieces, self.optimizers = [], []
         for i in range(n):
@@ -103,6 +98,7 @@ class Zero3:
             self.pieces.append(pieces)
             opt = make_optimizer(optimizer_class, [v for *_, v in pieces], **defaults) if pieces else None
             self.optimizers.append(opt)
+        self.units = Units(replicas, [name for name, _ in chosen], self.plans, self.params, self.shards, algorithm)
 
     @property
     def collectives(self) -> list[Collective]:
@@ -112,16 +108,16 @@ class Zero3:
     def planned(self) -> list[Collective]:
         """Each unit all-gathered for forward and for backward, then reduce-scattered: what the formula counts.
         A step runs fewer where backward reads none of a unit's weights, or a unit has nothing to train."""
-        out = []
-        for phase, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("step", "reduce_scatter")):
-            out += [Collective(kind, phase, self.units.names[u], size, self.shards[0][u][b].element_size())
-                    for u, plan in enumerate(self.plans) for b, size in enumerate(plan.sizes)]
-        return out
+        return [Collective(kind, phase, self.units.names[u], size, self.shards[0][u][b].element_size())
+                for phase, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("step", "reduce_scatter"))
+                for u, plan in enumerate(self.plans) for b, size in enumerate(plan.sizes)]
 
-    def train_batch(self, X: torch.Tensor, y: torch.Tensor, loss_fn=None) -> StepResult:
+    def train_batch(self, X: torch.Tensor, y: torch.Tensor, loss_fn=None, *, nonfinite: str | None = "raise",
+                    step: int | None = None) -> StepResult:
         """One step on the global batch: forward and backward on every device side by side, then reduce-scatter
-        and step every shard. Each shard's summed loss is divided by the global batch, as in `train_batch`."""
+        and step every shard. The loss (each shard's sum over the global batch) and `nonfinite` are `train_batch`'s."""
         loss_fn = summed_loss(loss_fn)
+        guard = NonFiniteGuard(nonfinite, self.replicas, [])  # before the forward pass: it may restore BatchNorm stats
         X_shards, y_shards = split_batch(X, y, self.devices)
 
         def forward_backward(i: int):
@@ -133,15 +129,15 @@ class Zero3:
 
         try:
             results = self.units.run(forward_backward)
-            self._reduce_scatter_and_step()
+            passes = self._reduce_scatter_and_step(guard, step)
         finally:  # also after an error: no gradient is left behind, no shard half-stepped
             for p in (p for ps in self.params for unit in ps for p in unit):
                 p.grad = None
         broadcast_buffers(self.replicas)
-        return StepResult(sum(loss.item() for loss, _ in results) * len(X), sum(int(c) for _, c in results), False)
+        return StepResult(sum(v.item() for v, _ in results) * len(X), sum(int(c) for _, c in results), not passes)
 
     @torch.no_grad()
-    def _reduce_scatter_and_step(self) -> None:
+    def _reduce_scatter_and_step(self, guard: NonFiniteGuard, step: int | None) -> bool:
         summed = [{} for _ in range(self.num_devices)]  # device i: (unit, buffer) -> its chunk of the sum
         used = {(u, j): any(ps[u][j].grad is not None for ps in self.params) for u, j in self.order}
         for u, plan in enumerate(self.plans):
@@ -151,14 +147,18 @@ class Zero3:
                     for i, chunk in enumerate(reduce_scatter([f[b] for f in flats], self.algorithm)):
                         summed[i][u, b] = chunk.clone()  # the device keeps its own chunk only
                     self.units.log("reduce_scatter", "step", u, flats[0][b])
+        # The chunks of all devices make the whole sum: reading them all, every device takes the same decision.
+        if not guard.passes_on(((self.names[u, j], summed[i][u, b][lo:hi]) for i, pieces in enumerate(self.pieces)
+                                for u, j, b, lo, hi, _ in pieces if (u, b) in summed[i]), step):
+            return False
         for i, opt in enumerate(self.optimizers):
             for u, j, b, lo, hi, piece in self.pieces[i]:
-                # a parameter no device has a gradient for is skipped, as torch's optimizers skip it
-                piece.grad = summed[i][u, b][lo:hi] if used[u, j] else None
+                piece.grad = summed[i][u, b][lo:hi] if used[u, j] else None  # no gradient anywhere: skipped, as torch's
             if opt is not None:
                 opt.step()
             for *_, piece in self.pieces[i]:
                 piece.grad = None
+        return True
 
     def param_bytes(self) -> list[int]:
         """Parameter bytes each device holds, counted from its tensors (`manualdp.units.Units.param_bytes`)."""

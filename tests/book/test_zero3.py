@@ -212,3 +212,136 @@ def test_devices_side_by_side_need_a_gpu_each():
         check_own_gpus([torch.device("cuda", 0), torch.device("cpu"), torch.device("cuda", 0)])
     check_own_gpus([torch.device("cuda", 0), torch.device("cuda", 1)])
     check_own_gpus(cpu_devices(3))
+
+
+# ---------------------------------------------------------------- off the happy path (issue 35)
+
+class Stack(nn.Module):
+    """A transformer's shape: layers in a container, called in a loop (`kind` "list" or "dict"), and a head."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        torch.manual_seed(0)
+        layers = [nn.Linear(6, 6) for _ in range(3)]
+        named = {f"l{k}": layer for k, layer in enumerate(layers)}
+        self.layers = nn.ModuleList(layers) if kind == "list" else nn.ModuleDict(named)
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, x):
+        for layer in (self.layers if isinstance(self.layers, nn.ModuleList) else self.layers.values()):
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind, names", [("list", ["layers.0", "layers.1", "layers.2", "head"]),
+                                         ("dict", ["layers.l0", "layers.l1", "layers.l2", "head"])])
+@pytest.mark.parametrize("n", [2, 3])
+def test_layers_in_a_container_called_in_a_loop_are_units_of_their_own_and_train_as_on_one_device(kind, names, n):
+    """The container never runs a forward: as its own unit it would never be gathered (NaN everywhere)."""
+    batches = _batches(7, steps=3, classes=5)
+    one = _one_device(Stack(kind).double(), OPTIMIZERS["adam"], batches)
+    zero = Zero3(replicate(Stack(kind).double(), cpu_devices(n)), OPTIMIZERS["adam"])
+    assert zero.units.names == names  # FSDP2 refuses a container and is applied to its children: the same units
+    for step, (X, y) in enumerate(batches):
+        result = zero.train_batch(X, y)
+        assert result.loss == result.loss, f"step {step}: the loss is NaN"
+        for k, (got, want) in enumerate(zip(zero.full_parameters(), one[step])):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=f"step {step}, parameter {k}")
+
+
+def test_a_container_named_as_a_unit_stops_the_first_step_by_name_and_its_children_are_units():
+    replicas = replicate(Stack("list").double(), cpu_devices(2))
+    zero = Zero3(replicas, OPTIMIZERS["sgd"], units=["layers"])
+    before = [p.clone() for p in zero.full_parameters()]
+    X, y = _batches(4, steps=1, classes=5)[0]
+    with pytest.raises(RuntimeError, match=r"unit 'layers' has gradients, but its forward never ran.*not a container"):
+        zero.train_batch(X, y, nonfinite=None)  # without the check, the NaN placeholders would train the model
+    assert all(torch.equal(a, b) for a, b in zip(zero.full_parameters(), before))
+    zero = Zero3(replicate(Stack("list").double(), cpu_devices(2)), OPTIMIZERS["sgd"], units=["layers.0", "layers.2"])
+    assert zero.units.names == ["layers.0", "layers.2", ""]  # layers.1 and head: in the root unit
+    zero.train_batch(X, y)
+    pl = nn.Module()
+    pl.w = nn.ParameterList([nn.Parameter(torch.ones(2))])
+    assert choose_units(pl) == [("", list(pl.parameters()))]  # a ParameterList has no forward: its root's unit
+
+
+class _Bypassed(nn.Module):
+    """A unit whose forward never runs: the root calls the block's layers itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.block = nn.Module()
+        self.block.a = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.block.a(x)
+
+
+@pytest.mark.parametrize("nonfinite", ["raise", None])
+def test_a_unit_whose_forward_never_runs_is_named_before_any_shard_moves(nonfinite):
+    zero = Zero3(replicate(_Bypassed().double(), cpu_devices(2)), OPTIMIZERS["sgd"])
+    before = [p.clone() for p in zero.full_parameters()]
+    X, y = _batches(4, steps=1, classes=4)[0]
+    with pytest.raises(RuntimeError, match=r"unit 'block' has gradients, but its forward never ran"):
+        zero.train_batch(X, y, nonfinite=nonfinite)
+    assert all(torch.equal(a, b) for a, b in zip(zero.full_parameters(), before))
+
+
+def test_a_nan_example_stops_the_step_by_default_skips_it_or_goes_through_as_asked():
+    """As the book's `train_batch`: "raise" (default) leaves the shards and the optimizer state as they were,
+    "skip" BatchNorm's statistics too; None lets the NaN through."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 4)).double()
+    zero = Zero3(replicate(net, cpu_devices(3)), OPTIMIZERS["adam"])
+    (X, y), (X2, y2) = _batches(9, steps=2, classes=4)
+    zero.train_batch(X, y)
+    before = [p.clone() for p in zero.full_parameters()]
+    state = zero.state_dict()
+    X2[4, 2] = float("nan")  # one example, on device 1
+    from manualdp.guard import NonFiniteGradientError
+    with pytest.raises(NonFiniteGradientError, match=r"non-finite gradient in parameter '0.weight' at step 7"):
+        zero.train_batch(X2, y2, step=7)
+    assert all(torch.equal(a, b) for a, b in zip(zero.full_parameters(), before))
+    assert all(torch.equal(a, b) for a, b in zip(zero.state_dict()["optimizers"][1]["state"][0].values(),
+                                                 state["optimizers"][1]["state"][0].values()))
+    stats = [b.clone() for b in zero.replicas[0].buffers()]  # the stopped step's forward moved them, as train_batch's
+    skipped = zero.train_batch(X2, y2, nonfinite="skip")
+    assert skipped.skipped and all(torch.equal(a, b) for a, b in zip(zero.full_parameters(), before))
+    assert all(torch.equal(a, b) for r in zero.replicas for a, b in zip(r.buffers(), stats))
+    assert not zero.train_batch(X, y).skipped  # and the next good step goes on
+    through = zero.train_batch(X2, y2, nonfinite=None)
+    assert not through.skipped and torch.isnan(zero.full_parameters()[0]).any()
+    with pytest.raises(ValueError, match="nonfinite"):
+        zero.train_batch(X, y, nonfinite="warn")
+
+
+def test_replicas_that_differ_or_are_one_module_are_refused_by_name():
+    same = seeded_mlp()
+    with pytest.raises(ValueError, match=r"replicas\[1\] is replicas\[0\]: every device needs its own copy"):
+        Zero3([same, same], OPTIMIZERS["sgd"])
+    replicas = replicate(seeded_mlp(), cpu_devices(3))
+    with torch.no_grad():
+        replicas[2][2].bias[1] += 1e-9
+    before = [p.clone() for p in replicas[2].parameters()]
+    with pytest.raises(ValueError, match=r"replicas\[2\]'s parameter '2.bias' differs from replicas\[0\]'s"):
+        Zero3(replicas, OPTIMIZERS["sgd"])
+    assert all(torch.equal(a, b) for a, b in zip(replicas[2].parameters(), before))
+    shared = replicate(seeded_mlp(), cpu_devices(2))
+    shared[1][0].weight = shared[0][0].weight
+    with pytest.raises(ValueError, match=r"replicas\[1\] shares a parameter with replicas\[0\]"):
+        Zero3(shared, OPTIMIZERS["sgd"])
+    nan = replicate(seeded_mlp(), cpu_devices(2))
+    with torch.no_grad():
+        for r in nan:
+            r[0].bias[0] = float("nan")
+    Zero3(nan, OPTIMIZERS["sgd"])  # equal, NaN and all: not refused as different
+
+
+@pytest.mark.parametrize("make", [torch.optim.LBFGS, functools.partial(torch.optim.LBFGS, history_size=3)])
+def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line_and_the_replicas_still_run(make):
+    replicas = replicate(seeded_mlp(), cpu_devices(2))
+    with pytest.raises(ValueError, match=r"^optimizer_class: LBFGS's step needs a closure"):
+        Zero3(replicas, make, lr=0.1)
+    out = replicas[1](torch.randn(3, 6, dtype=torch.float64))  # no unit hook was left on them
+    assert torch.isfinite(out).all()
