@@ -91,14 +91,14 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd", help="optimizer (default: sgd)")
     t.add_argument("--zero", type=int, choices=[1, 2, 3], default=None,
                    help="ZeRO stage: 1 shards the optimizer state over the devices, 2 also the gradients, "
-                        "3 also the parameters (no --nonfinite check with it)")
+                        "3 also the parameters (its all-gathers and reduce-scatters run by ring)")
     t.add_argument("--trace", metavar="PATH", help="write a timeline of every step as Chrome trace JSON (Perfetto)")
     t.add_argument("--plot-trace", metavar="PATH", help="draw the timeline as a PNG (needs --trace)")
     t.add_argument("--json", metavar="PATH", help="write the training history as JSON")
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
     t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default=None,
                    help="on a NaN/Inf gradient after the allreduce: stop (default), skip the step, or do not check "
-                        "(default off with --zero 2 under torchrun, where each rank holds only its shard)")
+                        "(default off with --zero 2 or 3 under torchrun, where each rank holds only its shard)")
     t.add_argument("--checkpoint-dir", metavar="DIR", help="save a checkpoint here after every epoch")
     t.add_argument("--checkpoint-every", type=positive(int), metavar="STEPS",
                    help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
@@ -156,9 +156,12 @@ def check_train_args(args) -> str | None:
     if args.zero == 2 and world_size > 1 and args.nonfinite in ("raise", "skip"):
         return (f"--nonfinite {args.nonfinite} needs the averaged gradients on every rank, and with --zero 2 each rank "
                 "holds only its shard: pass --nonfinite off, or --zero 1")
-    if args.zero == 3 and args.nonfinite in ("raise", "skip"):
-        return (f"--nonfinite {args.nonfinite} needs the averaged gradients, and with --zero 3 each device holds "
-                "only its shard: leave --nonfinite out, or pass --nonfinite off")
+    if args.zero == 3 and world_size > 1 and args.nonfinite in ("raise", "skip"):
+        return (f"--nonfinite {args.nonfinite} needs the averaged gradients on every rank, and with --zero 3 under "
+                "torchrun each rank holds only its shard: pass --nonfinite off, or run in one process")
+    if args.zero == 3 and args.algorithm not in (None, "ring"):
+        return (f"--algorithm {args.algorithm} with --zero 3: ZeRO-3 has no allreduce, and its all-gathers and "
+                "reduce-scatters run by ring only: leave --algorithm out, or pass ring")
     if args.zero == 3 and world_size == 1 and args.trace:
         return "--zero 3 in one process has no timeline yet: leave out --trace (under torchrun it has one)"
     if args.plot and not args.plot.lower().endswith(".png"):
@@ -342,7 +345,7 @@ def run_train(args) -> int:
     epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
     net = models.get_model(args.model)
     progress = not args.no_progress
-    default = None if args.zero == 3 else "raise" if world_size == 1 else "auto"
+    default = "raise" if world_size == 1 else "auto"
     nonfinite = {"off": None, None: default}.get(args.nonfinite, args.nonfinite)
 
     if world_size > 1:
@@ -356,7 +359,7 @@ def run_train(args) -> int:
         if gpus and devices[0].type == "cpu":
             print(f"note: {len(gpus)} GPU(s) for {args.devices} devices; simulating them on the CPU instead")
         try:
-            history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm or "naive",
+            history = train(net, train_iter, test_iter, devices, epochs, lr, algorithm=args.algorithm,
                             bucket_cap_mb=args.bucket_mb, nonfinite=nonfinite, checkpoint_dir=args.checkpoint_dir,
                             checkpoint_every=args.checkpoint_every, resume=args.resume, config=run_config(args),
                             progress=progress, **_optimizer_args(args))

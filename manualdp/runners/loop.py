@@ -18,7 +18,7 @@ from torch import nn
 from ..buckets import DEFAULT_BUCKET_CAP_MB
 from ..guard import NonFiniteGuard
 from ..replicate import copy_params_, replicate
-from ..schedule import ALGORITHMS
+from ..schedule import ALGORITHMS, COLLECTIVES
 from ..spmd.ddp.wrapper import DistributedDataParallel
 from ..spmd.sharding.fsdp import fully_shard
 from ..spmd.launch import rank_device, shard
@@ -52,7 +52,7 @@ def train(
     lr: float,
     *,
     loss_fn=None,
-    algorithm: str = "naive",
+    algorithm: str | None = None,
     bucket_cap_mb: float | None = None,
     momentum: float = 0.0,
     weight_decay: float = 0.0,
@@ -71,7 +71,8 @@ def train(
 
     `optimizer` (a torch.optim class or factory, default SGD) is built with `lr`, and with
     `momentum` and `weight_decay` where they are not 0; `zero=1` or `2` shards it (`manualdp.zero`),
-    `zero=3` the parameters too (`manualdp.zero3`; with `nonfinite=None`, no `trace`).
+    `zero=3` the parameters too (`manualdp.zero3`; no `trace`). `algorithm` (default: "naive") is the
+    allreduce's; with `zero=3` there is none, and ZeRO-3's all-gathers and reduce-scatters run by "ring" only.
     `trace=PATH` writes a Chrome trace (Perfetto) of every step, one track per device, and
     puts its summary (overlap, exposed communication) in `history.config["timeline"]` and its
     events in `history.trace` (in memory only, for `manualdp.support.trace.plot_trace`).
@@ -83,7 +84,15 @@ def train(
     options the loop cannot see (seed, batch size, data) to that identity.
     """
     trainable("net", nn_module("net", net))
+    if algorithm is None:
+        algorithm = "ring" if zero == 3 else "naive"
     opts = RunOptions.of(locals()).checked(ALGORITHMS)
+    if opts.zero == 3 and opts.algorithm not in COLLECTIVES["all_gather"]:
+        raise ValueError(f"algorithm={opts.algorithm!r} with zero=3: ZeRO-3 has no allreduce, and its all-gathers and "
+                         "reduce-scatters run by 'ring' only; leave algorithm out, or pass 'ring'")
+    if opts.zero == 3 and opts.trace is not None:
+        raise ValueError(f"trace={opts.trace!r} is not supported with zero=3 (ZeRO-3's step has no timeline yet): "
+                         "pass trace=None, or zero=1 or 2")
     devices = check_devices(devices)
     iterable("train_iter", train_iter)
     iterable("test_iter", test_iter)
@@ -134,11 +143,7 @@ def _train(net, train_iter, test_iter, devices, opts: RunOptions) -> History:
 def _train_zero3(net, replicas, make, kwargs, train_iter, test_iter, devices, opts: RunOptions) -> History:
     """`_train` for ZeRO-3: the step is `Zero3.train_batch`; `net` is the whole model, put together from the shards
     to evaluate and to checkpoint, and a checkpoint's optimizer state is every device's shards."""
-    for name, value, refusal in (("nonfinite", opts.nonfinite, None), ("trace", opts.trace, None)):
-        if value != refusal:
-            raise ValueError(f"{name}={value!r} is not supported with zero=3 (ZeRO-3's step has no guard and no "
-                             f"timeline yet): pass {name}=None, or zero=1 or 2")
-    sharded = Zero3(replicas, make, **kwargs)
+    sharded = Zero3(replicas, make, algorithm=opts.algorithm, **kwargs)
     history = History(config=opts.history_config(devices=[str(d) for d in devices]))
     loop = TrainingState(train_iter, opts.checkpoint_dir, opts.identity(net, num_devices=len(devices),
                                                                         device_type=devices[0].type))
@@ -147,7 +152,7 @@ def _train_zero3(net, replicas, make, kwargs, train_iter, test_iter, devices, op
         if opts.log:
             opts.log(f"resumed from {state['path']} (epoch {state['epoch'] + 1}, step {state['global_step']})"
                      if state is not None else f"no checkpoint in {opts.checkpoint_dir}: starting from the beginning")
-    mode = FullySharded(sharded, net, devices, summed_loss(opts.loss_fn), test_iter)
+    mode = FullySharded(sharded, net, devices, summed_loss(opts.loss_fn), opts.nonfinite, test_iter)
     run_epochs(mode, loop, history, opts.num_epochs, opts.checkpoint_every, opts.progress, opts.log)
     mode.gather()
     return history
@@ -387,12 +392,13 @@ class SingleController:
 class FullySharded(SingleController):
     """How `run_epochs` trains with ZeRO-3 (`manualdp.zero3`): the replicas hold shards, `net` the whole model."""
 
-    def __init__(self, sharded: Zero3, net: nn.Module, devices, loss_fn, test_iter):
-        super().__init__(sharded.replicas, [], devices, loss_fn, "ring", None, None, test_iter, [sharded])
+    def __init__(self, sharded: Zero3, net: nn.Module, devices, loss_fn, nonfinite, test_iter):
+        super().__init__(sharded.replicas, [], devices, loss_fn, sharded.algorithm, None, nonfinite, test_iter,
+                         [sharded])
         self.sharded, self.net = sharded, net
 
     def step(self, X, y, n: int, step: int) -> StepResult:
-        return self.sharded.train_batch(X, y, self.loss_fn)
+        return self.sharded.train_batch(X, y, self.loss_fn, nonfinite=self.nonfinite, step=step)
 
     @torch.no_grad()
     def gather(self) -> None:

@@ -144,7 +144,7 @@ def test_train_with_zero_equals_train_without(zero):
     assert not torch.equal(_flat(nets[zero]), _flat(seeded_mlp()))
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(zero=3), "zero"), (dict(optimizer="adam"), "optimizer")])
+@pytest.mark.parametrize("kwargs, match", [(dict(zero=4), "zero"), (dict(optimizer="adam"), "optimizer")])
 def test_train_rejects_bad_optimizer_arguments(kwargs, match):
     from manualdp import train
     train_iter, test_iter = _loaders()
@@ -348,14 +348,39 @@ def test_train_with_zero_3_equals_train_without_and_resumes_exactly(tmp_path):
     assert torch.equal(_flat(resumed), _flat(nets[3])), "a resumed ZeRO-3 run differs from an uninterrupted one"
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(nonfinite="raise"), "nonfinite"), (dict(trace="t.json"), "trace")])
+@pytest.mark.parametrize("kwargs, match", [(dict(trace="t.json"), "trace"),
+                                           (dict(algorithm="tree"), r"algorithm='tree' with zero=3.*'ring' only"),
+                                           (dict(algorithm="naive"), r"algorithm='naive' with zero=3")])
 def test_train_with_zero_3_refuses_what_it_lacks_by_name(tmp_path, kwargs, match):
     from manualdp import train
     net = seeded_mlp()
     with pytest.raises(ValueError, match=match):
-        train(net, *_loaders(), cpu_devices(2), 1, 0.1, zero=3, progress=False, log=None,
-              **{"nonfinite": None, **kwargs})
+        train(net, *_loaders(), cpu_devices(2), 1, 0.1, zero=3, progress=False, log=None, **kwargs)
     assert torch.equal(_flat(net), _flat(seeded_mlp()))
+
+
+def test_train_with_zero_3_records_the_ring_it_runs_and_guards_as_without_zero():
+    """`algorithm` left out is "ring" with zero=3 (it was recorded as "naive"); `nonfinite` (it was refused, and
+    left out it let a NaN through) stops, or skips the same steps as without zero."""
+    from torch.utils.data import DataLoader, TensorDataset
+    from manualdp import train
+    from manualdp.guard import NonFiniteGradientError
+    history = train(seeded_mlp(), *_loaders(), cpu_devices(2), 1, 0.1, zero=3, progress=False, log=None)
+    assert history.config["algorithm"] == "ring"
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(52, 6, generator=g, dtype=torch.float64), torch.randint(0, 4, (52,), generator=g)
+    X[20, 3] = float("nan")  # in the second batch of 13
+    data = DataLoader(TensorDataset(X, y), batch_size=13), DataLoader(TensorDataset(X[:13], y[:13]), batch_size=13)
+    with pytest.raises(NonFiniteGradientError, match=r"parameter '0.weight' at step 1"):
+        train(seeded_mlp(), *data, cpu_devices(3), 1, 0.1, zero=3, progress=False, log=None)
+    nets, said = {}, {}
+    for zero in (None, 3):
+        nets[zero], said[zero] = seeded_mlp(), []
+        train(nets[zero], *data, cpu_devices(3), 2, 0.1, zero=zero, nonfinite="skip", progress=False,
+              log=said[zero].append)
+    assert [m for m in said[3] if "skipped" in m] == [m for m in said[None] if "skipped" in m] != []
+    torch.testing.assert_close(_flat(nets[3]), _flat(nets[None]), rtol=0, atol=1e-10)
+    assert torch.isfinite(_flat(nets[3])).all() and not torch.equal(_flat(nets[3]), _flat(seeded_mlp()))
 
 
 # ---------------------------------------------------------------- planted bugs slipped past these (issue 20)

@@ -68,6 +68,35 @@ def test_an_explicit_nonfinite_check_with_zero2_under_torchrun_is_refused_not_dr
     assert f"--nonfinite {nonfinite} needs the averaged gradients" in last and "--zero 1" in last
 
 
+@pytest.mark.parametrize("algorithm", ["tree", "naive", "halving_doubling"])
+def test_zero3_with_an_algorithm_it_does_not_run_is_refused_not_mislabelled(tmp_path, capsys, algorithm):
+    out = tmp_path / "f.json"
+    last = _refused(["train", *SMALL, "--zero", "3", "--algorithm", algorithm, "--json", str(out)], capsys)
+    assert f"--algorithm {algorithm} with --zero 3" in last and "ring only" in last and not out.exists()
+
+
+def test_zero3_records_ring_and_stops_at_the_first_nonfinite_gradient_as_without_zero(tmp_path, capsys):
+    """`--zero 3` used to record the algorithm it did not run, and let `--lr 1e30` end with rc 0 and loss NaN."""
+    run = [*SMALL, "--model", "mlp", "--epochs", "1"]
+    assert main(["train", *run, "--zero", "3", "--algorithm", "ring", "--json", str(tmp_path / "f.json")]) == 0
+    import json
+    assert json.loads((tmp_path / "f.json").read_text())["config"]["algorithm"] == "ring"
+    capsys.readouterr()
+    lines = {}
+    for zero in ([], ["--zero", "3"]):
+        assert main(["train", *run, "--lr", "1e30", *zero]) == 1
+        lines[bool(zero)] = capsys.readouterr().err.strip().splitlines()
+    want = ("manualdp train: error: non-finite gradient in parameter '1.weight' at step 1 "
+            "(--nonfinite skip skips such steps)")
+    assert lines[True] == lines[False] == [want]
+
+
+def test_an_explicit_nonfinite_check_with_zero3_under_torchrun_is_refused_not_dropped(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    last = _refused(["train", "--zero", "3", "--nonfinite", "raise"], capsys)
+    assert "--nonfinite raise needs the averaged gradients on every rank" in last and "one process" in last
+
+
 def _manualdp(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "manualdp", *args], capture_output=True, text=True, timeout=300, env=env)
