@@ -24,6 +24,8 @@ from manualdp.runners.explain import DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA,
 from manualdp.runners.explain_zero3 import COLOURS, demo_step, plot_zero3
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.spmd.auto.tune import Link, predict
+from manualdp.support.files import output_problem
+from manualdp.support.plot import save_figure
 from manualdp.support.plot_rounds import draw_panel
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -62,7 +64,7 @@ def same_as_one_device(path: str, fast: bool) -> None:
     ax.set_title(f"the same steps: largest parameter difference after {steps} steps {diff:.1e}", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)  # atomically: a failed write leaves no half a PNG
 
 
 # ---------------------------------------------------------------- chapter 2: collectives as schedules
@@ -105,7 +107,7 @@ def bytes_per_device(path: str, fast: bool) -> None:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------- chapter 3: the cost model
@@ -125,7 +127,7 @@ def predicted_time(path: str, fast: bool) -> None:
     ax.set_title("8 devices, alpha 5 us, 20 GB/s links: latency rules small buffers, bandwidth large ones", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------- chapter 4: the DDP ladder
@@ -157,7 +159,7 @@ def ladder(path: str, fast: bool) -> None:
     ax.set_title("forward (blue), backward (orange), allreduce (purple), waiting for it (red), step (green);\n"
                  "| marks when backward handed an allreduce to the communication thread", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------- chapter 6: sharding
@@ -237,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.names if n not in FIGURES]
     if unknown:
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(FIGURES)}")
+    problem = output_problem(args.out, 16 << 20, folder=True)  # before any work, as `manualdp train` checks its outputs
+    if problem:
+        parser.error(f"--out {args.out!r}: {problem}")
     for path in build(args.out, args.fast, args.names):
         print(f"wrote {os.path.relpath(path)}")
     return 0

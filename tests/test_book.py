@@ -51,6 +51,29 @@ def test_the_excerpts_are_the_code():
             assert found, f"{chapter.name}: this excerpt is no longer in manualdp/:\n{block}"
 
 
+@pytest.mark.parametrize("out, words", [
+    ("{tmp}/a-file", "it exists and is not a folder"),
+    ("{tmp}/a-fifo", "it exists and is not a folder"),
+    ("/proc/x", "cannot write in /proc"),
+    ("/sys/manualdp-figures", "cannot write in /sys"),  # a read-only file system (a read-only folder, even for root)
+    ("", "the path is empty"),
+])
+def test_figures_refuse_an_out_folder_they_cannot_write_in_one_line_before_any_work(out, words, tmp_path, capsys):
+    """These were tracebacks naming a .tmp file, after the first figures had been drawn."""
+    import os
+    (tmp_path / "a-file").write_text("mine")
+    os.mkfifo(tmp_path / "a-fifo")
+    out = out.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as info:
+        figures_module().main(["--fast", "--out", out])
+    stdout, err = capsys.readouterr()
+    last = err.strip().splitlines()[-1]
+    assert info.value.code == 2 and stdout == "" and "Traceback" not in err and ".tmp" not in err
+    assert last.startswith(f"python book/figures.py: error: --out {out!r}: ") and words in last
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-fifo", "a-file"]
+    assert (tmp_path / "a-file").read_text() == "mine"
+
+
 def test_every_figure_builds(tmp_path):
     figures = figures_module()
     paths = figures.build(str(tmp_path), fast=True)

@@ -298,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
                        help="always print the chunk tables")
     state.add_argument("--no-state", dest="show_state", action="store_false", help="never print the chunk tables")
     args = parser.parse_args(argv)
+    if args.plot is not None:  # before any work, as `manualdp train --plot`: one line, nothing half-written
+        problem = _plot_problem(args.plot, args.algorithm)
+        if problem:
+            parser.error(problem)
     if args.algorithm == "auto":
         return _main_auto(parser, args)
     if args.algorithm == "zero3":
@@ -317,16 +321,24 @@ def main(argv: list[str] | None = None) -> int:
             args.algorithm, args.devices, args.size, args.alpha, args.beta, args.gamma,
             element_size=args.element_size, show_state=args.show_state, root=args.root,
         )
-        if args.plot:
-            if not args.plot.lower().endswith(".png"):
-                raise ValueError(f"--plot: {args.plot!r} must end in .png")
+        if args.plot is not None:
             plot(args.algorithm, args.devices, args.plot, args.root)
     except ValueError as e:
         parser.error(str(e))
     print(text)
-    if args.plot:
+    if args.plot is not None:
         print(f"wrote {args.plot}")
     return 0
+
+
+def _plot_problem(path: str, algorithm: str) -> str | None:
+    """Why `--plot PATH` cannot be written, in one line (`manualdp.support.files.output_problem`); None if it can."""
+    from ..support.files import output_problem
+
+    if algorithm == "auto":
+        return "--plot is for the schedules and zero3: explain auto prints its pick, it draws nothing"
+    problem = output_problem(path, 4 << 20) or (None if path.lower().endswith(".png") else "it must end in .png")
+    return f"--plot {path!r}: {problem}" if problem else None
 
 
 def _main_zero3(parser, args) -> int:
@@ -339,14 +351,12 @@ def _main_zero3(parser, args) -> int:
             raise ValueError(f"{', '.join(given)}: explain zero3 runs one step of a small MLP, "
                              f"it takes --devices and --plot")
         text = explain_zero3(args.devices)
-        if args.plot:
-            if not args.plot.lower().endswith(".png"):
-                raise ValueError(f"--plot: {args.plot!r} must end in .png")
+        if args.plot is not None:
             plot_zero3(args.devices, args.plot)
     except ValueError as e:
         parser.error(str(e))
     print(text)
-    if args.plot:
+    if args.plot is not None:
         print(f"wrote {args.plot}")
     return 0
 

@@ -252,3 +252,29 @@ def test_explain_auto_predicts_with_the_element_size_it_is_given():
     for a in ALGORITHMS:
         line = next(x for x in text.splitlines() if x.strip().startswith(a + " "))
         assert _us(predicted[a]) in line, line
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "zero3"])
+@pytest.mark.parametrize("plot, words", [
+    ("", "the path is empty"),                      # was: rc 0, no picture, no word
+    ("{tmp}/nonexistent/dir/r.png", "does not exist"),  # was: a traceback naming a .tmp file
+    ("/sys/manualdp-r.png", "cannot write in /sys"),
+    ("{tmp}/folder.png", "is a directory"),
+    ("{tmp}/r.jpg", "must end in .png"),
+])
+def test_a_plot_that_cannot_be_written_is_one_line_before_any_work(algorithm, plot, words, tmp_path, capsys):
+    (tmp_path / "folder.png").mkdir()
+    plot = plot.format(tmp=tmp_path)
+    with pytest.raises(SystemExit) as info:
+        main([algorithm, "--devices", "2", "--plot", plot])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and out == "" and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"manualdp explain: error: --plot {plot!r}: ") and words in last and ".tmp" not in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.png"]
+
+
+def test_explain_auto_refuses_a_plot_it_would_not_draw(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["auto", "--devices", "2", "--plot", str(tmp_path / "a.png")])
+    assert "--plot is for the schedules and zero3" in capsys.readouterr().err and not list(tmp_path.iterdir())
