@@ -5,7 +5,7 @@ import torch
 
 from .cost import check_schedule
 from .schedule import ALGORITHMS, Schedule, chunk_bounds, get_schedule
-from .validate import check_tensors, one_of
+from .validate import check_summable, check_tensors, one_of
 
 __all__ = ["allreduce", "run_schedule"]
 
@@ -48,7 +48,16 @@ def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
 
 
 def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
-    """Run `schedule` on checked `tensors`: every transfer is one slice copied, or added, between devices."""
+    """Run `schedule` on checked `tensors`: every transfer is one slice copied, or added, between devices.
+
+    Two checks stay here, cheap enough for every call: one tensor per device of the schedule, and no
+    bool tensors where it adds (True + True is True to torch, so five Trues would sum to True).
+    """
+    if len(tensors) != schedule.num_devices:
+        raise ValueError(f"schedule {schedule.algorithm!r} is for {schedule.num_devices} devices, "
+                         f"got {len(tensors)} tensors")
+    if tensors[0].dtype == torch.bool and any(t.reduce for rnd in schedule.rounds for t in rnd):
+        check_summable(tensors[0], "tensors[0]")  # refuses it, as allreduce does
     flats = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone() for t in tensors]
     bounds = chunk_bounds(flats[0].numel(), schedule.num_chunks)
     # Slice once per device and chunk: slicing in every transfer costs as much as adding a small chunk.

@@ -128,3 +128,29 @@ def test_run_schedule_refuses_a_schedule_whose_result_would_depend_on_the_order_
     swap = Schedule("swap", 2, 1, ((Transfer(0, 1, 0, True), Transfer(1, 0, 0, True)),), ("x",))
     run_schedule(swap, tensors)  # both add what the other held when the round began
     assert all(torch.equal(t, torch.full((3,), 3.0)) for t in tensors)
+
+
+@pytest.mark.parametrize("algorithm", ALGS)
+@pytest.mark.parametrize("n", [3, 4, 5])
+def test_execute_refuses_bool_where_its_schedule_adds_and_leaves_the_tensors_alone(algorithm, n):
+    """`execute(recursive_doubling(5), five True tensors)` gave True where the sum is 5 (allreduce refuses bool)."""
+    from manualdp.allreduce import execute
+    from manualdp.schedule import get_collective, get_schedule
+    tensors = [torch.tensor([True, False]) for _ in range(n)]
+    with pytest.raises(TypeError, match=r"tensors\[0\] has dtype torch.bool; allreduce sums real numbers"):
+        execute(get_schedule(algorithm, n), tensors)
+    assert all(t.tolist() == [True, False] for t in tensors)
+    copies = [torch.tensor([i == 0, True, i == 2]) for i in range(n)]  # a schedule that only copies takes bool
+    execute(get_collective("broadcast", "tree", n), copies)
+    assert all(t.tolist() == [True, True, False] for t in copies)
+
+
+@pytest.mark.parametrize("given", [0, 3, 5])
+def test_execute_refuses_another_number_of_tensors_than_its_schedule_has_devices(given):
+    """3 tensors for recursive_doubling(4) raised an IndexError."""
+    from manualdp.allreduce import execute
+    from manualdp.schedule import recursive_doubling
+    tensors = [torch.full((4,), float(i)) for i in range(given)]
+    with pytest.raises(ValueError, match=rf"schedule 'recursive_doubling' is for 4 devices, got {given} tensors"):
+        execute(recursive_doubling(4), tensors)
+    assert all(torch.equal(t, torch.full((4,), float(i))) for i, t in enumerate(tensors))
