@@ -80,44 +80,61 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
         measure_again(state, timeout)
 
 
-def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool) -> int:
-    """Check, then run `collective` on this rank; returns this rank's index in `group`."""
+def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool,
+         check: bool) -> int:
+    """Check, then run `collective` on this rank; returns this rank's index in `group`.
+
+    With `check`, the ranks compare their calls (collective, size, dtype, algorithm, root,
+    segment size, call number: `transport.call_check`) before any data is used, as `allreduce`
+    does: on gloo the headers ride beside the first round, whose receives wait in scratch space
+    until the check has passed, so a refused call leaves the tensor unchanged; alone first (a
+    round trip) on NCCL and for an empty tensor.
+    """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
     if sums:
         check_summable(tensor)
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
+    boolean("check", check)
     state = group_state(group)
     int_between("root", root, 0, len(state.peers) - 1)
     schedule = get_collective(collective, algorithm, len(state.peers), root)
-    if len(state.peers) > 1 and tensor.numel():
-        timeout = timeout if timeout is not None else group_timeout(group)
-        after_wrappers(state)
-        run_schedule(tensor, schedule, state, segment_bytes, timeout)
+    if len(state.peers) == 1:
+        return state.rank
+    timeout = timeout if timeout is not None else group_timeout(group)
+    after_wrappers(state)
+    carried = check and state.early and tensor.numel() > 0
+    if check and not carried:
+        same_call(state, tensor, algorithm, segment_bytes, timeout, collective=collective, root=root)
+    if tensor.numel():
+        header = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, schedule=algorithm,
+                             collective=collective, root=root) if carried else None
+        run_schedule(tensor, schedule, state, segment_bytes, timeout, check=header)
     return state.rank
 
 
 def reduce_scatter(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
-                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> torch.Tensor:
+                   segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None,
+                   check: bool = True) -> torch.Tensor:
     """Sum `tensor` over the ranks so that this rank holds the sum of its own chunk; returns that chunk (a view)."""
-    rank = _run("reduce_scatter", tensor, algorithm, group, 0, segment_bytes, timeout, sums=True)
+    rank = _run("reduce_scatter", tensor, algorithm, group, 0, segment_bytes, timeout, sums=True, check=check)
     return chunk(tensor, rank, dist.get_world_size(group))
 
 
 def all_gather(tensor: torch.Tensor, algorithm: str = "ring", group=None, *,
-               segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
+               segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
     """Fill `tensor` with every rank's own chunk, in place: afterwards it is equal on all ranks."""
-    _run("all_gather", tensor, algorithm, group, 0, segment_bytes, timeout, sums=False)
+    _run("all_gather", tensor, algorithm, group, 0, segment_bytes, timeout, sums=False, check=check)
 
 
 def reduce(tensor: torch.Tensor, dst: int = 0, algorithm: str = "tree", group=None, *,
-           segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
+           segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
     """Sum `tensor` over the ranks into group rank `dst`'s copy; the others hold partial sums afterwards."""
-    _run("reduce", tensor, algorithm, group, dst, segment_bytes, timeout, sums=True)
+    _run("reduce", tensor, algorithm, group, dst, segment_bytes, timeout, sums=True, check=check)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "tree", group=None, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None) -> None:
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
     """Copy group rank `src`'s `tensor` into every other rank's, in place."""
-    _run("broadcast", tensor, algorithm, group, src, segment_bytes, timeout, sums=False)
+    _run("broadcast", tensor, algorithm, group, src, segment_bytes, timeout, sums=False, check=check)

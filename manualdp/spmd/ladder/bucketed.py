@@ -15,9 +15,8 @@ import torch
 
 from ...buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
 from ...validate import positive_number
-from ..collectives import allreduce
 from .bucket import Bucket
-from .overlapped import OverlappedDDP
+from .overlapped import OverlappedDDP, wait_all
 
 __all__ = ["BucketedDDP"]
 
@@ -26,13 +25,17 @@ class BucketedDDP(OverlappedDDP):
     """`OverlappedDDP` that sends buckets of gradients of about `bucket_cap_mb` MiB instead of single ones."""
 
     def __init__(self, module, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **kwargs):
+        self.bucket_cap_mb = positive_number("bucket_cap_mb", bucket_cap_mb)  # compared at construction (`settings`)
         super().__init__(module, **kwargs)
-        positive_number("bucket_cap_mb", bucket_cap_mb)
         self.buckets = [Bucket([self.params[i] for i in b]) for b in assign_buckets(self.params, bucket_cap_mb)]
         self.where = {id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)}
         self.next = 0  # the next bucket to start: they start in order
 
+    def settings(self) -> dict:
+        return super().settings() | {"bucket_cap_mb": self.bucket_cap_mb}
+
     def grad_ready(self, p: torch.Tensor) -> None:
+        self.queue_check()
         k, i = self.where[id(p)]
         self.buckets[k].mark_ready(i, p.grad)
         while self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
@@ -40,15 +43,20 @@ class BucketedDDP(OverlappedDDP):
             self.next += 1
 
     def start_bucket(self, bucket: Bucket) -> None:
-        bucket.future = self.worker.submit(allreduce, bucket.flat, self.algorithm, self.group, timeout=self.timeout,
-                                           check=False)
+        bucket.future = self.worker.submit(self.reduce, bucket.flat, self.checked)
 
     def sync_gradients(self, params=None) -> None:
+        self.queue_check()
         for bucket in self.buckets[self.next:]:  # a parameter unused in this step sends its .grad, or zeros
             bucket.fill_missing()
             self.start_bucket(bucket)
-        for bucket in self.buckets:
-            bucket.future.result()
+        self.next, self.checked = 0, None
+        try:
+            wait_all(bucket.future for bucket in self.buckets)
+        except Exception:
+            for bucket in self.buckets:
+                bucket.reset()
+            raise
         for bucket in self.buckets:
             bucket.flat.div_(self.world_size)
             for p, view in zip(bucket.params, bucket.views):
@@ -57,4 +65,3 @@ class BucketedDDP(OverlappedDDP):
                 else:
                     p.grad.copy_(view)
             bucket.reset()
-        self.next = 0

@@ -29,6 +29,7 @@ class FlatDDP(NaiveDDP):
 
     def sync_gradients(self, params: list[torch.Tensor] | None = None) -> None:
         params = self.params if params is None else params
+        self.check_step()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

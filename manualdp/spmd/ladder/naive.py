@@ -11,16 +11,28 @@ How "when backward returns" is arranged is the one new idea of this rung: a hook
 parameter fires once its gradient is accumulated; the first one to fire queues a callback
 that autograd runs after the whole backward pass (torch's DDP and picotron do the same).
 The rungs above change only what the hooks and that callback do.
+
+Ranks agree before data moves. At construction they compare the model (names, shapes,
+dtypes) and the rung's settings (which rung, `algorithm`, rung 4's `bucket_cap_mb`), and a
+module whose parameters another rung already averages is refused. Each step they compare
+the step itself before its first allreduce (`check_step`): a rank that skipped a backward
+pass, or ran one more, or ran another number of forward passes, makes every rank raise,
+naming the rank and the field, instead of averaging gradients of two different steps.
 """
 from __future__ import annotations
+
+import weakref
 
 import torch
 from torch import nn
 
 from ...validate import nn_module, one_of, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
-from ..transport.agree import broadcast_from_rank0, check_same_model
-from ..transport.peers import group_ranks
+from ..transport.agree import agree, broadcast_from_rank0, check_same_model
+from ..transport.call_check import same_call
+from ..transport.group import group_state
+from ..transport.peers import group_ranks, group_timeout
+from ..transport.plan import DEFAULT_SEGMENT_BYTES
 
 __all__ = ["NaiveDDP"]
 
@@ -33,7 +45,9 @@ class NaiveDDP(nn.Module):
         algorithm: the allreduce schedule (`manualdp.schedule`; "auto" lets the cost model pick).
         group: the process group (default: all ranks); timeout: seconds to wait for a peer.
 
-    Every rank must build the same model and use every parameter in every step.
+    Every rank must build the same model with the same arguments, and run the same forward
+    passes (with grad enabled) and backward passes; else every rank raises, naming the field.
+    A parameter unused in a step on some ranks counts as zero there (its `.grad`, if it has one).
     """
 
     def __init__(self, module: nn.Module, *, algorithm: str = "ring", group=None, timeout: float | None = None):
@@ -43,18 +57,52 @@ class NaiveDDP(nn.Module):
         self.group, self.timeout = group, timeout_seconds("timeout", timeout)
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
+        self.state = group_state(group)
         self.params = [p for p in module.parameters() if p.requires_grad]  # frozen ones need no sync
         if not self.params:
             raise ValueError("module has no parameter that requires grad: nothing to average "
                              f"({type(module).__name__})")
-        # the same model on every rank, from rank 0's state: else the messages below would pair up wrong
+        self._refuse_wrapped(module)
+        # the same model and settings on every rank, from rank 0's state: else the messages below would pair up wrong
         check_same_model(module, group, what=f"{type(self).__name__}'s model", timeout=self.timeout)
+        agree(f"{type(self).__name__}'s settings", self.settings(), group, timeout=self.timeout,
+              hint="every rank must construct the same rung with the same arguments")
         broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)
+        self.steps = 0  # forward passes with grad enabled so far: compared at every backward (`check_step`)
         self._queued = False  # whether this backward pass has queued `_end_of_backward`
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        for p in self.params:  # so that a second rung over these parameters is refused (`_refuse_wrapped`)
+            p._manualdp_rung = weakref.ref(self)
+
+    def settings(self) -> dict:
+        """What every rank's rung must agree on at construction, besides the model: the rung and its arguments."""
+        return {"rung": type(self).__name__, "algorithm": self.algorithm}
+
+    def _refuse_wrapped(self, module: nn.Module) -> None:
+        """Refuse a module whose parameters another live rung already averages: each would average them again."""
+        for name, p in module.named_parameters():
+            other = getattr(p, "_manualdp_rung", lambda: None)()
+            if other is not None and any(q is p for q in other.params):
+                raise ValueError(f"rank {self.rank}: {type(self).__name__}: parameter {name} of {type(module).__name__} is already "
+                                 f"averaged by a {type(other).__name__}: wrap a module once, with one rung "
+                                 "(a rung over a rung, or two rungs over one module, would average it twice)")
 
     def forward(self, *args, **kwargs):
+        if torch.is_grad_enabled():
+            self.steps += 1
         return self.module(*args, **kwargs)
+
+    def check_step(self) -> None:
+        """Before a backward pass's first allreduce: every rank is at the same step, or every rank raises.
+
+        One call check (`transport.call_check.same_call`, fixed-size headers, a round trip) of
+        the step's whole size with this rank's count of forward passes: a rank that skipped a
+        backward pass (or ran one more) would otherwise pair its gradients with another step's.
+        """
+        if self.world_size > 1:
+            timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
+            same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
+                      numel=sum(p.numel() for p in self.params), step=self.steps)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Autograd calls this once `p.grad` holds this backward pass's gradient."""
@@ -73,6 +121,7 @@ class NaiveDDP(nn.Module):
 
     def sync_gradients(self) -> None:
         """The end of backward: sum every gradient over the ranks, then divide by their number."""
+        self.check_step()
         for p in self.params:
             if p.grad is None:  # not used in this step on this rank: it adds nothing to the sum
                 p.grad = torch.zeros_like(p)

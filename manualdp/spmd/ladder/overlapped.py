@@ -5,13 +5,19 @@ then communicate while the processor idles; here the allreduce of a finished gra
 on a background thread while backward computes the earlier layers' gradients. At the end of
 backward the callback waits for the allreduces still running, then divides.
 
-Two details:
+Three details:
 - a parameter used twice in one forward pass gets its gradient in two parts, which autograd
   sums before any hook of the parameter fires (once per backward); the post-accumulate hook
   fires after that sum is written into `.grad`, so the gradient it sends is complete;
-- the allreduces of all ranks are paired in the order they are started, so every rank must
-  see its gradients become ready in the same order (the same model and the same graph).
-  A parameter that no hook reported (unused in this step) is sent after backward, by rung 2.
+- the ranks pair their messages by the order they send them, so the allreduces are paired by
+  parameter, not by the order gradients happen to be ready: each rank starts them in one fixed
+  order, the reverse of `module.parameters()` (about the order backward produces them), a
+  parameter only once all those before it have started, as rung 4 starts its buckets. Two
+  same-shaped layers applied in another order on one rank, or a layer used on some ranks
+  only, still average right; a parameter that no hook reported (unused in this step) is sent
+  after backward, its `.grad` or zeros;
+- before the first allreduce of a backward pass the step's check (`NaiveDDP.check_step`) is
+  queued on the same thread, so it runs while backward computes.
 """
 from __future__ import annotations
 
@@ -32,23 +38,54 @@ class OverlappedDDP(FlatDDP):
     def __init__(self, module, **kwargs):
         super().__init__(module, **kwargs)
         self.worker = group_worker(self.group)
+        self.order = self.params[::-1]  # the order every rank starts its allreduces in
+        self.slot = {id(p): i for i, p in enumerate(self.order)}
+        self.ready = [False] * len(self.order)  # whose gradient this backward pass has produced
+        self.next = 0  # the next parameter of `order` to start: they start in order
+        self.checked: concurrent.futures.Future | None = None  # this backward pass's step check, on the worker
         self.running: list[tuple[torch.Tensor, concurrent.futures.Future]] = []  # started this backward
 
+    def queue_check(self) -> None:
+        """The first gradient of a backward pass: queue the step's check ahead of its allreduces."""
+        if self.checked is None:
+            self.checked = self.worker.submit(self.check_step)
+
     def grad_ready(self, p: torch.Tensor) -> None:
-        self.start(p)
+        self.queue_check()
+        self.ready[self.slot[id(p)]] = True
+        while self.next < len(self.order) and self.ready[self.next]:
+            self.start(self.order[self.next])
+            self.next += 1
 
     def start(self, p: torch.Tensor) -> None:
         """Send `p.grad` now; autograd will not touch it again in this backward pass."""
-        self.running.append((p, self.worker.submit(allreduce, p.grad, self.algorithm, self.group,
-                                                   timeout=self.timeout, check=False)))
+        self.running.append((p, self.worker.submit(self.reduce, p.grad, self.checked)))
+
+    def reduce(self, tensor: torch.Tensor, checked: concurrent.futures.Future) -> None:
+        """On the worker: sum `tensor` over the ranks, once this step's check has passed (it ran just before)."""
+        checked.result()  # raises on every rank if the ranks are at different steps: nothing is sent
+        allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)
 
     def sync_gradients(self, params=None) -> None:
+        self.queue_check()
+        for p in self.order[self.next:]:  # unused in this step on this rank: its .grad, or zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.start(p)
         running, self.running = self.running, []
-        for _, future in running:
-            future.result()  # raises the allreduce's error (a PeerError naming a silent rank)
-        started = {id(p) for p, _ in running}
+        self.ready, self.next, self.checked = [False] * len(self.order), 0, None
+        wait_all(future for _, future in running)  # raises the first error (a PeerError naming a silent rank)
         for p, _ in running:
             p.grad.div_(self.world_size)
-        missed = [p for p in self.params if id(p) not in started]
-        if missed:
-            super().sync_gradients(missed)
+
+
+def wait_all(futures) -> None:
+    """Wait for every future, then raise the first one's error: nothing of this step still runs afterwards."""
+    error = None
+    for future in futures:
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001 - raised below, once all are done
+            error = error or e
+    if error is not None:
+        raise error

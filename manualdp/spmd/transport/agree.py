@@ -26,7 +26,7 @@ from ...buckets import flatten, unflatten_
 from .call_check import differs, same_call
 from .group import after_wrappers, group_state
 from .p2p import run_allreduce
-from .peers import group_timeout, talking_to, wait
+from .peers import group_timeout, refused_alike, talking_to, wait
 from .plan import DEFAULT_SEGMENT_BYTES
 
 __all__ = ["ANY", "agree", "check_same_model", "broadcast_from_rank0"]
@@ -91,7 +91,8 @@ def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must p
     listed = "; ".join(differ[:SHOWN_FIELDS]) + (f"; and {more} more field{'s' * (more > 1)}" if more > 0 else "")
     extra = "".join(f"; {field} (per rank: {', '.join(theirs.get(field, 'none') for _, theirs in everyone)})"
                     for field in dict.fromkeys(k for _, theirs in everyone for k in theirs))
-    raise error(f"rank {state.rank}: {what} differs across ranks: {listed}{extra}; {hint}")
+    # every rank raises this, and nothing is in flight: the group's worker may go on (`peers.refused_alike`)
+    raise refused_alike(error(f"rank {state.rank}: {what} differs across ranks: {listed}{extra}; {hint}"))
 
 
 def _full(value) -> str:

@@ -1,7 +1,7 @@
-"""The call check: ranks that call an allreduce differently all raise, naming who had what.
+"""The call check: ranks that call a collective differently all raise, naming who had what.
 
 Every rank's fingerprint of its call (size, dtype, algorithm, segment size, call number, the
-schedule it runs) goes to every rank in fixed-size header messages (`everyone_hears_everyone`:
+schedule it runs, which collective and its root, the caller's step) goes to every rank in fixed-size header messages (`everyone_hears_everyone`:
 at two ranks one each way at once). Headers of fixed size pair safely whatever the calls: a
 receive posted for another size than its send makes gloo abort, so only they may be exchanged
 before the ranks know they agree. Then every rank compares the same table and raises, or not,
@@ -30,19 +30,21 @@ from array import array
 import torch
 import torch.distributed as dist
 
-from ...schedule import ALGORITHMS, Schedule, Transfer
+from ...schedule import ALGORITHMS, COLLECTIVES, Schedule, Transfer, get_collective
 from .group import GroupState, group_state
 from .p2p import exchange, plan, schedule_of
-from .peers import peer_error
+from .peers import peer_error, refused_alike
 
 __all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone", "differs"]
 
 HEADER_TAG = 2 ** 31 - 1  # the headers' tag; unchecked data goes on tag 0, checked data on `HeaderCheck.tag`
-_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule")  # compared, named in the error
+# compared, named in the error; "step" is a wrapper's count of its steps (-1: a call on its own)
+_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule", "collective", "root", "step")
 _SIZE, _FLAG = len(_FIELDS), len(_FIELDS) + 1  # then the element size (compared), and the flag (not compared)
 _DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
                   torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64), key=str)
-_NAMES = sorted((*ALGORITHMS, "auto"))
+_NAMES = sorted((*ALGORITHMS, "auto"))  # every collective's algorithms are allreduce's or among them
+_COLLECTIVES = sorted(COLLECTIVES)
 
 
 @functools.lru_cache(maxsize=64)
@@ -63,7 +65,7 @@ def everyone_hears_everyone(n: int) -> Schedule:
 
 
 def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
-                    numel: int | None = None, flag: bool = False) -> bool:
+                    numel: int | None = None, flag: bool = False, step: int = -1) -> bool:
     """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm, segment size, call number.
 
     The check alone, before any data moves. Returns whether any rank raised `flag`, a bit that
@@ -73,15 +75,19 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     `numel` (default `tensor.numel()`): the size to compare, for a caller that checks a whole
     sequence of calls at once (`DistributedDataParallel`: all of a step's buckets). The call
     number counts this group's checked calls: a rank that is a call ahead, or that lost one to
-    an error the others did not see, is found even when the sizes happen to agree.
+    an error the others did not see, is found even when the sizes happen to agree. `step`: the
+    caller's own count of its steps (a ladder rung's forward passes), compared too: a rank that
+    skipped a backward pass, or ran one more, meets its peers' check of another step.
     """
-    return same_call(group_state(group), tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag)
+    return same_call(group_state(group), tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag, step=step)
 
 
 def same_call(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, timeout: float | None, *,
-              numel: int | None = None, flag: bool = False) -> bool:
-    """`check_same_call` on the group whose state is `state`."""
-    check = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag)
+              numel: int | None = None, flag: bool = False, collective: str = "allreduce", root: int = 0,
+              step: int = -1) -> bool:
+    """`check_same_call` on the group whose state is `state` (of `collective`, rooted at group rank `root`)."""
+    check = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag,
+                        collective=collective, root=root, step=step)
     check.start()
     check()
     return check.flagged
@@ -93,6 +99,8 @@ class HeaderCheck:
     `schedule` (default None: the check alone): the algorithm this rank runs; the executor
     (`manualdp.spmd.transport.p2p.run_schedule`'s `check`) posts its first round on `self.tag`, between
     `start()` and `check()`. Afterwards `flagged` says whether any rank raised `flag`.
+    `collective` and `root` say which of `manualdp.schedule.COLLECTIVES` it is; `step` is the
+    caller's step count (-1: none), all compared.
 
     On gloo the receives of the next call's headers are posted as soon as this call's have
     arrived (they are of fixed size, on a tag of their own), and kept in the group's state:
@@ -102,11 +110,13 @@ class HeaderCheck:
 
     def __init__(self, state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int,
                  timeout: float | None, *, numel: int | None = None, flag: bool = False,
-                 schedule: str | None = None) -> None:
+                 schedule: str | None = None, collective: str = "allreduce", root: int = 0, step: int = -1) -> None:
         state.calls += 1
         dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
         self.row = [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes,
-                    state.calls, -1 if schedule is None else _NAMES.index(schedule), tensor.element_size(), int(flag)]
+                    state.calls, -1 if schedule is None else _NAMES.index(schedule), _COLLECTIVES.index(collective),
+                    root, step, tensor.element_size(), int(flag)]
+        self.collective = collective
         self.state, self.timeout, self.device = state, timeout, tensor.device
         self.deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
         self.tag = _tag(self.row)
@@ -158,10 +168,10 @@ class HeaderCheck:
         if all(row[:_FLAG] == self.row[:_FLAG] for row in rows):
             self.flagged = any(row[_FLAG] for row in rows)
             return
-        self._settle(rows)
-        raise ValueError(f"rank {dist.get_rank()}: allreduce called differently across ranks: {_differences(rows)}; "
-                         "the ranks are out of step (one ran out of batches or skipped a step) or were given other "
-                         "arguments")
+        self._settle(rows)  # then nothing of this call is in flight: every rank raises alike (`peers.refused_alike`)
+        raise refused_alike(ValueError(f"rank {dist.get_rank()}: {self.collective} called differently across ranks: "
+                                       f"{_differences(rows)}; the ranks are out of step (one ran out of batches "
+                                       "or skipped a step) or were given other arguments"))
 
     def _wait(self, work) -> None:
         work.wait() if self.deadline is None else work.wait(self.deadline)
@@ -179,7 +189,7 @@ class HeaderCheck:
             if p == me or row[:_FLAG] == self.row[:_FLAG] or row[5] < 0:
                 continue
             numel, segment_bytes, element_size, tag = row[0], row[3], row[_SIZE], _tag(row)
-            first = plan(schedule_of(_NAMES[row[5]], len(rows)), p, numel, max(1, segment_bytes // element_size))[0]
+            first = plan(_schedule(row, len(rows)), p, numel, max(1, segment_bytes // element_size))[0]
             for m in first.sends:
                 if m.peer == me:
                     works.append((state.peers[p],
@@ -193,6 +203,12 @@ class HeaderCheck:
                 self._wait(work)
             except RuntimeError as e:
                 raise peer_error(e, peer, self.timeout) from e
+
+
+def _schedule(row: list[int], n: int) -> Schedule:
+    """The schedule a rank whose fingerprint is `row` runs, on `n` ranks."""
+    collective, algorithm = _COLLECTIVES[row[6]], _NAMES[row[5]]
+    return schedule_of(algorithm, n) if collective == "allreduce" else get_collective(collective, algorithm, n, row[7])
 
 
 def _post_receives(state: GroupState, width: int):
@@ -231,7 +247,8 @@ def differs(field: str, values: list[str], wildcard: str | None = None) -> str:
 
 def _differences(rows: list[list[int]]) -> str:
     names = {"dtype": lambda v: str(_DTYPES[v]).replace("torch.", "") if v < len(_DTYPES) else "other",
-             "algorithm": lambda v: _NAMES[v], "schedule": lambda v: _NAMES[v] if v >= 0 else "none"}
+             "algorithm": lambda v: _NAMES[v], "schedule": lambda v: _NAMES[v] if v >= 0 else "none",
+             "collective": lambda v: _COLLECTIVES[v], "step": lambda v: str(v) if v >= 0 else "none"}
     differ = []
     for i, field in enumerate(_FIELDS):
         values = [names.get(field, str)(row[i]) for row in rows]

@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .peers import SerialWorker, group_ranks
+from .peers import SerialWorker, group_ranks, is_refused_alike
 
 __all__ = ["GroupState", "group_state", "group_worker", "InlineWorker", "Traffic"]
 
@@ -50,7 +50,8 @@ class InlineWorker:
     """A `SerialWorker` without a thread, for a group of one rank: each call runs at once, in the caller's thread.
 
     Nothing is sent at world size 1, so a thread would only add a hand-off per call. As on
-    the thread, after a call fails every later one fails with the same error.
+    the thread, after a call fails every later one fails with the same error (unless every rank
+    refused it alike, `peers.refused_alike`).
     """
 
     def __init__(self) -> None:
@@ -64,7 +65,7 @@ class InlineWorker:
         try:
             future.set_result(fn(*args, **kwargs))
         except BaseException as e:  # handed to whoever waits on the future, as the thread does
-            self._failed = e
+            self._failed = None if is_refused_alike(e) else e
             future.set_exception(e)
         return future
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ...schedule import ALGORITHMS, Schedule
 from .group import GroupState, Traffic, group_state
 from .peers import PeerError, peer_error, talking_to, wait
-from .plan import DEFAULT_SEGMENT_BYTES, Message, Round, overlaps, plan
+from .plan import DEFAULT_SEGMENT_BYTES, Message, Round, plan
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "Message", "Round", "plan", "run_allreduce", "run_schedule", "schedule_of",
            "exchange", "Traffic", "traffic"]
@@ -46,12 +46,12 @@ def _scratch(state: GroupState, numel: int, like: torch.Tensor) -> torch.Tensor:
     return buf[:numel]
 
 
-def _targets(flat: torch.Tensor, rnd: Round, scratch: torch.Tensor) -> list[torch.Tensor]:
+def _targets(flat: torch.Tensor, rnd: Round, scratch: torch.Tensor, held: bool = False) -> list[torch.Tensor]:
     """Where each receive of `rnd` lands: scratch space for reductions (on flat's device), flat itself
-    for overwrites."""
+    for overwrites; with `held`, overwrites land in scratch too, copied in once the call check has passed."""
     out, at = [], 0
     for m in rnd.recvs:
-        if m.reduce:
+        if m.reduce or held:
             out.append(scratch[at:at + m.hi - m.lo])
             at += m.hi - m.lo
         else:
@@ -71,9 +71,11 @@ def _keep_until_next_call(state: GroupState, works: list) -> None:
     state.local.works = works
 
 
-def _add(flat: torch.Tensor, m: Message, buf: torch.Tensor) -> None:
+def _add(flat: torch.Tensor, m: Message, buf: torch.Tensor, held: bool = False) -> None:
     if m.reduce:  # in schedule order, so the sum is the single controller's, bit for bit
         flat[m.lo:m.hi].add_(buf)
+    elif held:  # an overwrite held in scratch space until the call check passed
+        flat[m.lo:m.hi].copy_(buf)
 
 
 # ---------------------------------------------------------------- gloo: receives posted a round early
@@ -95,6 +97,8 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
     first round's receives are posted, and is called once its sends are, before anything of
     it is used or the next round is posted: when it raises ValueError (the ranks called
     differently), the first round is waited for (the peers complete it) and the error raised.
+    Meanwhile that round's receives all land in scratch space, overwrites too (an all-gather's,
+    a broadcast's), so a refused call leaves the tensor unchanged.
     """
     pg, peers = state.pg(), state.peers
     deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
@@ -108,7 +112,7 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
 
     def post(i: int) -> list:
         nonlocal peer
-        bufs = _targets(flat, rounds[i], scratch[i % 2])
+        bufs = _targets(flat, rounds[i], scratch[i % 2], held=i == 0 and check is not None)
         out = []
         for m, b in zip(rounds[i].recvs, bufs):
             peer = peers[m.peer]
@@ -142,7 +146,7 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
                     gone += 1
                 peer = peers[m.peer]
                 wait_for(work)
-                _add(flat, m, buf)
+                _add(flat, m, buf, held=i == 0 and check is not None)
             for peer, work in sends[gone:]:
                 wait_for(work)
             spent += [w for *_, w in pending] + [w for _, w in sends]
@@ -218,11 +222,13 @@ def run_schedule(tensor: torch.Tensor, schedule: Schedule, state: GroupState, se
     """
     rounds = plan(schedule, state.rank, tensor.numel(), max(1, segment_bytes // tensor.element_size()))
     early = state.early if early is None else early
-    if check is not None and not (early and overlaps(rounds)):
-        raise RuntimeError("a call check carried with the data needs gloo's early receives and a first round of "
-                           "reductions (`manualdp.spmd.transport.plan.overlaps`); run it alone first")
+    if check is not None and not (early and rounds):
+        raise RuntimeError("a call check carried with the data needs gloo's early receives and a round to carry it; "
+                           "run it alone first")
     state.traffic.add(tensor.dtype, sum(m.hi - m.lo for r in rounds for m in r.sends) * tensor.element_size())
     width = max((r.scratch for r in rounds), default=0)
+    if check is not None:  # the first round's receives all wait in scratch space for the check
+        width = max(width, sum(m.hi - m.lo for m in rounds[0].recvs))
     space = _scratch(state, 2 * width, tensor)
     scratch = (space[:width], space[width:])  # rounds alternate halves: a round's receives may be posted early
     with torch.no_grad():

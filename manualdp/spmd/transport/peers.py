@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DEFAULT_TIMEOUT", "PeerError", "group_ranks", "group_timeout", "wait", "talking_to", "peer_error",
-           "SerialWorker"]
+           "SerialWorker", "refused_alike", "is_refused_alike"]
 
 DEFAULT_TIMEOUT = 300.0  # seconds; gloo's own default is 30 minutes of silence
 
@@ -130,6 +130,22 @@ def wait(work, peer: int | None, timeout: float | None) -> None:
             work.wait(datetime.timedelta(seconds=timeout))
 
 
+def refused_alike(error: BaseException) -> BaseException:
+    """Mark `error` as a refusal that every rank raised alike, after an exchange that left nothing in flight.
+
+    Ranks that compared what they were about to do (`agree.agree`, the call check) and found a
+    difference all raise before any data moves: the group still pairs its messages, so its
+    worker goes on serving later calls (`SerialWorker`) instead of failing them for good.
+    """
+    error.refused_alike = True
+    return error
+
+
+def is_refused_alike(error: BaseException) -> bool:
+    """Whether `error` was marked by `refused_alike`."""
+    return getattr(error, "refused_alike", False) is True
+
+
 class SerialWorker:
     """One daemon thread that runs submitted calls in order and hands back futures.
 
@@ -139,7 +155,9 @@ class SerialWorker:
     back; but one that comes back from C++ while Python finalizes aborts the process
     ("terminate called without an active exception"), so at exit `_drain` lets running calls
     finish for up to `EXIT_GRACE` seconds and starts no new ones. After a call fails, every
-    later one fails at once with the same error: the ranks are out of step for good.
+    later one fails at once with the same error: the ranks are out of step for good. Not after a
+    call that every rank refused alike before any data moved (`refused_alike`): the group is
+    well, and the next call runs.
     """
 
     def __init__(self, name: str, initializer=None) -> None:
@@ -226,7 +244,7 @@ def _run(job, failed: BaseException | None) -> BaseException | None:
         future.set_result(fn(*args, **kwargs))
     except BaseException as e:  # handed to whoever waits on the future
         future.set_exception(e)
-        return e
+        return None if is_refused_alike(e) else e
     finally:
         with _state:
             _running -= 1

@@ -292,13 +292,11 @@ def test_any_on_one_rank_and_the_field_missing_on_another_is_one_clear_answer(n)
     assert all(out["any vs missing"][0] == "ok" or out["any vs missing"][1] == "ValueError" for out in res), res
 
 
-@pytest.mark.xfail(strict=True, reason="the hook check failed the group's worker: fully_shard re-raises its error")
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_refused_comm_hook_leaves_the_group_usable_for_a_call_that_agrees(n):
     _accepted(_results(n), "fsdp after a refused hook")
 
 
-@pytest.mark.xfail(strict=True, reason="the rungs compare the model only: the first backward aborts in gloo")
 @pytest.mark.parametrize("n", [2, 3])
 def test_ladder_rungs_refuse_another_algorithm_or_bucket_size(n):
     for name in ("NaiveDDP algorithm", "FlatDDP algorithm", "OverlappedDDP algorithm", "BucketedDDP algorithm",

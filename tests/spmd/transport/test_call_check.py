@@ -97,14 +97,15 @@ def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_siz
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 1 << 40), min_size=8, max_size=8), st.integers(0, 6), st.integers(1, 1 << 40))
+@given(st.lists(st.integers(0, 1 << 40), min_size=11, max_size=11), st.integers(0, 9), st.integers(1, 1 << 40))
 def test_a_calls_data_tag_is_above_the_tags_people_pick_and_changes_with_every_compared_field(row, field, delta):
-    from manualdp.spmd.transport.call_check import HEADER_TAG, _tag
+    from manualdp.spmd.transport.call_check import _FLAG, HEADER_TAG, _tag
+    assert _FLAG == 10  # nine compared fields, the element size, then the flag
     other = list(row)
     other[field] += delta
     for r in (row, other):
         assert 2 ** 30 <= _tag(r) < HEADER_TAG < 2 ** 31  # a C int, above 0 (unchecked data) and below the headers'
-    flagged = row[:7] + [1 - row[7] % 2]
+    flagged = row[:10] + [1 - row[10] % 2]
     assert _tag(flagged) == _tag(row)  # the flag rides along uncompared
     assert _tag(other) != _tag(row)  # distinct calls share a tag with odds 2**-30
 
