@@ -3,7 +3,7 @@
 Every file is written atomically and carries a SHA-256 of its contents, and the state holds
 the run's identity (its configuration and a run id made at the first start). On resume the
 newest checkpoint that is intact and fits the model wins; a damaged one is skipped with a
-warning. A lock file keeps a second run out of a folder in use.
+warning. A lock file, flock'd while a run lives, keeps a second run out of a folder in use.
 """
 from __future__ import annotations
 
@@ -197,57 +197,53 @@ def lock_path(directory: str) -> str:
 def lock_checkpoint_dir(directory: str):
     """Take `directory`'s lock file, or raise if a live run holds it; return a function that releases it.
 
-    A lock whose process is gone (same host, pid not running, or a zombie) is stale: it is taken
-    over with a warning, so a killed run never blocks its own resume. The lock appears with its
-    contents at once (a hard link to a file already written), and a stale one is removed only by
-    the process holding `flock` on it, so of several processes taking one stale lock, one wins.
+    The lock is an `flock` held on the file for as long as the run lives: taking it is one atomic
+    call of the kernel, of several processes exactly one gets it, and the kernel lets go of it when
+    its process dies, however it dies. The file names its process, for the message. A file with no
+    `flock` on it is a killed run's (same host, pid not running, or a zombie): it is taken over with a
+    warning, so a killed run never blocks its own resume. (One that names a live process, written by
+    hand or by an older manualdp, is left alone.)
     """
     os.makedirs(directory, exist_ok=True)
     lock = lock_path(directory)
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "token": uuid.uuid4().hex}
-    mine = f"{lock}.{me['token']}.tmp"
-    with open(mine, "w") as f:
-        json.dump(me, f)
-    try:
-        for _ in range(10):
-            try:
-                os.link(mine, lock)  # fails if the lock exists: exactly one process creates it
-            except FileExistsError:
-                owner = _read_lock(lock)
-                if owner is not None and _alive(owner):
-                    raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by process {owner.get('pid')} "
-                                     f"on {owner.get('host')}; wait for it, "
-                                     f"or delete {lock} if that run is gone") from None
-                _remove_if_stale(lock)
-                continue
-
-            def release():
-                if _read_lock(lock) == me:
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(lock)
-            return release
-    finally:
-        os.remove(mine)
-    raise ValueError(f"could not take the lock {lock}: another run keeps taking it")
-
-
-def _remove_if_stale(lock: str) -> None:
-    """Remove `lock` if it still is a dead run's, holding `flock` on it so that one process decides."""
-    try:
-        fd = os.open(lock, os.O_RDONLY)
-    except FileNotFoundError:
-        return  # another process removed it first
-    with os.fdopen(fd) as f:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # released when f closes
+    for _ in range(10):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            owner = _read_lock(lock)  # (it may still name the stale run that the holder is taking over from)
+            who = f"process {owner.get('pid')} on {owner.get('host')}" if owner and _alive(owner) else "another run"
+            raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by {who}; wait for it, "
+                             f"or delete {lock} if that run is gone") from None
         try:
             if os.stat(lock).st_ino != os.fstat(fd).st_ino:
-                return  # removed, and maybe taken, while we waited: look again
+                raise FileNotFoundError(lock)  # its holder let go of it and removed it while we opened it
         except FileNotFoundError:
-            return
+            os.close(fd)
+            continue
         owner = _read_lock(lock)
-        if owner is None or not _alive(owner):
+        if owner is not None and _alive(owner):  # no flock, but a live process's name: not ours to take
+            os.close(fd)
+            raise ValueError(f"checkpoint_dir {os.fspath(directory)!r} is in use by process {owner.get('pid')} "
+                             f"on {owner.get('host')}; wait for it, or delete {lock} if that run is gone")
+        if os.fstat(fd).st_size:
             warnings.warn(f"taking over the stale lock {lock} of a run that is gone ({owner})")
-            os.remove(lock)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(me).encode(), 0)
+
+        held = [fd]
+
+        def release():
+            if held:  # once: a second call does nothing
+                fd = held.pop()
+                with contextlib.suppress(FileNotFoundError):
+                    if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                        os.remove(lock)  # before letting go: whoever takes the file after us finds it gone
+                os.close(fd)
+        return release
+    raise ValueError(f"could not take the lock {lock}: another run keeps taking it")
 
 
 def _read_lock(lock: str) -> dict | None:

@@ -153,3 +153,68 @@ def test_a_stale_lock_removed_by_another_process_while_we_wait_for_it_is_looked_
         assert json.load(f)["pid"] == os.getpid()
     release()
     assert not os.path.exists(lock_path(folder))
+
+
+# ---------------------------------------------------------------- taking a stale lock is atomic (issue 35)
+
+def _take_and_hold(folder, barrier, took, trials):
+    """Per trial: race for a stale lock; then, while the parent rewrites the held lock to name a dead run, the
+    loser tries again; then the winner lets go."""
+    warnings.simplefilter("ignore")
+    me = int(mp.current_process().name.rsplit("-", 1)[-1]) % 2
+    for trial in range(trials):
+        barrier.wait()  # the parent has written a stale lock
+        try:
+            release = lock_checkpoint_dir(folder)
+        except ValueError as e:
+            assert "in use" in str(e), e
+            release = None
+        took[2 * trial + me] = release is not None
+        barrier.wait()  # both have tried; the parent rewrites the winner's lock in place, naming a dead run
+        barrier.wait()
+        if release is None:
+            try:
+                lock_checkpoint_dir(folder)()
+                took[2 * trial + me] = 2  # took a lock that a live run holds
+            except ValueError as e:
+                assert "in use" in str(e), e
+        barrier.wait()
+        if release is not None:
+            release()
+        barrier.wait()  # the winner has let go
+
+
+def test_two_processes_taking_a_stale_lock_50_times_one_wins_and_keeps_it_whatever_the_file_says(tmp_path):
+    """Exactly one wins each race; and the winner keeps the lock though its file is rewritten to name a dead
+    run (by a user, a stale copy, a harness): the `flock` it holds, not the file's words, says it lives. (Taking
+    over by the file's words alone, a second process took a held lock.)"""
+    procs, trials = 2, 50
+    folder = str(tmp_path / "ckpt")
+    ctx = mp.get_context("fork")  # the children touch files only; fork keeps the test fast
+    barrier, took = ctx.Barrier(procs + 1, timeout=60), ctx.Array("i", procs * trials)
+    workers = [ctx.Process(target=_take_and_hold, args=(folder, barrier, took, trials), name=f"racer-{k}")
+               for k in range(procs)]
+    for w in workers:
+        w.start()
+    stale = json.dumps({"pid": DEAD_PID, "host": socket.gethostname()})
+    try:
+        for _ in range(trials):
+            with open(lock_path(folder), "w") as f:
+                f.write(stale)
+            barrier.wait()
+            barrier.wait()
+            with open(lock_path(folder), "r+") as f:  # in place: the same file, now naming a dead run
+                f.truncate()
+                f.write(stale)
+            barrier.wait()
+            barrier.wait()
+            barrier.wait()
+            assert not os.path.exists(lock_path(folder))
+    finally:
+        for w in workers:
+            w.join(timeout=60)
+            if w.is_alive():
+                w.kill()
+    assert [w.exitcode for w in workers] == [0] * procs
+    wins = [took[2 * t] + took[2 * t + 1] for t in range(trials)]
+    assert wins == [1] * trials, f"trials where a held lock was taken again, or not one process won: {wins}"
