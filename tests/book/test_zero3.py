@@ -345,3 +345,28 @@ def test_an_optimizer_that_needs_a_closure_is_refused_in_one_line_and_the_replic
         Zero3(replicas, make, lr=0.1)
     out = replicas[1](torch.randn(3, 6, dtype=torch.float64))  # no unit hook was left on them
     assert torch.isfinite(out).all()
+
+
+class _OneBadElement(nn.Module):
+    """A root parameter whose last element gets an Inf gradient (d sqrt(x)/dx at 0): only the last device's chunk
+    of the root unit holds it; every other gradient is finite."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(6, 4)
+        self.extra = nn.Parameter(torch.zeros(6, dtype=torch.float64))
+
+    def forward(self, x):
+        return self.lin(x) + torch.sqrt(self.extra[5:]) + self.extra[:5].sum()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_non_finite_gradient_in_one_devices_chunk_only_stops_the_step(n):
+    zero = Zero3(replicate(_OneBadElement().double(), cpu_devices(n)), OPTIMIZERS["sgd"])
+    before = [p.clone() for p in zero.full_parameters()]
+    X, y = _batches(6, steps=1, classes=4)[0]
+    from manualdp.guard import NonFiniteGradientError
+    with pytest.raises(NonFiniteGradientError, match="parameter 'extra'"):
+        zero.train_batch(X, y)
+    assert all(torch.equal(a, b) for a, b in zip(zero.full_parameters(), before))
