@@ -1,0 +1,32 @@
+"""Fault tolerance: data parallelism that trains on through a replica that dies, and takes it back in.
+
+Each replica is a process of its own (one device), started on its own, and the replicas
+meet in a store that one more process, the coordinator, hosts. Once per step they agree on
+who is in (the quorum), re-form their process group when that changes, average the
+gradients with the book's schedules, and apply the step on all members or on none. A
+replica that dies costs the others the step it interrupted; one that comes back receives
+the state of a member at the highest step and trains on. torchft does this for torch; here
+every piece is a short file, in reading order:
+
+- `coordinator.py`: `Coordinator`, the process that hosts the store (a `TCPStore`); `connect`;
+- `heartbeat.py`: who is alive: a counter each replica moves, watched on each observer's clock;
+- `quorum.py`: once per step, the live replicas agree on the members, the step and the group;
+- `group.py`: the quorum's gloo process group, re-formed when the members change;
+- `commit.py`: every member votes; the first outcome written to the store is everyone's;
+- `recovery.py`: who sends the state to whom, and the state through the store, checksummed;
+- `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;
+- `ddp.py`: `FaultTolerantDDP`: `start_step()`, backward, `step()` returns whether it committed;
+- `local_sgd.py`: `LocalSGD` and `DiLoCo`: H steps alone, then the replicas meet.
+
+This room stands on `transport/` (deadlines, `PeerError`), the collectives and the ladder's
+flat buffers; nothing else in the engine imports it.
+"""
+from .coordinator import Coordinator
+from .quorum import Member, Quorum
+from .recovery import RecoveryError, plan_recovery
+from .manager import Manager
+from .ddp import FaultTolerantDDP
+from .local_sgd import DiLoCo, LocalSGD
+
+__all__ = ["Coordinator", "Manager", "Member", "Quorum", "RecoveryError", "plan_recovery",
+           "FaultTolerantDDP", "LocalSGD", "DiLoCo"]

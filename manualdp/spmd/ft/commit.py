@@ -1,0 +1,53 @@
+"""Commit or discard: after its allreduce, a step is applied on every member or on none.
+
+Each member writes its vote for the round, `round/r/vote/ID`: "1" if its allreduce went
+through, "0" if it failed (a `PeerError`, a gloo error: a member died or hung). Then any
+member may propose the round's outcome (`outcome_of`, a pure function):
+- "discard" as soon as one vote is "0", or a member whose vote is missing has stopped
+  heartbeating, or the votes have not all come within `timeout`;
+- "commit" once every member's vote is "1".
+The proposal goes in with `compare_set`, which keeps the first one written, and every member
+applies what the store holds, not what it proposed: the members decide from the same data.
+No vote once counted changes, and "commit" needs all of them, so a member that saw its own
+step fail can never find it committed.
+"""
+from __future__ import annotations
+
+import time
+
+import torch.distributed as dist
+
+from .heartbeat import Liveness
+from .quorum import POLL, Quorum
+
+__all__ = ["outcome_of", "commit_or_discard"]
+
+
+def outcome_of(votes: dict[str, bool | None], alive: set[str], timed_out: bool) -> str | None:
+    """The outcome a member proposes from the votes it sees (None: not cast yet), or None while it must wait."""
+    if any(v is False for v in votes.values()):
+        return "discard"
+    if all(v is True for v in votes.values()):
+        return "commit"
+    missing = {m for m, v in votes.items() if v is None}
+    if timed_out or not missing <= alive:
+        return "discard"
+    return None
+
+
+def commit_or_discard(store: dist.Store, quorum: Quorum, replica_id: str, ok: bool, liveness: Liveness,
+                      timeout: float) -> bool:
+    """Vote `ok` for `quorum`'s step, then return whether every member commits it (the same answer on all)."""
+    prefix = f"round/{quorum.round}"
+    store.set(f"{prefix}/vote/{replica_id}", "1" if ok else "0")
+    deadline = time.monotonic() + timeout
+    while True:
+        if store.check([f"{prefix}/outcome"]):
+            return store.get(f"{prefix}/outcome") == b"commit"
+        votes = {m: (store.get(f"{prefix}/vote/{m}") == b"1" if store.check([f"{prefix}/vote/{m}"]) else None)
+                 for m in quorum.ids}
+        proposal = outcome_of(votes, liveness.live(quorum.ids), time.monotonic() > deadline)
+        if proposal is not None:
+            store.compare_set(f"{prefix}/outcome", "", proposal)  # the first proposal written is the outcome
+            continue
+        time.sleep(POLL)

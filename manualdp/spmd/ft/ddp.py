@@ -1,0 +1,83 @@
+"""`FaultTolerantDDP`: data parallelism whose steps survive a replica that dies, used as the drop-in is.
+
+    ft = FaultTolerantDDP(model, optimizer, manager)
+    while manager.step < steps:
+        ft.start_step()                               # the quorum; the state, if this replica is behind
+        X, y = my_shard(batch(ft.batch_index))        # the same batch again after a discarded step
+        loss_fn(ft(X), y).backward()                  # the loss of my shard, averaged over my shard
+        committed = ft.step()                         # averaged gradients, then every member steps, or none
+
+`step()` averages the gradients over the quorum's members (one flat allreduce per dtype, as
+rung 2 of the ladder, on the book's schedules), asks the members whether to commit, and runs
+the optimizer only if they all can. It returns True when the step was applied, False when
+it was discarded (a member failed: nothing changed, and the same batch is taken again); it
+leaves no gradients behind either way. A replica that joins receives the model's and the
+optimizer's state from a member at the highest step before its first step.
+
+The math when a member leaves: the gradient of a step is the mean of its members' shard
+gradients, (1/|M|) sum over i in M of g_i. With equal shards that is the gradient of the mean
+loss over the members' part of the global batch: the dead member's shard is simply not in
+this step's batch, an unbiased step on a smaller batch, with a little more noise.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...buckets import flatten, unflatten_
+from ...validate import initialized, nn_module, no_closure
+from ..ladder.flat import by_dtype
+from .manager import Manager
+from .quorum import Quorum
+
+__all__ = ["FaultTolerantDDP"]
+
+
+class FaultTolerantDDP(nn.Module):
+    """Wrap `module` and its `optimizer` so that each step is averaged over, and committed by, `manager`'s quorum.
+
+    `module` and `optimizer` are registered with the manager as the state a recovering replica
+    receives (register more, such as a learning-rate scheduler, with `manager.register_state`).
+    Buffers (BatchNorm's running statistics) are each replica's own between recoveries.
+    """
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, manager: Manager) -> None:
+        super().__init__()
+        initialized("module", nn_module("module", module))
+        no_closure("optimizer", optimizer)
+        if not isinstance(manager, Manager):
+            raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
+        self.module, self.optimizer, self.manager = module, optimizer, manager
+        manager.register_state("model", module.state_dict, module.load_state_dict)
+        manager.register_state("optimizer", optimizer.state_dict, optimizer.load_state_dict)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @property
+    def batch_index(self) -> int:
+        """The index of the batch this step trains on: the steps committed so far, the same on every member."""
+        return self.manager.step
+
+    def start_step(self) -> Quorum:
+        """Agree on this step's quorum (and receive the state if behind); clear the gradients. Returns the quorum."""
+        quorum = self.manager.start_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return quorum
+
+    def step(self) -> bool:
+        """Average the gradients over the quorum, then apply the step on every member or on none; True if applied."""
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:  # unused in this step on this replica: it contributes zeros
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params]
+        flats = [(flatten(group), group) for group in by_dtype(grads)]
+        ok = all([self.manager.average(flat) for flat, _ in flats])  # a list: every buffer goes, as on the others
+        committed = self.manager.should_commit(ok)
+        if committed:
+            for flat, group in flats:
+                unflatten_(flat, group)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return committed

@@ -1,0 +1,206 @@
+"""The manager: what a replica's training loop asks, once per step, to train through failures.
+
+    manager = Manager("a", "127.0.0.1", 29510, min_replicas=2)
+    quorum = manager.start_step()      # agree on the members; recover if behind; join their group
+    ok = manager.average(flat_grads)   # sum over the members, divide by how many they are
+    if manager.should_commit(ok):      # every member applies the step, or none does
+        optimizer.step()
+
+`FaultTolerantDDP` (`ddp.py`), `LocalSGD` and `DiLoCo` (`local_sgd.py`) make these calls for
+you. A replica that dies costs the others the step it interrupted: their allreduce fails, they
+vote to discard it, and the next `start_step` forms a quorum without it. A replica that comes
+back (the same id, a new process) asks in, receives the state of a member at the highest step,
+and trains on.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ...validate import a_callable, one_of, positive_int, timeout_seconds
+from ..collectives import ENGINE_ALGORITHMS, allreduce
+from .commit import commit_or_discard
+from .coordinator import connect
+from .group import drop_group, form_group
+from .heartbeat import Heartbeat, Liveness, register
+from .quorum import Member, Quorum, wait_for_quorum
+from .recovery import forget_state, plan_recovery, receive_state, send_state
+
+__all__ = ["Manager"]
+
+
+class Manager:
+    """One per replica process: membership, the quorum's process group, commit or discard, recovery.
+
+    Args:
+        replica_id: this replica's name, unique among the live replicas; a replica started
+            again under the same name is the same replica come back.
+        host, port: where the coordinator's store listens (`Coordinator`).
+        min_replicas: train only in a quorum of at least this many; fewer, and
+            `start_step` waits (up to `timeout`, then raises TimeoutError).
+        timeout: seconds that any one wait may last: for a quorum, for a peer in the
+            allreduce, for the votes, for the state of a recovery.
+        quorum_timeout: seconds a quorum waits for a live replica that has not asked to be
+            in it: the deadline past which a slow replica is left out of the step.
+        heartbeat_interval, heartbeat_timeout: this replica beats every `interval` s; a
+            replica whose beat has not moved for `heartbeat_timeout` s is dead to the others.
+        algorithm: the book's allreduce schedule for `average` (not "auto", which would
+            measure the link again for every new group).
+    """
+
+    def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int = 1, timeout: float = 60.0,
+                 quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0,
+                 algorithm: str = "ring") -> None:
+        if not isinstance(replica_id, str) or not replica_id or any(c.isspace() or c == "/" for c in replica_id):
+            raise ValueError(f"replica_id must be a non-empty name without spaces or '/', got {replica_id!r}")
+        positive_int("min_replicas", min_replicas)
+        for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout),
+                            ("heartbeat_interval", heartbeat_interval), ("heartbeat_timeout", heartbeat_timeout)):
+            if timeout_seconds(name, value) is None:
+                raise ValueError(f"{name} must be a positive number of seconds, got None")
+        one_of("algorithm", algorithm, [a for a in ENGINE_ALGORITHMS if a != "auto"])
+        self.id, self.min_replicas, self.algorithm = replica_id, min_replicas, algorithm
+        self.timeout, self.quorum_timeout = float(timeout), float(quorum_timeout)
+        self.store = connect(host, port, timeout)
+        register(self.store, replica_id)
+        self._heartbeat = Heartbeat(self.store, replica_id, heartbeat_interval)
+        self._liveness = Liveness(self.store, heartbeat_timeout)
+        self.step = 0              # steps committed: the same on every member of a quorum once it has recovered
+        self.synced = False        # this replica's state is the agreed one (it recovered, or defined it)
+        self.quorum: Quorum | None = None  # the quorum of the step under way, or of the last one
+        self.recoveries: list[dict] = []   # each state received: round, source, step, sha256
+        self.last_error: BaseException | None = None  # what made the last failed step fail
+        self._states: dict[str, tuple[Callable, Callable]] = {}  # name -> (state_dict, load_state_dict)
+        self._round = 0            # the last round this replica was in
+        self._group: tuple[int, int] | None = None  # the process group held: (its number, its size)
+        self._ok = False           # the step under way can still commit on this replica
+        self._in_step = False      # start_step() has run and should_commit() not yet
+        self._sent: int | None = None  # the round whose state this replica wrote to the store
+
+    # ------------------------------------------------------------ the state a joiner receives
+
+    def register_state(self, name: str, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], object]) -> None:
+        """Add `name` to what a recovering replica receives: `state_dict()` here, `load_state_dict(...)` there."""
+        a_callable("state_dict", state_dict)
+        a_callable("load_state_dict", load_state_dict)
+        if name == "step" or name in self._states:
+            raise ValueError(f"a state named {name!r} is already registered")
+        self._states[name] = (state_dict, load_state_dict)
+
+    def state_dict(self) -> dict:
+        """The loop state (`step`) and every registered state, as a recovering replica receives them."""
+        return {"step": self.step, **{name: get() for name, (get, _) in self._states.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = state["step"]
+        for name, (_, load) in self._states.items():
+            load(state[name])
+
+    # ------------------------------------------------------------ once per step
+
+    def start_step(self) -> Quorum:
+        """Agree on this step's quorum; receive the state if behind; join the quorum's group. Returns the quorum.
+
+        A member that fails while the group forms or the state passes fails the round for all
+        (its vote is "discard"), and this replica asks again, until `timeout` has passed.
+        """
+        deadline = time.monotonic() + self.timeout
+        if self._sent is not None:  # the receivers of that round have read it, or given up
+            forget_state(self.store, self._sent, self.id)
+            self._sent = None
+        while True:
+            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas)
+            quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout, self.timeout,
+                                     deadline)
+            self._round, self.quorum, self._in_step = quorum.round, quorum, True
+            try:
+                received = self._exchange_state(quorum)
+                if self._group is None or self._group[0] != quorum.group:
+                    self._leave_group()
+                    form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
+                    self._group = (quorum.group, len(quorum.members))
+            except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
+                self.last_error = e
+                self.should_commit(False)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {self.id!r}: no step could start within {self.timeout:g} s; "
+                                       f"the last attempt failed with: {e}") from e
+                continue
+            if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does
+                state, source, digest = received
+                self.load_state_dict(state)
+                self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})
+            self.synced, self._ok = True, True
+            return quorum
+
+    def _exchange_state(self, quorum: Quorum) -> tuple[dict, str, str] | None:
+        """Send the state to the members that need it from this replica; receive it if this one needs it.
+
+        Returns (state, source, sha256) when this replica received one, else None.
+        """
+        plan = plan_recovery(quorum)
+        if self.id in plan.values():
+            send_state(self.store, quorum.round, self.id, self.state_dict())
+            self._sent = quorum.round
+        if self.id not in plan:
+            return None
+        state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
+        return state, plan[self.id], digest
+
+    def average(self, tensor: torch.Tensor) -> bool:
+        """Average `tensor` in place over the quorum's members; False (and the step cannot commit) if a member failed.
+
+        The sum over the members that contributed, divided by how many they are: a member that
+        died took its shard of the batch with it, and the step's gradient is the mean of the others'.
+        Afterwards the members hold bitwise identical tensors (on False: anything).
+        """
+        if self.quorum is None:
+            raise RuntimeError("average() before start_step(): there is no quorum to average over")
+        if not self._ok:
+            return False
+        try:
+            allreduce(tensor, self.algorithm, timeout=self.timeout)
+        except ValueError:
+            raise  # the members called it differently (another model?): a bug to fix, not a fault to ride out
+        except RuntimeError as e:  # PeerError, or gloo's own: a member died or hangs
+            self.last_error, self._ok = e, False
+            return False
+        tensor.div_(len(self.quorum.members))
+        return True
+
+    def should_commit(self, ok: bool = True) -> bool:
+        """Vote on this step (`ok`: this replica's part went well), and return whether every member applies it.
+
+        The same answer on every member. On True, `step` counts one more; on False this
+        replica leaves the group (a failed group is not reused) and the caller must leave its
+        model as it was before the step.
+        """
+        if not self._in_step:
+            raise RuntimeError("should_commit() without a step under way: call start_step() first")
+        self._in_step = False
+        committed = commit_or_discard(self.store, self.quorum, self.id, ok and self._ok, self._liveness, self.timeout)
+        self._ok = False
+        if committed:
+            self.step += 1
+        else:
+            self._leave_group()
+        return committed
+
+    def _leave_group(self) -> None:
+        self._group = None
+        drop_group()
+
+    # ------------------------------------------------------------ the end
+
+    def close(self) -> None:
+        """Leave: stop beating (the others stop waiting for this replica at once) and leave the group."""
+        self._heartbeat.stop(leave=True)
+        self._leave_group()
+
+    def __enter__(self) -> "Manager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

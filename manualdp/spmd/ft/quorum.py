@@ -1,0 +1,155 @@
+"""The quorum: once per step, the live replicas agree on who is in, at which step, on which process group.
+
+Each attempt at a step is a numbered round. A replica asks to be in round `r` by appending
+what it is to `round/r/asks`: its id, the steps it has committed, whether its state is the
+agreed one, the process group it holds, and its `min_replicas`. Then it watches the round:
+
+1. someone has written `round/r/quorum`: that is the round's quorum. A replica in it goes
+   on; one left out (it asked too late) asks in round `r + 1`;
+2. else it decides (`decide`, a pure function): the askers that are alive, once they are at
+   least `min_replicas` (the largest any asker asked for), and once every live replica has
+   asked, or this one has waited `quorum_timeout` for those that have not (the deadline: a
+   replica that misses it is out). It writes its proposal with `compare_set`, which keeps
+   the first one written: whoever wrote first, every replica reads the same quorum.
+
+Below `min_replicas` it keeps waiting, up to the manager's `timeout`, then raises.
+
+The quorum also names the process group (`group_for`): the one its members already share, if
+they all hold the same one and nobody else is in; else a new one, numbered by the round. So
+the group is re-formed only when the membership changes or a step failed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import torch.distributed as dist
+
+from .heartbeat import Liveness, registered
+
+__all__ = ["Member", "Quorum", "decide", "group_for", "wait_for_quorum", "POLL"]
+
+POLL = 0.005  # seconds between two looks at the store while waiting
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """What a replica says of itself when it asks for a quorum."""
+    id: str                            # its name, unique among the replicas
+    step: int                          # steps it has committed
+    synced: bool                       # its state is the agreed one (it recovered, or was the first quorum's source)
+    group: tuple[int, int] | None      # the process group it holds and that group's size; None: none
+    min_replicas: int                  # the fewest replicas it will train with
+
+
+@dataclasses.dataclass(frozen=True)
+class Quorum:
+    """A round's agreed members (sorted by id: a member's index is its rank in the group) and their group."""
+    round: int
+    members: tuple[Member, ...]
+    group: int
+
+    @property
+    def ids(self) -> list[str]:
+        return [m.id for m in self.members]
+
+    @property
+    def step(self) -> int:
+        """The highest step among the members: the step every member takes next, after recovery."""
+        return max(m.step for m in self.members)
+
+    def rank(self, replica_id: str) -> int:
+        return self.ids.index(replica_id)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> "Quorum":
+        raw = json.loads(text)
+        members = tuple(_member(m) for m in raw["members"])
+        return cls(raw["round"], members, raw["group"])
+
+
+def _member(raw: dict) -> Member:
+    group = tuple(raw["group"]) if raw["group"] is not None else None
+    return Member(raw["id"], raw["step"], raw["synced"], group, raw["min_replicas"])
+
+
+def decide(asks: dict[str, Member], live: set[str], waited_enough: bool) -> list[Member] | None:
+    """The members of a round from its askers, or None while it must wait.
+
+    `live`: the registered replicas that are alive; `waited_enough`: this replica has waited
+    its `quorum_timeout` for live replicas that have not asked.
+    """
+    members = [m for _, m in sorted(asks.items()) if m.id in live]
+    need = max((m.min_replicas for m in members), default=1)
+    if len(members) < need:
+        return None
+    if live <= set(asks) or waited_enough:
+        return members
+    return None
+
+
+def group_for(members: list[Member], round_: int) -> int:
+    """The members' process group: the one they all hold if nobody else is in it, else a new one (`round_`)."""
+    held = {m.group for m in members}
+    if len(held) == 1:
+        group = held.pop()
+        if group is not None and group[1] == len(members):
+            return group[0]
+    return round_
+
+
+def _asks(store: dist.Store, round_: int) -> dict[str, Member]:
+    lines = store.get(f"round/{round_}/asks").decode().splitlines()
+    return {m.id: m for m in (_member(json.loads(line)) for line in lines)}  # a replica's last ask counts
+
+
+def _decided(store: dist.Store, round_: int) -> Quorum | None:
+    key = f"round/{round_}/quorum"
+    return Quorum.from_json(store.get(key)) if store.check([key]) else None
+
+
+def _first_open_round(store: dist.Store, after: int) -> int:
+    """The first round after `after` (and after the newest one known to be decided) that has no quorum yet."""
+    round_ = max(after, int(store.get("latest")) if store.check(["latest"]) else 0) + 1
+    while store.check([f"round/{round_}/quorum"]):
+        round_ += 1
+    return round_
+
+
+def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: int, quorum_timeout: float,
+                    timeout: float, deadline: float) -> Quorum:
+    """Ask in the first open round after `after` until a quorum with `me` in it is decided; return it.
+
+    `deadline` (time.monotonic()) bounds the whole wait: past it, TimeoutError says who asked and who is alive.
+    """
+    round_ = _first_open_round(store, after)
+    store.append(f"round/{round_}/asks", json.dumps(dataclasses.asdict(me)) + "\n")
+    asked = time.monotonic()
+    while True:
+        quorum = _decided(store, round_)
+        if quorum is not None:
+            if me.id in quorum.ids:
+                return quorum
+            round_ = _first_open_round(store, round_)  # left out: ask in the next round
+            store.append(f"round/{round_}/asks", json.dumps(dataclasses.asdict(me)) + "\n")
+            asked = time.monotonic()
+            continue
+        asks = _asks(store, round_)
+        live = liveness.live(registered(store)) | {me.id}
+        members = decide(asks, live, time.monotonic() - asked >= quorum_timeout)
+        if members is not None:
+            proposal = Quorum(round_, tuple(members), group_for(members, round_))
+            if store.compare_set(f"round/{round_}/quorum", "", proposal.to_json()) == proposal.to_json().encode():
+                store.set("latest", str(round_))  # a hint for replicas that join later: rounds up to here are decided
+            continue
+        if time.monotonic() > deadline:
+            need = max(m.min_replicas for m in asks.values())
+            raise TimeoutError(
+                f"replica {me.id!r}: no quorum of at least {need} replicas within {timeout:g} s "
+                f"(round {round_}: asked {sorted(asks)}, alive {sorted(live)}): start more replicas, "
+                f"or lower min_replicas")
+        time.sleep(POLL)

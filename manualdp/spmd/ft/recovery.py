@@ -1,0 +1,78 @@
+"""Recovery: a replica that joins, or has fallen behind, receives the state of a member at the highest step.
+
+Who sends to whom follows from the quorum alone (`plan_recovery`, a pure function), so every
+member reads the same plan without a word more: the sources are the members at the quorum's
+highest step whose state is the agreed one (at the very first quorum nobody's is: then the
+first member by id, whose fresh model becomes everyone's); every other member that is behind,
+or has no agreed state yet, receives from one of them, in turn.
+
+A source writes its state (model, optimizer, loop state: whatever was registered with the
+manager) as `torch.save` bytes under `state/ROUND/SOURCE` in the coordinator's store, and the
+SHA-256 of those bytes beside it; a receiver waits for both (up to `timeout`), checks the sum
+and loads the state with `weights_only=True`. The store suits models of a few hundred MiB; a
+larger one would go over the quorum's group instead, by the same plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+
+import torch
+import torch.distributed as dist
+
+from .quorum import POLL, Quorum
+
+__all__ = ["plan_recovery", "send_state", "forget_state", "receive_state", "RecoveryError"]
+
+
+class RecoveryError(RuntimeError):
+    """The state did not come within the deadline, or came damaged (its checksum differs)."""
+
+
+def plan_recovery(quorum: Quorum) -> dict[str, str]:
+    """receiver id -> source id, for every member of `quorum` that must receive the state before its step."""
+    top = quorum.step
+    sources = [m.id for m in quorum.members if m.step == top and m.synced]
+    if not sources:  # nobody holds an agreed state yet: the first at the top step defines it
+        sources = [next(m.id for m in quorum.members if m.step == top)]
+    receivers = [m.id for m in quorum.members if m.id not in sources and (m.step < top or not m.synced)]
+    return {r: sources[i % len(sources)] for i, r in enumerate(receivers)}
+
+
+def _key(round_: int, source: str) -> str:
+    return f"state/{round_}/{source}"
+
+
+def send_state(store: dist.Store, round_: int, source: str, state: dict) -> str:
+    """Write `state` for the receivers of `round_`; return its SHA-256 (hex)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    blob = buffer.getvalue()
+    digest = hashlib.sha256(blob).hexdigest()
+    store.set(_key(round_, source), blob)
+    store.set(_key(round_, source) + "/sha256", digest)  # written last: the blob is whole once this is there
+    return digest
+
+
+def forget_state(store: dist.Store, round_: int, source: str) -> None:
+    """Remove what `send_state` wrote for `round_` (its receivers have read it, or given up)."""
+    store.delete_key(_key(round_, source))
+    store.delete_key(_key(round_, source) + "/sha256")
+
+
+def receive_state(store: dist.Store, round_: int, source: str, timeout: float) -> tuple[dict, str]:
+    """The state `source` sent for `round_`, and its SHA-256, checked; `RecoveryError` after `timeout` s or on a bad sum."""
+    key = _key(round_, source)
+    deadline = time.monotonic() + timeout
+    while not store.check([key + "/sha256"]):
+        if time.monotonic() > deadline:
+            raise RecoveryError(f"the state of replica {source!r} (round {round_}) did not come within {timeout:g} s")
+        time.sleep(POLL)
+    expected = store.get(key + "/sha256").decode()
+    blob = store.get(key)
+    digest = hashlib.sha256(blob).hexdigest()
+    if digest != expected:
+        raise RecoveryError(f"the state of replica {source!r} (round {round_}) arrived damaged: "
+                            f"sha256 {digest[:12]}..., sent as {expected[:12]}...")
+    return torch.load(io.BytesIO(blob), weights_only=True), digest

@@ -1,0 +1,130 @@
+"""Starting, watching and killing the replicas of `replica.py`, and the single-process reference they must equal."""
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+from manualdp.spmd.ft import Coordinator
+from tests.spmd.ft.replica import build, make_optimizer, my_shard
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+FAST = {"timeout": 20, "quorum_timeout": 5, "heartbeat_timeout": 1.0}
+
+
+class Replicas:
+    """A coordinator in this process and replica processes, each killed at the end whatever happened."""
+
+    def __init__(self, tmp_path: pathlib.Path) -> None:
+        self.tmp = tmp_path
+        self.coordinator = Coordinator(0)
+        self.store = torch.distributed.TCPStore("127.0.0.1", self.coordinator.port, is_master=False)
+        self.procs: list[subprocess.Popen] = []
+        self.outs: dict[str, list[pathlib.Path]] = {}
+
+    def start(self, **config) -> subprocess.Popen:
+        n = len(self.outs.setdefault(config["id"], []))
+        out = self.tmp / f"{config['id']}-{n}.json"
+        self.outs[config["id"]].append(out)
+        config = {**FAST, **config, "port": self.coordinator.port, "out": str(out)}
+        log = open(self.tmp / f"{config['id']}-{n}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.replica", json.dumps(config)], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.procs.append(proc)
+        return proc
+
+    def key(self, key: str) -> bytes | None:
+        """A key of the fault-tolerant room's store, or None."""
+        key = f"manualdp-ft/{key}"
+        return self.store.get(key) if self.store.check([key]) else None
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(f"manualdp-ft/{key}", value)
+
+    def registrations(self) -> int:
+        """How many times a replica has registered (a restarted one counts again)."""
+        raw = self.key("replicas")
+        return len(raw.decode().split()) if raw else 0
+
+    def wait(self, what: str, condition, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within {timeout} s; logs: {self.logs()}")
+            time.sleep(0.05)
+
+    def finish(self, timeout: float = 60.0) -> dict[str, list[dict]]:
+        """Wait for every replica to end; return each id's results, one per start, in order ."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise TimeoutError(f"a replica did not finish within {timeout} s; logs: {self.logs()}") from None
+        return {r: [read(o) for o in outs] for r, outs in self.outs.items()}
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.tmp.glob("*.log")))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # also a stopped one: SIGKILL needs no SIGCONT
+                proc.wait(timeout=10)
+        self.store = None
+        self.coordinator.close()
+
+
+def read(out: pathlib.Path) -> dict:
+    """What a replica wrote: its summary (or {} if it was killed) with the records it wrote line by line."""
+    lines = pathlib.Path(str(out) + "l")
+    records = [json.loads(x) for x in lines.read_text().splitlines()] if lines.exists() else []
+    return {**(json.loads(out.read_text()) if out.exists() else {}), "records": records}
+
+
+@contextlib.contextmanager
+def replicas(tmp_path):
+    run = Replicas(tmp_path)
+    try:
+        yield run
+    finally:
+        run.close()
+
+
+def committed_steps(results: dict[str, list[dict]]) -> dict[int, dict]:
+    """batch -> {members, sha256 per replica} of every committed DDP step, checked to agree across the replicas."""
+    steps: dict[int, dict] = {}
+    for rid, runs in results.items():
+        for result in runs:
+            for r in result["records"]:
+                if not r["committed"]:
+                    continue
+                seen = steps.setdefault(r["batch"], {"members": r["members"], "sha256": {}})
+                assert seen["members"] == r["members"], f"batch {r['batch']}: members {seen['members']} and {r['members']}"
+                seen["sha256"][rid] = r["sha256"]
+    return steps
+
+
+def reference_ddp(steps: dict[int, dict], seed: int, config: dict) -> torch.Tensor:
+    """One process, one model: at each committed step, the mean over that step's members of their shards' gradients."""
+    model = build(seed)
+    optimizer = make_optimizer(model.parameters(), config)
+    index = {"a": 0, "b": 1, "c": 2}
+    for b in range(len(steps)):
+        grads = []
+        for member in steps[b]["members"]:
+            model.zero_grad()
+            X, y = my_shard(b, index[member])
+            ((model(X) - y) ** 2).mean().backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for k, p in enumerate(model.parameters()):
+            p.grad = sum(g[k] for g in grads) / len(grads)
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -1,0 +1,45 @@
+"""3 replicas; one killed (SIGKILL) in the middle of training; the other two go on; the killed one, restarted, rejoins."""
+import pytest
+import torch
+
+from tests.spmd.ft.harness import committed_steps, reference_ddp, replicas
+
+STEPS, AT, PAUSE = 8, 3, 5
+
+
+@pytest.mark.parametrize("fault", ["kill_forward", "kill_allreduce"])
+def test_a_killed_replica_costs_one_step_and_rejoins_with_the_state(tmp_path, fault):
+    with replicas(tmp_path) as run:
+        for i, rid in enumerate("abc"):
+            run.start(id=rid, index=i, steps=STEPS, pause_after=PAUSE,
+                      **({"fault": fault, "at": AT} if rid == "c" else {}))
+        victim = run.procs[2]
+        run.wait("c killed", lambda: victim.poll() is not None)
+        assert victim.returncode == -9, run.logs()
+        run.start(id="c", index=2, steps=STEPS)
+        run.wait("c registered again", lambda: run.registrations() == 4)
+        run.set("go", "1")  # the survivors, paused after step PAUSE, go on: c is in their next quorum
+        results = run.finish()
+    a, b, c = results["a"][0], results["b"][0], results["c"][1]
+    # the step the kill interrupted was discarded on both survivors, and nothing else was lost
+    for r in (a, b):
+        attempts = [x for x in r["records"] if x["batch"] == AT]
+        assert [x["committed"] for x in attempts] == [False, True], attempts
+        assert attempts[0]["members"] == ["a", "b", "c"] and attempts[1]["members"] == ["a", "b"]
+        assert sum(not x["committed"] for x in r["records"]) == 1
+    # every committed step: the same members and bitwise the same parameters on every replica that took it
+    steps = committed_steps(results)
+    assert sorted(steps) == list(range(STEPS))
+    for s, seen in steps.items():
+        assert len(set(seen["sha256"].values())) == 1, (s, seen)
+        assert set(seen["sha256"]) == set(seen["members"])
+    assert [steps[s]["members"] for s in range(STEPS)] == [["a", "b", "c"]] * AT + [["a", "b"]] * (PAUSE - AT) + \
+        [["a", "b", "c"]] * (STEPS - PAUSE)
+    # the restarted replica received the state at step PAUSE from a member at that step, checksummed
+    assert len(c["recoveries"]) == 1 and c["recoveries"][0]["step"] == PAUSE
+    assert c["recoveries"][0]["source"] in ("a", "b") and len(c["recoveries"][0]["sha256"]) == 64
+    assert c["records"][0]["batch"] == PAUSE
+    assert a["sha256"] == b["sha256"] == c["sha256"]
+    # and all that equals one process training on each step's members' shards (a's model: the first quorum's source)
+    expected = reference_ddp(steps, seed=0, config={})
+    torch.testing.assert_close(torch.tensor(a["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)
