@@ -25,7 +25,8 @@ __all__ = ["ENGINE_ALGORITHMS", "allreduce", "reduce_scatter", "all_gather", "re
 
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True,
+              step: int = -1) -> None:
     """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
 
     Every rank must call it with a tensor of the same shape and dtype, as with
@@ -42,6 +43,9 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     are known to match, as `DistributedDataParallel` does for its buckets after checking each
     step once (every rank's buckets were compared at construction).
 
+    `step` (default -1: none): a wrapper's count of its steps, compared by the check too (the
+    ladder's rungs 3 and 4 carry their step check on a step's first allreduce this way).
+
     With "auto" and the check, each rank times its calls against the cost model's prediction;
     when one of them sees those times drift (`manualdp.spmd.auto.tune.drifted`), the check tells
     every rank, and they measure the link again together.
@@ -53,6 +57,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
     boolean("check", check)
+    int_between("step", step, -1, 2 ** 62)
     state = group_state(group)
     if len(state.peers) == 1:
         return
@@ -62,7 +67,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None)
     # Alone, first: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
     if check and not carried and same_call(state, tensor, algorithm, segment_bytes, timeout,
-                                           flag=auto and state.drifted):
+                                           flag=auto and state.drifted, step=step):
         measure_again(state, timeout)
     if tensor.numel() == 0:
         return
@@ -70,7 +75,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     if auto:  # the cost model's pick
         algorithm = choose(len(state.peers), nbytes, agreed(state, timeout), tensor.element_size(), segment_bytes)
     header = HeaderCheck(state, tensor, requested, segment_bytes, timeout, flag=auto and state.drifted,
-                         schedule=algorithm) if carried else None
+                         schedule=algorithm, step=step) if carried else None
     start = time.perf_counter()
     run_allreduce(tensor, algorithm, state, segment_bytes, timeout, check=header)
     if auto and check and tensor.device.type == "cpu":  # on a GPU the call returns before the work is done

@@ -35,7 +35,6 @@ class BucketedDDP(OverlappedDDP):
         return super().settings() | {"bucket_cap_mb": self.bucket_cap_mb}
 
     def grad_ready(self, p: torch.Tensor) -> None:
-        self.queue_check()
         k, i = self.where[id(p)]
         self.buckets[k].mark_ready(i, p.grad)
         while self.next < len(self.buckets) and self.buckets[self.next].pending == 0:
@@ -43,10 +42,9 @@ class BucketedDDP(OverlappedDDP):
             self.next += 1
 
     def start_bucket(self, bucket: Bucket) -> None:
-        bucket.future = self.worker.submit(self.reduce, bucket.flat, self.checked)
+        bucket.future = self.submit(bucket.flat)
 
     def sync_gradients(self, params=None) -> None:
-        self.queue_check()
         for bucket in self.buckets[self.next:]:  # a parameter unused in this step sends its .grad, or zeros
             bucket.fill_missing()
             self.start_bucket(bucket)

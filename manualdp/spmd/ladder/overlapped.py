@@ -16,8 +16,9 @@ Three details:
   same-shaped layers applied in another order on one rank, or a layer used on some ranks
   only, still average right; a parameter that no hook reported (unused in this step) is sent
   after backward, its `.grad` or zeros;
-- before the first allreduce of a backward pass the step's check (`NaiveDDP.check_step`) is
-  queued on the same thread, so it runs while backward computes.
+- the step's check (rung 1's `check_step`) rides on the first allreduce of each backward
+  pass (`allreduce(..., check=True, step=...)`: fixed-size headers beside its data, no round
+  trip more); the others start once it has passed.
 """
 from __future__ import annotations
 
@@ -42,16 +43,10 @@ class OverlappedDDP(FlatDDP):
         self.slot = {id(p): i for i, p in enumerate(self.order)}
         self.ready = [False] * len(self.order)  # whose gradient this backward pass has produced
         self.next = 0  # the next parameter of `order` to start: they start in order
-        self.checked: concurrent.futures.Future | None = None  # this backward pass's step check, on the worker
+        self.checked: concurrent.futures.Future | None = None  # this backward's first allreduce, which checks the step
         self.running: list[tuple[torch.Tensor, concurrent.futures.Future]] = []  # started this backward
 
-    def queue_check(self) -> None:
-        """The first gradient of a backward pass: queue the step's check ahead of its allreduces."""
-        if self.checked is None:
-            self.checked = self.worker.submit(self.check_step)
-
     def grad_ready(self, p: torch.Tensor) -> None:
-        self.queue_check()
         self.ready[self.slot[id(p)]] = True
         while self.next < len(self.order) and self.ready[self.next]:
             self.start(self.order[self.next])
@@ -59,15 +54,24 @@ class OverlappedDDP(FlatDDP):
 
     def start(self, p: torch.Tensor) -> None:
         """Send `p.grad` now; autograd will not touch it again in this backward pass."""
-        self.running.append((p, self.worker.submit(self.reduce, p.grad, self.checked)))
+        self.running.append((p, self.submit(p.grad)))
 
-    def reduce(self, tensor: torch.Tensor, checked: concurrent.futures.Future) -> None:
-        """On the worker: sum `tensor` over the ranks, once this step's check has passed (it ran just before)."""
-        checked.result()  # raises on every rank if the ranks are at different steps: nothing is sent
-        allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)
+    def submit(self, tensor: torch.Tensor) -> concurrent.futures.Future:
+        """Queue the allreduce of `tensor` on the worker; the step's first carries the step's check."""
+        future = self.worker.submit(self.reduce, tensor, self.checked, self.steps)
+        if self.checked is None:
+            self.checked = future
+        return future
+
+    def reduce(self, tensor: torch.Tensor, checked: concurrent.futures.Future | None, step: int) -> None:
+        """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps."""
+        if checked is None:  # the step's first: every rank raises if the ranks are at different steps
+            allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step)
+        else:
+            checked.result()  # done (the worker runs in order); raises if the check refused: nothing is sent
+            allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)
 
     def sync_gradients(self, params=None) -> None:
-        self.queue_check()
         for p in self.order[self.next:]:  # unused in this step on this rank: its .grad, or zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
