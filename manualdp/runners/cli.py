@@ -156,9 +156,6 @@ def check_train_args(args) -> str | None:
     if args.zero == 2 and world_size > 1 and args.nonfinite in ("raise", "skip"):
         return (f"--nonfinite {args.nonfinite} needs the averaged gradients on every rank, and with --zero 2 each rank "
                 "holds only its shard: pass --nonfinite off, or --zero 1")
-    if args.zero == 3 and world_size > 1 and args.nonfinite in ("raise", "skip"):
-        return (f"--nonfinite {args.nonfinite} needs the averaged gradients on every rank, and with --zero 3 under "
-                "torchrun each rank holds only its shard: pass --nonfinite off, or run in one process")
     if args.zero == 3 and args.algorithm not in (None, "ring"):
         return (f"--algorithm {args.algorithm} with --zero 3: ZeRO-3 has no allreduce, and its all-gathers and "
                 "reduce-scatters run by ring only: leave --algorithm out, or pass ring")
@@ -260,7 +257,8 @@ def _run_spmd(args, net, train_iter, test_iter, epochs, lr, nonfinite, progress)
     # Each rank reads and collates only its shard of every global batch (same order on every rank).
     train_iter = shard_loader(train_iter, dist.get_rank(), dist.get_world_size())
     try:
-        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=args.algorithm or "auto",
+        algorithm = args.algorithm or ("ring" if args.zero == 3 else "auto")  # ZeRO-3 runs ring: say so
+        history = train_spmd(net, train_iter, test_iter, epochs, lr, algorithm=algorithm,
                              bucket_cap_mb=args.bucket_mb or 25.0, nonfinite=nonfinite,
                              checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
                              resume=args.resume, config=run_config(args), progress=progress,

@@ -194,11 +194,12 @@ def train_spmd(
     process group's) bounds every wait for a peer.
     `optimizer` and `zero` work as in `train` (`manualdp.spmd.sharding.zero`); ZeRO-2 takes no `nonfinite`
     guard, since before its reduce-scatter the ranks hold different gradients and would disagree:
-    the default, `"auto"`, is `"raise"` without ZeRO-2 and no check with it.
+    the default, `"auto"`, is `"raise"` without ZeRO-2 and no check with it. With ZeRO-3 each rank checks its
+    shards' gradients and the ranks decide together (`FullyShardedRank.gradients_pass`).
     """
     trainable("net", nn_module("net", net))
     if nonfinite == "auto":  # the default: check wherever every rank holds the averaged gradients
-        nonfinite = None if zero in (2, 3) else "raise"
+        nonfinite = None if zero == 2 else "raise"
     opts = RunOptions.of(locals()).checked(ENGINE_ALGORITHMS)
     iterable("train_iter", train_iter)
     iterable("test_iter", test_iter)
@@ -215,9 +216,12 @@ def train_spmd(
 def _train_spmd(net, train_iter, test_iter, opts: RunOptions, rank: int, world_size: int, device) -> History | None:
     algorithm, timeout, log, checkpoint_dir = opts.algorithm, opts.timeout, opts.log, opts.checkpoint_dir
 
-    if opts.zero in (2, 3) and opts.nonfinite is not None:
-        raise ValueError(f"nonfinite={opts.nonfinite!r} needs the averaged gradients on every rank; ZeRO-{opts.zero} "
+    if opts.zero == 2 and opts.nonfinite is not None:
+        raise ValueError(f"nonfinite={opts.nonfinite!r} needs the averaged gradients on every rank; ZeRO-2 "
                          "has only shards: pass nonfinite=None or zero=1")
+    if opts.zero == 3 and algorithm not in ("auto", "ring"):  # fully_shard's all-gathers and reduce-scatters: ring
+        raise ValueError(f"algorithm={algorithm!r}: ZeRO-3's all-gathers and reduce-scatters run the ring schedule; "
+                         "leave algorithm out or pass 'ring'")
     make, kwargs = optimizer_factory(opts.optimizer, opts.lr, opts.momentum, opts.weight_decay)
     if opts.zero == 3:  # no wrapper: the shards' gradients are averaged by fully_shard's reduce-scatters
         model = FullyShardedModel(net.to(device), timeout, Trace(pid=rank) if opts.trace is not None else None)
@@ -457,10 +461,13 @@ class OneRank:
         result = StepResult(loss.item() * n / world_size, count_correct(logits_of(out).detach(), ys), False)
         # The gradients are averages, bitwise equal on every rank, and a NaN or Inf on one rank
         # makes the sum non-finite on all: every rank takes the same decision.
-        if not guard.passes(step):
+        if not self.gradients_pass(guard, step):
             return result._replace(skipped=True)
         self.optimizer.step()
         return result
+
+    def gradients_pass(self, guard: NonFiniteGuard, step: int) -> bool:
+        return guard.passes(step)
 
     def postfix(self, loop) -> dict:  # rank 0's shard only: the global figures would cost a sync per step
         return {"shard_loss": f"{loop.loss_sum * self.model.world_size / loop.seen:.3f}"}
@@ -491,6 +498,23 @@ class OneRank:
 
 class FullyShardedRank(OneRank):
     """`OneRank` for ZeRO-3: a forward gathers parameters from every rank, so every rank evaluates, together."""
+
+    def gradients_pass(self, guard: NonFiniteGuard, step: int) -> bool:
+        """Each rank holds its shards' gradients only: each finds its first non-finite one, the ranks share what
+        they found (a flag each; the names only when one is set), and all take the decision on the same name."""
+        if guard.mode is None:
+            return True
+        bad = next((name for name, p in self.model.module.named_parameters()
+                    if p.grad is not None and not bool(torch.isfinite(p.grad.to_local()).all())), None)
+        flags = torch.zeros(self.model.world_size, dtype=torch.int32)
+        flags[self.model.rank] = bad is not None
+        dist.all_reduce(flags)
+        if not flags.any():
+            return True
+        names: list = [None] * self.model.world_size
+        dist.all_gather_object(names, bad)
+        first = next(r for r, name in enumerate(names) if name is not None)
+        return guard.passes_on([(f"{names[first]} (the shard on rank {first})", torch.tensor(float("nan")))], step)
 
     def totals(self, loop, epoch: int) -> tuple[float, float]:
         self.accuracy = evaluate(self.model.module, self.test_iter, self.device)  # every rank, in step

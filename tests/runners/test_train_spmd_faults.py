@@ -279,7 +279,8 @@ def _nonfinite_job(tmp):
         logs = []
         train_spmd(net, *_loaders(), epochs, 0.2, loss_fn=FaultyLoss(kw.pop("fault", "nan"), 2, 5, os.path.join(tmp, "t")),
                    nonfinite=nonfinite, progress=False, log=logs.append, timeout=20, bucket_cap_mb=0.0002, **kw)
-        return {"params": [p.detach().clone() for p in net.parameters()], "logs": logs,
+        return {"params": [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                           for p in net.parameters()], "logs": logs,
                 "buffers": [b.detach().clone() for b in net.buffers()]}
 
     try:
@@ -289,6 +290,12 @@ def _nonfinite_job(tmp):
         out["raise"] = str(e)
     out["skip"] = run("skip")
     out["off"] = run(None)
+    try:  # ZeRO-3: each rank holds its shards' gradients only, and the ranks decide together
+        run("raise", zero=3, algorithm="ring")
+        out["zero3 raise"] = None
+    except NonFiniteGradientError as e:
+        out["zero3 raise"] = str(e)
+    out["zero3 skip"] = run("skip", zero=3, algorithm="ring")
     ckpt = os.path.join(tmp, "ckpt")
     run(None, epochs=1, fault=None, checkpoint_dir=ckpt)
     torch.distributed.barrier()
@@ -312,6 +319,17 @@ def nonfinite(tmp_path_factory):
 def test_a_nan_on_one_rank_stops_every_rank_naming_parameter_and_step(nonfinite):
     for r in range(3):
         assert nonfinite[r]["raise"] == f"rank {r}: non-finite gradient in parameter '0.weight' at step 5"
+
+
+def test_with_zero3_a_nan_on_one_rank_stops_or_is_skipped_by_every_rank(nonfinite):
+    for r in range(3):
+        message = nonfinite[r]["zero3 raise"]
+        assert message.startswith(f"rank {r}: non-finite gradient in parameter '") and message.endswith(" at step 5")
+    skip = nonfinite[0]["zero3 skip"]
+    assert sum("skipped" in line for line in skip["logs"]) == 1
+    assert all(torch.isfinite(p).all() for p in skip["params"])
+    for r in range(1, 3):
+        assert all(torch.equal(p, q) for p, q in zip(nonfinite[r]["zero3 skip"]["params"], skip["params"]))
 
 
 def test_a_nan_on_one_rank_is_skipped_by_every_rank(nonfinite):
