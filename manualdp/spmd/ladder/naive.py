@@ -84,8 +84,9 @@ class NaiveDDP(nn.Module):
             other = getattr(p, "_manualdp_rung", lambda: None)()
             if other is not None and any(q is p for q in other.params):
                 raise ValueError(f"rank {self.rank}: {type(self).__name__}: parameter {name} of "
-                                 f"{type(module).__name__} is already averaged by a {type(other).__name__}: wrap a module once, with one rung "
-                                 "(a rung over a rung, or two rungs over one module, would average it twice)")
+                                 f"{type(module).__name__} is already averaged by a {type(other).__name__}: "
+                                 "wrap a module once, with one rung (a rung over a rung, or two rungs over one "
+                                 "module, would average it twice)")
 
     def forward(self, *args, **kwargs):
         if torch.is_grad_enabled():
