@@ -4,8 +4,8 @@ Every rank's fingerprint of its call (size, dtype, algorithm, segment size, call
 schedule it runs, which collective and its root, the caller's step) goes to every rank in
 fixed-size header messages (`everyone_hears_everyone`: at two ranks one each way at once).
 Headers of fixed size pair safely whatever the calls: a receive posted for another size than its
-send makes gloo abort, so only they may be exchanged before the ranks know they agree. Then every rank compares the same table and raises, or not,
-alike.
+send makes gloo abort, so only they may be exchanged before the ranks know they agree. Then every
+rank compares the same table and raises, or not, alike.
 
 Two ways to run it:
 - alone, before any data moves (`same_call`): one round trip more per call. Used where there
