@@ -65,8 +65,8 @@ class Coordinator:
 def connect(host: str, port: int, timeout: float) -> dist.Store:
     """A new connection to the coordinator's store, its keys below `PREFIX`; each wait on it gives up after `timeout` s.
 
-    One connection serves one thread at a time (a wait holds it), so the heartbeat thread and
-    each process group get their own (`store.clone()`).
+    One connection serves one thread at a time (a wait holds it), so the heartbeat thread gets
+    its own (`store.clone()`).
     """
     int_between("port", port, 1, 65535)
     seconds = timeout_seconds("timeout", timeout)

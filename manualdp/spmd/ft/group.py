@@ -1,9 +1,11 @@
 """A process group per quorum: the members' gloo group, re-formed when the membership changes.
 
 A quorum names a group by number (`quorum.group_for`); the members meet in the coordinator's
-store under `group/N`, so that a new group never sees an old one's keys, each on a connection
-of its own (gloo's rendezvous waits on it), and connect to each other as gloo does for
-`init_process_group`. The member's index in the quorum (sorted by id) is its rank.
+store under `group/N`, so that a new group never sees an old one's keys, and connect to each
+other as gloo does for `init_process_group`. The member's index in the quorum (sorted by id)
+is its rank. They meet on the manager's own connection to the store, not a new one per group:
+torch 2.13's store client now and then takes 5 s to connect (a connect that waits for a wake-up
+it missed), which a group re-formed after a failure should not pay.
 
 Why the process's default group, re-made by `destroy_process_group` and `init_process_group`,
 and not a `ProcessGroupGloo` built by hand: our collectives (`manualdp.spmd.collectives`) find
@@ -28,7 +30,7 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
     Every wait of the group (its rendezvous, each send and receive) gives up after `timeout` s.
     """
     drop_group()
-    meeting = dist.PrefixStore(f"group/{group}", store.clone())
+    meeting = dist.PrefixStore(f"group/{group}", store)  # only this thread uses it, and gloo only while it connects
     dist.init_process_group("gloo", store=meeting, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
 

@@ -47,9 +47,10 @@ class Heartbeat:
         self._thread.start()
 
     def _beat(self) -> None:
+        store = self._store
         while not self._stopped.wait(self._interval):
             try:
-                self._store.add(self._key, 1)
+                store.add(self._key, 1)
             except Exception:  # noqa: S110 - the coordinator is gone: the main thread's next wait says so
                 pass
 
@@ -62,6 +63,7 @@ class Heartbeat:
                 self._store.set(self._key, "-1")
             except Exception:  # noqa: S110 - nobody is left to tell
                 pass
+        self._store = None  # close the connection: a store shutting down waits for its open ones
 
 
 class Liveness:
