@@ -1,0 +1,57 @@
+"""A replica stopped (SIGSTOP) past the deadline is dropped and taken back when it wakes; too few replicas wait."""
+import json
+import os
+import signal
+import time
+
+import torch
+
+from tests.spmd.ft.harness import committed_steps, reference_ddp, replicas
+
+
+def records(run, rid, n=0):
+    path = run.outs[rid][n].with_suffix(".jsonl")
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_a_stopped_replica_is_dropped_past_the_deadline_and_rejoins_when_it_wakes(tmp_path):
+    steps, at, pause = 7, 2, 4
+    with replicas(tmp_path) as run:
+        for i, rid in enumerate("abc"):
+            run.start(id=rid, index=i, steps=steps, pause_after=pause, timeout=4,
+                      **({"fault": "stop_forward", "at": at} if rid == "c" else {}))
+        run.wait("a committed step 4 without c", lambda: any(r["step"] == pause for r in records(run, "a")))
+        assert run.procs[2].poll() is None  # c is stopped, not dead
+        os.kill(run.procs[2].pid, signal.SIGCONT)
+        run.wait("c saw its step fail", lambda: len(records(run, "c")) > at)
+        run.set("go", "1")
+        results = run.finish()
+    a, b, c = (results[r][0] for r in "abc")
+    for r in (a, b):
+        attempts = [x for x in r["records"] if x["batch"] == at]
+        assert [(x["members"], x["committed"]) for x in attempts] == [(["a", "b", "c"], False), (["a", "b"], True)]
+    assert [(x["batch"], x["committed"]) for x in c["records"]][at:at + 2] == [(at, False), (pause, True)]
+    assert [x["step"] for x in c["recoveries"]] == [0, pause]  # a's fresh model at the start, then step 4
+    steps_seen = committed_steps(results)
+    for seen in steps_seen.values():
+        assert len(set(seen["sha256"].values())) == 1 and set(seen["sha256"]) == set(seen["members"])
+    assert a["sha256"] == b["sha256"] == c["sha256"]
+    expected = reference_ddp(steps_seen, seed=0, config={})
+    torch.testing.assert_close(torch.tensor(c["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)
+
+
+def test_below_min_replicas_the_first_waits_then_both_go_on(tmp_path):
+    with replicas(tmp_path) as run:
+        run.start(id="a", index=0, steps=3, min_replicas=2)
+        run.wait("a asked for a quorum", lambda: run.key("round/1/asks") is not None)
+        time.sleep(1.0)
+        assert run.key("round/1/quorum") is None  # alone, below its minimum: no quorum
+        run.start(id="b", index=1, steps=3, min_replicas=2)
+        results = run.finish()
+    a, b = results["a"][0], results["b"][0]
+    assert a["records"][0]["waited"] >= 1.0 and a["records"][0]["members"] == ["a", "b"]
+    assert all(r["committed"] for r in a["records"] + b["records"])
+    assert a["sha256"] == b["sha256"]
+    assert b["recoveries"][0]["source"] == "a" and b["recoveries"][0]["step"] == 0  # a's fresh model is everyone's
+    expected = reference_ddp(committed_steps(results), seed=0, config={})
+    torch.testing.assert_close(torch.tensor(b["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)
