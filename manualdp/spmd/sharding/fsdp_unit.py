@@ -159,6 +159,7 @@ class Unit:
         self.order: list[Unit] = []       # units in the order their forward began, this step
         self.last_order: list[Unit] = []  # the same, last step (forward prefetch follows it)
         self.in_backward = False
+        self.failure: Exception | None = None  # a collective of the tree that raised: the later ones raise it too
 
     # ---------------------------------------------------------------- layout
 
@@ -253,13 +254,25 @@ class Unit:
             self.gathered = True
             # the tail's count: all-gathers so far (mod 64), and whether this one is for backward
             count = (self.gathers % 64) * 2 + (_inside_backward() or self.top().in_backward)
-            self.gathering = self.worker.submit(self._all_gather, jobs, count, why)
+            self.gathering = self.worker.submit(self._in_line, self._all_gather, jobs, count, why)
         if wait:
             if self.gathering is not None:
                 future, self.gathering = self.gathering, None
                 with self._span(f"wait all_gather {self.name}", "compute", "wait"):
                     future.result()
             self.use(full=True)
+
+    def _in_line(self, job, *args):  # on the worker thread
+        """Run `job` unless a collective of this tree failed before: the ranks are out of step since, and the job
+        would wait for peers in vain; it raises that failure instead, at once (and records its own)."""
+        top = self.top()
+        if top.failure is not None:
+            raise top.failure
+        try:
+            return job(*args)
+        except Exception as e:
+            top.failure = e
+            raise
 
     @torch.no_grad()
     def _all_gather(self, jobs, count: int, why: str) -> None:  # on the worker thread
@@ -329,7 +342,8 @@ class Unit:
                 p.full.grad = None
         self.accumulating = False
         self.reduces += 1
-        self.reduced, self.reducing = True, self.worker.submit(self._reduce_scatter, jobs, (self.reduces % 64) * 2)
+        self.reduced, self.reducing = True, self.worker.submit(self._in_line, self._reduce_scatter, jobs,
+                                                               (self.reduces % 64) * 2)
 
     @torch.no_grad()
     def _reduce_scatter(self, jobs, count: int) -> list:  # on the worker thread
@@ -467,9 +481,28 @@ class Unit:
                     u.keep_gradients()
             for u in units:
                 u.take_gradients()
-        finally:
+        except BaseException:
             self.in_backward = False
-            self.end_step(after_backward=True)
+            self.abandon()  # raise what went wrong first, not what the collectives queued behind it run into
+            raise
+        self.in_backward = False
+        self.end_step(after_backward=True)
+
+    def abandon(self) -> None:
+        """(The outermost unit) forget a step that raised, without waiting for the collectives queued behind the
+        failed one: after a refused call the ranks are out of step, and those would wait for a peer in vain.
+        A unit whose all-gather is still queued keeps its full memory until that all-gather ends (the next
+        forward waits for it: it writes there)."""
+        for u in self.tree():
+            if u.gathering is None:
+                u.free()
+            u.ready, u.reduced, u.seen, u.reducing, u.accumulating = 0, False, False, None, False
+            for p in u.params:
+                if p.full is not None:
+                    p.full.grad = None
+                p.accumulated = None
+        if self.order:
+            self.last_order, self.order = self.order, []
 
     def end_step(self, after_backward: bool = False) -> None:
         """(The outermost unit) every unit lets go of its full parameters; the next forward follows this order."""
