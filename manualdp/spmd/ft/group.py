@@ -30,7 +30,7 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
     Every wait of the group (its rendezvous, each send and receive) gives up after `timeout` s.
     """
     drop_group()
-    meeting = dist.PrefixStore(f"group/{group}", store)  # only this thread uses it, and gloo only while it connects
+    meeting = dist.PrefixStore(f"group/{group}", store.clone())
     dist.init_process_group("gloo", store=meeting, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
 

@@ -25,7 +25,7 @@ from .commit import commit_or_discard
 from .coordinator import connect
 from .group import drop_group, form_group
 from .heartbeat import Heartbeat, Liveness, register
-from .quorum import Member, Quorum, wait_for_quorum
+from .quorum import PATIENCE, Member, Quorum, wait_for_quorum
 from .recovery import forget_state, plan_recovery, receive_state, send_state
 
 __all__ = ["Manager"]
@@ -39,9 +39,10 @@ class Manager:
             again under the same name is the same replica come back.
         host, port: where the coordinator's store listens (`Coordinator`).
         min_replicas: train only in a quorum of at least this many; fewer, and
-            `start_step` waits (up to `timeout`, then raises TimeoutError).
-        timeout: seconds that any one wait may last: for a quorum, for a peer in the
-            allreduce, for the votes, for the state of a recovery.
+            `start_step` waits, and raises TimeoutError once fewer than that many replicas
+            have been alive for `timeout` seconds (or after `PATIENCE` timeouts in all).
+        timeout: seconds that any one wait may last: for a peer in the allreduce, for the
+            votes, for the state of a recovery, for enough live replicas.
         quorum_timeout: seconds a quorum waits for a live replica that has not asked to be
             in it: the deadline past which a slow replica is left out of the step.
         heartbeat_interval, heartbeat_timeout: this replica beats every `interval` s; a
@@ -104,16 +105,16 @@ class Manager:
         """Agree on this step's quorum; receive the state if behind; join the quorum's group. Returns the quorum.
 
         A member that fails while the group forms or the state passes fails the round for all
-        (its vote is "discard"), and this replica asks again, until `timeout` has passed.
+        (its vote is "discard"), and this replica asks again, for up to `PATIENCE` timeouts.
         """
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
         if self._sent is not None:  # the receivers of that round have read it, or given up
             forget_state(self.store, self._sent, self.id)
             self._sent = None
         while True:
             me = Member(self.id, self.step, self.synced, self._group, self.min_replicas)
             quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout, self.timeout,
-                                     deadline)
+                                     started)
             self._round, self.quorum, self._in_step = quorum.round, quorum, True
             try:
                 received = self._exchange_state(quorum)
@@ -122,10 +123,10 @@ class Manager:
                     form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
                     self._group = (quorum.group, len(quorum.members))
             except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
-                self.last_error = e
+                self.last_error = _without_traceback(e)
                 self.should_commit(False)
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"replica {self.id!r}: no step could start within {self.timeout:g} s; "
+                if time.monotonic() - started > PATIENCE * self.timeout:
+                    raise TimeoutError(f"replica {self.id!r}: no step could start within {PATIENCE * self.timeout:g} s; "
                                        f"the last attempt failed with: {e}") from e
                 continue
             if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does
@@ -165,7 +166,7 @@ class Manager:
         except ValueError:
             raise  # the members called it differently (another model?): a bug to fix, not a fault to ride out
         except RuntimeError as e:  # PeerError, or gloo's own: a member died or hangs
-            self.last_error, self._ok = e, False
+            self.last_error, self._ok = _without_traceback(e), False
             return False
         tensor.div_(len(self.quorum.members))
         return True
@@ -204,3 +205,12 @@ class Manager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _without_traceback(error: BaseException) -> BaseException:
+    """`error` and its causes without their tracebacks: kept, those frames would keep a failed group's sends alive."""
+    seen = error
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return error

@@ -12,7 +12,9 @@ agreed one, the process group it holds, and its `min_replicas`. Then it watches 
    replica that misses it is out). It writes its proposal with `compare_set`, which keeps
    the first one written: whoever wrote first, every replica reads the same quorum.
 
-Below `min_replicas` it keeps waiting, up to the manager's `timeout`, then raises.
+Below `min_replicas` it keeps waiting while enough replicas are alive (one may be finishing a
+failed step: an allreduce and a vote, each bounded by `timeout`), up to `PATIENCE` timeouts in
+all; it raises once fewer than `min_replicas` have been alive for `timeout` seconds.
 
 The quorum also names the process group (`group_for`): the one its members already share, if
 they all hold the same one and nobody else is in; else a new one, numbered by the round. So
@@ -28,9 +30,10 @@ import torch.distributed as dist
 
 from .heartbeat import Liveness, registered
 
-__all__ = ["Member", "Quorum", "decide", "group_for", "wait_for_quorum", "POLL"]
+__all__ = ["Member", "Quorum", "decide", "group_for", "wait_for_quorum", "POLL", "PATIENCE"]
 
 POLL = 0.005  # seconds between two looks at the store while waiting
+PATIENCE = 3  # timeouts a replica waits for a quorum in all: a live one may spend one in a failed allreduce, one voting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +124,15 @@ def _first_open_round(store: dist.Store, after: int) -> int:
 
 
 def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: int, quorum_timeout: float,
-                    timeout: float, deadline: float) -> Quorum:
+                    timeout: float, started: float) -> Quorum:
     """Ask in the first open round after `after` until a quorum with `me` in it is decided; return it.
 
-    `deadline` (time.monotonic()) bounds the whole wait: past it, TimeoutError says who asked and who is alive.
+    TimeoutError, saying who asked and who is alive, once fewer than the replicas needed have
+    been alive for `timeout` s, or `PATIENCE * timeout` s after `started` (time.monotonic()).
     """
     round_ = _first_open_round(store, after)
     store.append(f"round/{round_}/asks", json.dumps(dataclasses.asdict(me)) + "\n")
-    asked = time.monotonic()
+    asked, short_since = time.monotonic(), None
     while True:
         quorum = _decided(store, round_)
         if quorum is not None:
@@ -146,8 +150,9 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
             if store.compare_set(f"round/{round_}/quorum", "", proposal.to_json()) == proposal.to_json().encode():
                 store.set("latest", str(round_))  # a hint for replicas that join later: rounds up to here are decided
             continue
-        if time.monotonic() > deadline:
-            need = max(m.min_replicas for m in asks.values())
+        now, need = time.monotonic(), max(m.min_replicas for m in asks.values())
+        short_since = (short_since or now) if len(live) < need else None
+        if (short_since is not None and now - short_since > timeout) or now - started > PATIENCE * timeout:
             raise TimeoutError(
                 f"replica {me.id!r}: no quorum of at least {need} replicas within {timeout:g} s "
                 f"(round {round_}: asked {sorted(asks)}, alive {sorted(live)}): start more replicas, "

@@ -4,7 +4,7 @@ It trains a float64 MLP on synthetic regression batches: batch b is the same on 
 (`batch(b)`), and replica `index` trains on its fixed quarter of it (`my_shard`). The config
 says when to fail: `kill_forward` / `stop_forward` (SIGKILL / SIGSTOP itself in forward at
 batch `at`), `kill_allreduce` (SIGKILL itself right after its first message of that batch's
-allreduce), and when to pause (after committing step `pause_after`, until the test writes
+allreduce), `fail_allreduce` (that message fails, and the replica lives on), and when to pause (after committing step `pause_after`, until the test writes
 `go` to the store). It writes what it did as JSON: every attempt (round, members, committed,
 the parameters' SHA-256 after a committed step) one line each as it goes (OUT + "l"), then at
 the end its recoveries and final parameters (OUT).
@@ -64,6 +64,20 @@ def die_in_first_send(sig):
     dist.ProcessGroup.send = send
 
 
+def fail_first_send():
+    """The next message this process sends fails with a gloo-like error; it stays alive and votes."""
+    import torch.distributed as dist
+    original, armed = dist.ProcessGroup.send, [True]
+
+    def send(self, *args, **kwargs):
+        if armed:
+            armed.clear()
+            raise RuntimeError("[injected] Connection reset by peer")
+        return original(self, *args, **kwargs)
+
+    dist.ProcessGroup.send = send
+
+
 def main(config: dict) -> None:
     torch.set_num_threads(1)
     from manualdp.spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
@@ -94,6 +108,9 @@ def main(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill_forward" else signal.SIGSTOP)
         if fault == "kill_allreduce" and b == at:
             die_in_first_send(signal.SIGKILL)
+        if fault == "fail_allreduce" and b == at:
+            at = None
+            fail_first_send()
         out = model[4](model[3](model[2](hidden)))
         loss = ((out - y) ** 2).mean()
         loss.backward()

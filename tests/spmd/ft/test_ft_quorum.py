@@ -87,7 +87,7 @@ def ask(connect_, rid, after=0, quorum_timeout=5.0, timeout=10.0, min_replicas=1
     start = time.monotonic()
     try:
         return wait_for_quorum(s, member(rid, min_replicas=min_replicas), Liveness(s, heartbeat_timeout), after,
-                               quorum_timeout, timeout, start + timeout)
+                               quorum_timeout, timeout, start)
     finally:
         if took is not None:
             took.append(time.monotonic() - start)

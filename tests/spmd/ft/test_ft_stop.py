@@ -40,6 +40,22 @@ def test_a_stopped_replica_is_dropped_past_the_deadline_and_rejoins_when_it_wake
     torch.testing.assert_close(torch.tensor(c["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)
 
 
+def test_an_allreduce_that_fails_on_a_live_replica_is_discarded_everywhere_and_taken_again(tmp_path):
+    with replicas(tmp_path) as run:
+        # timeout 4: a waits that long for b's part (gloo keeps a group's connections open after b leaves it)
+        run.start(id="a", index=0, steps=4, timeout=4)
+        run.start(id="b", index=1, steps=4, fault="fail_allreduce", at=2, timeout=4)
+        results = run.finish()
+    a, b = results["a"][0], results["b"][0]
+    for r in (a, b):
+        assert [(x["batch"], x["members"], x["committed"]) for x in r["records"]] == [
+            (0, ["a", "b"], True), (1, ["a", "b"], True), (2, ["a", "b"], False), (2, ["a", "b"], True),
+            (3, ["a", "b"], True)]
+    assert a["sha256"] == b["sha256"]
+    expected = reference_ddp(committed_steps(results), seed=0, config={})
+    torch.testing.assert_close(torch.tensor(a["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)
+
+
 def test_below_min_replicas_the_first_waits_then_both_go_on(tmp_path):
     with replicas(tmp_path) as run:
         run.start(id="a", index=0, steps=3, min_replicas=2)
