@@ -1,4 +1,4 @@
-"""Who is alive: each replica adds 1 to its counter in the store every `interval`; a counter that stops is a replica gone.
+"""Who is alive: each replica adds 1 to its counter in the store every `interval`; a counter that stops: gone.
 
 A counter, not a time stamp: the replicas' clocks need not agree. Each observer notes, on its
 own clock, when it last saw a counter move (`Liveness`); one that has not moved for `timeout`

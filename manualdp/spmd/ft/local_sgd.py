@@ -41,7 +41,7 @@ __all__ = ["LocalSGD", "DiLoCo"]
 
 
 class LocalSGD(nn.Module):
-    """`sync_every` (H) optimizer steps alone, then the parameters averaged over the quorum (see the module's docstring)."""
+    """`sync_every` (H) optimizer steps alone, then the parameters averaged over the quorum (module docstring)."""
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, manager: Manager, sync_every: int) -> None:
         super().__init__()

@@ -82,7 +82,8 @@ class Manager:
 
     # ------------------------------------------------------------ the state a joiner receives
 
-    def register_state(self, name: str, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], object]) -> None:
+    def register_state(self, name: str, state_dict: Callable[[], dict],
+                       load_state_dict: Callable[[dict], object]) -> None:
         """Add `name` to what a recovering replica receives: `state_dict()` here, `load_state_dict(...)` there."""
         a_callable("state_dict", state_dict)
         a_callable("load_state_dict", load_state_dict)
@@ -126,7 +127,8 @@ class Manager:
                 self.last_error = _without_traceback(e)
                 self.should_commit(False)
                 if time.monotonic() - started > PATIENCE * self.timeout:
-                    raise TimeoutError(f"replica {self.id!r}: no step could start within {PATIENCE * self.timeout:g} s; "
+                    raise TimeoutError(f"replica {self.id!r}: no step could start within "
+                                       f"{PATIENCE * self.timeout:g} s; "
                                        f"the last attempt failed with: {e}") from e
                 continue
             if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does

@@ -62,7 +62,7 @@ def forget_state(store: dist.Store, round_: int, source: str) -> None:
 
 
 def receive_state(store: dist.Store, round_: int, source: str, timeout: float) -> tuple[dict, str]:
-    """The state `source` sent for `round_`, and its SHA-256, checked; `RecoveryError` after `timeout` s or on a bad sum."""
+    """The state `source` sent for `round_` and its SHA-256, checked; RecoveryError after `timeout` s or if damaged."""
     key = _key(round_, source)
     deadline = time.monotonic() + timeout
     while not store.check([key + "/sha256"]):

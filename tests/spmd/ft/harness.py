@@ -107,7 +107,7 @@ def committed_steps(results: dict[str, list[dict]]) -> dict[int, dict]:
                 if not r["committed"]:
                     continue
                 seen = steps.setdefault(r["batch"], {"members": r["members"], "sha256": {}})
-                assert seen["members"] == r["members"], f"batch {r['batch']}: members {seen['members']} and {r['members']}"
+                assert seen["members"] == r["members"], (r["batch"], seen["members"], r["members"])
                 seen["sha256"][rid] = r["sha256"]
     return steps
 

@@ -1,13 +1,14 @@
 """One replica of the fault-tolerance tests, run as its own process: `python -m tests.spmd.ft.replica CONFIG_JSON`.
 
 It trains a float64 MLP on synthetic regression batches: batch b is the same on every replica
-(`batch(b)`), and replica `index` trains on its fixed quarter of it (`my_shard`). The config
+(`batch(b)`), and replica `index` trains on its fixed third of it (`my_shard`). The config
 says when to fail: `kill_forward` / `stop_forward` (SIGKILL / SIGSTOP itself in forward at
 batch `at`), `kill_allreduce` (SIGKILL itself right after its first message of that batch's
-allreduce), `fail_allreduce` (that message fails, and the replica lives on), and when to pause (after committing step `pause_after`, until the test writes
-`go` to the store). It writes what it did as JSON: every attempt (round, members, committed,
-the parameters' SHA-256 after a committed step) one line each as it goes (OUT + "l"), then at
-the end its recoveries and final parameters (OUT).
+allreduce), `fail_allreduce` (that message fails, and the replica lives on), and when to
+pause (after committing step `pause_after`, until the test writes `go` to the store). It
+writes what it did as JSON: every attempt (round, members, committed, the parameters' SHA-256
+after a committed step) one line each as it goes (OUT + "l"), then at the end its recoveries
+and final parameters (OUT).
 """
 import hashlib
 import json

@@ -1,4 +1,4 @@
-"""3 replicas; one killed (SIGKILL) in the middle of training; the other two go on; the killed one, restarted, rejoins."""
+"""3 replicas; one killed (SIGKILL) in the middle of training, the other two go on; restarted, it rejoins."""
 import pytest
 import torch
 
