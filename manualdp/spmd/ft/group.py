@@ -3,9 +3,10 @@
 A quorum names a group by number (`quorum.group_for`); the members meet in the coordinator's
 store under `group/N`, so that a new group never sees an old one's keys, and connect to each
 other as gloo does for `init_process_group`. The member's index in the quorum (sorted by id)
-is its rank. They meet on the manager's own connection to the store, not a new one per group:
-torch 2.13's store client now and then takes 5 s to connect (a connect that waits for a wake-up
-it missed), which a group re-formed after a failure should not pay.
+is its rank. They meet on a connection of their own (gloo's rendezvous waits on it, and the
+group keeps it), so the manager's connection is never shared with gloo's threads. The price:
+torch 2.13's store client now and then takes 5 s to connect (a connect that waits for a
+wake-up it missed), once per re-formed group at most.
 
 Why the process's default group, re-made by `destroy_process_group` and `init_process_group`,
 and not a `ProcessGroupGloo` built by hand: our collectives (`manualdp.spmd.collectives`) find
@@ -14,6 +15,10 @@ only `init_process_group` and `new_group` fill, and `new_group` needs every rank
 group, dead ones included. A process may destroy its default group and make another as often
 as it likes; on one machine a re-formed group of 3 is ready in a few milliseconds. The price:
 a replica is one process that uses no other default group of its own.
+
+Leaving a group does not close its connections (torch 2.13's gloo keeps them open): a member
+whose step failed while it lives on costs the others one `timeout` in their allreduce, where
+a member that died costs them nothing (the system closes a dead process's connections).
 """
 from __future__ import annotations
 
@@ -36,6 +41,6 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
 
 
 def drop_group() -> None:
-    """Leave the group this process holds: a peer still waiting on it is told at once (its connection closes)."""
+    """Leave the group this process holds (its peers are not told: see the module's docstring)."""
     if dist.is_initialized():
         dist.destroy_process_group()
