@@ -240,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"no figure named {', '.join(unknown)}; the figures: {', '.join(FIGURES)}")
     problem = output_problem(args.out, 16 << 20, folder=True)  # before any work, as `manualdp train` checks its outputs
+    if problem is None and os.path.islink(args.out) and not os.path.exists(args.out):
+        problem = "it is a symlink to nothing (a folder cannot be made there)"
+    taken = [n for n in args.names or FIGURES if os.path.isdir(os.path.join(args.out, n))]
+    if problem is None and taken:
+        problem = f"{taken[0]} in it is a folder, where the figure of that name would go"
     if problem:
         parser.error(f"--out {args.out!r}: {problem}")
     for path in build(args.out, args.fast, args.names):

@@ -50,14 +50,22 @@ def run_schedule(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
 def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     """Run `schedule` on checked `tensors`: every transfer is one slice copied, or added, between devices.
 
-    Two checks stay here, cheap enough for every call: one tensor per device of the schedule, and no
-    bool tensors where it adds (True + True is True to torch, so five Trues would sum to True).
+    The checks that stay here are cheap enough for every call: one tensor per device of the schedule,
+    all of one size, and no bool tensor where it adds (True + True is True to torch, so five Trues
+    would sum to True).
     """
     if len(tensors) != schedule.num_devices:
         raise ValueError(f"schedule {schedule.algorithm!r} is for {schedule.num_devices} devices, "
                          f"got {len(tensors)} tensors")
-    if tensors[0].dtype == torch.bool and any(t.reduce for rnd in schedule.rounds for t in rnd):
-        check_summable(tensors[0], "tensors[0]")  # refuses it, as allreduce does
+    sums = any(t.reduce for rnd in schedule.rounds for t in rnd)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"tensors[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if sums and t.dtype == torch.bool:
+            check_summable(t, f"tensors[{i}]")  # refuses it, as allreduce does
+        if t.numel() != tensors[0].numel():  # before anything is changed
+            raise ValueError(f"tensors[{i}] has {t.numel()} elements and tensors[0] {tensors[0].numel()}: every "
+                             "device's tensor must be of the same size")
     flats = [t.view(-1) if t.is_contiguous() else t.reshape(-1).clone() for t in tensors]
     bounds = chunk_bounds(flats[0].numel(), schedule.num_chunks)
     # Slice once per device and chunk: slicing in every transfer costs as much as adding a small chunk.

@@ -41,8 +41,8 @@ HEADER_TAG = 2 ** 31 - 1  # the headers' tag; unchecked data goes on tag 0, chec
 # compared, named in the error; "step" is a wrapper's count of its steps (-1: a call on its own)
 _FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule", "collective", "root", "step")
 _SIZE, _FLAG = len(_FIELDS), len(_FIELDS) + 1  # then the element size (compared), and the flag (not compared)
-_DTYPES = sorted((torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8, torch.int16,
-                  torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64), key=str)
+# every dtype torch has, each its own number (two unlisted 1-byte types, bool and float8, once looked alike)
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
 _NAMES = sorted((*ALGORITHMS, "auto"))  # every collective's algorithms are allreduce's or among them
 _COLLECTIVES = sorted(COLLECTIVES)
 
