@@ -479,9 +479,6 @@ def test_clip_grad_norm_sees_the_averaged_gradients(n, rung):
         assert got[0] == "ok" and got[1][0] < 1e-5 and got[1][1] < 1e-6, (r, got)
 
 
-@pytest.mark.xfail(strict=True, reason="every parameter keeps a `_manualdp_rung` weakref attribute: pickle.dumps(net) "
-                                       "and torch.save(net) raise TypeError: cannot pickle 'weakref.ReferenceType' "
-                                       "object, on every rank, forever after wrapping")
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("rung", sorted(RUNGS))
 def test_the_wrapped_module_can_be_pickled_and_saved_between_steps(n, rung):
@@ -503,8 +500,6 @@ def test_batchnorm_running_statistics_agree_across_ranks_as_with_torchs_ddp(n, r
         assert torch.equal(out[f"{rung} bn"], res[0][f"{rung} bn"]), (r, "replicas' running_mean differ")
 
 
-@pytest.mark.xfail(strict=True, reason="copy.deepcopy of a rung raises TypeError: cannot pickle "
-                                       "'torch._C._distributed_c10d.Work' object (not a line naming the rung)")
 @pytest.mark.parametrize("n", [2])
 @pytest.mark.parametrize("rung", sorted(RUNGS))
 def test_deepcopy_of_a_rung_works_or_is_refused_in_one_clear_line(n, rung):
@@ -513,10 +508,6 @@ def test_deepcopy_of_a_rung_works_or_is_refused_in_one_clear_line(n, rung):
         assert got[0] == "ok" or ("rank" in got[2] and rung.rstrip("_big") in got[2].lower()), (r, got)
 
 
-@pytest.mark.xfail(strict=True, reason="the rung's post-accumulate hooks hold it alive: after `del model; "
-                                       "gc.collect()` the module is refused by a new rung ('already averaged by a "
-                                       "...') and its plain backward still averages over the ranks instead of "
-                                       "giving the rank's own gradient")
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("rung", sorted(RUNGS))
 def test_a_module_whose_rung_is_gone_is_a_plain_module_again(n, rung):

@@ -36,6 +36,35 @@ from ..transport.plan import DEFAULT_SEGMENT_BYTES
 
 __all__ = ["NaiveDDP"]
 
+# id(parameter) -> (the parameter, the rung that averages it), both held weakly: not on the parameter itself,
+# which must stay picklable (`pickle.dumps(module)`, `torch.save(module)`)
+_RUNGS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _keep_alive(out, rung: "NaiveDDP") -> None:
+    """Let the autograd graph of `out` hold `rung` until backward has run: `NaiveDDP(net)(x).sum().backward()`
+    must average, though no one else holds the rung."""
+    if isinstance(out, torch.Tensor):
+        if out.grad_fn is not None:
+            out.grad_fn.metadata["manualdp_rung"] = rung
+    elif isinstance(out, (list, tuple)):
+        for x in out:
+            _keep_alive(x, rung)
+    elif isinstance(out, dict):
+        for x in out.values():
+            _keep_alive(x, rung)
+
+
+def _weak_hook(rung: "NaiveDDP"):
+    """A gradient hook that calls `rung._on_grad` while the rung lives, and does nothing after."""
+    ref = weakref.ref(rung)
+
+    def hook(p: torch.Tensor) -> None:
+        alive = ref()
+        if alive is not None:
+            alive._on_grad(p)
+    return hook
+
 
 class NaiveDDP(nn.Module):
     """Average the gradients of `module` over the ranks of `group`, one parameter at a time.
@@ -70,9 +99,10 @@ class NaiveDDP(nn.Module):
         broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)
         self.steps = 0  # forward passes with grad enabled so far: compared at every backward (`check_step`)
         self._queued = False  # whether this backward pass has queued `_end_of_backward`
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        # The hooks hold the rung weakly: once it is gone, its module is a plain module again.
+        self._hooks = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for p in self.params]
         for p in self.params:  # so that a second rung over these parameters is refused (`_refuse_wrapped`)
-            p._manualdp_rung = weakref.ref(self)
+            _RUNGS[id(p)] = (weakref.ref(p), weakref.ref(self))
 
     def settings(self) -> dict:
         """What every rank's rung must agree on at construction, besides the model: the rung and its arguments."""
@@ -81,17 +111,29 @@ class NaiveDDP(nn.Module):
     def _refuse_wrapped(self, module: nn.Module) -> None:
         """Refuse a module whose parameters another live rung already averages: each would average them again."""
         for name, p in module.named_parameters():
-            other = getattr(p, "_manualdp_rung", lambda: None)()
+            held, rung = _RUNGS.get(id(p), (lambda: None, lambda: None))
+            other = rung() if held() is p else None
             if other is not None and any(q is p for q in other.params):
                 raise ValueError(f"rank {self.rank}: {type(self).__name__}: parameter {name} of "
                                  f"{type(module).__name__} is already averaged by a {type(other).__name__}: "
                                  "wrap a module once, with one rung (a rung over a rung, or two rungs over one "
                                  "module, would average it twice)")
 
+    def __deepcopy__(self, memo):
+        raise TypeError(f"rank {self.rank}: a {type(self).__name__} cannot be deep-copied (it holds the group's "
+                        "connections): deep-copy its module and wrap the copy")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"rank {self.rank}: a {type(self).__name__} cannot be pickled (it holds the group's "
+                        "connections): save its module's state_dict()")
+
     def forward(self, *args, **kwargs):
-        if torch.is_grad_enabled():
-            self.steps += 1
-        return self.module(*args, **kwargs)
+        if not torch.is_grad_enabled():
+            return self.module(*args, **kwargs)
+        self.steps += 1
+        out = self.module(*args, **kwargs)
+        _keep_alive(out, self)
+        return out
 
     def check_step(self) -> None:
         """Before a backward pass's first allreduce: every rank is at the same step, or every rank raises.

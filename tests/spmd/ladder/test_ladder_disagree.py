@@ -83,8 +83,9 @@ def _job():
         inner = make(Pair(), timeout=20)
         _try(out, f"{name} over a rung", lambda: make(inner, timeout=20) and None)
         net = Pair()
-        make(net, timeout=20)
+        first = make(net, timeout=20)  # kept: a rung no one holds is gone, and its module plain again
         _try(out, f"{name} twice over one module", lambda: NaiveDDP(net, timeout=20) and None)
+        del first
         # after all that, the rung still trains right
         _try(out, f"{name} after", lambda: _steps(make(Pair(), timeout=20), x, steps=2))
     return out
