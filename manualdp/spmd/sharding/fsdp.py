@@ -22,8 +22,8 @@ Where it differs from torch's FSDP2:
 - a weight tied across two units moves to the unit that encloses both (torch's cannot gather it);
 - `reshard_after_forward` as an int smaller than the group (torch's: keep a copy sharded over fewer
   ranks) reshards over all of them: the same numbers, less memory, one more all-gather's latency;
-- ranks that run other units, or one unit more, raise naming the unit (torch's pairs them up);
-  a parameter used on some ranks only gets their sum over all ranks, as DDP would.
+- ranks that run other units, or one unit more, or use a parameter on some ranks only, all raise
+  naming the unit (torch's pairs the collectives up, or hangs).
 Not supported (each refused in one line): a mesh of more than one dimension (HSDP),
 `shard_placement_fn`, `offload_policy`, a list of modules, custom all-gather and reduce-scatter.
 
@@ -44,7 +44,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from ...validate import boolean, initialized, nn_module, timeout_seconds
 from ..transport.agree import agree, broadcast_from_rank0
 from ..transport.peers import group_ranks
-from .fsdp_unit import OWNER, REPLACED, SLOTS, Param, Unit
+from .fsdp_unit import REPLACED, SLOTS, Param, Unit, owner_of, set_owner
 
 __all__ = ["fully_shard", "full_state_dict", "FSDPModule", "UnshardHandle"]
 
@@ -297,7 +297,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
             originals.append(p)
     for param, original in zip(unit.lay_out(laid), originals):
         param.original = original  # what the user's model held: emptied, marked, pointing at its Param
-        setattr(original, OWNER, param)
+        set_owner(original, param)
         setattr(original, REPLACED, True)
         original.data = torch.empty(0, dtype=original.dtype, device=original.device)  # its values are in the shards
     for number, u in enumerate(unit.tree(), 1):
@@ -339,7 +339,11 @@ def _walk(module: nn.Module, ignored: set[int]):
         for attr, p in sub._parameters.items():
             if p is None or id(p) in ignored:
                 continue
-            owner = getattr(p, OWNER, None)  # a Param: a unit holds p, or p is what a unit replaced (a tied weight)
+            owner = owner_of(p)  # a Param: a unit holds p, or p is what a unit replaced (a tied weight)
+            if owner is None and isinstance(p, DTensor):
+                raise ValueError(f"{path + '.' if path else ''}{attr} is a DTensor already (sharded by torch's "
+                                 "fully_shard, or by tensor parallelism): manualdp's fully_shard shards plain "
+                                 "parameters; use one fully_shard for the whole model")
             if owner is not None and p is owner.sharded:
                 unit = sub.__dict__[SLOTS][attr]
                 raise ValueError(f"{path or 'module'} ({type(sub).__name__}) lies inside a module already sharded "

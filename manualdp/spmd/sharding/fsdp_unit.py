@@ -32,7 +32,8 @@ Every segment carries a short tail: the unit's number, how many all-gathers (or 
 run and whether for backward. Ranks that run other units, or one more, see each other's tails and raise, naming the
 unit, instead of mixing two units' numbers. A reduce-scatter's tail also counts, per parameter, the
 ranks that produced a gradient: a parameter no rank used in this step gets no gradient (the
-optimizer skips it, as with torch's FSDP2); one used on some ranks only gets their sum over all ranks.
+optimizer skips it, as with torch's FSDP2). (One used on some ranks only makes those ranks send the
+unit's gradients earlier than the others: the collectives' call check then raises on every rank.)
 
 All the collectives of a process group run in order on its worker thread (`group_worker`),
 so the all-gather of the next unit (prefetch) runs while this one computes: in forward, the
@@ -52,12 +53,40 @@ from ..collectives import all_gather, reduce_scatter
 from ..transport.group import group_worker
 from ..transport.peers import group_ranks
 
-__all__ = ["Unit", "Param", "OWNER", "SLOTS", "REPLACED", "UnitMismatch"]
+__all__ = ["Unit", "Param", "owner_of", "set_owner", "SLOTS", "REPLACED", "UnitMismatch"]
 
-OWNER = "_manualdp_fsdp_unit"  # attribute of a shard parameter: the unit that holds it
+OWNER = "_manualdp_fsdp_owner"  # attribute of a shard, or of an original a shard replaced: its `_Owner`
 SLOTS = "_manualdp_fsdp_slots"  # in a submodule's __dict__: its sharded parameter names -> the unit holding each
 REPLACED = "_manualdp_fsdp_replaced"  # attribute of an original parameter that fully_shard replaced by a shard
 GATHER_TAIL = 2  # each rank's segment of an all-gather ends with (unit number, all-gathers so far)
+
+
+class _Owner:
+    """Points a parameter at its `Param`; pickled or deep-copied, it becomes None: a copy of a shard is a plain
+    DTensor parameter (pickling the `Param` would take its unit and module along)."""
+
+    def __init__(self, param: "Param") -> None:
+        self.param = param
+
+    def __reduce__(self):
+        return _nothing, ()
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def _nothing() -> None:
+    return None
+
+
+def owner_of(t: torch.Tensor) -> "Param | None":
+    """The `Param` that holds `t` (a shard), or that replaced it (an original parameter); None for others."""
+    owner = getattr(t, OWNER, None)
+    return owner.param if isinstance(owner, _Owner) else None
+
+
+def set_owner(t: torch.Tensor, param: "Param") -> None:
+    setattr(t, OWNER, _Owner(param))
 
 
 class UnitMismatch(RuntimeError):
@@ -80,7 +109,7 @@ class Param:
         with torch.no_grad():
             local = value[start:start + self.local_rows].detach().clone()
             self.sharded = nn.Parameter(_sharded(local, mesh, self.shape), requires_grad=requires_grad)
-        setattr(self.sharded, OWNER, self)
+        set_owner(self.sharded, self)
         self.full: nn.Parameter | None = None  # made at the first gather (after `to_empty` on a meta model)
         self.original: nn.Parameter | None = None  # the parameter the user's model held before
         self.accumulated: torch.Tensor | None = None  # gradients kept with sync off, in the reduce dtype
@@ -210,7 +239,7 @@ class Unit:
                 if not isinstance(now, nn.Parameter):
                     now = nn.Parameter(now, requires_grad=p.requires_grad)
                 p.sharded = now
-                setattr(now, OWNER, p)
+                set_owner(now, p)
                 for s, a in p.slots:
                     s._parameters[a] = now
             p.dtype, p.device = p.sharded.dtype, p.sharded.device  # `model.double()` changes them in place
@@ -270,6 +299,13 @@ class Unit:
             raise top.failure
         try:
             return job(*args)
+        except ValueError as e:  # the collectives' call check: the ranks called differently
+            top.failure = UnitMismatch(
+                f"rank {self.rank}: fully_shard's {'all-gather' if job == self._all_gather else 'reduce-scatter'} "
+                f"of unit {self.number} ({type(self.module).__name__}{' ' + self.name if self.name else ''}) met "
+                "another collective on other ranks: every rank must run the same units, and use the same "
+                f"parameters in each, in the same order ({e})")
+            raise top.failure from e
         except Exception as e:
             top.failure = e
             raise
