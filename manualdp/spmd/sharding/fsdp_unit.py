@@ -51,7 +51,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from ..collectives import all_gather, reduce_scatter
 from ..transport.group import group_worker
-from ..transport.peers import group_ranks
+from ..transport.peers import group_ranks, is_refused_alike, refused_alike
 
 __all__ = ["Unit", "Param", "owner_of", "set_owner", "SLOTS", "REPLACED", "UnitMismatch"]
 
@@ -305,6 +305,8 @@ class Unit:
                 f"of unit {self.number} ({type(self.module).__name__}{' ' + self.name if self.name else ''}) met "
                 "another collective on other ranks: every rank must run the same units, and use the same "
                 f"parameters in each, in the same order ({e})")
+            if is_refused_alike(e):  # nothing in flight: the group's worker serves the next model's calls
+                refused_alike(top.failure)
             raise top.failure from e
         except Exception as e:
             top.failure = e
@@ -337,10 +339,12 @@ class Unit:
         if any(t != mine for t in tails):
             per_rank = "; ".join(f"rank {r}: unit {int(t[0])}, {what} {int(t[1]) // 2}"
                                  + (" (backward)" if int(t[1]) % 2 else "") for r, t in enumerate(tails))
-            raise UnitMismatch(f"rank {self.rank}: fully_shard's {what} of unit {self.number} "
-                               f"({type(self.module).__name__}{' ' + self.name if self.name else ''}) met other units "
-                               f"or counts on other ranks ({per_rank} mod 64): every rank must run the same units in "
-                               "the same order, the same number of times")
+            # every rank saw every tail, and the collective is complete: all raise alike, nothing in flight
+            raise refused_alike(UnitMismatch(
+                f"rank {self.rank}: fully_shard's {what} of unit {self.number} "
+                f"({type(self.module).__name__}{' ' + self.name if self.name else ''}) met other units "
+                f"or counts on other ranks ({per_rank} mod 64): every rank must run the same units in "
+                "the same order, the same number of times"))
 
     def free(self) -> None:
         """Give the full parameters' memory back (after the all-gather filling them, if one is running)."""

@@ -887,14 +887,8 @@ def test_ours_over_a_child_that_torchs_fully_shard_sharded_is_refused_in_one_lin
         assert isinstance(first, str) and "\n" not in first and "DTensor" in first, first
 
 
-AFTER_REFUSAL = "after every rank raised (a unit that met another collective), a fresh model on the same group " \
-    "re-raises the old error at its first fully_shard (the group's worker keeps the failure), naming a unit of the " \
-    "model that failed"
 
-
-@pytest.mark.parametrize("what", [pytest.param("one rank param", marks=pytest.mark.xfail(strict=True,
-                                                                                      reason=AFTER_REFUSAL)),
-                                  "over torch's"])
+@pytest.mark.parametrize("what", ["one rank param", "over torch's"])
 @pytest.mark.parametrize("n", [2, 3])
 def test_after_a_refusal_a_fresh_model_on_the_same_group_trains(what, n):
     got = _then_fresh(what, n)
