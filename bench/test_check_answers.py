@@ -21,7 +21,7 @@ import pytest
 
 from manualdp.runners.cli import main
 
-ANSWERS = pathlib.Path(__file__).resolve().parents[1] / "answers"
+ANSWERS = pathlib.Path(__file__).resolve().parents[1] / "tests" / "answers"
 SOLUTIONS = pathlib.Path(__file__).resolve().parents[2] / "book" / "solutions"
 TIMEOUT = 3  # seconds each call may take: the hostile answers that never return cost this much
 SLOW = 60  # seconds a grading may take on a busy machine, startup of two interpreters included
