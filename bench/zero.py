@@ -125,8 +125,11 @@ def _storage_bytes(tensors) -> int:
         if t is None:
             continue
         t = t.to_local() if hasattr(t, "to_local") else t
-        s = t.untyped_storage()
-        seen[s.data_ptr(), s.nbytes()] = s.nbytes()
+        try:
+            s = t.untyped_storage()
+            seen[s.data_ptr(), s.nbytes()] = s.nbytes()
+        except RuntimeError:  # no storage: ZeRO-2's stand-in .grad after backward (the gradient is sharded away)
+            continue
     return sum(seen.values())
 
 
