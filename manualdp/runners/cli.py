@@ -1,4 +1,4 @@
-"""Command line: `manualdp train | explain | check`.
+"""Command line: `manualdp train | explain | check | coordinator`.
 
 The benchmarks are scripts of the repository: `python bench/NAME.py`.
 """
@@ -52,12 +52,51 @@ def _non_negative_int(at_most: int | None = None):
     return parse
 
 
+def _address(text: str) -> tuple[str, int]:
+    from .ft_train import parse_address
+    try:
+        return parse_address(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _replica_id(text: str) -> str:
+    from .ft_train import check_replica_id
+    try:
+        return check_replica_id(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _min_replicas(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if not 1 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"must be from 1 to 4096, got {text}")
+    return value
+
+
+def _port(allow_zero: bool):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+        low = 0 if allow_zero else 1
+        if not low <= value <= 65535:
+            raise argparse.ArgumentTypeError(f"must be from {low} to 65535, got {text}")
+        return value
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `manualdp` argument parser; `explain` and `check` parse their own arguments."""
     parser = argparse.ArgumentParser(prog="manualdp", description="Data-parallel training by hand, on PyTorch.",
                                      epilog="The benchmarks are scripts in a checkout of the repository: "
                                             "python bench/NAME.py")
-    sub = parser.add_subparsers(dest="command", metavar="{train,explain,check}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,explain,check,coordinator}")
     sub.required = True
 
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
@@ -109,6 +148,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per process on the CPU (default: 1 for simulated devices, which take "
                         "turns on small shards; under torchrun, the cores shared among this machine's ranks)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    f = t.add_argument_group("fault tolerance", "each replica one process and one device, started on its own; "
+                                                "they meet at a `manualdp coordinator`")
+    f.add_argument("--fault-tolerant", type=_address, metavar="HOST:PORT",
+                   help="train as one replica of a run that survives replicas that die or hang, meeting the others "
+                        "at the coordinator at HOST:PORT; a replica started again with the same command rejoins")
+    f.add_argument("--replica-id", type=_replica_id, metavar="NAME",
+                   help="this replica's name, unique among the live ones (with --fault-tolerant)")
+    f.add_argument("--min-replicas", type=_min_replicas, default=None, metavar="N",
+                   help="train only in a quorum of at least N replicas; fewer, and wait (default: 1)")
+
+    co = sub.add_parser("coordinator", help="host the store fault-tolerant replicas meet in, until stopped",
+                        description="Host the membership store of `manualdp train --fault-tolerant` until Ctrl-C "
+                                    "or SIGTERM.")
+    co.add_argument("--port", type=_port(allow_zero=True), required=True,
+                    help="TCP port to listen on (0: a free one, printed)")
+    co.add_argument("--host", default="127.0.0.1",
+                    help="the address printed for the replicas (the store listens on every interface; "
+                         "default 127.0.0.1)")
 
     e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
     e.add_argument("rest", nargs=argparse.REMAINDER)
@@ -133,10 +190,37 @@ def main(argv: list[str] | None = None) -> int:
                              f"from a checkout of the repository, run python bench/NAME.py")
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "coordinator":
+        return run_coordinator(args.port, args.host)
     problem = check_train_args(args)
     if problem:
         parser.exit(2, f"manualdp train: error: {problem}\n")
+    if args.fault_tolerant:
+        return run_replica(args)
     return run_train(args)
+
+
+def run_coordinator(port: int, host: str = "127.0.0.1") -> int:
+    """`manualdp coordinator`: host the store until SIGINT or SIGTERM; 0 when stopped so, 1 if it cannot listen."""
+    import signal
+
+    from ..spmd.ft import Coordinator
+
+    try:
+        coordinator = Coordinator(port, host)
+    except (RuntimeError, OSError) as e:  # the port is taken, or not ours to take
+        sys.stderr.write(f"manualdp coordinator: error: cannot listen on port {port}: {_one_line(e)}\n")
+        return 1
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    print(f"coordinator listening on {host}:{coordinator.port}; replicas: manualdp train --fault-tolerant "
+          f"{host}:{coordinator.port} --replica-id NAME", flush=True)
+    coordinator.serve()  # returns on KeyboardInterrupt, and closes the store
+    print("coordinator stopped", flush=True)
+    return 0
 
 
 def check_train_args(args) -> str | None:
@@ -146,6 +230,9 @@ def check_train_args(args) -> str | None:
     if (args.checkpoint_every or args.resume) and args.checkpoint_dir is None:
         return "--checkpoint-every and --resume need --checkpoint-dir"
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    problem = _fault_tolerant_problem(args, world_size)
+    if problem:
+        return problem
     if world_size > 1 and args.devices is not None and args.devices != world_size:
         return (f"--devices {args.devices} under torchrun, which started {world_size} ranks: every rank is one device; "
                 "leave --devices out, or start torchrun with that many processes")
@@ -179,6 +266,33 @@ def check_train_args(args) -> str | None:
             check_checkpoint_dir(args.checkpoint_dir, args.resume)
         except ValueError as e:
             return f"--checkpoint-dir: {e}"
+    return None
+
+
+def _fault_tolerant_problem(args, world_size: int) -> str | None:
+    """What does not go with `--fault-tolerant` (or needs it), in one line; None if nothing."""
+    if not args.fault_tolerant:
+        given = [o for o, v in (("--replica-id", args.replica_id), ("--min-replicas", args.min_replicas))
+                 if v is not None]
+        return f"{' and '.join(given)} need --fault-tolerant HOST:PORT" if given else None
+    if world_size > 1:
+        return ("--fault-tolerant under torchrun: torchrun stops every rank when one dies; start each replica "
+                "with its own `manualdp train --fault-tolerant` instead")
+    if args.replica_id is None:
+        return "--fault-tolerant needs --replica-id NAME, unique among the replicas"
+    refused = [("--zero", args.zero is not None, "the replicas hold whole copies"),
+               ("--devices", args.devices not in (None, 1), "each replica is one process and one device"),
+               ("--algorithm auto", args.algorithm == "auto", "each new quorum would measure the link again; "
+                                                              "pass naive, ring, tree, ..."),
+               ("--bucket-mb", args.bucket_mb is not None, "the gradients go in one flat buffer per dtype"),
+               ("--checkpoint-dir", args.checkpoint_dir is not None, "a replica that comes back receives the state "
+                                                                     "from the others"),
+               ("--trace", args.trace is not None, "no timeline yet"),
+               ("--nonfinite", args.nonfinite not in (None, "off"), "no guard yet: pass --nonfinite off or leave "
+                                                                   "it out")]
+    for option, bad, why in refused:
+        if bad:
+            return f"{option} with --fault-tolerant: {why}"
     return None
 
 
@@ -386,6 +500,65 @@ def run_train(args) -> int:
             write(path)
             print(f"wrote {path}")
         except OSError as e:  # the disk filled or went read-only while training
+            _error(f"{option}: cannot write {path}: {_one_line(e)}")
+            failed = 1
+    return failed
+
+
+def run_replica(args) -> int:
+    """`manualdp train --fault-tolerant`: one replica, training through the failures of the others."""
+    import torch
+
+    from ..spmd.ft import Manager
+    from ..support import data, models
+    from .ft_train import train_replica
+
+    torch.set_num_threads(cpu_threads(args.threads, 1))
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
+    torch.manual_seed(args.seed)
+    try:
+        train_iter, test_iter = data.load_data(args.dataset, args.batch_size, data_dir=args.data_dir,
+                                               seed=args.seed, download=args.download,
+                                               num_train=args.num_train, num_test=args.num_test)
+    except (OSError, RuntimeError, ValueError) as e:
+        hint = " (or pass --download)" if isinstance(e, FileNotFoundError) and not args.download else ""
+        _error(f"{e}{hint}")
+        return 2
+    epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
+    net = models.get_model(args.model)
+    host, port = args.fault_tolerant
+    timeout = args.timeout if args.timeout is not None else 60.0
+    try:
+        manager = Manager(args.replica_id, host, port, min_replicas=args.min_replicas or 1, timeout=timeout,
+                          quorum_timeout=min(10.0, timeout), algorithm=args.algorithm or "ring")
+    except (RuntimeError, OSError) as e:  # nobody listens there, or not within the timeout
+        _error(f"replica {args.replica_id!r}: cannot reach the coordinator at {host}:{port}: {_one_line(e)}")
+        return 1
+    try:
+        history = train_replica(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
+                                **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
+    except TimeoutError as e:  # too few replicas for too long
+        _error(_one_line(e))
+        return 1
+    except RuntimeError as e:  # the coordinator is gone, or a state that does not fit this model
+        _error(f"replica {args.replica_id!r}: {_one_line(e)}")
+        return 1
+    finally:
+        manager.close()
+    ft = history.config["fault_tolerant"]
+    print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
+          f"test acc {history.test_acc[-1]:.3f}")
+    print(f"replica {args.replica_id}: {sum(r['committed'] for r in ft['steps'])} steps committed, "
+          f"{sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) received; "
+          f"parameters sha256 {ft['parameters_sha256'][:16]}")
+    failed = 0
+    for option, path, write in (("--json", args.json, history.to_json), ("--plot", args.plot, history.plot)):
+        if path is None:
+            continue
+        try:
+            write(path)
+            print(f"wrote {path}")
+        except OSError as e:
             _error(f"{option}: cannot write {path}: {_one_line(e)}")
             failed = 1
     return failed

@@ -73,16 +73,22 @@ class Liveness:
         self._store = store
         self._timeout = timeout
         self._seen: dict[str, tuple[bytes, float]] = {}  # id -> (last counter value seen, when it was first seen)
+        self._looked: float | None = None  # when this observer last looked
 
     def live(self, ids: list[str]) -> set[str]:
         """The ids among `ids` whose replica is alive now, as far as this observer can tell.
 
         A counter seen for the first time counts as moving now: a replica is given `timeout`
-        seconds before it is called dead.
+        seconds before it is called dead. So does every counter after this observer itself did
+        not look for `timeout` s (it was stopped, or swapped out): its own silence says nothing
+        of the others, who may have been stopped with it.
         """
         if not ids:
             return set()
         now = time.monotonic()
+        if self._looked is not None and now - self._looked > self._timeout:
+            self._seen.clear()
+        self._looked = now
         alive = set()
         for replica, value in zip(ids, self._store.multi_get([f"heartbeat/{r}" for r in ids])):
             last, since = self._seen.get(replica, (None, now))

@@ -1,0 +1,217 @@
+"""One replica of a run that trains through failures: `manualdp train --fault-tolerant` and `manualdp coordinator`.
+
+    manualdp coordinator --port 29510                        # once; it hosts the store until stopped
+    manualdp train --fault-tolerant 127.0.0.1:29510 --replica-id a --min-replicas 2   # one per replica
+    manualdp train --fault-tolerant 127.0.0.1:29510 --replica-id b --min-replicas 2
+
+Each replica is one process and one device. Step `s` trains on global batch `s` of the run
+(the loader's order, the same on every replica and as in the one-process loop: `_Batches`),
+split among the step's quorum as `split_batch` splits it among devices: the member of rank r
+in the quorum (its members sorted by id) takes shard r. Its loss is its shard's sum divided by
+the global batch and multiplied by the quorum's size, so that the average over the members
+(`FaultTolerantDDP`) is the gradient of the whole global batch: a replica that leaves hands its
+shard to the others, and the run follows the one-process run on the same batches, whoever is in.
+
+A replica that joins (a new one, or a killed one started again with the same command) receives
+the model, the optimizer and this loop's state (the epoch's running sums and the history so
+far) from a member at the highest step, checked by SHA-256, so that every replica's `--json`
+ends the same.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+
+import torch
+from torch import nn
+
+from ..loss import count_correct, logits_of, summed_loss
+from ..spmd.ft import FaultTolerantDDP, Manager
+from ..spmd.launch import shard
+from ..support.checkpoint import loader_generator
+from ..support.history import History
+from ..train import evaluate
+from ..validate import iterable, nn_module, positive_int, trainable, xy_pair
+from .options import optimizer_factory
+
+__all__ = ["parse_address", "check_replica_id", "train_replica", "parameters_sha256"]
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """`HOST:PORT` as (host, port); ValueError naming the value unless the host is non-empty and 1 <= port <= 65535."""
+    if not isinstance(text, str) or text.count(":") < 1:
+        raise ValueError(f"expected HOST:PORT (e.g. 127.0.0.1:29510), got {text!r}")
+    host, _, port = text.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29510
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"expected HOST:PORT with a host before the colon, got {text!r}")
+    if not port.isdigit():
+        raise ValueError(f"expected HOST:PORT with a port number after the colon, got {text!r}")
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"the port must be from 1 to 65535, got {int(port)} in {text!r}")
+    return host, int(port)
+
+
+def check_replica_id(text: str) -> str:
+    """A replica id as `Manager` takes it: non-empty, without spaces or '/'; ValueError naming the value."""
+    if not isinstance(text, str) or not text or any(c.isspace() or c == "/" for c in text):
+        raise ValueError(f"expected a non-empty name without spaces or '/', got {text!r}")
+    return text
+
+
+def parameters_sha256(net: nn.Module) -> str:
+    """SHA-256 of the parameters' bytes, in order: equal on two replicas only if they are bitwise equal."""
+    h = hashlib.sha256()
+    for p in net.parameters():
+        h.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: float, manager: Manager, *,
+                  loss_fn=None, optimizer=None, momentum: float = 0.0, weight_decay: float = 0.0,
+                  progress: bool = True, log=print) -> History:
+    """Train `net` as one replica of `manager`'s run for `num_epochs`; the History, the same on every replica.
+
+    `train_iter` must be a DataLoader (its order is drawn from its sampler, the same on every
+    replica). `history.config["fault_tolerant"]` holds, per attempted step, its batch, round,
+    members and whether it was committed (with the global batch's mean loss), and the state
+    this replica received.
+    """
+    trainable("net", nn_module("net", net))
+    iterable("test_iter", test_iter)
+    positive_int("num_epochs", num_epochs)
+    if not isinstance(manager, Manager):
+        raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
+    if getattr(train_iter, "batch_sampler", None) is None:
+        raise TypeError(f"train_iter must be a torch DataLoader with a batch sampler, got {type(train_iter).__name__}")
+    make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay)
+    ft = FaultTolerantDDP(net, make(net.parameters(), **kwargs), manager)
+    run = _Run(train_iter, num_epochs, summed_loss(loss_fn))
+    manager.register_state("loop", run.state_dict, run.load_state_dict)
+    bar = _progress(run.total, progress, manager.id)
+    members = None
+    try:
+        while manager.step < run.total:
+            quorum = ft.start_step()
+            if quorum.ids != members and log:
+                _write(bar, log, f"replica {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
+                                 f"{', '.join(quorum.ids)} (round {quorum.round})")
+            members = quorum.ids
+            record = run.step(ft, quorum)
+            if record["committed"] and manager.step % run.per_epoch == 0:
+                run.end_epoch(net, test_iter, manager.step // run.per_epoch, bar, log)
+            if bar is not None:
+                bar.n = manager.step
+                bar.set_postfix(quorum=len(quorum.ids), loss=f"{record['loss']:.3f}" if record["committed"] else "-",
+                                refresh=False)
+                bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
+    run.history.config["fault_tolerant"] = {
+        "replica_id": manager.id, "min_replicas": manager.min_replicas, "steps": run.records,
+        "recoveries": manager.recoveries, "parameters_sha256": parameters_sha256(net)}
+    return run.history
+
+
+class _Run:
+    """The loop's state: the run's batches, this epoch's running sums, the history; a joiner receives the last two."""
+
+    def __init__(self, train_iter, num_epochs: int, loss_fn):
+        self.batches, self.loss_fn = _Batches(train_iter, num_epochs), loss_fn
+        self.per_epoch = len(train_iter)
+        if self.per_epoch == 0:
+            raise ValueError("train_iter gave no batch: fewer examples than one batch (drop_last)")
+        self.total = num_epochs * self.per_epoch
+        self.sums = {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
+        self.history = History()
+        self.records: list[dict] = []
+        self.started = time.perf_counter()
+
+    def state_dict(self) -> dict:
+        h = self.history
+        return {"sums": dict(self.sums), "history": [h.train_loss, h.train_acc, h.test_acc, h.epoch_seconds,
+                                                     h.samples_per_second]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sums = dict(state["sums"])
+        self.history = History(*[list(x) for x in state["history"]])
+
+    def step(self, ft: FaultTolerantDDP, quorum) -> dict:
+        """Train on this replica's shard of global batch `manager.step`; the step's record."""
+        b = ft.manager.step
+        X, y = self.batches.get(b // self.per_epoch, b % self.per_epoch)
+        n, size = len(X), len(quorum.ids)
+        Xs, ys = shard(X, y, quorum.rank(ft.manager.id), size)
+        out = ft(Xs)
+        loss = self.loss_fn(out, ys)
+        (loss / n * size).backward()
+        # the global batch's loss and correct count: each member's, summed (averaged, then times the members)
+        totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
+        ft.manager.average(totals)  # a failure here fails the step's vote too
+        committed = ft.step()
+        record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
+        if committed:
+            totals *= size
+            record["loss"] = totals[0].item() / n
+            self.sums["loss"] += totals[0].item()
+            self.sums["correct"] += totals[1].item()
+            self.sums["seen"] += n
+        self.records.append(record)
+        return record
+
+    def end_epoch(self, net: nn.Module, test_iter, epoch: int, bar, log) -> None:
+        now = time.perf_counter()
+        seconds, self.started = now - self.started, now
+        s = self.sums
+        self.history.record_epoch(s["loss"] / s["seen"], s["correct"] / s["seen"], evaluate(net, test_iter),
+                                  seconds, s["seen"] / seconds if seconds > 0 else float("nan"))
+        self.sums = {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
+        if log:
+            h = self.history
+            _write(bar, log, f"epoch {epoch}: loss {h.train_loss[-1]:.3f}, train acc {h.train_acc[-1]:.3f}, "
+                             f"test acc {h.test_acc[-1]:.3f}")
+
+
+class _Batches:
+    """Batch i of epoch e of a DataLoader, as iterating it epoch after epoch gives it, in any order of asking.
+
+    The loader's shuffling generator is saved at the start of every epoch, after a whole pass
+    over the epoch before (a pass draws more than the epoch's order: the iterator's seed, and a
+    last permutation as the sampler ends), so that a replica that joins at step s starts at its batch.
+    """
+
+    def __init__(self, loader, num_epochs: int):
+        self.loader, self.generator = loader, loader_generator(loader)
+        self.starts = []
+        for _ in range(num_epochs if self.generator is not None else 0):
+            self.starts.append(self.generator.get_state())
+            for _ in loader:
+                pass
+        self.at, self.it, self.current = None, None, None  # (epoch, i) of `current`, the batch last given
+
+    def get(self, epoch: int, i: int):
+        if self.at == (epoch, i):
+            return self.current  # a discarded step is taken again on the same batch
+        if self.at is None or self.at != (epoch, i - 1):
+            if self.generator is not None:
+                self.generator.set_state(self.starts[epoch])
+            self.it = iter(self.loader)
+            for _ in range(i):
+                next(self.it)
+        self.current, self.at = xy_pair("train_iter", next(self.it)), (epoch, i)
+        return self.current
+
+
+def _progress(total: int, enabled: bool, replica_id: str):
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=f"replica {replica_id}", leave=False, dynamic_ncols=True)
+
+
+def _write(bar, log, line: str) -> None:
+    if bar is not None and log is print:
+        bar.write(line)
+    else:
+        log(line)
