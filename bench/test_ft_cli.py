@@ -1,0 +1,42 @@
+"""The issue's check, by the commands: 3 replicas and a coordinator, one replica killed (SIGKILL) and started again.
+
+    python -m pytest -q bench/test_ft_cli.py      (about 20 s; bench/soak_tests.sh runs it)
+"""
+import os
+import signal
+
+from tests.spmd.ft.cli_harness import check_against_reference, committed, reference, run
+
+EPOCHS = 3  # 24 steps
+
+
+def test_a_killed_replica_started_again_by_the_same_command_rejoins_and_all_end_as_one_process(tmp_path):
+    with run(tmp_path, epochs=EPOCHS) as r:
+        for rid in "abc":
+            r.start(rid)
+        r.wait("3 steps committed by a, b and c", lambda: r.committed_with(["a", "b", "c"]) >= 3)
+        r.replicas["c"][0].send_signal(signal.SIGKILL)
+        r.wait("a step committed by a and b alone", lambda: r.committed_with(["a", "b"]) >= 1)
+        # Hold the survivors (a partition of their own) while c starts, so that it comes back before they end.
+        for p in (r.replicas["a"][0], r.replicas["b"][0]):
+            os.kill(p.pid, signal.SIGSTOP)
+        r.start("c")
+        try:
+            r.wait("c registered again", lambda: r.registrations() == 4)
+        finally:
+            for p in (r.replicas["a"][0], r.replicas["b"][0]):
+                os.kill(p.pid, signal.SIGCONT)
+        results = r.finish()
+        ref = reference(tmp_path, EPOCHS)
+    assert r.replicas["c"][0].returncode == -signal.SIGKILL
+    steps = committed(results)
+    assert sorted(steps) == list(range(8 * EPOCHS))  # every batch committed once, by the same members everywhere
+    alone = [s for s, m in steps.items() if m == ["a", "b"]]
+    assert alone and steps[0] == ["a", "b", "c"] and steps[8 * EPOCHS - 1] == ["a", "b", "c"]
+    for rid in "ab":  # the kill cost the survivors at most the step it interrupted (and the stop none)
+        assert sum(not x["committed"] for x in results[rid]["config"]["fault_tolerant"]["steps"]) <= 1
+    c = results["c"]["config"]["fault_tolerant"]
+    assert c["steps"][0]["step"] > max(alone)  # the new c trained from where the others were
+    assert c["recoveries"] and c["recoveries"][0]["step"] == c["steps"][0]["step"]
+    assert c["recoveries"][0]["source"] in ("a", "b") and len(c["recoveries"][0]["sha256"]) == 64
+    check_against_reference(results, ref)
