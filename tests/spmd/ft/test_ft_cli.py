@@ -1,0 +1,107 @@
+"""`manualdp coordinator` and `manualdp train --fault-tolerant`: what they refuse, and a quick run with a kill.
+
+The 3-replica run of the issue's check is bench/test_ft_cli.py (bench/soak_tests.sh).
+"""
+import signal
+import socket
+
+import pytest
+import torch
+
+from manualdp.runners.cli import main
+from manualdp.runners.ft_train import check_replica_id, parse_address
+from tests.spmd.ft.cli_harness import check_against_reference, committed, reference, run
+
+FT = ["train", "--fault-tolerant", "127.0.0.1:29510", "--replica-id", "a"]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["train", "--fault-tolerant", "localhost"], ["--fault-tolerant", "HOST:PORT", "'localhost'"]),
+    (["train", "--fault-tolerant", ":29510"], ["--fault-tolerant", "a host", "':29510'"]),
+    (["train", "--fault-tolerant", "h:port"], ["--fault-tolerant", "port number", "'h:port'"]),
+    (["train", "--fault-tolerant", "h:70000"], ["--fault-tolerant", "from 1 to 65535", "70000"]),
+    (["train", "--fault-tolerant", "h:0"], ["--fault-tolerant", "from 1 to 65535", "got 0"]),
+    ([*FT[:3], "--replica-id", ""], ["--replica-id", "non-empty", "''"]),
+    ([*FT[:3], "--replica-id", "a b"], ["--replica-id", "'a b'"]),
+    ([*FT, "--min-replicas", "0"], ["--min-replicas", "from 1", "got 0"]),
+    ([*FT, "--min-replicas", "two"], ["--min-replicas", "'two'"]),
+    (FT[:3], ["--fault-tolerant needs --replica-id"]),
+    (["train", "--replica-id", "a"], ["--replica-id need --fault-tolerant"]),
+    (["train", "--min-replicas", "2"], ["--min-replicas need --fault-tolerant"]),
+    ([*FT, "--zero", "1"], ["--zero with --fault-tolerant"]),
+    ([*FT, "--devices", "2"], ["--devices with --fault-tolerant", "one process and one device"]),
+    ([*FT, "--algorithm", "auto"], ["--algorithm auto with --fault-tolerant"]),
+    ([*FT, "--checkpoint-dir", "c"], ["--checkpoint-dir with --fault-tolerant"]),
+    ([*FT, "--bucket-mb", "1"], ["--bucket-mb with --fault-tolerant"]),
+    ([*FT, "--nonfinite", "skip"], ["--nonfinite with --fault-tolerant"]),
+    (["coordinator", "--port", "65536"], ["--port", "from 0 to 65535", "65536"]),
+    (["coordinator", "--port", "x"], ["--port", "'x'"]),
+    (["coordinator"], ["--port"]),
+])
+def test_the_fault_tolerant_options_are_refused_in_one_line_naming_the_argument_and_value(argv, words, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert "error:" in last and all(w in last for w in words), last
+
+
+def test_fault_tolerant_under_torchrun_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit):
+        main(FT)
+    assert "--fault-tolerant under torchrun" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_parse_address_and_replica_id():
+    assert parse_address("127.0.0.1:29510") == ("127.0.0.1", 29510)
+    assert parse_address("[::1]:80") == ("::1", 80)
+    for bad in ("", "host", "host:", ":1", "h:-1", "h:1.5", "h:65536", None):
+        with pytest.raises(ValueError, match="HOST:PORT|port"):
+            parse_address(bad)
+    assert check_replica_id("node-3") == "node-3"
+    for bad in ("", "a/b", " ", None):
+        with pytest.raises(ValueError, match="non-empty name"):
+            check_replica_id(bad)
+
+
+def test_a_replica_with_no_coordinator_fails_in_one_line(capsys):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = torch.get_num_threads()
+    try:
+        code = main(["train", "--fault-tolerant", f"127.0.0.1:{port}", "--replica-id", "a", "--timeout", "1",
+                     "--num-train", "64", "--num-test", "32", "--batch-size", "32", "--epochs", "1", "--model", "mlp",
+                     "--no-progress"])
+    finally:
+        torch.set_num_threads(threads)
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "Traceback" not in err
+    assert err.splitlines()[-1].startswith(
+        f"manualdp train: error: replica 'a': cannot reach the coordinator at 127.0.0.1:{port}")
+
+
+def test_two_replicas_one_killed_and_started_again_end_as_one_process(tmp_path):
+    """min 2: b killed after 2 steps, a waits for a second replica; b started again rejoins with a's state."""
+    with run(tmp_path, epochs=1, min_replicas=2, timeout=10) as r:
+        r.start("a")
+        b = r.start("b")
+        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
+        b.send_signal(signal.SIGKILL)
+        b.wait(timeout=10)
+        r.start("b")
+        results = r.finish()
+        assert r.coordinator.poll() is None  # the coordinator serves until stopped
+        r.close()
+        assert r.coordinator.returncode == 0  # SIGTERM ends it cleanly
+        assert "coordinator stopped" in (tmp_path / "coordinator.log").read_text()
+    steps = committed(results)
+    assert sorted(steps) == list(range(8)) and all(m == ["a", "b"] for m in steps.values())  # a never went alone
+    a_ft, b_ft = (results[x]["config"]["fault_tolerant"] for x in "ab")
+    assert sum(not x["committed"] for x in a_ft["steps"]) <= 1  # the kill cost a at most the step it interrupted
+    assert b_ft["recoveries"][0]["source"] == "a" and b_ft["recoveries"][0]["step"] == b_ft["steps"][0]["step"] >= 2
+    assert len(results["a"]["train_loss"]) == len(results["b"]["train_loss"]) == 1  # b received a's history too
+    check_against_reference(results, reference(tmp_path, 1))
