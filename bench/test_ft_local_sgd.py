@@ -1,8 +1,17 @@
 """Local SGD and DiLoCo on 2 replica processes, against their formulas computed here in one process."""
 import torch
 
+from manualdp.cost import bytes_per_step
 from tests.spmd.ft.harness import reference_ddp, replicas
 from tests.spmd.ft.replica import build, make_optimizer, my_shard
+
+
+def check_bytes(result, rank, method, sync_every):
+    """What each block's allreduce sent, measured on the group, against the cost model's bytes per step."""
+    nbytes = sum(p.numel() for p in build(0).parameters()) * 8  # float64
+    per_step = bytes_per_step(method, nbytes, 2, sync_every, "ring", element_size=8)[rank]
+    assert [r["sent"] / sync_every for r in result["records"]] == [per_step] * len(result["records"])
+    assert per_step == 2 * (2 - 1) / 2 * nbytes / sync_every  # ring: 2(n-1)/n of the buffer, once per H steps
 
 
 def run_two(tmp_path, **config):
@@ -14,7 +23,7 @@ def run_two(tmp_path, **config):
     assert all(r["committed"] and r["members"] == ["a", "b"] for r in a["records"] + b["records"])
     for ra, rb in zip(a["records"], b["records"], strict=True):
         assert ra["sha256"] == rb["sha256"]  # bitwise the same after every outer step
-    return a
+    return a, b
 
 
 def flat(model):
@@ -24,7 +33,9 @@ def flat(model):
 def test_diloco_outer_step_is_nesterov_sgd_on_the_average_change(tmp_path):
     H, outer, eta, mu = 2, 3, 0.7, 0.9
     config = {"lr": 0.1, "momentum": 0.5}
-    a = run_two(tmp_path, mode="diloco", sync_every=H, outer_lr=eta, outer_momentum=mu, steps=outer, **config)
+    a, b = run_two(tmp_path, mode="diloco", sync_every=H, outer_lr=eta, outer_momentum=mu, steps=outer, **config)
+    check_bytes(a, 0, "diloco", H)
+    check_bytes(b, 1, "diloco", H)
     # the formula, by hand: two replicas from a's model, each with its own inner SGD
     models = [build(0), build(0)]
     inner = [make_optimizer(m.parameters(), config) for m in models]
@@ -48,7 +59,9 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_average_change(tmp_path):
 def test_local_sgd_with_one_step_per_sync_is_ddp(tmp_path):
     # plain SGD: the average of theta - lr * g_i is theta - lr * (the average of g_i), to rounding
     steps = 4
-    a = run_two(tmp_path, mode="local_sgd", sync_every=1, steps=steps, lr=0.1, momentum=0.0)
+    a, b = run_two(tmp_path, mode="local_sgd", sync_every=1, steps=steps, lr=0.1, momentum=0.0)
+    check_bytes(a, 0, "local_sgd", 1)
+    check_bytes(b, 1, "ddp", 1)  # with H = 1, local SGD sends what DDP sends
     members = {s: {"members": ["a", "b"]} for s in range(steps)}
     for s in range(steps):
         expected = reference_ddp({t: members[t] for t in range(s + 1)}, seed=0, config={"momentum": 0.0})

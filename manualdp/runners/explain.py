@@ -5,6 +5,7 @@
     manualdp explain auto --devices 2 --size 1048576   (what algorithm="auto" would pick, and why)
     manualdp explain zero3 --devices 4 [--plot zero3.png]  (one ZeRO-3 step's collectives:
                                                             manualdp.runners.explain_zero3)
+    manualdp explain diloco --devices 4 --sync-every 100   (bytes per step of DDP, local SGD and DiLoCo)
 
 Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is chunk 0 of
 `a` plus chunk 0 of `b`, and `sum0` is chunk 0 summed over every device (the result).
@@ -15,14 +16,14 @@ import argparse
 import string
 from collections import Counter
 
-from ..cost import cost, traffic
+from ..cost import SYNC_METHODS, bytes_per_step, cost, traffic
 from ..loads import allreduce_loads
 from ..schedule import ALGORITHMS, COLLECTIVES, Schedule, chunk_sizes, get_collective, get_schedule
 from ..spmd.auto.tune import DEFAULT_SEGMENT_BYTES, Link, choose, known_link, predict
 from ..validate import non_negative_int, one_of, positive_int
 
 __all__ = ["NAMES", "plot", "plot_schedule", "pictures", "DEFAULT_ALPHA", "DEFAULT_BETA", "DEFAULT_GAMMA",
-           "DEFAULT_SIZE", "trace", "explain", "explain_auto", "main"]
+           "DEFAULT_SIZE", "trace", "explain", "explain_auto", "explain_sync", "main"]
 
 # Typical numbers for GPUs in one machine linked by PCIe 4.0 x16 (NCCL measures ~20-25 GB/s):
 DEFAULT_ALPHA = 5e-6         # seconds per message: a few microseconds of launch and link latency
@@ -237,6 +238,35 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
     return "\n".join(out)
 
 
+def explain_sync(num_devices: int, size_bytes: int, sync_every: int, algorithm: str = "ring",
+                 alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA, gamma: float = DEFAULT_GAMMA,
+                 element_size: int = 4) -> str:
+    """Bytes per training step and device of DDP, local SGD and DiLoCo (`manualdp.cost.bytes_per_step`), side by side."""
+    one_of("algorithm", algorithm, ALGORITHMS)
+    positive_int("num_devices", num_devices)
+    positive_int("sync_every", sync_every)
+    non_negative_int("size_bytes", size_bytes)
+    schedule = get_schedule(algorithm, num_devices)
+    seconds = cost(schedule, size_bytes, alpha, beta, gamma, element_size)
+    what = {"ddp": "the gradients", "local_sgd": "the parameters", "diloco": "their change (outer gradient)"}
+    row = "  {:<11}{:<32}{:>8}{:>18}{:>14}{:>10}".format
+    out = [f"bytes per training step for a model of S = {size_bytes} bytes on {num_devices} replicas, "
+           f"{algorithm} allreduce, H = {sync_every}",
+           "", row("method", "allreduce of", "every", "max sent/device", "est. time", "of DDP")]
+    ddp = max(bytes_per_step("ddp", size_bytes, num_devices, 1, algorithm, element_size))
+    for method in SYNC_METHODS:
+        h = 1 if method == "ddp" else sync_every
+        sent = max(bytes_per_step(method, size_bytes, num_devices, h, algorithm, element_size))
+        share = "1" if method == "ddp" else f"1/{h}"
+        out.append(row(method, what[method], f"{h} step{'s' * (h != 1)}", f"{sent:.1f}", _us(seconds / h),
+                       share if ddp else "-"))
+    out += ["", f"  each allreduce moves S = {size_bytes} bytes: DDP's every step, local SGD's and DiLoCo's once "
+                "every H steps, so 1/H of DDP's bytes per step",
+            f"  {_textbook(algorithm, num_devices, size_bytes, 0)}",
+            "  the time per step is the model's (manualdp.cost.cost) for one allreduce, over H"]
+    return "\n".join(out)
+
+
 def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
     """Draw `algorithm`'s rounds on `num_devices` as a PNG at `path`: one panel per round, one arrow per transfer."""
     one_of("algorithm", algorithm, NAMES)
@@ -273,9 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="manualdp explain",
         description="Print a collective's schedule round by round, the bytes each device moves, and an estimated time.",
     )
-    parser.add_argument("algorithm", choices=[*sorted(NAMES), "auto", "zero3"],
+    parser.add_argument("algorithm", choices=[*sorted(NAMES), "auto", "zero3", "local_sgd", "diloco"],
                         help="an allreduce algorithm, another collective, auto: what the engine's cost model picks, "
-                        "or zero3: the collectives of one ZeRO-3 step")
+                        "zero3: the collectives of one ZeRO-3 step, or local_sgd and diloco: their bytes per step "
+                        "against DDP's")
+    parser.add_argument("--sync-every", type=_positive_int, default=None, metavar="H",
+                        help="local_sgd and diloco: steps between two allreduces (default 100)")
+    parser.add_argument("--schedule", choices=ALGORITHMS, default="ring",
+                        help="local_sgd and diloco: the allreduce's algorithm (default ring, the replicas')")
     parser.add_argument("--root", type=int, default=0, help="root device of reduce and broadcast (default 0)")
     parser.add_argument("--devices", type=int, default=4, help="number of devices (default 4)")
     parser.add_argument("--size", type=int, default=DEFAULT_SIZE, help=f"buffer size in bytes (default {DEFAULT_SIZE})")
@@ -306,6 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         return _main_auto(parser, args)
     if args.algorithm == "zero3":
         return _main_zero3(parser, args)
+    if args.algorithm in ("local_sgd", "diloco"):
+        return _main_sync(parser, args)
+    if args.sync_every is not None or args.schedule != "ring":
+        parser.error("--sync-every and --schedule are for explain local_sgd and explain diloco")
     if args.segment_bytes is not None:
         parser.error("--segment-bytes is for explain auto "
                      "(the schedules print per round, segments only matter to auto's pick)")
@@ -358,6 +397,30 @@ def _main_zero3(parser, args) -> int:
     print(text)
     if args.plot is not None:
         print(f"wrote {args.plot}")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive int, got {text!r}")
+    return int(text)
+
+
+def _main_sync(parser, args) -> int:
+    given = [f"--{k.replace('_', '-')}" for k in ("duplex", "segment_bytes", "parallel", "plot")
+             if getattr(args, k) is not None]
+    try:
+        if given:
+            raise ValueError(f"{', '.join(given)}: explain {args.algorithm} prints the bytes per step of DDP, "
+                             "local SGD and DiLoCo; it takes --devices, --size, --sync-every, --schedule, "
+                             "--alpha, --beta and --gamma")
+        text = explain_sync(args.devices, args.size, 100 if args.sync_every is None else args.sync_every,
+                            args.schedule, DEFAULT_ALPHA if args.alpha is None else args.alpha,
+                            DEFAULT_BETA if args.beta is None else args.beta,
+                            DEFAULT_GAMMA if args.gamma is None else args.gamma, args.element_size)
+    except ValueError as e:
+        parser.error(str(e))
+    print(text)
     return 0
 
 

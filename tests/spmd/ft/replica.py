@@ -7,7 +7,7 @@ batch `at`), `kill_allreduce` (SIGKILL itself right after its first message of t
 allreduce), `fail_allreduce` (that message fails, and the replica lives on), and when to
 pause (after committing step `pause_after`, until the test writes `go` to the store). It
 writes what it did as JSON: every attempt (round, members, committed, the parameters' SHA-256
-after a committed step) one line each as it goes (OUT + "l"), then at the end its recoveries
+after a committed step, and the bytes its allreduces sent) one line each as it goes (OUT + "l"), then at the end its recoveries
 and final parameters (OUT).
 """
 import hashlib
@@ -50,6 +50,13 @@ def flat_params(model: nn.Module) -> torch.Tensor:
 
 def sha(model: nn.Module) -> str:
     return hashlib.sha256(flat_params(model).numpy().tobytes()).hexdigest()
+
+
+def sent() -> int:
+    """The bytes the executor has sent on the quorum's group so far (0 without a group)."""
+    import torch.distributed as dist
+    from manualdp.spmd.transport.p2p import traffic
+    return sum(traffic().sent().values()) if dist.is_initialized() else 0
 
 
 def die_in_first_send(sig):
@@ -115,6 +122,7 @@ def main(config: dict) -> None:
         out = model[4](model[3](model[2](hidden)))
         loss = ((out - y) ** 2).mean()
         loss.backward()
+        sent_before = sent()
         committed = ft.step()
         if committed is None:  # inside a block of local SGD or DiLoCo: nothing was sent
             continue
@@ -122,6 +130,7 @@ def main(config: dict) -> None:
         record = {"batch": b, "round": q.round, "members": q.ids, "group": q.group, "committed": committed,
                   "step": manager.step, "waited": waited, "loss": loss.item()}
         if committed:
+            record["sent"] = sent() - sent_before  # the bytes this replica's allreduces sent for the step
             record["sha256"] = sha(model)
             if mode != "ddp":
                 record["params"] = flat_params(model).tolist()
