@@ -37,7 +37,8 @@ def test_explain_diloco_prints_the_three_side_by_side(capsys):
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip().startswith(("ddp", "local"))}
     assert float(rows["ddp"][-4]) == 6000.0 and float(rows["local_sgd"][-4]) == 600.0  # max sent per device
     assert rows["local_sgd"][-1] == "1/10"
-    assert "1/10" in explain_sync(4, 4000, 10).splitlines()[-4]  # diloco's row
+    diloco = next(line for line in explain_sync(4, 4000, 10).splitlines() if line.strip().startswith("diloco"))
+    assert diloco.split()[-1] == "1/10" and float(diloco.split()[-4]) == 600.0
 
 
 @pytest.mark.parametrize("argv, words", [
