@@ -1,6 +1,6 @@
-"""The issue's check, by the commands: 3 replicas and a coordinator, one replica killed (SIGKILL) and started again.
+"""The issue's check, by the commands: replicas and a coordinator, one replica killed (SIGKILL) and started again.
 
-    python -m pytest -q bench/test_ft_cli.py      (about 20 s; bench/soak_tests.sh runs it)
+    python -m pytest -q bench/test_ft_cli.py      (about 30 s; bench/soak_tests.sh runs it)
 """
 import os
 import signal
@@ -40,3 +40,26 @@ def test_a_killed_replica_started_again_by_the_same_command_rejoins_and_all_end_
     assert c["recoveries"] and c["recoveries"][0]["step"] == c["steps"][0]["step"]
     assert c["recoveries"][0]["source"] in ("a", "b") and len(c["recoveries"][0]["sha256"]) == 64
     check_against_reference(results, ref)
+
+
+def test_two_replicas_one_killed_and_started_again_end_as_one_process(tmp_path):
+    """min 2: b killed after 2 steps, a waits for a second replica; b started again rejoins with a's state."""
+    with run(tmp_path, epochs=1, min_replicas=2, timeout=10) as r:
+        r.start("a")
+        b = r.start("b")
+        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
+        b.send_signal(signal.SIGKILL)
+        b.wait(timeout=10)
+        r.start("b")
+        results = r.finish()
+        assert r.coordinator.poll() is None  # the coordinator serves until stopped
+        r.close()
+        assert r.coordinator.returncode == 0  # SIGTERM ends it cleanly
+        assert "coordinator stopped" in (tmp_path / "coordinator.log").read_text()
+    steps = committed(results)
+    assert sorted(steps) == list(range(8)) and all(m == ["a", "b"] for m in steps.values())  # a never went alone
+    a_ft, b_ft = (results[x]["config"]["fault_tolerant"] for x in "ab")
+    assert sum(not x["committed"] for x in a_ft["steps"]) <= 1  # the kill cost a at most the step it interrupted
+    assert b_ft["recoveries"][0]["source"] == "a" and b_ft["recoveries"][0]["step"] == b_ft["steps"][0]["step"] >= 2
+    assert len(results["a"]["train_loss"]) == len(results["b"]["train_loss"]) == 1  # b received a's history too
+    check_against_reference(results, reference(tmp_path, 1))

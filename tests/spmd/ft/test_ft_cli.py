@@ -1,8 +1,8 @@
 """`manualdp coordinator` and `manualdp train --fault-tolerant`: what they refuse, and a quick run with a kill.
 
-The 3-replica run of the issue's check is bench/test_ft_cli.py (bench/soak_tests.sh).
+A run by the commands with a replica killed and started again: chapter 8 of the book (3 replicas,
+tests/test_book.py) and bench/test_ft_cli.py (3 and 2 replicas, bench/soak_tests.sh).
 """
-import signal
 import socket
 
 import pytest
@@ -10,7 +10,6 @@ import torch
 
 from manualdp.runners.cli import main
 from manualdp.runners.ft_train import check_replica_id, parse_address
-from tests.spmd.ft.cli_harness import check_against_reference, committed, reference, run
 
 FT = ["train", "--fault-tolerant", "127.0.0.1:29510", "--replica-id", "a"]
 
@@ -82,26 +81,3 @@ def test_a_replica_with_no_coordinator_fails_in_one_line(capsys):
     assert code == 1 and "Traceback" not in err
     assert err.splitlines()[-1].startswith(
         f"manualdp train: error: replica 'a': cannot reach the coordinator at 127.0.0.1:{port}")
-
-
-def test_two_replicas_one_killed_and_started_again_end_as_one_process(tmp_path):
-    """min 2: b killed after 2 steps, a waits for a second replica; b started again rejoins with a's state."""
-    with run(tmp_path, epochs=1, min_replicas=2, timeout=10) as r:
-        r.start("a")
-        b = r.start("b")
-        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
-        b.send_signal(signal.SIGKILL)
-        b.wait(timeout=10)
-        r.start("b")
-        results = r.finish()
-        assert r.coordinator.poll() is None  # the coordinator serves until stopped
-        r.close()
-        assert r.coordinator.returncode == 0  # SIGTERM ends it cleanly
-        assert "coordinator stopped" in (tmp_path / "coordinator.log").read_text()
-    steps = committed(results)
-    assert sorted(steps) == list(range(8)) and all(m == ["a", "b"] for m in steps.values())  # a never went alone
-    a_ft, b_ft = (results[x]["config"]["fault_tolerant"] for x in "ab")
-    assert sum(not x["committed"] for x in a_ft["steps"]) <= 1  # the kill cost a at most the step it interrupted
-    assert b_ft["recoveries"][0]["source"] == "a" and b_ft["recoveries"][0]["step"] == b_ft["steps"][0]["step"] >= 2
-    assert len(results["a"]["train_loss"]) == len(results["b"]["train_loss"]) == 1  # b received a's history too
-    check_against_reference(results, reference(tmp_path, 1))

@@ -1,0 +1,107 @@
+"""`manualdp check diloco FILE.py`: grade DiLoCo's outer step (chapter 8) against the formula.
+
+FILE.py defines `outer_step(theta, replicas, momentum, lr, mu) -> (new_theta, new_momentum)`:
+`theta` the parameters every replica started the block from, `replicas` each replica's
+parameters after its H steps, `momentum` the outer momentum buffer (zeros before the first
+block), `lr` and `mu` the outer learning rate and momentum. The formula (`manualdp.spmd.ft.DiLoCo`):
+
+    delta = (1/|M|) sum_i (theta - theta_i)
+    b     = mu * b + delta
+    theta = theta - lr * (delta + mu * b)
+
+As `check.py`'s exercises, FILE.py runs only in a sandboxed child (`sandbox.Child`); this process
+draws the inputs with hypothesis, computes the expected values and judges what comes back.
+"""
+from __future__ import annotations
+
+import torch
+
+from .properties import Mismatch
+from .sandbox import Child, Raised
+
+__all__ = ["EXERCISE", "NAME", "expected_outer_step", "outer_step_property", "check_diloco"]
+
+EXERCISE = "a function outer_step(theta, replicas, momentum, lr, mu) -> (new_theta, new_momentum), DiLoCo's outer step"
+NAME = "outer_step"
+
+
+def expected_outer_step(theta, replicas, momentum, lr, mu):
+    """The formula, as `DiLoCo.combine` applies it with torch's Nesterov SGD."""
+    delta = torch.stack([theta - t for t in replicas]).mean(0)
+    b = mu * momentum + delta
+    return theta - lr * (delta + mu * b), b
+
+
+def outer_step_property(fn, theta, replicas, momentum, lr, mu) -> None:
+    """`fn` (a sandbox child) returns the formula's theta and momentum, to float64 rounding, and changes no replica."""
+    want_theta, want_b = expected_outer_step(theta, replicas, momentum, lr, mu)
+    told = (f"outer_step(theta, replicas, momentum, lr={lr:g}, mu={mu:g}) on {len(replicas)} replica(s) of shape "
+            f"{tuple(theta.shape)}, theta {_show(theta)}, replicas {[_show(t) for t in replicas]}, momentum "
+            f"{_show(momentum)}")
+    try:
+        _, after, out = fn.call(theta, replicas, momentum, lr, mu)
+    except Raised as e:
+        raise Mismatch(f"{told}: it raised {e.kind}: {e.message}" + (f" (at {e.at})" if e.at else "")) from None
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
+        raise Mismatch(f"{told}: expected a pair of tensors (new theta, new momentum), got {str(out)[:200]}")
+    for name, got, want in (("theta", out[0], want_theta), ("momentum", out[1], want_b)):
+        if got.shape != want.shape or not torch.allclose(got.to(want.dtype), want, rtol=1e-10, atol=1e-12):
+            raise Mismatch(f"{told}: expected new {name} {_show(want)}, got {_show(got)}"
+                           + (" (the momentum buffer must be mu * b + delta, before the Nesterov step uses it)"
+                              if name == "theta" and mu > 0 else ""))
+    if any(not torch.equal(a, b) for a, b in zip(after[1], replicas)):
+        raise Mismatch(f"{told}: it changed the replicas' parameters; only return new tensors")
+
+
+def _show(t: torch.Tensor) -> str:
+    return "[" + ", ".join(f"{x:.4g}" for x in t.reshape(-1)[:6].tolist()) + (", ...]" if t.numel() > 6 else "]")
+
+
+def _strategies() -> dict:
+    from hypothesis import strategies as st
+
+    def tensors(draw_shape):
+        return st.builds(lambda seed, shape, n: _inputs(seed, shape, n), st.integers(0, 2**31 - 1), draw_shape,
+                         st.integers(1, 5))
+
+    return {"inputs": tensors(st.lists(st.integers(1, 4), min_size=0, max_size=3).map(tuple)),
+            "lr": st.floats(0.01, 1.0), "mu": st.sampled_from([0.0, 0.5, 0.9]) | st.floats(0.0, 0.99)}
+
+
+def _inputs(seed: int, shape: tuple, n: int):
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(shape, generator=g, dtype=torch.float64)
+    replicas = [theta + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n)]
+    return theta, replicas, torch.randn(shape, generator=g, dtype=torch.float64) * (seed % 2)  # zeros, or a buffer
+
+
+def check_diloco(path: str, args) -> str:
+    """Grade FILE.py's `outer_step`; the report on a pass; Mismatch, or the sandbox's Stopped, on a failure."""
+    import os
+
+    from hypothesis import HealthCheck, Verbosity, given, settings
+
+    if not os.path.isfile(path):
+        raise Mismatch(f"{path}: no such file")
+    with Child(path, NAME, args.timeout, args.deadline, args.memory) as child:
+        loaded = child.start()
+        if "import_raised" in loaded:
+            e = loaded["import_raised"]
+            raise Mismatch(f"importing the file raised {e['raised']}: {e['message']}"
+                           + (f" (at {e['at']})" if e["at"] else ""))
+        if "missing" in loaded:
+            raise Mismatch(f"the file defines no {NAME!r}: the exercise asks for {EXERCISE}")
+        if "error" in loaded:
+            raise Mismatch(loaded["error"])
+
+        def test(inputs, lr, mu):
+            theta, replicas, momentum = inputs
+            outer_step_property(child, theta, replicas, momentum, lr, mu)
+
+        settings(database=None, derandomize=True, deadline=None, max_examples=args.examples,
+                 verbosity=Verbosity.quiet, report_multiple_bugs=False,
+                 suppress_health_check=list(HealthCheck))(given(**_strategies())(test))()
+    return (f"{args.examples} outer steps drawn by hypothesis (1 to 5 replicas, 0-dim to 3-dim float64 tensors, "
+            "lr 0.01 to 1, mu 0 to 0.99, a zero or a running momentum buffer): the new theta and momentum equal "
+            "Nesterov SGD on the average change, to 1e-10, and the replicas' tensors are left as they were")
+
