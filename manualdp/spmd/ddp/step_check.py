@@ -5,6 +5,13 @@ the first gradient hook) queues `check_same_call` for the whole step ahead of th
 it runs while forward and backward compute, and the buckets go out unchecked (their sizes were
 compared at construction). A forward without a backward leaves it queued for the next step's.
 In debug mode every bucket is compared instead, in more words (`Desync`).
+
+The check compares the step too, as the ladder's rungs do: the number of forward passes that began
+a synchronised step (a joined rank's shadow step counts as one). A backward pass that no forward
+began (one rank's second `loss.backward()` of one forward, `retain_graph`) carries the step it
+belongs to, which its peers have left: every rank raises, naming the step, instead of pairing it
+with the peers' next step. A forward with grad and no backward begins no step of its own: the
+check it queued stays queued, so a validation pass on one rank is no error, as with torch's DDP.
 """
 from __future__ import annotations
 
@@ -38,16 +45,18 @@ class CallCheck(Feature):
         self.started = False  # the first synchronised step has come: the hooks were compared
         self.comm_hook = None  # the registered `CommHook`, compared at the first step
         self.future: concurrent.futures.Future | None = None  # this step's check, or None
+        self.steps = 0  # forward passes (or joined ranks' shadow steps) that began a synchronised step: compared
 
     def backward_start(self) -> None:
-        self.queue()  # a backward whose forward did not queue it
+        self.queue(new_step=False)  # a backward whose forward did not queue it: it belongs to the last step
 
     def __getstate__(self):
         return self.__dict__ | {"future": None, "comm_hook": None, "started": False}
 
-    def queue(self) -> None:
-        """Queue the step's check, unless this step already has it."""
+    def queue(self, new_step: bool = True) -> None:
+        """Queue the step's check, unless this step already has it; `new_step`: a forward pass begins the step."""
         if self.future is None:
+            self.steps += new_step
             self.future = self._submit()
 
     def before_reduce(self, index: int, bucket) -> None:
@@ -67,7 +76,7 @@ class CallCheck(Feature):
             return None
         first, total = r.buckets[0].flat, sum(b.flat.numel() for b in r.buckets)
         recorder, call = r.recorder, (first, r.algorithms[0], r.segment_bytes, r.group, r.timeout)
-        comm_hook = self.comm_hook
+        comm_hook, step = self.comm_hook, self.steps
 
         def run() -> None:
             if hooks:
@@ -75,23 +84,24 @@ class CallCheck(Feature):
             if calls:
                 with (recorder.span("step check", "comm", cat="comm") if recorder is not None
                       else contextlib.nullcontext()):
-                    check_same_call(*call, numel=total)
+                    check_same_call(*call, numel=total, step=step)
         return r.submit(run)
 
 
 class Desync(Feature):
     """Debug mode: before each bucket, every rank shows (step, bucket, size, parameters) to every rank."""
 
-    def __init__(self, reducer, world_size: int, joined) -> None:
+    def __init__(self, reducer, world_size: int, joined, calls: CallCheck) -> None:
         self.reducer, self.world_size = reducer, world_size
         self.joined = joined  # () -> whether Join shadows this rank's steps
+        self.calls = calls  # its `steps`: the step each backward pass belongs to (an extra backward: the last one)
 
     def before_reduce(self, index: int, bucket) -> None:
         """Every rank must be about to reduce the same bucket of the same step; else all raise."""
         names = self.reducer.names[index]
         r = self.reducer
         agree("DistributedDataParallel desync: the bucket to reduce", {
-            "step": ANY if self.joined() else r.steps,  # a joined rank shadows whichever step the others are at
+            "step": ANY if self.joined() else self.calls.steps,  # a joined rank shadows whichever step the others are at
             "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype), "params": names},
             r.group, error=RuntimeError, timeout=r.timeout, hint="every rank must run the same steps on the same model",
             shown={"unused parameters": [n for n, arrived in zip(names, bucket.arrived) if not arrived] or "none",
