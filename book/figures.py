@@ -206,6 +206,46 @@ def zero3_gif(path: str, fast: bool) -> None:
     FuncAnimation(fig, frame, frames=frames).save(path, writer=PillowWriter(fps=1), dpi=70 if fast else 100)
 
 
+# ---------------------------------------------------------------- chapter 8: training through failures
+
+def ft_quorum(path: str, fast: bool) -> None:
+    """A run of 3 replicas where c is out from step 3 to 5: the quorum per step, and the loss of three runs.
+
+    The losses are `reference_run`'s, the one-process run that the replicas equal (chapter 8 checks it on
+    a real run, bench/test_ft_cli.py on longer ones): uninterrupted, the batch split among the members,
+    and each replica keeping its own shard."""
+    from manualdp.runners.ft_reference import reference_run
+    from manualdp.support import data, models
+
+    steps = 8 if fast else 24
+    out = range(3, 6) if fast else range(6, 14)
+    members = [["a", "b"] if s in out else ["a", "b", "c"] for s in range(steps)]
+
+    def run(membership, shards):
+        torch.manual_seed(0)
+        train_iter, _ = data.load_data("synthetic", 32, seed=0, num_train=32 * steps, num_test=32)
+        return reference_run(models.get_model("mlp"), list(train_iter), membership, lr=0.1, shards=shards,
+                             replicas=["a", "b", "c"])
+
+    curves = {"uninterrupted": run([["a", "b", "c"]] * steps, "split"),
+              "c out, batch split among the members": run(members, "split"),
+              "c out, each replica its own shard": run(members, "fixed")}
+    fig = _figure(7.0, 4.4)
+    top, bottom = fig.add_subplot(2, 1, 1), fig.add_subplot(2, 1, 2)
+    for row, rid in enumerate("abc"):
+        inside = [s for s in range(steps) if rid in members[s]]
+        top.scatter(inside, [row] * len(inside), marker="s", s=60, color=f"C{row}")
+    top.set(yticks=[0, 1, 2], yticklabels=["a", "b", "c"], xlim=(-0.5, steps - 0.5), ylim=(-0.6, 2.6),
+            title="the quorum of each step (c killed, then started again and given the state)")
+    for (label, losses), style in zip(curves.items(), ["o-", "x--", "s:"]):
+        bottom.plot(range(steps), losses, style, label=label, lw=1.5, ms=4)
+    bottom.axvspan(min(out) - 0.5, max(out) + 0.5, color="grey", alpha=0.15)
+    bottom.set(xlabel="step", ylabel="loss of the step's batch", xlim=(-0.5, steps - 0.5))
+    bottom.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path)
+
+
 FIGURES = {
     "same-as-one-device.png": same_as_one_device,
     **{f"{name}.png": collective(name) for name in COLLECTIVES},
@@ -215,6 +255,7 @@ FIGURES = {
     "ladder.png": ladder,
     "zero3.png": zero3_step,
     "zero3.gif": zero3_gif,
+    "ft-quorum.png": ft_quorum,
 }
 
 
