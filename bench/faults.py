@@ -263,6 +263,44 @@ def _stop(tmp: str) -> str:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+# ---------------------------------------------------------------- fault-tolerant replicas (issue 33)
+
+FT_CASES = {  # case -> the pytest node that stages it with replica processes and checks every replica after it
+    "kill -9 during forward": "bench/test_ft_kill.py::test_a_killed_replica_costs_one_step_and_rejoins_with_the_state"
+                              "[kill_forward]",
+    "kill -9 during the allreduce": "bench/test_ft_kill.py::test_a_killed_replica_costs_one_step_and_rejoins_with_"
+                                    "the_state[kill_allreduce]",
+    "SIGSTOP past the deadline, SIGCONT": "bench/test_ft_stop.py::test_a_stopped_replica_is_dropped_past_the_deadline_"
+                                          "and_rejoins_when_it_wakes",
+    "allreduce fails on a live replica": "bench/test_ft_stop.py::test_an_allreduce_that_fails_on_a_live_replica_is_"
+                                         "discarded_everywhere_and_taken_again",
+    "quorum below the minimum and back": "bench/test_ft_stop.py::test_below_min_replicas_the_first_waits_then_both_go_on",
+    "CLI: kill -9, same command, survivors stopped": "bench/test_ft_cli.py::test_a_killed_replica_started_again_by_the_"
+                                                     "same_command_rejoins_and_all_end_as_one_process",
+    "CLI: below the minimum and back": "bench/test_ft_cli.py::test_two_replicas_one_killed_and_started_again_end_as_"
+                                       "one_process",
+}
+
+
+def _ft(case: str, tmp: str) -> str:
+    """One fault of the fault-tolerant replicas, staged by its test: handled when no step was applied on some
+    replicas and not others, nothing hung past its deadline, and every replica ended equal to the reference."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                             "--basetemp", os.path.join(tmp, "pytest"), FT_CASES[case]], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return "hang"
+    if proc.returncode == 0:
+        return "handled"
+    return "silent" if "AssertionError" in out else "crash"
+
+
 # ---------------------------------------------------------------- the table
 
 CASES = [
@@ -279,6 +317,7 @@ CASES = [
     ("kill", "SIGTERM mid-run, resume", False, lambda tmp: _kill("SIGTERM", tmp)),
     ("stop", "SIGSTOP one of 2 torchrun ranks", False, _stop),
     ("kill", "SIGKILL node 2 of 2x2 ranks, resume", False, lambda tmp: _node(tmp)),
+    *[("ft replicas", k, False, lambda tmp, k=k: _ft(k, tmp)) for k in FT_CASES],
     *FEATURE_CASES,
 ]
 
