@@ -274,7 +274,8 @@ FT_CASES = {  # case -> the pytest node that stages it with replica processes an
                                           "and_rejoins_when_it_wakes",
     "allreduce fails on a live replica": "bench/test_ft_stop.py::test_an_allreduce_that_fails_on_a_live_replica_is_"
                                          "discarded_everywhere_and_taken_again",
-    "quorum below the minimum and back": "bench/test_ft_stop.py::test_below_min_replicas_the_first_waits_then_both_go_on",
+    "quorum below the minimum and back": "bench/test_ft_stop.py::test_below_min_replicas_the_first_waits_then_both_"
+                                         "go_on",
     "CLI: kill -9, same command, survivors stopped": "bench/test_ft_cli.py::test_a_killed_replica_started_again_by_the_"
                                                      "same_command_rejoins_and_all_end_as_one_process",
     "CLI: below the minimum and back": "bench/test_ft_cli.py::test_two_replicas_one_killed_and_started_again_end_as_"

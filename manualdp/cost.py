@@ -1,9 +1,8 @@
 """What a schedule costs, computed from the schedule alone: bytes per device, and time.
 
-`traffic` counts what each device sends, receives and adds (`bytes_per_step`: per training
-step, for DDP against local SGD and DiLoCo); `cost` turns that into the
-alpha-beta-gamma estimate (alpha per message, beta per byte moved, gamma per byte added)
-that the tests hold to the textbook formulas and `explain` prints.
+`traffic` counts what each device sends, receives and adds (`bytes_per_step`: DDP, local SGD, DiLoCo);
+`cost` turns that into the alpha-beta-gamma estimate (alpha per message, beta per byte moved,
+gamma per byte added) that the tests hold to the textbook formulas and `explain` prints.
 
 A round's time depends only on its loads (what each device sends, receives and adds):
 `round_loads` lists them, `loads_cost` prices them. `manualdp.loads` writes down the loads
@@ -18,8 +17,7 @@ from .validate import fraction, non_negative_int, non_negative_number, one_of, p
 
 __all__ = ["check_schedule", "traffic", "round_loads", "merged", "cost", "loads_cost", "shared_cores", "MAX_DUPLEX",
            "traffic_of", "bytes_per_step", "SYNC_METHODS"]
-
-SYNC_METHODS = ("ddp", "local_sgd", "diloco")  # how the replicas combine their work: `bytes_per_step`
+SYNC_METHODS = ("ddp", "local_sgd", "diloco")  # how replicas combine their work (`bytes_per_step`)
 
 
 def check_schedule(schedule: Schedule) -> None:
@@ -192,16 +190,11 @@ def traffic_of(collectives, num_devices: int, algorithm: str = "ring") -> dict[s
 
 def bytes_per_step(method: str, nbytes: int, num_devices: int, sync_every: int = 1, algorithm: str = "ring",
                    element_size: int = 4) -> list[float]:
-    """Bytes each device sends per training step, averaged over `sync_every` (H) steps, for a model of `nbytes`.
-
-    DDP allreduces the gradients (`nbytes`) every step. Local SGD allreduces the parameters,
-    and DiLoCo their change over the H steps (its outer gradient), once every H steps: the same
-    allreduce of `nbytes`, so 1/H of DDP's bytes per step (ring: 2(n-1)/n * nbytes / H).
-    """
+    """Bytes each device sends per step of DDP, local SGD or DiLoCo (`method`) for a model of `nbytes`: DDP
+    allreduces the gradients every step, local SGD the parameters and DiLoCo their change once every
+    `sync_every` (H) steps, so 1/H of DDP's bytes per step (ring: 2(n-1)/n * nbytes / H)."""
     one_of("method", method, SYNC_METHODS)
-    positive_int("num_devices", num_devices)
-    positive_int("sync_every", sync_every)
-    if method == "ddp" and sync_every != 1:
+    if positive_int("sync_every", sync_every) != 1 and method == "ddp":
         raise ValueError(f"sync_every must be 1 for ddp (it allreduces every step), got {sync_every}")
-    sent = traffic(get_collective("allreduce", algorithm, num_devices), nbytes, element_size)["sent"]
-    return [s / sync_every for s in sent]
+    schedule = get_collective("allreduce", algorithm, positive_int("num_devices", num_devices))
+    return [s / sync_every for s in traffic(schedule, nbytes, element_size)["sent"]]

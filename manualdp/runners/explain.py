@@ -241,7 +241,7 @@ def explain_auto(num_devices: int, size_bytes: int, link: Link, element_size: in
 def explain_sync(num_devices: int, size_bytes: int, sync_every: int, algorithm: str = "ring",
                  alpha: float = DEFAULT_ALPHA, beta: float = DEFAULT_BETA, gamma: float = DEFAULT_GAMMA,
                  element_size: int = 4) -> str:
-    """Bytes per training step and device of DDP, local SGD and DiLoCo (`manualdp.cost.bytes_per_step`), side by side."""
+    """Bytes per step and device of DDP, local SGD and DiLoCo (`manualdp.cost.bytes_per_step`), side by side."""
     one_of("algorithm", algorithm, ALGORITHMS)
     positive_int("num_devices", num_devices)
     positive_int("sync_every", sync_every)

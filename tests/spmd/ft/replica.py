@@ -7,8 +7,8 @@ batch `at`), `kill_allreduce` (SIGKILL itself right after its first message of t
 allreduce), `fail_allreduce` (that message fails, and the replica lives on), and when to
 pause (after committing step `pause_after`, until the test writes `go` to the store). It
 writes what it did as JSON: every attempt (round, members, committed, the parameters' SHA-256
-after a committed step, and the bytes its allreduces sent) one line each as it goes (OUT + "l"), then at the end its recoveries
-and final parameters (OUT).
+after a committed step, and the bytes its allreduces sent) one line each as it goes (OUT + "l"),
+then at the end its recoveries and final parameters (OUT).
 """
 import hashlib
 import json

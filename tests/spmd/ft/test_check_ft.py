@@ -1,4 +1,4 @@
-"""The grader of chapter 8's exercise (`manualdp.runners.check_ft`): the reference solution passes, a wrong one fails."""
+"""The grader of chapter 8's exercise (`manualdp.runners.check_ft`): the solution passes, a wrong one fails."""
 import argparse
 import pathlib
 import time
