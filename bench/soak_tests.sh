@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The long adversarial and fault suites, too slow for the 10-minute CPU suite in tests/ (about 6 minutes here):
 # the adversary's tries of fully_shard and of issue 35's surfaces at 2 and 3 ranks, the fault-tolerant replicas
-# (quorum, local SGD, DiLoCo, killed and stopped, and by the command line), the FSDP2 example both ways, and every hostile answer of
-# tests/answers/ against `manualdp check`.
+# (quorum, local SGD, DiLoCo, killed and stopped, and by the command line), the FSDP2 example both ways, and
+# every hostile answer of tests/answers/ against `manualdp check`, and scripts that end without tearing their group down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 exec python -m pytest -q bench/test_adversary_fsdp.py bench/test_adversary_35.py bench/test_ft_kill.py \
-    bench/test_ft_stop.py bench/test_ft_quorum.py bench/test_ft_local_sgd.py bench/test_ft_cli.py bench/test_check_answers.py \
-    bench/test_fsdp2_example.py "$@"
+    bench/test_ft_stop.py bench/test_ft_quorum.py bench/test_ft_local_sgd.py bench/test_ft_cli.py \
+    bench/test_check_answers.py \
+    bench/test_fsdp2_example.py bench/test_exit.py "$@"

@@ -1,4 +1,5 @@
 import contextlib
+import importlib
 import signal
 
 import pytest
@@ -9,6 +10,9 @@ from hypothesis import settings
 torch.set_num_threads(1)
 settings.register_profile("ci", deadline=None, max_examples=30)
 settings.load_profile("ci")
+
+# The ranks that tests launch import these as well: the fork server imports them once for all.
+importlib.import_module("manualdp.spmd.launch").PRELOAD.extend(["pytest", "hypothesis", "tests.helpers"])
 
 
 @pytest.fixture
