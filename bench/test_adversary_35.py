@@ -302,7 +302,10 @@ def _ref_grads(net, x, backwards=1):
         net(x).pow(2).sum().backward()
     out = {}
     for name, p in net.named_parameters():
-        g = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        if p.grad is None:  # unused (alike on every rank here): torch's DDP leaves its .grad None
+            out[name] = None
+            continue
+        g = p.grad.clone()
         dist.all_reduce(g)
         out[name] = g / dist.get_world_size()
     return out
@@ -312,6 +315,10 @@ def _gap(model, ref):
     """The largest difference between the wrapped model's gradients and the reference (inf where one is missing)."""
     gap = 0.0
     for name, p in model.module.named_parameters():
+        if ref[name] is None:
+            if p.grad is not None:
+                return float("inf")
+            continue
         if p.grad is None or p.grad.dtype != ref[name].dtype:
             return float("inf")
         if p.numel():
@@ -487,17 +494,16 @@ def test_the_wrapped_module_can_be_pickled_and_saved_between_steps(n, rung):
         assert out[f"{rung} torch.save the module"][0] == "ok", (r, out[f"{rung} torch.save the module"])
 
 
-@pytest.mark.xfail(strict=True, reason="the rungs broadcast buffers at construction only: after two steps each rank's "
-                                       "BatchNorm running_mean is its own (replicas differ, eval outputs differ); "
-                                       "torch's DDP holds rank 0's on every rank")
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("rung", sorted(RUNGS))
-def test_batchnorm_running_statistics_agree_across_ranks_as_with_torchs_ddp(n, rung):
+def test_batchnorm_running_statistics_follow_rank0s_as_with_torchs_ddp(n, rung):
+    # torch's DDP copies rank 0's buffers to every rank before each training forward, which then updates them
+    # with this rank's batch: after two steps each rank holds rank 0's statistics of step 1 moved by its own batch
+    # (before: the rungs copied them at construction only, and each rank's drifted on its own)
     res = _ladder(n)
+    assert not torch.equal(res[-1]["torch bn"], res[0]["torch bn"])  # the ranks' batches differ
     for r, out in enumerate(res):
-        assert torch.equal(out["torch bn"], res[0]["torch bn"]), r  # torch's DDP: rank 0's buffers everywhere
-    for r, out in enumerate(res):
-        assert torch.equal(out[f"{rung} bn"], res[0][f"{rung} bn"]), (r, "replicas' running_mean differ")
+        torch.testing.assert_close(out[f"{rung} bn"], out["torch bn"], rtol=0, atol=1e-7, msg=f"rank {r}")
 
 
 @pytest.mark.parametrize("n", [2])
@@ -523,12 +529,8 @@ def _unused(n, rung):
     return launch(_unused_job, n, (rung,), timeout=120)
 
 
-@pytest.mark.xfail(strict=True, reason="a parameter no rank used gets .grad = zeros instead of staying None, so "
-                                       "AdamW's "
-                                       "weight decay moves it: unused.weight 0.0093 off torch's DDP "
-                                       "(find_unused_parameters=True) and one process, which leave it alone")
 @pytest.mark.parametrize("n", [2, 3])
-@pytest.mark.parametrize("rung", ["naive", "bucketed"])
+@pytest.mark.parametrize("rung", sorted(RUNGS))
 def test_adamw_over_a_layer_no_rank_uses_matches_torchs_ddp(n, rung):
     for r, gaps in enumerate(_unused(n, rung)):
         assert max(gaps.values()) < 1e-6, (r, gaps)

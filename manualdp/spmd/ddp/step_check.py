@@ -101,7 +101,7 @@ class Desync(Feature):
         names = self.reducer.names[index]
         r = self.reducer
         agree("DistributedDataParallel desync: the bucket to reduce", {
-            "step": ANY if self.joined() else self.calls.steps,  # a joined rank shadows whichever step the others are at
+            "step": ANY if self.joined() else self.calls.steps,  # a joined rank shadows whichever step the others do
             "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype), "params": names},
             r.group, error=RuntimeError, timeout=r.timeout, hint="every rank must run the same steps on the same model",
             shown={"unused parameters": [n for n, arrived in zip(names, bucket.arrived) if not arrived] or "none",

@@ -8,6 +8,10 @@ when a bucket's last gradient arrives, the bucket is allreduced on the backgroun
 while backward goes on. Buckets are started in their order only, the same on every rank,
 even if one fills before the one ahead of it. At the end of backward the averages are
 copied back into `.grad`. This is torch's DDP without its features (rung 5).
+
+The last bucket also carries one flag per parameter, whether this rank's backward reached it,
+summed with the gradients: it starts after every other bucket, when this rank's flags are final,
+and no message is added for them. A parameter no rank reached keeps its `.grad` (rung 1's rule).
 """
 from __future__ import annotations
 
@@ -27,7 +31,11 @@ class BucketedDDP(OverlappedDDP):
     def __init__(self, module, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **kwargs):
         self.bucket_cap_mb = positive_number("bucket_cap_mb", bucket_cap_mb)  # compared at construction (`settings`)
         super().__init__(module, **kwargs)
-        self.buckets = [Bucket([self.params[i] for i in b]) for b in assign_buckets(self.params, bucket_cap_mb)]
+        layout = assign_buckets(self.params, bucket_cap_mb)
+        self.buckets = [Bucket([self.params[i] for i in b], extra=len(self.params) if k == len(layout) - 1 else 0)
+                        for k, b in enumerate(layout)]
+        last = self.buckets[-1]
+        self.flags = last.flat[last.offsets[-1]:]  # after the last bucket's gradients: the ranks' "used" flags
         self.where = {id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)}
         self.next = 0  # the next bucket to start: they start in order
 
@@ -42,22 +50,28 @@ class BucketedDDP(OverlappedDDP):
             self.next += 1
 
     def start_bucket(self, bucket: Bucket) -> None:
+        if bucket is self.buckets[-1]:  # every other bucket has started: this rank's flags are final
+            self.flags.copy_(torch.tensor(self.reached))
         bucket.future = self.submit(bucket.flat)
 
-    def sync_gradients(self, params=None) -> None:
+    def sync_gradients(self) -> None:
         for bucket in self.buckets[self.next:]:  # a parameter unused in this step sends its .grad, or zeros
             bucket.fill_missing()
             self.start_bucket(bucket)
         self.next, self.checked = 0, None
+        self.take_reached()
         try:
             wait_all(bucket.future for bucket in self.buckets)
         except Exception:
             for bucket in self.buckets:
                 bucket.reset()
             raise
+        used = (self.flags > 0).tolist()  # how many ranks used each parameter
         for bucket in self.buckets:
             bucket.flat.div_(self.world_size)
             for p, view in zip(bucket.params, bucket.views):
+                if not used[self.position[id(p)]]:  # no rank used it: its .grad stays as it was
+                    continue
                 if p.grad is None:
                     p.grad = view.clone()
                 else:

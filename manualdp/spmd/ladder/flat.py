@@ -27,13 +27,14 @@ def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 class FlatDDP(NaiveDDP):
     """`NaiveDDP` with one allreduce of all the gradients (per dtype) instead of one per parameter."""
 
-    def sync_gradients(self, params: list[torch.Tensor] | None = None) -> None:
-        params = self.params if params is None else params
-        self.check_step()
-        for p in params:
+    def sync_gradients(self) -> None:
+        reached = self.take_reached()
+        untouched = self.unused_everywhere(reached, self.check_step(flag=not all(reached)))
+        for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        for grads in by_dtype([p.grad for p in params]):
+        for grads in by_dtype([p.grad for p in self.params]):
             flat = flatten(grads)
             allreduce(flat, self.algorithm, self.group, timeout=self.timeout, check=False)
             unflatten_(flat.div_(self.world_size), grads)
+        self.restore(untouched)  # no rank used these: their .grad as it was

@@ -18,6 +18,18 @@ module whose parameters another rung already averages is refused. Each step they
 the step itself before its first allreduce (`check_step`): a rank that skipped a backward
 pass, or ran one more, or ran another number of forward passes, makes every rank raise,
 naming the rank and the field, instead of averaging gradients of two different steps.
+
+Two more rules make every rung train as torch's DDP does with its defaults:
+- a parameter that no rank's backward pass reached keeps its `.grad` as it was (None stays None,
+  so optimizers with weight decay or momentum leave it alone). This is torch's rule: its reducer
+  sums a "used" flag per parameter (set when the parameter's autograd hook fires) across the
+  ranks with the gradients, and where the sum is 0 "we keep its grad untouched"
+  (`Reducer::copy_bucket_to_grad`, `global_unused`); a parameter some rank used gets the average,
+  the ranks that did not use it counting the `.grad` they hold, or zeros. Each rung learns the sum
+  its own way, at no extra message where it can (`unused_everywhere`);
+- before each forward pass with grad enabled, rank 0's buffers (BatchNorm's running statistics)
+  are copied to every rank, as torch's DDP does with `broadcast_buffers=True`, its default, by
+  the one helper its drop-in uses too (`transport.agree.broadcast_from_rank0`).
 """
 from __future__ import annotations
 
@@ -26,7 +38,7 @@ import weakref
 import torch
 from torch import nn
 
-from ...validate import nn_module, one_of, timeout_seconds
+from ...validate import boolean, nn_module, one_of, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
 from ..transport.agree import agree, broadcast_from_rank0, check_same_model
 from ..transport.call_check import same_call
@@ -73,17 +85,22 @@ class NaiveDDP(nn.Module):
         module: the model, on this rank's device.
         algorithm: the allreduce schedule (`manualdp.schedule`; "auto" lets the cost model pick).
         group: the process group (default: all ranks); timeout: seconds to wait for a peer.
+        broadcast_buffers: copy rank 0's buffers to every rank before each forward pass with grad
+            enabled, as torch's DDP (default True); they are copied at construction either way.
 
     Every rank must build the same model with the same arguments, and run the same forward
     passes (with grad enabled) and backward passes; else every rank raises, naming the field.
-    A parameter unused in a step on some ranks counts as zero there (its `.grad`, if it has one).
+    A parameter unused in a step on some ranks counts as zero there (its `.grad`, if it has one);
+    one that no rank used keeps its `.grad` as it was.
     """
 
-    def __init__(self, module: nn.Module, *, algorithm: str = "ring", group=None, timeout: float | None = None):
+    def __init__(self, module: nn.Module, *, algorithm: str = "ring", group=None, timeout: float | None = None,
+                 broadcast_buffers: bool = True):
         super().__init__()
         self.module = nn_module("module", module)
         self.algorithm = one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         self.group, self.timeout = group, timeout_seconds("timeout", timeout)
+        self.broadcast_buffers = boolean("broadcast_buffers", broadcast_buffers)
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
         self.state = group_state(group)
@@ -97,6 +114,10 @@ class NaiveDDP(nn.Module):
         agree(f"{type(self).__name__}'s settings", self.settings(), group, timeout=self.timeout,
               hint="every rank must construct the same rung with the same arguments")
         broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)
+        # copied from rank 0 before each forward pass (torch's DDP also lists them once, at construction)
+        self.synced_buffers = list(module.buffers()) if broadcast_buffers else []
+        self.position = {id(p): k for k, p in enumerate(self.params)}  # where each parameter sits in `params`
+        self.reached = [False] * len(self.params)  # whose hook this backward pass fired on this rank
         self.steps = 0  # forward passes with grad enabled so far: compared at every backward (`check_step`)
         self._queued = False  # whether this backward pass has queued `_end_of_backward`
         # The hooks hold the rung weakly: once it is gone, its module is a plain module again.
@@ -106,7 +127,7 @@ class NaiveDDP(nn.Module):
 
     def settings(self) -> dict:
         """What every rank's rung must agree on at construction, besides the model: the rung and its arguments."""
-        return {"rung": type(self).__name__, "algorithm": self.algorithm}
+        return {"rung": type(self).__name__, "algorithm": self.algorithm, "broadcast_buffers": self.broadcast_buffers}
 
     def _refuse_wrapped(self, module: nn.Module) -> None:
         """Refuse a module whose parameters another live rung already averages: each would average them again."""
@@ -130,25 +151,55 @@ class NaiveDDP(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
+            broadcast_from_rank0(self.synced_buffers, self.group, self.timeout)
         self.steps += 1
         out = self.module(*args, **kwargs)
         _keep_alive(out, self)
         return out
 
-    def check_step(self) -> None:
+    def check_step(self, flag: bool = False) -> bool:
         """Before a backward pass's first allreduce: every rank is at the same step, or every rank raises.
 
         One call check (`transport.call_check.same_call`, fixed-size headers, a round trip) of
         the step's whole size with this rank's count of forward passes: a rank that skipped a
         backward pass (or ran one more) would otherwise pair its gradients with another step's.
+        Returns whether any rank raised `flag` (a bit the headers carry uncompared).
         """
-        if self.world_size > 1:
-            timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
-            same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
-                      numel=sum(p.numel() for p in self.params), step=self.steps)
+        if self.world_size == 1:
+            return flag
+        timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
+        return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
+                         numel=sum(p.numel() for p in self.params), step=self.steps, flag=flag)
+
+    def take_reached(self) -> list[bool]:
+        """Whose hook this backward pass fired on this rank, in `params` order; forgotten for the next pass."""
+        reached, self.reached = self.reached, [False] * len(self.params)
+        return reached
+
+    def unused_everywhere(self, reached: list[bool], someone_left_one: bool) -> list[tuple[torch.Tensor, object]]:
+        """(parameter, a copy of its `.grad` or None) for each parameter that no rank's backward pass reached.
+
+        Rungs 1 and 2 check the step after backward, so every rank knows there whether any rank
+        left a parameter out (`check_step`'s flag): usually none did, and this costs nothing.
+        Else the ranks sum their flags, one small allreduce. `restore` gives the copies back.
+        """
+        if not someone_left_one:
+            return []
+        flags = torch.tensor(reached, dtype=torch.int32, device=self.params[0].device)
+        allreduce(flags, self.algorithm, self.group, timeout=self.timeout, check=False)
+        return [(p, None if p.grad is None else p.grad.clone())
+                for p, count in zip(self.params, flags.tolist()) if count == 0]
+
+    @staticmethod
+    def restore(untouched: list[tuple[torch.Tensor, object]]) -> None:
+        """Put back the `.grad` of the parameters no rank used: None stays None, as with torch's DDP."""
+        for p, grad in untouched:
+            p.grad = None if grad is None else p.grad.copy_(grad)
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Autograd calls this once `p.grad` holds this backward pass's gradient."""
+        self.reached[self.position[id(p)]] = True
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -164,9 +215,11 @@ class NaiveDDP(nn.Module):
 
     def sync_gradients(self) -> None:
         """The end of backward: sum every gradient over the ranks, then divide by their number."""
-        self.check_step()
+        reached = self.take_reached()
+        untouched = self.unused_everywhere(reached, self.check_step(flag=not all(reached)))
         for p in self.params:
             if p.grad is None:  # not used in this step on this rank: it adds nothing to the sum
                 p.grad = torch.zeros_like(p)
             allreduce(p.grad, self.algorithm, self.group, timeout=self.timeout, check=False)
             p.grad.div_(self.world_size)
+        self.restore(untouched)  # no rank used these: their .grad as it was

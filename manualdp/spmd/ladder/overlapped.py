@@ -18,7 +18,13 @@ Three details:
   after backward, its `.grad` or zeros;
 - the step's check (rung 1's `check_step`) rides on the first allreduce of each backward
   pass (`allreduce(..., check=True, step=...)`: fixed-size headers beside its data, no round
-  trip more); the others start once it has passed.
+  trip more); the others start once it has passed;
+- which parameters some rank used (rung 1's rule: one no rank used keeps its `.grad`) is known
+  only once every hook has fired, long after the check went out. The last parameter of `order`
+  starts last, when this rank's flags (one per parameter) are final, so its allreduce carries
+  them: its gradient and the flags are copied into one buffer (`tail`), no message more. A
+  parameter this rank did not use sends a stand-in (a copy of its `.grad`, or zeros), so that its
+  `.grad` is written only if some rank used it.
 """
 from __future__ import annotations
 
@@ -44,7 +50,9 @@ class OverlappedDDP(FlatDDP):
         self.ready = [False] * len(self.order)  # whose gradient this backward pass has produced
         self.next = 0  # the next parameter of `order` to start: they start in order
         self.checked: concurrent.futures.Future | None = None  # this backward's first allreduce, which checks the step
-        self.running: list[tuple[torch.Tensor, concurrent.futures.Future]] = []  # started this backward
+        # started this backward: (parameter, the tensor sent for it, its allreduce)
+        self.running: list[tuple[torch.Tensor, torch.Tensor, concurrent.futures.Future]] = []
+        self.tail: torch.Tensor | None = None  # the last parameter's gradient, then the flags: sent together
 
     def grad_ready(self, p: torch.Tensor) -> None:
         self.ready[self.slot[id(p)]] = True
@@ -52,9 +60,18 @@ class OverlappedDDP(FlatDDP):
             self.start(self.order[self.next])
             self.next += 1
 
-    def start(self, p: torch.Tensor) -> None:
-        """Send `p.grad` now; autograd will not touch it again in this backward pass."""
-        self.running.append((p, self.submit(p.grad)))
+    def start(self, p: torch.Tensor, sent: torch.Tensor | None = None) -> None:
+        """Send `p.grad` (or `sent` for it) now; autograd will not touch it again in this backward pass."""
+        sent = p.grad if sent is None else sent
+        if p is not self.order[-1]:
+            self.running.append((p, sent, self.submit(sent)))
+            return
+        if self.tail is None:
+            self.tail = torch.empty(p.numel() + len(self.params), dtype=p.dtype, device=p.device)
+        with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; `tail` is plain data
+            self.tail[:p.numel()].view(p.shape).copy_(sent)
+            self.tail[p.numel():].copy_(torch.tensor(self.reached))  # every other parameter has started: final
+        self.running.append((p, sent, self.submit(self.tail)))
 
     def submit(self, tensor: torch.Tensor) -> concurrent.futures.Future:
         """Queue the allreduce of `tensor` on the worker; the step's first carries the step's check."""
@@ -71,16 +88,21 @@ class OverlappedDDP(FlatDDP):
             checked.result()  # done (the worker runs in order); raises if the check refused: nothing is sent
             allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)
 
-    def sync_gradients(self, params=None) -> None:
-        for p in self.order[self.next:]:  # unused in this step on this rank: its .grad, or zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            self.start(p)
+    def sync_gradients(self) -> None:
+        for p in self.order[self.next:]:  # unused in this step on this rank: a copy of its .grad, or zeros
+            self.start(p, torch.zeros_like(p) if p.grad is None else p.grad.clone())
+        self.take_reached()
         running, self.running = self.running, []
         self.ready, self.next, self.checked = [False] * len(self.order), 0, None
-        wait_all(future for _, future in running)  # raises the first error (a PeerError naming a silent rank)
-        for p, _ in running:
-            p.grad.div_(self.world_size)
+        wait_all(future for _, _, future in running)  # raises the first error (a PeerError naming a silent rank)
+        last, k = self.order[-1], self.order[-1].numel()
+        used = (self.tail[k:] > 0).tolist()  # how many ranks used each parameter
+        running[-1][1].copy_(self.tail[:k].view(last.shape))
+        for p, sent, _ in running:
+            if sent is p.grad:  # used here
+                sent.div_(self.world_size)
+            elif used[self.position[id(p)]]:  # used elsewhere: the average replaces what .grad held
+                p.grad = sent.div_(self.world_size) if p.grad is None else p.grad.copy_(sent.div_(self.world_size))
 
 
 def wait_all(futures) -> None:
