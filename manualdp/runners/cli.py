@@ -78,6 +78,16 @@ def _min_replicas(text: str) -> int:
     return value
 
 
+def _momentum(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a float, got {text!r}") from None
+    if not 0 <= value < 1:  # also refuses nan; 1 never forgets, and the steps grow without bound
+        raise argparse.ArgumentTypeError(f"must be from 0 to below 1, got {text}")
+    return value
+
+
 def _port(allow_zero: bool):
     def parse(text: str) -> int:
         try:
@@ -157,6 +167,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="this replica's name, unique among the live ones (with --fault-tolerant)")
     f.add_argument("--min-replicas", type=_min_replicas, default=None, metavar="N",
                    help="train only in a quorum of at least N replicas; fewer, and wait (default: 1)")
+    every = f.add_mutually_exclusive_group()
+    every.add_argument("--local-sgd", type=positive(int, 10**6), default=None, metavar="H",
+                       help="local SGD: H steps alone, then average the parameters (torchft's LocalSGD, sync_every=H; "
+                            "default: average the gradients every step, as DDP)")
+    every.add_argument("--diloco", type=positive(int, 10**6), default=None, metavar="H",
+                       help="DiLoCo: H steps alone, then an outer Nesterov SGD step on the average change of the "
+                            "parameters (torchft's DiLoCo, sync_every=H)")
+    f.add_argument("--outer-lr", type=positive(float, MAX_LR, " (float32's largest)"), default=None,
+                   help="DiLoCo's outer learning rate (default: 0.7, the paper's)")
+    f.add_argument("--outer-momentum", type=_momentum, default=None,
+                   help="DiLoCo's outer Nesterov momentum, from 0 to below 1 (default: 0.9, the paper's)")
 
     co = sub.add_parser("coordinator", help="host the store fault-tolerant replicas meet in, until stopped",
                         description="Host the membership store of `manualdp train --fault-tolerant` until Ctrl-C "
@@ -272,9 +293,14 @@ def check_train_args(args) -> str | None:
 def _fault_tolerant_problem(args, world_size: int) -> str | None:
     """What does not go with `--fault-tolerant` (or needs it), in one line; None if nothing."""
     if not args.fault_tolerant:
-        given = [o for o, v in (("--replica-id", args.replica_id), ("--min-replicas", args.min_replicas))
+        given = [o for o, v in (("--replica-id", args.replica_id), ("--min-replicas", args.min_replicas),
+                                ("--local-sgd", args.local_sgd), ("--diloco", args.diloco),
+                                ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum))
                  if v is not None]
         return f"{' and '.join(given)} need --fault-tolerant HOST:PORT" if given else None
+    for option, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
+        if value is not None and args.diloco is None:
+            return f"{option} {value:g} needs --diloco H: only DiLoCo has an outer optimizer"
     if world_size > 1:
         return ("--fault-tolerant under torchrun: torchrun stops every rank when one dies; start each replica "
                 "with its own `manualdp train --fault-tolerant` instead")
@@ -535,7 +561,11 @@ def run_replica(args) -> int:
         _error(f"replica {args.replica_id!r}: cannot reach the coordinator at {host}:{port}: {_one_line(e)}")
         return 1
     try:
+        sync = "local_sgd" if args.local_sgd else "diloco" if args.diloco else "ddp"
+        outer = {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum))
+                 if v is not None}
         history = train_replica(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
+                                sync=sync, sync_every=args.local_sgd or args.diloco or 1, **outer,
                                 **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
     except TimeoutError as e:  # too few replicas for too long
         _error(_one_line(e))
@@ -548,7 +578,8 @@ def run_replica(args) -> int:
     ft = history.config["fault_tolerant"]
     print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
           f"test acc {history.test_acc[-1]:.3f}")
-    print(f"replica {args.replica_id}: {sum(r['committed'] for r in ft['steps'])} steps committed, "
+    unit = "steps" if ft["sync"] == "ddp" else f"blocks of up to {ft['sync_every']} steps"
+    print(f"replica {args.replica_id}: {sum(r['committed'] for r in ft['steps'])} {unit} committed, "
           f"{sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) received; "
           f"parameters sha256 {ft['parameters_sha256'][:16]}")
     failed = 0

@@ -12,6 +12,11 @@ the global batch and multiplied by the quorum's size, so that the average over t
 (`FaultTolerantDDP`) is the gradient of the whole global batch: a replica that leaves hands its
 shard to the others, and the run follows the one-process run on the same batches, whoever is in.
 
+With `sync="local_sgd"` or `"diloco"` (`--local-sgd H`, `--diloco H`) each replica takes H steps
+alone on its shard of H global batches (the shards of the block's quorum), then the members
+combine (`LocalSGD`, `DiLoCo`); blocks do not cross an epoch's end (its last block may be
+shorter), so that every epoch is evaluated on the agreed parameters. A record is then a block.
+
 A replica that joins (a new one, or a killed one started again with the same command) receives
 the model, the optimizer and this loop's state (the epoch's running sums and the history so
 far) from a member at the highest step, checked by SHA-256, so that every replica's `--json`
@@ -26,12 +31,13 @@ import torch
 from torch import nn
 
 from ..loss import count_correct, logits_of, summed_loss
-from ..spmd.ft import FaultTolerantDDP, Manager
+from ..cost import SYNC_METHODS
+from ..spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
 from ..spmd.launch import shard
 from ..support.checkpoint import loader_generator
 from ..support.history import History
 from ..train import evaluate
-from ..validate import iterable, nn_module, positive_int, trainable, xy_pair
+from ..validate import fraction, iterable, learning_rate, nn_module, one_of, positive_int, trainable, xy_pair
 from .options import optimizer_factory
 
 __all__ = ["parse_address", "check_replica_id", "train_replica", "parameters_sha256"]
@@ -69,8 +75,13 @@ def parameters_sha256(net: nn.Module) -> str:
 
 def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: float, manager: Manager, *,
                   loss_fn=None, optimizer=None, momentum: float = 0.0, weight_decay: float = 0.0,
-                  progress: bool = True, log=print) -> History:
+                  progress: bool = True, log=print, sync: str = "ddp", sync_every: int = 1, outer_lr: float = 0.7,
+                  outer_momentum: float = 0.9) -> History:
     """Train `net` as one replica of `manager`'s run for `num_epochs`; the History, the same on every replica.
+
+    `sync`: "ddp" (average the gradients every step), "local_sgd" or "diloco" (H = `sync_every`
+    steps alone, then average the parameters, or step the outer Nesterov SGD of `outer_lr` and
+    `outer_momentum` on their average change).
 
     `train_iter` must be a DataLoader (its order is drawn from its sampler, the same on every
     replica). `history.config["fault_tolerant"]` holds, per attempted step, its batch, round,
@@ -84,9 +95,20 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
         raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
     if getattr(train_iter, "batch_sampler", None) is None:
         raise TypeError(f"train_iter must be a torch DataLoader with a batch sampler, got {type(train_iter).__name__}")
+    one_of("sync", sync, SYNC_METHODS)
+    if positive_int("sync_every", sync_every) != 1 and sync == "ddp":
+        raise ValueError(f"sync_every must be 1 for sync='ddp' (it averages every step), got {sync_every}")
+    learning_rate("outer_lr", outer_lr)
+    fraction("outer_momentum", outer_momentum)
     make, kwargs = optimizer_factory(optimizer, lr, momentum, weight_decay)
-    ft = FaultTolerantDDP(net, make(net.parameters(), **kwargs), manager)
-    run = _Run(train_iter, num_epochs, summed_loss(loss_fn))
+    inner = make(net.parameters(), **kwargs)
+    if sync == "ddp":
+        ft = FaultTolerantDDP(net, inner, manager)
+    elif sync == "local_sgd":
+        ft = LocalSGD(net, inner, manager, sync_every)
+    else:
+        ft = DiLoCo(net, inner, manager, sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum)
+    run = _Run(train_iter, num_epochs, summed_loss(loss_fn), sync_every if sync != "ddp" else None)
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     bar = _progress(run.total, progress, manager.id)
     members = None
@@ -97,7 +119,7 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
                 _write(bar, log, f"replica {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
             members = quorum.ids
-            record = run.step(ft, quorum)
+            record = run.step(ft, quorum) if run.sync_every is None else run.block(ft, quorum)
             if record["committed"] and manager.step % run.per_epoch == 0:
                 run.end_epoch(net, test_iter, manager.step // run.per_epoch, bar, log)
             if bar is not None:
@@ -109,7 +131,9 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
         if bar is not None:
             bar.close()
     run.history.config["fault_tolerant"] = {
-        "replica_id": manager.id, "min_replicas": manager.min_replicas, "steps": run.records,
+        "replica_id": manager.id, "min_replicas": manager.min_replicas, "sync": sync, "sync_every": sync_every,
+        **({"outer_lr": outer_lr, "outer_momentum": outer_momentum} if sync == "diloco" else {}),
+        "steps": run.records,
         "recoveries": manager.recoveries, "parameters_sha256": parameters_sha256(net)}
     return run.history
 
@@ -117,11 +141,13 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
 class _Run:
     """The loop's state: the run's batches, this epoch's running sums, the history; a joiner receives the last two."""
 
-    def __init__(self, train_iter, num_epochs: int, loss_fn):
-        self.batches, self.loss_fn = _Batches(train_iter, num_epochs), loss_fn
-        self.per_epoch = len(train_iter)
-        if self.per_epoch == 0:
+    def __init__(self, train_iter, num_epochs: int, loss_fn, sync_every: int | None = None):
+        self.batches, self.loss_fn, self.sync_every = _Batches(train_iter, num_epochs), loss_fn, sync_every
+        self.batches_per_epoch = len(train_iter)
+        if self.batches_per_epoch == 0:
             raise ValueError("train_iter gave no batch: fewer examples than one batch (drop_last)")
+        # what manager.step counts: batches (DDP), or blocks of up to H batches that end at an epoch's end
+        self.per_epoch = -(-self.batches_per_epoch // (sync_every or 1))
         self.total = num_epochs * self.per_epoch
         self.sums = {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
         self.history = History()
@@ -157,6 +183,37 @@ class _Run:
             self.sums["loss"] += totals[0].item()
             self.sums["correct"] += totals[1].item()
             self.sums["seen"] += n
+        self.records.append(record)
+        return record
+
+    def block(self, ft: LocalSGD, quorum) -> dict:
+        """Take block `manager.step` (up to H batches, alone on this replica's shards), then combine; its record."""
+        k, H, size = ft.manager.step, self.sync_every, len(quorum.ids)
+        epoch, first = k // self.per_epoch, (k % self.per_epoch) * H
+        length = min(H, self.batches_per_epoch - first)
+        totals = torch.zeros(2, dtype=torch.float64)  # this replica's loss and correct count over its shards
+        seen = 0
+        for j in range(length):
+            if j:
+                ft.start_step()  # clears the gradients; the quorum is the block's
+            X, y = self.batches.get(epoch, first + j)
+            Xs, ys = shard(X, y, quorum.rank(ft.manager.id), size)
+            out = ft(Xs)
+            loss = self.loss_fn(out, ys)
+            (loss / len(X) * size).backward()  # the mean over this shard (equal shards): DDP's gradient scale
+            totals += torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
+            seen += len(X)
+            if j == length - 1:
+                ft.manager.average(totals)  # summed over the members below: the H global batches' totals
+            committed = ft.step(end_block=j == length - 1)
+        record = {"step": k, "batch": epoch * self.batches_per_epoch + first, "local_steps": length,
+                  "round": quorum.round, "members": quorum.ids, "committed": committed}
+        if committed:
+            totals *= size
+            record["loss"] = totals[0].item() / seen
+            self.sums["loss"] += totals[0].item()
+            self.sums["correct"] += totals[1].item()
+            self.sums["seen"] += seen
         self.records.append(record)
         return record
 

@@ -78,15 +78,16 @@ class LocalSGD(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         return quorum
 
-    def step(self) -> bool | None:
+    def step(self, end_block: bool = False) -> bool | None:
         """An optimizer step alone; at the block's end the replicas combine: True if committed, False if discarded.
 
-        Inside a block it returns None: nothing was sent.
+        Inside a block it returns None: nothing was sent. `end_block=True` ends this block before
+        its H steps (every member must pass it at the same step: at an epoch's end, say).
         """
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._local += 1
-        if self._local < self.sync_every:
+        if self._local < self.sync_every and not end_block:
             return None
         self._local = 0
         with torch.no_grad():
