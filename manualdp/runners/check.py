@@ -4,10 +4,16 @@
     manualdp check allreduce my_allreduce.py
     manualdp check schedule my_ring.py [--plot ring.png]
     manualdp check ddp my_ddp.py
+    manualdp check cost my_cost.py
+    manualdp check hook my_hook.py
+    manualdp check zero1 my_zero1.py
+    manualdp check checkpoint my_checkpoint.py
 
-FILE.py defines what the exercise is named, with manualdp's signature: `split_batch(X, y, devices)`,
-`allreduce(tensors)`, `schedule(n)` returning the rounds (a `Schedule`, or a list of rounds of
-`Transfer(src, dst, chunk, reduce)`), or a class `DDP(module)`. The exit status is 0 when every
+FILE.py defines what the exercise asks for (`EXERCISES`), with manualdp's signature where manualdp has one:
+`split_batch(X, y, devices)`, `allreduce(tensors)`, `schedule(n)` returning the rounds (a `Schedule`, or
+a list of rounds of `Transfer(src, dst, chunk, reduce)`), a class `DDP(module)`, `cost(schedule, nbytes,
+alpha, beta, gamma)`, a comm hook `fp16_compress_hook(process_group, bucket)`, `zero1_step(params,
+grads, momenta, lr, momentum)`, or `save_checkpoint` and `load_checkpoint`. The exit status is 0 when every
 check passes, 1 otherwise, and the first failing case is told in one paragraph: the input, what
 was expected, what came back. The properties are `manualdp.runners.properties`, the very ones
 tests/ holds manualdp to; the exercises are in the book (book/), reference solutions in
@@ -33,8 +39,17 @@ EXERCISES = {  # name -> what FILE.py must define
     "allreduce": "a function allreduce(tensors) that sums a list of per-device tensors in place",
     "schedule": "a function schedule(n) -> the rounds of an allreduce on n devices",
     "ddp": "a class DDP(module) that averages gradients over the ranks, as torch's DDP",
+    "cost": "a function cost(schedule, nbytes, alpha, beta, gamma) -> the schedule's alpha-beta-gamma time in seconds",
+    "hook": "a comm hook fp16_compress_hook(process_group, bucket) -> a future of the bucket's average, sent as float16",
+    "zero1": "a function zero1_step(params, grads, momenta, lr, momentum): one ZeRO-1 step of SGD with momentum",
+    "checkpoint": "functions save_checkpoint(path, model, optimizer, step) and load_checkpoint(path, model, optimizer) "
+                  "-> step, whose resume equals the uninterrupted run bitwise",
+    "diloco": "a function outer_step(theta, replicas, momentum, lr, mu) -> (new_theta, new_momentum), DiLoCo's outer "
+              "step",
 }
-NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "schedule", "ddp": "DDP"}
+NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "schedule", "ddp": "DDP", "cost": "cost",
+         "hook": "fp16_compress_hook", "zero1": "zero1_step", "checkpoint": ("save_checkpoint", "load_checkpoint"),
+         "diloco": "outer_step"}
 SIZE = 1 << 20  # the buffer whose bytes a schedule's report counts (divisible by 4 and 8 devices)
 DDP_TIMEOUT = 90.0  # seconds for the two ranks of the ddp check
 
@@ -43,8 +58,8 @@ class Failed(Exception):
     """The file cannot be graded, or a check failed: the message says why."""
 
 
-def load(path: str, name: str, args) -> Child:
-    """A child process (`sandbox.Child`) that has loaded the file at `path`, which defines `name`."""
+def load(path: str, name: str | tuple[str, ...], args) -> Child:
+    """A child process (`sandbox.Child`) that has loaded the file at `path`, which defines `name` (or every name)."""
     if not os.path.isfile(path):
         raise Failed(f"{path}: no such file")
     child = Child(path, name, args.timeout, args.deadline, args.memory)
@@ -62,7 +77,7 @@ def load(path: str, name: str, args) -> Child:
                      + (f" (at {e['at']})" if e["at"] else "") + hint)
     if "missing" in loaded:
         child.close()
-        raise Failed(f"the file defines no {name!r}: the exercise asks for {EXERCISES[_exercise(name)]}")
+        raise Failed(f"the file defines no {loaded['missing']!r}: the exercise asks for {EXERCISES[_exercise(name)]}")
     if "error" in loaded:
         child.close()
         raise Failed(loaded["error"])
@@ -162,12 +177,11 @@ def _draw(fn, n: int, plot_path: str) -> str | None:
     return plot_path
 
 
-def check_ddp(path: str, args) -> str:
-    from ..spmd.launch import launch
-    from .properties import ddp_mismatch, torch_ddp_job
-
-    with load(path, "DDP", args) as child:  # its errors are told here, before any rank starts
-        reply = child.request({"op": "ddp", "timeout": DDP_TIMEOUT}, DDP_TIMEOUT + 30, "running the 2 ranks")
+def _ranks(path: str, exercise: str, args) -> list[dict]:
+    """What each of 2 ranks, started by the file's child, returned from `sandbox_child.RANK_JOBS[exercise]`."""
+    with load(path, NAMES[exercise], args) as child:  # its errors are told here, before any rank starts
+        reply = child.request({"op": "ranks", "job": exercise, "timeout": DDP_TIMEOUT}, DDP_TIMEOUT + 30,
+                              "running the 2 ranks")
     if reply.get("timeout"):
         raise Failed(f"the 2 ranks did not finish in {DDP_TIMEOUT:.0f} s: a rank waits for a message the other never "
                      "sends (do both ranks make the same collective calls, in the same order?)")
@@ -179,6 +193,14 @@ def check_ddp(path: str, args) -> str:
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
         raise Failed(str(errors[0]))
+    return ranks
+
+
+def check_ddp(path: str, args) -> str:
+    from ..spmd.launch import launch
+    from .properties import ddp_mismatch, torch_ddp_job
+
+    ranks = _ranks(path, "ddp", args)
     reference = launch(torch_ddp_job, 2, timeout=DDP_TIMEOUT)  # torch's DDP, in ranks the file never ran in
     try:
         ddp_mismatch([{"DDP": mine["DDP"], **ref} for mine, ref in zip(ranks, reference)], "DDP")
@@ -187,6 +209,58 @@ def check_ddp(path: str, args) -> str:
     return ("DDP equals torch's DDP on 2 ranks, fed the same data (a model with a layer used twice and a frozen layer, "
             "float64, to 1e-12): the parameters after construction, and after each of 3 steps the gradients when "
             "backward returned and the parameters after the optimizer step")
+
+
+def check_hook(path: str, args) -> str:
+    from ..spmd.launch import launch
+    from .properties import LOSS_SCALE, hook_mismatch, torch_hook_job
+
+    name = NAMES["hook"]
+    ranks = _ranks(path, "hook", args)
+    reference = launch(torch_hook_job, 2, timeout=DDP_TIMEOUT)  # torch's own hook, in ranks the file never ran in
+    try:
+        hook_mismatch([{name: mine[name], **ref} for mine, ref in zip(ranks, reference)], name)
+    except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+        raise Failed(f"the ranks sent back results in another shape than the grader's ({type(e).__name__}: {e})")
+    return (f"{name} on torch's DDP equals torch's fp16_compress_hook on 2 ranks (a float32 MLP, a bucket per layer "
+            f"or two, to 1e-6): the gradients and parameters of an ordinary step, and of a step whose loss is scaled "
+            f"by {LOSS_SCALE:.0f}, where the sum of the ranks' float16 gradients would overflow")
+
+
+def check_cost(path: str, args) -> str:
+    from .properties import STRATEGIES, cost_property
+
+    with load(path, NAMES["cost"], args) as child:
+        _hypothesis(cost_property, child, STRATEGIES["cost"], args.examples)
+    return (f"{args.examples} schedules drawn by hypothesis (the book's collectives on 1 to 16 devices, and random "
+            "valid schedules of 2 to 6 devices, 1 to 6 chunks, up to 4 rounds, empty rounds too), buffers of 0 to 1 "
+            "GiB and constants from 0: your time equals manualdp.cost.cost's, to 1e-9")
+
+
+def check_zero1(path: str, args) -> str:
+    from .properties import STRATEGIES, zero1_property
+
+    with load(path, NAMES["zero1"], args) as child:
+        _hypothesis(zero1_property, child, STRATEGIES["zero1"], args.examples)
+    return (f"{args.examples} runs drawn by hypothesis (1 to 8 devices, 0 to 64 float64 parameters, 1 to 3 steps, "
+            "momentum 0 to 0.99): every device's parameters equal plain data parallelism's SGD to 1e-10 and are "
+            "bitwise identical, and device i's momentum buffer is that of its own chunk")
+
+
+def check_checkpoint(path: str, args) -> str:
+    from .properties import STRATEGIES, resume_property
+
+    with load(path, NAMES["checkpoint"], args) as child:
+        _hypothesis(resume_property, child, STRATEGIES["checkpoint"], args.examples)
+    return (f"{args.examples} runs drawn by hypothesis (2 to 8 steps, SGD with momentum or Adam, dropout, random "
+            "batches; stopped after any step and resumed in a new model and optimizer, torch seeded anew): every "
+            "resumed run ends bitwise equal to the uninterrupted one")
+
+
+def check_diloco(path: str, args) -> str:
+    from .check_ft import check_diloco as check
+
+    return check(path, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -199,8 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--examples", type=int, default=100, help="inputs hypothesis draws (default 100)")
     parser.add_argument("--plot", metavar="PATH", help="schedule: where to draw it (default: FILE with .png)")
     parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds each call of your code may take, and importing your file (default 60; ddp: "
-                             f"its 2 ranks take up to {DDP_TIMEOUT:.0f})")
+                        help="seconds each call of your code may take, and importing your file (default 60; ddp "
+                             f"and hook: their 2 ranks take up to {DDP_TIMEOUT:.0f})")
     parser.add_argument("--total", type=float, default=600.0, help="seconds for the whole check (default 600)")
     parser.add_argument("--memory", type=int, default=4096, metavar="MB",
                         help="memory your code's process may map, in MiB (default 4096)")
@@ -233,7 +307,10 @@ def main(argv: list[str] | None = None) -> int:
         report = {"split_batch": lambda: check_split_batch(args.file, args),
                   "allreduce": lambda: check_allreduce(args.file, args),
                   "schedule": lambda: check_schedule(args.file, plot_path, args),
-                  "ddp": lambda: check_ddp(args.file, args)}[args.exercise]()
+                  "ddp": lambda: check_ddp(args.file, args), "cost": lambda: check_cost(args.file, args),
+                  "hook": lambda: check_hook(args.file, args), "zero1": lambda: check_zero1(args.file, args),
+                  "checkpoint": lambda: check_checkpoint(args.file, args),
+                  "diloco": lambda: check_diloco(args.file, args)}[args.exercise]()
     except (Failed, Mismatch, Stopped) as e:
         print(textwrap.fill(f"FAIL {label}: {e}", width=100, break_long_words=False, break_on_hyphens=False))
         return 1

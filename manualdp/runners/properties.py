@@ -10,6 +10,8 @@ dependency (`pip install hypothesis`).
 """
 from __future__ import annotations
 
+import copy
+import math
 import os
 import traceback
 from collections import Counter
@@ -26,7 +28,8 @@ from ..split import shard_sizes
 from .explain import trace
 
 __all__ = ["Mismatch", "STRATEGIES", "split_property", "split_devices_property", "allreduce_property",
-           "schedule_property", "as_schedule",
+           "schedule_property", "as_schedule", "cost_property", "schedules", "zero1_property", "resume_property",
+           "resume_run", "hook_job", "torch_hook_job", "hook_mismatch",
            "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
            "torch_ddp_job"]
 
@@ -39,15 +42,19 @@ class Mismatch(AssertionError):
     """A property does not hold: the message says for which input, what was expected and what came back."""
 
 
-def _call(call: str, fn, *args) -> tuple:
+def _call(call: str, fn, *args, job: str | None = None) -> tuple:
     """`fn(*args)` as `(before, after, out)`: the arguments as the caller held them before the call (lists copied,
     so that a rebound slot shows), as they are after it, and what it returned. `fn` may be a `sandbox.Child`: the
-    call runs there, and what comes back is the child's. An exception becomes a Mismatch that names the call."""
+    call runs there, and what comes back is the child's. An exception becomes a Mismatch that names the call.
+
+    With `job` (a name of `sandbox_child.JOBS`), the grader's job runs instead, given `fn`'s functions (a Child's,
+    or a tuple of functions) and `args`."""
     from .sandbox import Child, Raised, Stopped
+    from .sandbox_child import JOBS
 
     if isinstance(fn, Child):
         try:
-            return fn.call(*args)
+            return fn.job(job, *args) if job else fn.call(*args)
         except Raised as e:
             raise Mismatch(f"{call} raised {e.kind}" + (f": {e.message}" if e.message else "")
                            + (f" (at {e.at})" if e.at else "")
@@ -56,7 +63,7 @@ def _call(call: str, fn, *args) -> tuple:
             raise Stopped(f"{call} {e}") from None
     before = tuple(list(a) if isinstance(a, list) else a for a in args)
     try:
-        return before, args, fn(*args)
+        return before, args, (globals()[JOBS[job]](*fn, *args) if job else fn(*args))
     except Exception as e:  # noqa: BLE001 (a student's code may raise anything)
         frames = traceback.extract_tb(e.__traceback__)
         frame = next((f for f in reversed(frames) if not f.filename.startswith(TORCH)), frames[-1])  # the caller's line
@@ -391,6 +398,411 @@ def torch_ddp_job(steps: int = 3) -> dict:
     return train_steps({"torch": (TorchDDP(net), net)}, steps)
 
 
+# ---------------------------------------------------------------- cost(schedule, nbytes, alpha, beta, gamma)
+
+def _describe(sched: Schedule) -> str:
+    """A schedule as the grader names it: the book's by name, a random one transfer by transfer."""
+    if sched.algorithm != "random":
+        return f"{sched.algorithm}({sched.num_devices})"
+    rounds = "; ".join(f"round {r}: " + (", ".join(f"{t.src}->{t.dst} chunk {t.chunk} {'add' if t.reduce else 'copy'}"
+                                                   for t in rnd) or "nothing")
+                       for r, rnd in enumerate(sched.rounds))
+    return f"a schedule of {sched.num_devices} devices and {sched.num_chunks} chunk{'s' * (sched.num_chunks != 1)} ({rounds})"
+
+
+def _slip_cost(sched: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, slip: str) -> float:
+    """The textbook model with one of a student's slips (`COST_SLIPS`), to name the slip an answer made."""
+    from ..schedule import chunk_sizes
+
+    sizes, n, total = chunk_sizes(nbytes, sched.num_chunks), sched.num_devices, 0.0
+    for rnd in sched.rounds:
+        sent, received, added = [0] * n, [0] * n, [0] * n
+        out, into = [set() for _ in range(n)], [set() for _ in range(n)]
+        count_out, count_in = [0] * n, [0] * n
+        for t in rnd:
+            sent[t.src] += sizes[t.chunk]
+            received[t.dst] += sizes[t.chunk]
+            added[t.dst] += sizes[t.chunk] if t.reduce or slip == "adds every chunk received" else 0
+            out[t.src].add(t.dst)
+            into[t.dst].add(t.src)
+            count_out[t.src] += 1
+            count_in[t.dst] += 1
+        times = []
+        for d in range(n):
+            if slip == "a message per transfer":
+                messages = max(count_out[d], count_in[d])
+            else:
+                messages = max(len(out[d]), len(into[d]))
+            moved = {"bytes sent only": sent[d], "sent plus received": sent[d] + received[d]}.get(
+                slip, max(sent[d], received[d]))
+            times.append(alpha * messages + beta * moved + gamma * added[d])
+        total += (sum(times) if slip == "every device's time added up" else max(times, default=0.0))
+    return total
+
+
+COST_SLIPS = {  # a slip -> what to write instead
+    "bytes sent only": "a device's beta term is beta times the larger of the bytes it sends and the bytes it receives",
+    "sent plus received": "the textbook's link is full duplex: a device sends and receives at once, so its beta term "
+                          "is beta times the larger of the two, not their sum",
+    "a message per transfer": "the chunks one device sends to one peer in a round travel as one message: count the "
+                              "peers a device sends to (and receives from), not the transfers",
+    "every device's time added up": "the devices work at once: a round lasts as long as its busiest device (the "
+                                    "largest of their times), not all their times added up",
+    "adds every chunk received": "gamma is for the bytes a device adds (transfers with reduce=True); a chunk that "
+                                 "overwrites (reduce=False) is only copied",
+}
+
+
+def cost_property(cost_fn, sched: Schedule, nbytes: int, alpha: float, beta: float, gamma: float) -> None:
+    """`cost_fn(schedule, nbytes, alpha, beta, gamma)` is `manualdp.cost.cost`'s textbook time, to 1e-9."""
+    import math
+
+    from ..cost import cost
+
+    expected = cost(sched, nbytes, alpha, beta, gamma)
+    call = (f"cost(schedule, nbytes={nbytes}, alpha={alpha:.3g}, beta={beta:.3g}, gamma={gamma:.3g}) for "
+            f"{_describe(sched)}")
+    _, _, out = _call(call, cost_fn, sched, nbytes, alpha, beta, gamma)
+    if isinstance(out, torch.Tensor) and out.numel() == 1:
+        out = out.item()
+    if isinstance(out, bool) or not isinstance(out, (int, float)):
+        raise Mismatch(f"{call}: expected a number of seconds, got {_show(out)}")
+    if not math.isclose(out, expected, rel_tol=1e-9, abs_tol=1e-15):
+        slips = [s for s in COST_SLIPS if math.isclose(out, _slip_cost(sched, nbytes, alpha, beta, gamma, s),
+                                                      rel_tol=1e-9, abs_tol=1e-15)]
+        raise Mismatch(f"{call}: expected {expected:.6g} s (manualdp.cost.cost), got {out:.6g} s"
+                       + (f". Yours counts {slips[0]}: {COST_SLIPS[slips[0]]}" if slips else ""))
+
+
+@st.composite
+def schedules(draw) -> Schedule:
+    """The book's schedules on 1 to 16 devices, or a random valid one: 2 to 6 devices, 1 to 6 chunks, 0 to 4 rounds
+    of up to 10 transfers (some to one peer, some adding, some overwriting)."""
+    from ..cost import check_schedule
+    from ..schedule import COLLECTIVES, get_collective
+
+    if draw(st.booleans()):
+        collective = draw(st.sampled_from(sorted(COLLECTIVES)))
+        algorithm = draw(st.sampled_from(sorted(COLLECTIVES[collective])))
+        sched = get_collective(collective, algorithm, draw(st.integers(1, 16)))
+        return Schedule(f"{collective} {algorithm}" if collective != "allreduce" else algorithm, sched.num_devices,
+                        sched.num_chunks, sched.rounds, sched.phases)
+    n, k = draw(st.integers(2, 6)), draw(st.integers(1, 6))
+    rounds = []
+    for _ in range(draw(st.integers(0, 4))):
+        kept: list[Transfer] = []
+        for src, dst, c, add in draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1),
+                                                        st.integers(0, k - 1), st.booleans()), max_size=10)):
+            if src == dst:
+                continue
+            try:  # keep the transfers that leave the round valid (`check_schedule`)
+                check_schedule(Schedule("random", n, k, ((*kept, Transfer(src, dst, c, add)),), ("",)))
+            except ValueError:
+                continue
+            kept.append(Transfer(src, dst, c, add))
+        rounds.append(tuple(kept))
+    return Schedule("random", n, k, tuple(rounds), ("",) * len(rounds))
+
+
+# ---------------------------------------------------------------- zero1_step(params, grads, momenta, lr, momentum)
+
+def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, momentum: float, seed: int) -> None:
+    """`steps` calls of `zero1_step` on `n` devices leave every device's parameters where plain data parallelism's
+    SGD with momentum (the summed gradients, every device stepping the whole model) leaves them, bitwise identical on
+    every device, and device i's momentum buffer that of its own chunk (`collectives.chunk`)."""
+    from ..collectives import chunk
+
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randn(numel, generator=g, dtype=torch.float64)
+    params = [start.clone() for _ in range(n)]
+    momenta = [torch.zeros_like(chunk(start, i, n)) for i in range(n)]
+    plain, plain_buf = start.clone(), torch.zeros(numel, dtype=torch.float64)
+    for step in range(steps):
+        grads = [torch.randn(numel, generator=g, dtype=torch.float64) for _ in range(n)]
+        total = torch.stack(grads).sum(0)
+        plain_before = plain.clone()
+        plain_buf.mul_(momentum).add_(total)  # torch's SGD (dampening 0): b = mu b + g, then p -= lr b
+        plain.add_(plain_buf, alpha=-lr)
+        call = (f"zero1_step(params, grads, momenta, lr={lr:g}, momentum={momentum:g}) on {_devices(n)}, "
+                f"{numel} parameter{'s' * (numel != 1)}, step {step + 1} of {steps}"
+                + (f": grads {', '.join(_show(t) for t in grads)}" if numel * n <= 8 else ""))
+        held, given, _ = _call(call, zero1_step, params, [t.clone() for t in grads], momenta, lr, momentum)
+        params, momenta = list(held[0]), list(held[2])  # the tensors the devices hold, in place
+        for i in range(n):
+            for name, t, size in (("params", params[i], numel), ("momenta", momenta[i], chunk(start, i, n).numel())):
+                if not isinstance(t, torch.Tensor) or t.shape != (size,) or t.dtype != torch.float64:
+                    raise Mismatch(f"{call}: {name}[{i}] must stay a float64 tensor of {size} elements, updated in "
+                                   f"place; it is {_show(t)}")
+        for i in range(n):
+            if given[0][i] is not params[i] or given[2][i] is not momenta[i]:
+                raise Mismatch(f"{call}: your zero1_step put a new tensor into params or momenta (`momenta[i] = "
+                               "...`): the devices keep their own tensors, so update them in place "
+                               "(`momenta[i].mul_(momentum).add_(...)`, `params[i].copy_(...)`)")
+        for i in range(n):
+            lo, hi = _chunk_range(numel, i, n)
+            want = plain_buf[lo:hi]
+            if not torch.allclose(momenta[i], want, rtol=1e-10, atol=1e-12):
+                raise Mismatch(f"{call}: expected device {i}'s momentum buffer, for elements {lo}..{hi - 1} (its "
+                               f"chunk), to be {_show(want)}, got {_show(momenta[i])}: b = momentum * b + (the summed "
+                               "gradient of that chunk)" + _averaged(momenta[i], want, n))
+        for i in range(n):
+            if not torch.allclose(params[i], plain, rtol=1e-10, atol=1e-12):
+                bad = int((params[i] - plain).abs().argmax())
+                owner = next(d for d in range(n) if _chunk_range(numel, d, n)[0] <= bad < _chunk_range(numel, d, n)[1])
+                step_got, step_want = params[i][bad] - plain_before[bad], plain[bad] - plain_before[bad]
+                hint = (_averaged(step_got, step_want, n) or
+                        (". That element was not updated on this device: all-gather the updated chunks, so that "
+                         "every device holds every chunk" if owner != i and params[i][bad] == plain_before[bad] else ""))
+                raise Mismatch(f"{call}: expected every device's parameters to be plain data parallelism's; device "
+                               f"{i}'s element {bad} (in device {owner}'s chunk) is {params[i][bad].item():.6g}, "
+                               f"expected {plain[bad].item():.6g}{hint}")
+            if not torch.equal(params[i], params[0]):
+                raise Mismatch(f"{call}: devices 0 and {i} hold parameters that are close but not bitwise identical: "
+                               "each chunk must be stepped once, by its owner, and copied to the others")
+
+
+def _averaged(got: torch.Tensor, want: torch.Tensor, n: int) -> str:
+    """The hint for a step of 1/n of the right one: the gradients were averaged where they sum."""
+    if n > 1 and want.numel() and torch.allclose(got * n, want, rtol=1e-9, atol=1e-12):
+        return (f". Yours is 1/{n} of it: each device's gradient is its shard's part of the global batch's loss (summed "
+                "and divided by the global batch), so their sum is the gradient; do not average them")
+    return ""
+
+
+def _chunk_range(numel: int, device: int, n: int) -> tuple[int, int]:
+    from ..schedule import chunk_bounds, owned_chunk
+
+    return chunk_bounds(numel, n)[owned_chunk(device, n)]
+
+
+# ---------------------------------------------------------------- save_checkpoint / load_checkpoint
+
+class Resumed(nn.Module):
+    """The checkpoint exercise's model: dropout, so that torch's random number generator matters."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _resume_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(64, 6, generator=g), torch.randint(0, 4, (64,), generator=g)
+
+
+def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
+    """Steps `start` to `stop - 1`: each draws its batch of 8 rows with torch.randint, and dropout its masks."""
+    X, y = _resume_data()
+    for _ in range(start, stop):
+        rows = torch.randint(0, len(X), (8,))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[rows]), y[rows]).backward()
+        opt.step()
+
+
+def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int,
+               path: str = "checkpoint.pt") -> dict:
+    """The checkpoint exercise's run (in the grader's child, with the student's functions): train `stop_at` steps,
+    `save_checkpoint(path, model, optimizer, stop_at)`, then in a fresh model and optimizer (torch seeded anew, as a
+    new process) `load_checkpoint(path, model, optimizer)` and train on from the step it returns to `steps`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        model = Resumed()
+        opt = _optimizer(optimizer, model)
+        _train(model, opt, 0, stop_at)
+        save_checkpoint(path, model, opt, stop_at)
+        del model, opt
+        torch.manual_seed(seed + 1)
+        model = Resumed()
+        opt = _optimizer(optimizer, model)
+        step = load_checkpoint(path, model, opt)
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= steps:
+            return {"step": step}
+        _train(model, opt, step, steps)
+        return {"step": step, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _resume_as(optimizer: str, steps: int, stop_at: int, seed: int, keep: tuple[str, ...]) -> dict:
+    """The parameters of a run resumed at `stop_at` that kept only `keep` of ("model", "optimizer", "rng")."""
+    def save(path, model, opt, step):
+        saved.update(step=step, model=copy.deepcopy(model.state_dict()), optimizer=copy.deepcopy(opt.state_dict()),
+                     rng=torch.get_rng_state())
+
+    def load(path, model, opt):
+        if "model" in keep:
+            model.load_state_dict(saved["model"])
+        if "optimizer" in keep:
+            opt.load_state_dict(saved["optimizer"])
+        if "rng" in keep:
+            torch.set_rng_state(saved["rng"])
+        return saved["step"]
+
+    saved: dict = {}
+    return resume_run(save, load, optimizer, steps, stop_at, seed)["params"]
+
+
+KEPT = {"model": "the model", "optimizer": "the optimizer's state", "rng": "torch's random number generator"}
+RESUME_SLIPS = {  # what a resume kept -> what it missed, and how to keep it
+    ("model", "optimizer"): "torch's random number generator, which draws the batches and the dropout masks: save "
+                            "torch.get_rng_state() and restore it with torch.set_rng_state()",
+    ("model", "rng"): "the optimizer's state (momentum, Adam's moments and step count): save optimizer.state_dict() "
+                      "and restore it with optimizer.load_state_dict()",
+    ("model",): "the optimizer's state and torch's random number generator: save optimizer.state_dict() and "
+                "torch.get_rng_state(), and restore both",
+    (): "anything: load the model's state_dict too",
+}
+
+
+def _uninterrupted(optimizer: str, steps: int, seed: int) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(seed)
+        model = Resumed()
+        _train(model, _optimizer(optimizer, model), 0, steps)
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def resume_property(fns, optimizer: str, run: tuple[int, int], seed: int) -> None:
+    """A run of `steps` stopped after `stop_at` (`run`) and resumed by the student's functions ends bitwise where the
+    uninterrupted run does (computed here, in the grader's process)."""
+    steps, stop_at = run
+    full = _uninterrupted(optimizer, steps, seed)
+    call = (f"a run of {steps} steps ({'SGD with momentum 0.9' if optimizer == 'sgd' else 'Adam'}, dropout, batches "
+            f"drawn with torch.randint, torch.manual_seed({seed})) stopped after step {stop_at}, saved by "
+            f"save_checkpoint(path, model, optimizer, {stop_at}), then resumed in a new model and optimizer (torch "
+            "seeded anew, as a new process would) by load_checkpoint(path, model, optimizer)")
+    _, _, out = _call(call, fns, optimizer, steps, stop_at, seed, job="resume")
+    step = out.get("step") if isinstance(out, dict) else None
+    if step != stop_at:
+        raise Mismatch(f"{call}: load_checkpoint returned {_show(step)}, expected {stop_at}, the step that was saved "
+                       "(the number of steps done): the loop goes on from the step it returns")
+    got = out.get("params")
+    if not isinstance(got, dict) or set(got) != set(full):
+        raise Mismatch(f"{call}: the resumed model's state_dict has keys {sorted(got)[:6] if isinstance(got, dict) else got}, "
+                       f"expected {sorted(full)}")
+    diff = next((k for k in full if not torch.equal(got[k], full[k])), None)
+    if diff is None:
+        return
+    d = (got[diff] - full[diff]).abs()
+    i = int(d.flatten().argmax())
+    slip = next((keep for keep in RESUME_SLIPS
+                 if all(torch.equal(a, b) for a, b in zip(got.values(), _resume_as(optimizer, steps, stop_at, seed,
+                                                                                  keep).values()))), None)
+    raise Mismatch(f"{call}: the parameters differ from the uninterrupted run's: {diff}, element {i}, is "
+                   f"{got[diff].flatten()[i].item():.9g} where the uninterrupted run has "
+                   f"{full[diff].flatten()[i].item():.9g}"
+                   + (f". Your resume equals one that restored {' and '.join(KEPT[k] for k in slip) or 'nothing'} but not "
+                      f"{RESUME_SLIPS[slip]}" if slip is not None else ""))
+
+
+# ---------------------------------------------------------------- fp16_compress_hook(process_group, bucket), on 2 ranks
+
+LOSS_SCALE = 2.0 ** 13  # step 1's loss scale: each rank's gradient of the last bias is 4 rows x 8192 = 32768
+
+
+def _hooked_steps(hook) -> dict:
+    """Torch's DDP with `hook` on this rank: 2 steps of a small float32 MLP, several buckets; step 0 an ordinary
+    loss, step 1 a sum scaled by `LOSS_SCALE` (as float16 training scales its loss), whose last-bias gradient is
+    half of what float16 holds (65504) on each rank: the sum of the ranks' overflows, their average does not."""
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from ..spmd.launch import shard
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
+    model = TorchDDP(net, bucket_cap_mb=0.0002)  # 200 bytes: a bucket per layer or two
+    model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    g = torch.Generator().manual_seed(3)
+    X, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)  # 4 rows a rank
+    Xs, ys = shard(X, y, rank, n)
+    out = {"steps": []}
+    for step in range(2):
+        opt.zero_grad()
+        if step == 0:
+            loss = nn.functional.cross_entropy(model(Xs), ys, reduction="sum") / len(X) * n
+        else:
+            loss = model(0.1 * Xs).sum() * LOSS_SCALE
+        loss.backward()
+        out["steps"].append({"grads": {k: p.grad.detach().clone() for k, p in net.named_parameters()},
+                             "params": None})
+        opt.step()
+        out["steps"][-1]["params"] = {k: p.detach().clone() for k, p in net.named_parameters()}
+    return out
+
+
+def hook_job(path: str, name: str) -> dict:
+    """One rank of the hook check: the file's `name` registered on torch's DDP (`_hooked_steps`); {name: results},
+    or {"error": ...} when the student's code raises. Torch's hook runs in the grader's own ranks (`torch_hook_job`)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.spec_from_file_location("exercise", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return {name: _hooked_steps(getattr(module, name))}
+    except Exception as e:  # noqa: BLE001
+        frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
+        where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
+        return {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}"}
+
+
+def torch_hook_job() -> dict:
+    """One rank of `_hooked_steps` with torch's own fp16_compress_hook: {"torch": results}."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+    return {"torch": _hooked_steps(fp16_compress_hook)}
+
+
+def hook_mismatch(results: list[dict], name: str) -> None:
+    """Raise `Mismatch` at the first step and rank where `name`'s gradients (or parameters) differ from those with
+    torch's fp16_compress_hook: to 1e-6 relatively, so that a hook that does not round to float16 is told."""
+    n = len(results)
+    for step in range(2):
+        for r, res in enumerate(results):
+            for what, key in (("the gradients when backward returned", "grads"),
+                              ("the parameters after the step", "params")):
+                mine, theirs = res[name]["steps"][step][key], res["torch"]["steps"][step][key]
+                for p_name, ref in theirs.items():
+                    got = mine[p_name]
+                    close = torch.isclose(got, ref, rtol=1e-6, atol=1e-7)
+                    if close.all():
+                        continue
+                    i = int((~close).flatten().nonzero()[0])
+                    a, b = got.flatten()[i].item(), ref.flatten()[i].item()
+                    scaled = " (the step with the loss scaled by 8192)" if step == 1 else ""
+                    if not math.isfinite(a):
+                        hint = (" The sum of the ranks' float16 gradients overflowed (float16 holds at most 65504): "
+                                "divide by the world size before the allreduce, as torch's hook does")
+                    elif b and abs(a / b - n) < 1e-3:
+                        hint = f" Yours is {n} times torch's: divide the sum by the world size"
+                    elif abs(a - b) <= 1e-3 * abs(b):
+                        hint = (" Close, but not torch's: its hook rounds each rank's gradient to float16 (11 bits "
+                                "of mantissa) before the allreduce, and sends float16; does yours?")
+                    else:
+                        hint = ""
+                    raise Mismatch(f"{name} on {n} ranks, step {step}{scaled}, rank {r}: {what} differ from those "
+                                   f"with torch's fp16_compress_hook: {p_name}, element {i}, is {a:.6g} where "
+                                   f"torch's is {b:.6g}.{hint}".rstrip("."))
+
+
 # ---------------------------------------------------------------- what hypothesis draws
 
 SHAPES = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
@@ -400,4 +812,11 @@ STRATEGIES = {
     "allreduce": dict(n=st.integers(1, 8), shape=st.one_of(SHAPES, st.integers(0, 10**5).map(lambda k: (k,))),
                       dtype=st.sampled_from(INTS + FLOATS), seed=st.integers(0, 2**31 - 1), transpose=st.booleans()),
     "schedule": dict(n=st.integers(1, 16)),
+    "cost": dict(sched=schedules(), nbytes=st.integers(0, 1 << 30) | st.integers(0, 64),
+                 alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9)),
+    "zero1": dict(n=st.integers(1, 8), numel=st.integers(0, 64), steps=st.integers(1, 3), lr=st.floats(0.001, 1.0),
+                  momentum=st.sampled_from([0.0, 0.9]) | st.floats(0.0, 0.99), seed=st.integers(0, 2**31 - 1)),
+    "checkpoint": dict(optimizer=st.sampled_from(["sgd", "adam"]),
+                       run=st.integers(2, 8).flatmap(lambda steps: st.tuples(st.just(steps), st.integers(1, steps - 1))),
+                       seed=st.integers(0, 2**31 - 1)),
 }

@@ -80,7 +80,8 @@ def _signal_name(number: int) -> str:
 
 
 class Child:
-    """The student's file at `path`, loaded in a child process; `call(*args)` runs its `name` there.
+    """The student's file at `path`, loaded in a child process; `call(*args)` runs its `name` there (`name`: a
+    function's name, or a list of names, the first being the one `call` runs), `job` a job of the grader's with them.
 
     Args:
         timeout: seconds each call may take (and importing the file).
@@ -88,8 +89,8 @@ class Child:
         memory_mb: the child's address-space cap.
     """
 
-    def __init__(self, path: str, name: str, timeout: float, deadline: float, memory_mb: int):
-        self.path, self.name = os.path.abspath(path), name
+    def __init__(self, path: str, name: str | list[str], timeout: float, deadline: float, memory_mb: int):
+        self.path, self.names = os.path.abspath(path), [name] if isinstance(name, str) else list(name)
         self.timeout, self.deadline, self.memory_mb = timeout, deadline, memory_mb
         self.proc: subprocess.Popen | None = None
         self.folder: str | None = None
@@ -106,7 +107,7 @@ class Child:
             start_new_session=True, close_fds=True)
         os.set_blocking(self.proc.stdin.fileno(), False)
         self._recv(max(STARTUP, self.timeout), "starting Python and importing torch")
-        self._send({"op": "load", "path": self.path, "name": self.name}, self.timeout, "importing the file")
+        self._send({"op": "load", "path": self.path, "names": self.names}, self.timeout, "importing the file")
         return self._recv(self.timeout, "importing the file")
 
     def close(self) -> None:
@@ -138,7 +139,13 @@ class Child:
     def call(self, *args) -> tuple:
         """`name(*args)` in the child: `(before, after, out)`: the arguments as the caller held them before the
         call, as they are after it, and what it returned; raise `Raised` or `Stopped`."""
-        reply = self.request({"op": "call", "args": args}, self.timeout, "")
+        return self._called(self.request({"op": "call", "args": args}, self.timeout, ""))
+
+    def job(self, job: str, *args) -> tuple:
+        """As `call`, for a job of the grader's (`sandbox_child.JOBS`) that calls the file's functions."""
+        return self._called(self.request({"op": "job", "job": job, "args": args}, self.timeout, ""))
+
+    def _called(self, reply: dict) -> tuple:
         if "raised" in reply:
             raise Raised(reply["raised"], reply["message"], reply["at"])
         if "error" in reply:

@@ -4,8 +4,9 @@
 
 It caps its own memory and file sizes, sends what the file prints to `output.txt` in its working
 folder (a temporary one of its own), then answers the grader's requests on its stdin and stdout,
-one frame each: `load` a file, `call` its function on the inputs sent, `ddp` (train the file's DDP
-on 2 ranks). It judges nothing: it sends back the inputs and the output as they are after the call,
+one frame each: `load` a file, `call` its function on the inputs sent, run one of the grader's `job`s
+with the file's functions (a training run that saves and resumes), or start 2 `ranks` that run a
+job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it sends back the inputs and the output as they are after the call,
 in one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
 """
 from __future__ import annotations
@@ -19,6 +20,8 @@ import sys
 import traceback
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
+JOBS = {"resume": "resume_run"}  # job -> the function of `properties` that runs it, with the file's functions
+RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each of the 2 ranks runs, given the file's path and name
 
 
 def _frames(fd_in: int, fd_out: int):
@@ -59,7 +62,7 @@ def _read(fd: int, n: int) -> bytes:
 
 
 def _plain(obj, depth: int = 0):
-    """`obj` as what the grader may load (tensors, numbers, strings, lists, tuples, dicts), the same tensor
+    """`obj` as what the grader may load (tensors, numbers, strings, lists, tuples, dicts of strings), the same tensor
     objects kept; a `Schedule` as a tagged dict; anything else as its repr."""
     import torch
 
@@ -71,6 +74,8 @@ def _plain(obj, depth: int = 0):
         return obj
     if depth < 6 and isinstance(obj, Schedule):
         return {"__schedule__": [obj.num_devices, obj.num_chunks, _plain(obj.rounds, depth + 1)]}
+    if depth < 6 and type(obj) is dict and len(obj) <= 10_000 and all(type(k) is str for k in obj):
+        return {k: _plain(v, depth + 1) for k, v in obj.items()}
     if depth < 6 and isinstance(obj, (list, tuple)) and len(obj) <= 100_000:
         items = [_plain(x, depth + 1) for x in obj]
         return items if isinstance(obj, list) else tuple(items)
@@ -95,7 +100,7 @@ def _raised(e: BaseException, path: str) -> dict:
             "at": f"{frame.filename}, line {frame.lineno}" if frame else ""}
 
 
-def _load(path: str, name: str) -> dict:
+def _load(path: str, names: list[str]) -> dict:
     sys.path.insert(0, os.path.dirname(path))  # as `python FILE.py` would: the file's neighbours import
     spec = importlib.util.spec_from_file_location("exercise", path)
     if spec is None or spec.loader is None:
@@ -106,9 +111,10 @@ def _load(path: str, name: str) -> dict:
         spec.loader.exec_module(module)
     except BaseException as e:  # noqa: BLE001 (anything in a student's file, SystemExit and KeyboardInterrupt too)
         return {"import_raised": _raised(e, path)}
-    if not hasattr(module, name):
-        return {"missing": name}
-    return {"ok": True, "fn": getattr(module, name)}
+    missing = [name for name in names if not hasattr(module, name)]
+    if missing:
+        return {"missing": missing[0]}
+    return {"ok": True, "fns": [getattr(module, name) for name in names]}
 
 
 def main() -> None:
@@ -126,29 +132,35 @@ def main() -> None:
 
     torch.set_num_threads(1)
     send({"ready": True})
-    fn, path = None, ""
+    fns, names, path = [], [], ""
     while True:
         req = recv()
         if req["op"] == "load":
-            path = req["path"]
-            got = _load(path, req["name"])
-            fn = got.pop("fn", None)
+            path, names = req["path"], req["names"]
+            got = _load(path, names)
+            fns = got.pop("fns", [])
             send(got)
-        elif req["op"] == "call":
+        elif req["op"] in ("call", "job"):
             args = req["args"]
             before = _plain(args)  # the caller's own references, before the call can rebind a list's slots
             try:
-                out = fn(*args)
+                if req["op"] == "call":
+                    out = fns[0](*args)
+                else:  # the grader's code, which calls the file's functions; what it returns is judged by the grader
+                    from . import properties
+
+                    out = getattr(properties, JOBS[req["job"]])(*fns, *args)
             except BaseException as e:  # noqa: BLE001
                 send(_raised(e, path))
                 continue
             send({"before": before, "after": _plain(args), "out": _plain(out)})
-        elif req["op"] == "ddp":
+        elif req["op"] == "ranks":
             from ..spmd.launch import launch
-            from .properties import ddp_job
+            from . import properties
 
             try:
-                send({"ranks": launch(ddp_job, 2, (path, "DDP"), timeout=req["timeout"])})
+                job = getattr(properties, RANK_JOBS[req["job"]])
+                send({"ranks": launch(job, 2, (path, names[0]), timeout=req["timeout"])})
             except TimeoutError:
                 send({"timeout": True})
             except Exception as e:  # noqa: BLE001 (a rank that died: its last lines)
