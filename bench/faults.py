@@ -276,6 +276,14 @@ FT_CASES = {  # case -> the pytest node that stages it with replica processes an
                                          "discarded_everywhere_and_taken_again",
     "quorum below the minimum and back": "bench/test_ft_stop.py::test_below_min_replicas_the_first_waits_then_both_"
                                          "go_on",
+    "kill -9 in recovery, the joiner": "bench/test_ft_faults.py::test_a_joiner_killed_in_its_recovery_costs_the_"
+                                       "others_one_round_and_rejoins_when_started_again",
+    "kill -9 in recovery, the source": "bench/test_ft_faults.py::test_a_source_killed_while_sending_the_state_leaves_"
+                                       "the_joiner_to_receive_it_from_another",
+    "two kill -9 in one step": "bench/test_ft_faults.py::test_two_replicas_killed_in_one_step_cost_the_last_one_that_"
+                               "step_and_both_rejoin",
+    "partition (SIGSTOP in the allreduce), healed": "bench/test_ft_faults.py::test_a_partitioned_replica_is_dropped_"
+                                                    "past_the_deadline_and_finds_its_step_discarded_when_it_returns",
     "CLI: kill -9, same command, survivors stopped": "bench/test_ft_cli.py::test_a_killed_replica_started_again_by_the_"
                                                      "same_command_rejoins_and_all_end_as_one_process",
     "CLI: below the minimum and back": "bench/test_ft_cli.py::test_two_replicas_one_killed_and_started_again_end_as_"

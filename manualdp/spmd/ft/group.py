@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 __all__ = ["form_group", "drop_group"]
 
@@ -35,6 +36,10 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
     Every wait of the group (its rendezvous, each send and receive) gives up after `timeout` s.
     """
     drop_group()
+    # torch names the default group's rendezvous keys by a counter that destroy_process_group resets to 0 "so that
+    # trainers that recover from failure re-create the same names"; an init_process_group that failed (a member gone
+    # during the rendezvous) leaves it one up, and the next group's members would wait on different keys
+    distributed_c10d._world.group_count = 0
     meeting = dist.PrefixStore(f"group/{group}", store.clone())
     dist.init_process_group("gloo", store=meeting, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))

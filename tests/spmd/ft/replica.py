@@ -3,9 +3,14 @@
 It trains a float64 MLP on synthetic regression batches: batch b is the same on every replica
 (`batch(b)`), and replica `index` trains on its fixed third of it (`my_shard`). The config
 says when to fail: `kill_forward` / `stop_forward` (SIGKILL / SIGSTOP itself in forward at
-batch `at`), `kill_allreduce` (SIGKILL itself right after its first message of that batch's
-allreduce), `fail_allreduce` (that message fails, and the replica lives on), and when to
-pause (after committing step `pause_after`, until the test writes `go` to the store). It
+batch `at`), `kill_allreduce` / `stop_allreduce` (SIGKILL / SIGSTOP itself right after its
+first message of that batch's allreduce: a stopped one holds its connections open, a network
+partition), `fail_allreduce` (that message fails, and the replica lives on), `kill_receive`
+(SIGKILL itself in its first recovery, the state received but not loaded), `kill_send`
+(SIGKILL itself while sending the state at step `at`, the bytes written but not their
+checksum: the receiver never sees a whole state), and when to
+pause (after committing step `pause_after`, until the test writes `go` to the store; a list of
+steps pauses at each, the k-th until `go` + k for k > 0). It
 writes what it did as JSON: every attempt (round, members, committed, the parameters' SHA-256
 after a committed step, and the bytes its allreduces sent) one line each as it goes (OUT + "l"),
 then at the end its recoveries and final parameters (OUT).
@@ -61,11 +66,14 @@ def sent() -> int:
 
 def die_in_first_send(sig):
     """From now on, the first message this process sends is its last: `sig` to itself right after posting it."""
+    import inspect
+
     import torch.distributed as dist
-    original = dist.ProcessGroup.send
+    original, raw = dist.ProcessGroup.send, inspect.getattr_static(dist.ProcessGroup, "send")
 
     def send(self, *args, **kwargs):
         work = original(self, *args, **kwargs)
+        dist.ProcessGroup.send = raw  # once: a stopped replica that wakes sends as usual (the method, still bound)
         os.kill(os.getpid(), sig)
         return work
 
@@ -86,6 +94,33 @@ def fail_first_send():
     dist.ProcessGroup.send = send
 
 
+def die_in_recovery(fault: str, at, sig=signal.SIGKILL):
+    """`kill_receive`: die in the first state received, before loading it; `kill_send`: die in sending at step `at`."""
+    from manualdp.spmd.ft import manager, recovery
+
+    if fault == "kill_receive":
+        receive = manager.receive_state
+
+        def receive_then_die(*args, **kwargs):
+            receive(*args, **kwargs)
+            os.kill(os.getpid(), sig)
+
+        manager.receive_state = receive_then_die
+    else:
+        send = manager.send_state
+
+        def send_and_die(store, round_, source, state):
+            if state["step"] != at:
+                return send(store, round_, source, state)
+            import io
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            store.set(recovery._key(round_, source), buffer.getvalue())  # the bytes, not yet their checksum
+            os.kill(os.getpid(), sig)
+
+        manager.send_state = send_and_die
+
+
 def main(config: dict) -> None:
     torch.set_num_threads(1)
     from manualdp.spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
@@ -95,6 +130,8 @@ def main(config: dict) -> None:
                       heartbeat_interval=0.1, heartbeat_timeout=config.get("heartbeat_timeout", 1.0))
     model = build(config.get("seed", index))
     optimizer = make_optimizer(model.parameters(), config)
+    if fault in ("kill_receive", "kill_send"):
+        die_in_recovery(fault, at)
     mode = config.get("mode", "ddp")
     if mode == "ddp":
         ft = FaultTolerantDDP(model, optimizer, manager)
@@ -103,7 +140,10 @@ def main(config: dict) -> None:
     else:
         ft = DiLoCo(model, optimizer, manager, config["sync_every"], outer_lr=config["outer_lr"],
                     outer_momentum=config["outer_momentum"])
-    records, paused = [], False
+    records = []
+    pauses = config.get("pause_after")
+    pauses = [] if pauses is None else [pauses] if isinstance(pauses, int) else list(pauses)
+    keys = ["go" if k == 0 else f"go{k}" for k in range(len(pauses))]
     while manager.step < config["steps"]:
         started = time.monotonic()
         quorum = ft.start_step()
@@ -114,8 +154,9 @@ def main(config: dict) -> None:
         if fault in ("kill_forward", "stop_forward") and b == at:
             at = None  # once: a stopped replica that comes back goes on
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill_forward" else signal.SIGSTOP)
-        if fault == "kill_allreduce" and b == at:
-            die_in_first_send(signal.SIGKILL)
+        if fault in ("kill_allreduce", "stop_allreduce") and b == at:
+            at = None  # once: a stopped replica that comes back goes on
+            die_in_first_send(signal.SIGKILL if fault == "kill_allreduce" else signal.SIGSTOP)
         if fault == "fail_allreduce" and b == at:
             at = None
             fail_first_send()
@@ -137,11 +178,11 @@ def main(config: dict) -> None:
         records.append(record)
         with open(config["out"] + "l", "a") as f:  # line by line: a replica killed later leaves what it did
             f.write(json.dumps(record) + "\n")
-        if config.get("pause_after") is not None and manager.step == config["pause_after"] and not paused:
-            paused = True
-            store = manager.store
+        if pauses and manager.step == pauses[0]:
+            pauses.pop(0)
+            key, store = keys.pop(0), manager.store
             deadline = time.monotonic() + 60
-            while not store.check(["go"]) and time.monotonic() < deadline:
+            while not store.check([key]) and time.monotonic() < deadline:
                 time.sleep(0.02)
     result = {"id": config["id"], "records": records, "recoveries": manager.recoveries,
               "final": flat_params(model).tolist(), "sha256": sha(model), "step": manager.step}
