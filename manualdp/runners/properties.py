@@ -26,6 +26,7 @@ from ..devices import cpu_devices
 from ..schedule import Schedule, Transfer
 from ..split import shard_sizes
 from .explain import trace
+from .jobs import Resumed, resume_run, train_resumed
 
 __all__ = ["Mismatch", "STRATEGIES", "split_property", "split_devices_property", "allreduce_property",
            "schedule_property", "as_schedule", "cost_property", "schedules", "zero1_property", "resume_property",
@@ -39,7 +40,19 @@ INTS = [torch.int8, torch.uint8, torch.int32, torch.int64]
 
 
 class Mismatch(AssertionError):
-    """A property does not hold: the message says for which input, what was expected and what came back."""
+    """A property does not hold: the message says for which input, what was expected and what came back.
+
+    `hint`, a function, adds to the message what costs time to find (which slip the answer made): called when the
+    message is read, once, not for every failing input hypothesis tries while it shrinks."""
+
+    def __init__(self, message: str = "", hint=None):
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self) -> str:
+        if self.hint is not None:
+            self.args, self.hint = (self.args[0] + self.hint(),), None
+        return super().__str__()
 
 
 def _call(call: str, fn, *args, job: str | None = None) -> tuple:
@@ -577,64 +590,6 @@ def _chunk_range(numel: int, device: int, n: int) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- save_checkpoint / load_checkpoint
 
-class Resumed(nn.Module):
-    """The checkpoint exercise's model: dropout, so that torch's random number generator matters."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Dropout(0.2), nn.Linear(16, 4))
-
-    def forward(self, x):
-        return self.net(x)
-
-
-def _resume_data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7)
-    return torch.randn(64, 6, generator=g), torch.randint(0, 4, (64,), generator=g)
-
-
-def _optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    return torch.optim.Adam(model.parameters(), lr=0.01)
-
-
-def _train(model: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) -> None:
-    """Steps `start` to `stop - 1`: each draws its batch of 8 rows with torch.randint, and dropout its masks."""
-    X, y = _resume_data()
-    for _ in range(start, stop):
-        rows = torch.randint(0, len(X), (8,))
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(X[rows]), y[rows]).backward()
-        opt.step()
-
-
-def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int,
-               path: str = "checkpoint.pt") -> dict:
-    """The checkpoint exercise's run (in the grader's child, with the student's functions): train `stop_at` steps,
-    `save_checkpoint(path, model, optimizer, stop_at)`, then in a fresh model and optimizer (torch seeded anew, as a
-    new process) `load_checkpoint(path, model, optimizer)` and train on from the step it returns to `steps`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(seed)
-        model = Resumed()
-        opt = _optimizer(optimizer, model)
-        _train(model, opt, 0, stop_at)
-        save_checkpoint(path, model, opt, stop_at)
-        del model, opt
-        torch.manual_seed(seed + 1)
-        model = Resumed()
-        opt = _optimizer(optimizer, model)
-        step = load_checkpoint(path, model, opt)
-        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= steps:
-            return {"step": step}
-        _train(model, opt, step, steps)
-        return {"step": step, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _resume_as(optimizer: str, steps: int, stop_at: int, seed: int, keep: tuple[str, ...]) -> dict:
     """The parameters of a run resumed at `stop_at` that kept only `keep` of ("model", "optimizer", "rng")."""
     def save(path, model, opt, step):
@@ -672,7 +627,7 @@ def _uninterrupted(optimizer: str, steps: int, seed: int) -> dict:
     try:
         torch.manual_seed(seed)
         model = Resumed()
-        _train(model, _optimizer(optimizer, model), 0, steps)
+        train_resumed(model, optimizer, 0, steps)
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
     finally:
         torch.set_num_threads(threads)
@@ -701,14 +656,17 @@ def resume_property(fns, optimizer: str, run: tuple[int, int], seed: int) -> Non
         return
     d = (got[diff] - full[diff]).abs()
     i = int(d.flatten().argmax())
-    slip = next((keep for keep in RESUME_SLIPS
-                 if all(torch.equal(a, b) for a, b in zip(got.values(), _resume_as(optimizer, steps, stop_at, seed,
-                                                                                  keep).values()))), None)
+
+    def hint() -> str:  # told once, for the example hypothesis reports, not for every one it tries while shrinking
+        slip = next((keep for keep in RESUME_SLIPS
+                     if all(torch.equal(got[k], v) for k, v in _resume_as(optimizer, steps, stop_at, seed, keep).items())),
+                    None)
+        return ("" if slip is None else f". Your resume equals one that restored "
+                f"{' and '.join(KEPT[k] for k in slip) or 'nothing'} but not {RESUME_SLIPS[slip]}")
+
     raise Mismatch(f"{call}: the parameters differ from the uninterrupted run's: {diff}, element {i}, is "
                    f"{got[diff].flatten()[i].item():.9g} where the uninterrupted run has "
-                   f"{full[diff].flatten()[i].item():.9g}"
-                   + (f". Your resume equals one that restored {' and '.join(KEPT[k] for k in slip) or 'nothing'} but not "
-                      f"{RESUME_SLIPS[slip]}" if slip is not None else ""))
+                   f"{full[diff].flatten()[i].item():.9g}", hint)
 
 
 # ---------------------------------------------------------------- fp16_compress_hook(process_group, bucket), on 2 ranks

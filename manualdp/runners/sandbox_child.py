@@ -20,7 +20,7 @@ import sys
 import traceback
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
-JOBS = {"resume": "resume_run"}  # job -> the function of `properties` that runs it, with the file's functions
+JOBS = {"resume": "resume_run"}  # job -> the function of `jobs` that runs it, with the file's functions
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each of the 2 ranks runs, given the file's path and name
 
 
@@ -147,9 +147,9 @@ def main() -> None:
                 if req["op"] == "call":
                     out = fns[0](*args)
                 else:  # the grader's code, which calls the file's functions; what it returns is judged by the grader
-                    from . import properties
+                    from . import jobs
 
-                    out = getattr(properties, JOBS[req["job"]])(*fns, *args)
+                    out = getattr(jobs, JOBS[req["job"]])(*fns, *args)
             except BaseException as e:  # noqa: BLE001
                 send(_raised(e, path))
                 continue
