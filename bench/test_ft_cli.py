@@ -63,3 +63,27 @@ def test_two_replicas_one_killed_and_started_again_end_as_one_process(tmp_path):
     assert b_ft["recoveries"][0]["source"] == "a" and b_ft["recoveries"][0]["step"] == b_ft["steps"][0]["step"] >= 2
     assert len(results["a"]["train_loss"]) == len(results["b"]["train_loss"]) == 1  # b received a's history too
     check_against_reference(results, reference(tmp_path, 1))
+
+
+def test_diloco_by_the_commands_a_replica_killed_and_started_again_rejoins_at_a_block_with_the_outer_state(tmp_path):
+    """--diloco 3, min 2, 2 epochs of 8 batches (blocks of 3, 3, 2 each): b killed after 2 blocks, started again."""
+    with run(tmp_path, epochs=2, min_replicas=2, timeout=10) as r:
+        r.options += ["--diloco", "3"]
+        r.start("a")
+        b = r.start("b")
+        r.wait("2 blocks committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
+        b.send_signal(signal.SIGKILL)
+        b.wait(timeout=10)
+        r.start("b")
+        results = r.finish()
+    blocks = committed(results)
+    assert sorted(blocks) == list(range(6)) and all(m == ["a", "b"] for m in blocks.values())
+    a_ft, b_ft = (results[x]["config"]["fault_tolerant"] for x in "ab")
+    assert a_ft["sync"] == "diloco" and a_ft["sync_every"] == 3
+    assert [x["local_steps"] for x in a_ft["steps"] if x["committed"]] == [3, 3, 2, 3, 3, 2]
+    assert sum(not x["committed"] for x in a_ft["steps"]) <= 1  # the kill cost a at most the block it interrupted
+    assert b_ft["recoveries"][0]["source"] == "a" and b_ft["recoveries"][0]["step"] == b_ft["steps"][0]["step"] >= 2
+    assert a_ft["parameters_sha256"] == b_ft["parameters_sha256"]  # the outer momentum came with the state
+    assert results["a"]["train_loss"] == results["b"]["train_loss"] and results["a"]["test_acc"] == \
+        results["b"]["test_acc"]
+    assert len(results["a"]["test_acc"]) == 2 and results["a"]["test_acc"][-1] > 0.5
