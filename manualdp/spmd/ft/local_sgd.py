@@ -63,7 +63,10 @@ class LocalSGD(nn.Module):
 
     @property
     def batch_index(self) -> int:
-        """The index of the batch this step trains on: H per committed block, plus the steps of this one."""
+        """The index of the batch this step trains on: H per committed block, plus the steps of this one.
+
+        A loop that ends blocks early (`step(end_block=True)`) counts its batches itself.
+        """
         return self.manager.step * self.sync_every + self._local
 
     def start_step(self) -> Quorum | None:
