@@ -145,7 +145,8 @@ def measure(replicas: int, sync_every: int, runs: int, task: list[str], methods=
             with tempfile.TemporaryDirectory(prefix="manualdp-local-sgd-") as tmp:
                 r = run_one(method, sync_every, replicas, seed, task, tmp)
             show(f"  seed {seed} {method:<9} H={r['sync_every']:<3} test acc {r['test_acc']:.4f}  "
-                 f"bytes/step {r['bytes_per_step'][0]['measured']:.0f} (formula {r['bytes_per_step'][0]['formula']:.0f})"
+                 f"bytes/step {r['bytes_per_step'][0]['measured']:.0f} "
+                 f"(formula {r['bytes_per_step'][0]['formula']:.0f})"
                  f"  {r['seconds']:.0f} s")
             results.append(r)
     return {"replicas": replicas, "sync_every": sync_every, "task": task, "results": results,

@@ -1,4 +1,7 @@
-"""`form_group`: a group forms after this process failed to form one (a member gone in the rendezvous); about 20 s here, so in bench/."""
+"""`form_group`: a group forms after this process failed to form one (a member gone in the rendezvous).
+
+About 20 s here (two processes that import torch, a rendezvous that must time out), so in bench/.
+"""
 import subprocess
 import sys
 
