@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The long adversarial and fault suites, too slow for the 10-minute CPU suite in tests/ (about 6 minutes here):
+# The long adversarial and fault suites, too slow for the 10-minute CPU suite in tests/ (about 11 minutes here):
 # the adversary's tries of fully_shard and of issue 35's surfaces at 2 and 3 ranks, the fault-tolerant replicas
-# (quorum, local SGD, DiLoCo, killed and stopped, and by the command line), the FSDP2 example both ways, and
+# (quorum, local SGD, DiLoCo, killed and stopped, killed in a recovery, two at once, partitioned, by the command
+# line, and local SGD's and DiLoCo's accuracy against DDP's at a tiny size), the FSDP2 example both ways, and
 # every hostile answer of tests/answers/ against `manualdp check`, and scripts that end without tearing their group down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
