@@ -89,3 +89,31 @@ def test_a_replica_with_no_coordinator_fails_in_one_line(capsys):
     assert code == 1 and "Traceback" not in err
     assert err.splitlines()[-1].startswith(
         f"manualdp train: error: replica 'a': cannot reach the coordinator at 127.0.0.1:{port}")
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"sync": "fedavg"}, ["sync must be one of", "'fedavg'"]),
+    ({"sync": "ddp", "sync_every": 3}, ["sync_every must be 1 for sync='ddp'", "3"]),
+    ({"sync": "local_sgd", "sync_every": 0}, ["sync_every", "positive int", "0"]),
+    ({"sync": "diloco", "sync_every": 2, "outer_lr": float("inf")}, ["outer_lr", "inf"]),
+    ({"sync": "diloco", "sync_every": 2, "outer_momentum": 1.5}, ["outer_momentum", "1.5"]),
+])
+def test_train_replica_refuses_a_bad_sync_in_one_line_before_it_trains(kwargs, words):
+    from manualdp.runners.ft_train import train_replica
+    from manualdp.spmd.ft import Coordinator, Manager
+
+    net = torch.nn.Linear(4, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8).long()),
+                                         batch_size=4)
+    before = [p.detach().clone() for p in net.parameters()]
+    coordinator = Coordinator(0)
+    try:
+        with Manager("a", "127.0.0.1", coordinator.port, timeout=5) as manager:
+            with pytest.raises(ValueError) as info:
+                train_replica(net, loader, loader, 1, 0.1, manager, progress=False, log=None, **kwargs)
+            assert manager.step == 0 and manager.quorum is None  # refused before asking for a quorum
+    finally:
+        coordinator.close()
+    message = str(info.value)
+    assert "\n" not in message and all(w in message for w in words), message
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
