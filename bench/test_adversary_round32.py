@@ -728,8 +728,6 @@ GRADER_BUGS = {
                                 "wrong verdict",
     "split_batch_zeroes_the_batch": "a split_batch that zeroes the caller's X FAILs with 'the shard is a view of it', "
                                     "a wrong reason (its shards are copies)",
-    "checkpoint_in_memory": "save/load that keep the state in a module global and write nothing PASS: the run resumes "
-                            "in the same process; wrong verdict",
     "allreduce_fifo_output": "the answer turns output.txt into a FIFO and exits: the grader opens it for the last "
                              "printed line and blocks forever, past --total; hang, and its folder is left",
     "allreduce_kills_the_grader": "the answer SIGKILLs the grader (its parent): the child runs on in its own session "

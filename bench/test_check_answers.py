@@ -88,6 +88,9 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "checkpoint_model_only.py": (r"a run of 2 steps .* stopped after step 1, .*: the parameters differ from the "
                                  r"uninterrupted run's: .* Your resume equals one that restored the model but not the "
                                  r"optimizer's state and torch's random number generator", []),
+    "checkpoint_in_memory.py": (r"a run of 4 steps .* resumed by load_checkpoint in a new process \(the same folder, "
+                                r"nothing else kept\) raised KeyError: 'model' .* A new process starts with nothing but "
+                                r"the file: does save_checkpoint write everything the resume needs into it\?", []),
     "checkpoint_no_rng.py": (r"a run of 2 steps .* stopped after step 1, .*: the parameters differ from the "
                              r"uninterrupted run's: .* Your resume equals one that restored the model and the "
                              r"optimizer's state but not torch's random number generator", []),

@@ -250,13 +250,14 @@ def check_zero1(path: str, args) -> str:
 
 
 def check_checkpoint(path: str, args) -> str:
-    from .properties import STRATEGIES, resume_property
+    from .properties import STRATEGIES, resume_in_a_new_process_property, resume_property
 
     with load(path, NAMES["checkpoint"], args) as child:
         _hypothesis(resume_property, child, STRATEGIES["checkpoint"], args.examples)
+        resume_in_a_new_process_property(child)
     return (f"{args.examples} runs drawn by hypothesis (2 to 8 steps, SGD with momentum or Adam, dropout, random "
-            "batches; stopped after any step and resumed in a new model and optimizer, torch seeded anew): every "
-            "resumed run ends bitwise equal to the uninterrupted one")
+            "batches; stopped after any step and resumed in a new model and optimizer, torch seeded anew), and one "
+            "resumed in a new process: every resumed run ends bitwise equal to the uninterrupted one")
 
 
 def check_diloco(path: str, args) -> str:

@@ -5,10 +5,12 @@ to run the same loop uninterrupted in its own process (`properties.resume_proper
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
-__all__ = ["Resumed", "resume_run", "train_resumed"]
+__all__ = ["Resumed", "resume_run", "resume_save", "resume_load", "train_resumed"]
 
 
 class Resumed(nn.Module):
@@ -43,20 +45,23 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer, start: int, stop: int) 
         opt.step()
 
 
-def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int,
-               path: str = "checkpoint.pt") -> dict:
-    """The checkpoint exercise's run (in the grader's child, with the student's functions): train `stop_at` steps,
-    `save_checkpoint(path, model, optimizer, stop_at)`, then in a fresh model and optimizer (torch seeded anew, as a
-    new process) `load_checkpoint(path, model, optimizer)` and train on from the step it returns to `steps`."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+def resume_save(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int,
+                path: str = "checkpoint.pt") -> None:
+    """The first half of the checkpoint exercise's run: train `stop_at` steps from `torch.manual_seed(seed)`, then
+    `save_checkpoint(path, model, optimizer, stop_at)`."""
+    with _one_thread():
         torch.manual_seed(seed)
         model = Resumed()
         opt = _optimizer(optimizer, model)
         _train(model, opt, 0, stop_at)
         save_checkpoint(path, model, opt, stop_at)
-        del model, opt
+
+
+def resume_load(save_checkpoint, load_checkpoint, optimizer: str, steps: int, seed: int,
+                path: str = "checkpoint.pt") -> dict:
+    """The second half: a fresh model and optimizer (torch seeded anew, as a new process would be),
+    `load_checkpoint(path, model, optimizer)`, and the steps from the one it returns to `steps`."""
+    with _one_thread():
         torch.manual_seed(seed + 1)
         model = Resumed()
         opt = _optimizer(optimizer, model)
@@ -65,6 +70,21 @@ def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, sto
             return {"step": step}
         _train(model, opt, step, steps)
         return {"step": step, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int,
+               path: str = "checkpoint.pt") -> dict:
+    """Both halves in one process (the grader also runs them in two: `properties.resume_property`)."""
+    resume_save(save_checkpoint, load_checkpoint, optimizer, steps, stop_at, seed, path)
+    return resume_load(save_checkpoint, load_checkpoint, optimizer, steps, seed, path)
+
+
+@contextlib.contextmanager
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
     finally:
         torch.set_num_threads(threads)
 

@@ -30,6 +30,7 @@ from .jobs import Resumed, resume_run, train_resumed
 
 __all__ = ["Mismatch", "STRATEGIES", "split_property", "split_devices_property", "allreduce_property",
            "schedule_property", "as_schedule", "cost_property", "schedules", "zero1_property", "resume_property",
+           "resume_in_a_new_process_property",
            "resume_run", "hook_job", "torch_hook_job", "hook_mismatch",
            "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
            "torch_ddp_job"]
@@ -633,16 +634,40 @@ def _uninterrupted(optimizer: str, steps: int, seed: int) -> dict:
         torch.set_num_threads(threads)
 
 
+def resume_in_a_new_process_property(child, optimizer: str = "sgd", steps: int = 4, stop_at: int = 2,
+                                     seed: int = 0) -> None:
+    """As `resume_property`, with `load_checkpoint` in a new process (a `sandbox.Child` restarted in the same folder):
+    what the resume needs must be in the file."""
+    call = (f"a run of {steps} steps ({'SGD with momentum 0.9' if optimizer == 'sgd' else 'Adam'}, torch.manual_seed"
+            f"({seed})) stopped after step {stop_at} and saved by save_checkpoint, then resumed by load_checkpoint in a "
+            "new process (the same folder, nothing else kept)")
+    _call(call, child, optimizer, steps, stop_at, seed, job="resume_save")
+    loaded = child.restart()
+    if not loaded.get("ok"):
+        raise Mismatch(f"{call}: the file no longer loads in a new process: {loaded}")
+    try:
+        _, _, out = _call(call, child, optimizer, steps, seed, job="resume_load")
+    except Mismatch as e:
+        raise Mismatch(f"{e}. A new process starts with nothing but the file: does save_checkpoint write everything "
+                       "the resume needs into it?") from None
+    _judge_resume(call, out, optimizer, steps, stop_at, seed, new_process=True)
+
+
 def resume_property(fns, optimizer: str, run: tuple[int, int], seed: int) -> None:
     """A run of `steps` stopped after `stop_at` (`run`) and resumed by the student's functions ends bitwise where the
     uninterrupted run does (computed here, in the grader's process)."""
     steps, stop_at = run
-    full = _uninterrupted(optimizer, steps, seed)
     call = (f"a run of {steps} steps ({'SGD with momentum 0.9' if optimizer == 'sgd' else 'Adam'}, dropout, batches "
             f"drawn with torch.randint, torch.manual_seed({seed})) stopped after step {stop_at}, saved by "
             f"save_checkpoint(path, model, optimizer, {stop_at}), then resumed in a new model and optimizer (torch "
             "seeded anew, as a new process would) by load_checkpoint(path, model, optimizer)")
     _, _, out = _call(call, fns, optimizer, steps, stop_at, seed, job="resume")
+    _judge_resume(call, out, optimizer, steps, stop_at, seed)
+
+
+def _judge_resume(call: str, out, optimizer: str, steps: int, stop_at: int, seed: int, new_process: bool = False):
+    """Raise `Mismatch` unless the resumed run `out` ({"step", "params"}) ends bitwise as the uninterrupted one."""
+    full = _uninterrupted(optimizer, steps, seed)
     step = out.get("step") if isinstance(out, dict) else None
     if step != stop_at:
         raise Mismatch(f"{call}: load_checkpoint returned {_show(step)}, expected {stop_at}, the step that was saved "
@@ -657,7 +682,10 @@ def resume_property(fns, optimizer: str, run: tuple[int, int], seed: int) -> Non
     d = (got[diff] - full[diff]).abs()
     i = int(d.flatten().argmax())
 
-    def hint() -> str:  # told once, for the example hypothesis reports, not for every one it tries while shrinking
+    def hint() -> str:
+        if new_process:
+            return (". It resumed right in one process: does save_checkpoint keep part of the state in memory? "
+                    "Everything the rest of the run needs must be in the file")  # told once, for the example hypothesis reports, not for every one it tries while shrinking
         slip = next((keep for keep in RESUME_SLIPS
                      if all(torch.equal(got[k], v) for k, v in _resume_as(optimizer, steps, stop_at, seed, keep).items())),
                     None)

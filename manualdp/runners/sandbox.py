@@ -99,7 +99,8 @@ class Child:
 
     def start(self) -> dict:
         """Start a child and load the file in it: its answer to `load` (`ok`, `missing`, `import_raised`...)."""
-        self.folder = tempfile.mkdtemp(prefix="manualdp-check-")
+        if self.folder is None:  # a restarted child keeps its folder, and what the last one wrote there
+            self.folder = tempfile.mkdtemp(prefix="manualdp-check-")
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "manualdp.runners.sandbox_child", str(self.memory_mb << 20)],
@@ -110,8 +111,20 @@ class Child:
         self._send({"op": "load", "path": self.path, "names": self.names}, self.timeout, "importing the file")
         return self._recv(self.timeout, "importing the file")
 
+    def restart(self) -> dict:
+        """End the child and start a new one in the same folder (what a resume in a new process finds); `start`'s
+        answer."""
+        self._end_process()
+        return self.start()
+
     def close(self) -> None:
         """Kill the child and everything it started, and remove its folder."""
+        self._end_process()
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+            self.folder = None
+
+    def _end_process(self) -> None:
         if self.proc is not None:
             _kill_session(self.proc.pid)
             for f in (self.proc.stdin, self.proc.stdout):
@@ -124,9 +137,6 @@ class Child:
             except subprocess.TimeoutExpired:
                 pass
             self.proc = None
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
 
     def __enter__(self):
         return self

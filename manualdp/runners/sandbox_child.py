@@ -20,7 +20,8 @@ import sys
 import traceback
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
-JOBS = {"resume": "resume_run"}  # job -> the function of `jobs` that runs it, with the file's functions
+JOBS = {"resume": "resume_run", "resume_save": "resume_save", "resume_load": "resume_load"}  # job -> the function
+# of `jobs` that runs it, with the file's functions
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each of the 2 ranks runs, given the file's path and name
 
 
