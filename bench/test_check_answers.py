@@ -71,10 +71,10 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "cost_message_per_transfer.py": (r"cost\(schedule, .*\) for a schedule of \d devices .*: expected \S+ s "
                                      r"\(manualdp.cost.cost\), got \S+ s\. Yours counts a message per transfer: the "
                                      r"chunks one device sends to one peer in a round travel as one message", []),
-    "hook_sum_then_divide.py": (r"fp16_compress_hook on 2 ranks, step 1 \(the step with the loss scaled by 8192\), rank "
-                                r"\d: .*: 2\.bias, element \d, is inf where torch's is 32768\. The sum of the ranks' "
-                                r"float16 gradients overflowed \(float16 holds at most 65504\): divide by the world size "
-                                r"before the allreduce", []),
+    "hook_sum_then_divide.py": (r"fp16_compress_hook on 2 ranks, step 1 \(the step with the loss scaled by 8192\), "
+                                r"rank \d: .*: 2\.bias, element \d, is inf where torch's is 32768\. The sum of the "
+                                r"ranks' float16 gradients overflowed \(float16 holds at most 65504\): divide by the "
+                                r"world size before the allreduce", []),
     "hook_float32.py": (r"fp16_compress_hook on 2 ranks, step 0, rank \d: the gradients when backward returned differ "
                         r"from those with torch's fp16_compress_hook: .* Close, but not torch's: its hook rounds each "
                         r"rank's gradient to float16", []),
@@ -88,9 +88,10 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "checkpoint_model_only.py": (r"a run of 2 steps .* stopped after step 1, .*: the parameters differ from the "
                                  r"uninterrupted run's: .* Your resume equals one that restored the model but not the "
                                  r"optimizer's state and torch's random number generator", []),
-    "checkpoint_in_memory.py": (r"a run of 4 steps .* resumed by load_checkpoint in a new process \(the same folder, "
-                                r"nothing else kept\) raised KeyError: 'model' .* A new process starts with nothing but "
-                                r"the file: does save_checkpoint write everything the resume needs into it\?", []),
+    "checkpoint_in_memory.py": (r"a run of 4 steps .* resumed by load_checkpoint in a new process \(the same "
+                                r"folder, nothing else kept\) raised KeyError: 'model' .* A new process starts with "
+                                r"nothing but the file: does save_checkpoint write everything the resume needs into "
+                                r"it\?", []),
     "checkpoint_no_rng.py": (r"a run of 2 steps .* stopped after step 1, .*: the parameters differ from the "
                              r"uninterrupted run's: .* Your resume equals one that restored the model and the "
                              r"optimizer's state but not torch's random number generator", []),

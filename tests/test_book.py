@@ -1,10 +1,10 @@
 """The book (book/) does not go stale: every chapter's code runs as a student runs it (its blocks pasted in order into
 one script, in a folder of its own), and every figure it shows is made by book/figures.py."""
-import concurrent.futures
 import importlib.util
 import os
 import pathlib
 import re
+import runpy
 import subprocess
 import sys
 
@@ -32,38 +32,39 @@ def script(chapter: pathlib.Path) -> str:
     return "\n\n".join(grab_code_blocks(chapter.read_text(), lang="python"))
 
 
-def run_as_a_student(chapter: pathlib.Path, folder: pathlib.Path, times: int) -> None:
-    """`python chapter.py` in `folder`, `times` times in a row: each run must end with status 0."""
+def run_as_a_student(chapter: pathlib.Path, folder: pathlib.Path, times: int, apart: bool = True) -> None:
+    """`python chapter.py` in `folder`, `times` times in a row: each run must end with status 0.
+
+    `apart=False` runs the same file in this interpreter instead (`runpy`, as `__main__`, from `folder`): the ranks
+    it launches still import it by its path, and the fork server this process already runs saves each chapter the
+    start of a Python and of a fork server (about 4 s)."""
     path = folder / f"{chapter.stem}.py"
     path.write_text(script(chapter))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
     for run in range(1, times + 1):
-        proc = subprocess.run([sys.executable, path.name], cwd=folder, env=env, capture_output=True, text=True,
-                              timeout=600)
-        assert proc.returncode == 0, f"{chapter.name}, run {run} of {times}, as one script:\n{proc.stderr[-3000:]}"
-
-
-@pytest.fixture(scope="module")
-def chapters_run(tmp_path_factory) -> dict:
-    """Every chapter run once as one script, two at a time (a chapter mostly waits for its ranks or imports);
-    chapter 7, which writes checkpoints, twice in one folder. Every chapter runs twice: bench/test_book_twice.py."""
-    def run(chapter):
+        if apart:
+            proc = subprocess.run([sys.executable, path.name], cwd=folder, env=env, capture_output=True, text=True,
+                                  timeout=600)
+            assert proc.returncode == 0, f"{chapter.name}, run {run} of {times}, as one script:\n{proc.stderr[-3000:]}"
+            continue
+        here = os.getcwd()
+        os.chdir(folder)
         try:
-            run_as_a_student(chapter, tmp_path_factory.mktemp(chapter.stem), 2 if chapter.name.startswith("07-") else 1)
-        except AssertionError as e:
-            return str(e)
-        return None
-
-    longest_first = sorted(CHAPTERS, key=lambda c: -len(script(c)))
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        return dict(zip(longest_first, pool.map(run, longest_first)))
+            runpy.run_path(str(path), run_name="__main__")  # by its whole path, which the ranks import
+        except BaseException as e:
+            raise AssertionError(f"{chapter.name}, run {run} of {times}, as one script: {type(e).__name__}: {e}") from e
+        finally:
+            os.chdir(here)
 
 
+# Each chapter once, in this interpreter; chapter 4 (the first to start ranks) in a Python of its own, and chapter
+# 7 (it writes checkpoints) twice. Every chapter runs twice, each run a Python of its own: bench/test_book_twice.py.
 @pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
-def test_the_code_of_a_chapter_runs_as_one_script(chapter, chapters_run):
+def test_the_code_of_a_chapter_runs_as_one_script(chapter, tmp_path):
     blocks = grab_code_blocks(chapter.read_text(), lang="python")
     assert blocks and any("assert" in b for b in blocks), f"{chapter.name} has no code that checks what it says"
-    assert chapters_run[chapter] is None, chapters_run[chapter]
+    run_as_a_student(chapter, tmp_path, 2 if chapter.name.startswith("07-") else 1,
+                     apart=chapter.name.startswith("04-"))
 
 
 def test_a_chapter_whose_code_fails_fails(tmp_path):
@@ -71,6 +72,8 @@ def test_a_chapter_whose_code_fails_fails(tmp_path):
     page.write_text("Text.\n\n```python\nx = 1\n```\n\n```bash\nexit 1\n```\n\n```python\nassert x == 2\n```\n")
     with pytest.raises(AssertionError, match="99-wrong.md, run 1 of 2, as one script"):
         run_as_a_student(page, tmp_path, 2)
+    with pytest.raises(AssertionError, match="99-wrong.md, run 1 of 1, as one script: AssertionError"):
+        run_as_a_student(page, tmp_path, 1, apart=False)
 
 
 def test_a_chapter_that_cannot_run_twice_in_one_folder_fails(tmp_path):
@@ -78,6 +81,9 @@ def test_a_chapter_that_cannot_run_twice_in_one_folder_fails(tmp_path):
     page.write_text("```python\nimport os\n\nos.mkdir('out')  # a second run finds it\n```\n")
     with pytest.raises(AssertionError, match="run 2 of 2"):
         run_as_a_student(page, tmp_path, 2)
+    (tmp_path / "out").rmdir()
+    with pytest.raises(AssertionError, match="run 2 of 2, as one script: FileExistsError"):
+        run_as_a_student(page, tmp_path, 2, apart=False)
 
 
 def stripped(text: str) -> list[str]:

@@ -40,7 +40,8 @@ EXERCISES = {  # name -> what FILE.py must define
     "schedule": "a function schedule(n) -> the rounds of an allreduce on n devices",
     "ddp": "a class DDP(module) that averages gradients over the ranks, as torch's DDP",
     "cost": "a function cost(schedule, nbytes, alpha, beta, gamma) -> the schedule's alpha-beta-gamma time in seconds",
-    "hook": "a comm hook fp16_compress_hook(process_group, bucket) -> a future of the bucket's average, sent as float16",
+    "hook": "a comm hook fp16_compress_hook(process_group, bucket) -> a future of the bucket's average, sent in "
+            "float16",
     "zero1": "a function zero1_step(params, grads, momenta, lr, momentum): one ZeRO-1 step of SGD with momentum",
     "checkpoint": "functions save_checkpoint(path, model, optimizer, step) and load_checkpoint(path, model, optimizer) "
                   "-> step, whose resume equals the uninterrupted run bitwise",

@@ -421,7 +421,8 @@ def _describe(sched: Schedule) -> str:
     rounds = "; ".join(f"round {r}: " + (", ".join(f"{t.src}->{t.dst} chunk {t.chunk} {'add' if t.reduce else 'copy'}"
                                                    for t in rnd) or "nothing")
                        for r, rnd in enumerate(sched.rounds))
-    return f"a schedule of {sched.num_devices} devices and {sched.num_chunks} chunk{'s' * (sched.num_chunks != 1)} ({rounds})"
+    chunks = f"{sched.num_chunks} chunk{'s' * (sched.num_chunks != 1)}"
+    return f"a schedule of {sched.num_devices} devices and {chunks} ({rounds})"
 
 
 def _slip_cost(sched: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, slip: str) -> float:
@@ -564,9 +565,10 @@ def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, moment
                 bad = int((params[i] - plain).abs().argmax())
                 owner = next(d for d in range(n) if _chunk_range(numel, d, n)[0] <= bad < _chunk_range(numel, d, n)[1])
                 step_got, step_want = params[i][bad] - plain_before[bad], plain[bad] - plain_before[bad]
+                stale = owner != i and params[i][bad] == plain_before[bad]
                 hint = (_averaged(step_got, step_want, n) or
                         (". That element was not updated on this device: all-gather the updated chunks, so that "
-                         "every device holds every chunk" if owner != i and params[i][bad] == plain_before[bad] else ""))
+                         "every device holds every chunk" if stale else ""))
                 raise Mismatch(f"{call}: expected every device's parameters to be plain data parallelism's; device "
                                f"{i}'s element {bad} (in device {owner}'s chunk) is {params[i][bad].item():.6g}, "
                                f"expected {plain[bad].item():.6g}{hint}")
@@ -578,8 +580,8 @@ def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, moment
 def _averaged(got: torch.Tensor, want: torch.Tensor, n: int) -> str:
     """The hint for a step of 1/n of the right one: the gradients were averaged where they sum."""
     if n > 1 and want.numel() and torch.allclose(got * n, want, rtol=1e-9, atol=1e-12):
-        return (f". Yours is 1/{n} of it: each device's gradient is its shard's part of the global batch's loss (summed "
-                "and divided by the global batch), so their sum is the gradient; do not average them")
+        return (f". Yours is 1/{n} of it: each device's gradient is its shard's part of the global batch's loss "
+                "(summed and divided by the global batch), so their sum is the gradient; do not average them")
     return ""
 
 
@@ -639,8 +641,8 @@ def resume_in_a_new_process_property(child, optimizer: str = "sgd", steps: int =
     """As `resume_property`, with `load_checkpoint` in a new process (a `sandbox.Child` restarted in the same folder):
     what the resume needs must be in the file."""
     call = (f"a run of {steps} steps ({'SGD with momentum 0.9' if optimizer == 'sgd' else 'Adam'}, torch.manual_seed"
-            f"({seed})) stopped after step {stop_at} and saved by save_checkpoint, then resumed by load_checkpoint in a "
-            "new process (the same folder, nothing else kept)")
+            f"({seed})) stopped after step {stop_at} and saved by save_checkpoint, then resumed by load_checkpoint in "
+            "a new process (the same folder, nothing else kept)")
     _call(call, child, optimizer, steps, stop_at, seed, job="resume_save")
     loaded = child.restart()
     if not loaded.get("ok"):
@@ -674,21 +676,21 @@ def _judge_resume(call: str, out, optimizer: str, steps: int, stop_at: int, seed
                        "(the number of steps done): the loop goes on from the step it returns")
     got = out.get("params")
     if not isinstance(got, dict) or set(got) != set(full):
-        raise Mismatch(f"{call}: the resumed model's state_dict has keys {sorted(got)[:6] if isinstance(got, dict) else got}, "
-                       f"expected {sorted(full)}")
+        keys = sorted(got)[:6] if isinstance(got, dict) else got
+        raise Mismatch(f"{call}: the resumed model's state_dict has keys {keys}, expected {sorted(full)}")
     diff = next((k for k in full if not torch.equal(got[k], full[k])), None)
     if diff is None:
         return
     d = (got[diff] - full[diff]).abs()
     i = int(d.flatten().argmax())
 
-    def hint() -> str:
+    def hint() -> str:  # told once, for the example hypothesis reports, not for every one it tries while shrinking
         if new_process:
             return (". It resumed right in one process: does save_checkpoint keep part of the state in memory? "
-                    "Everything the rest of the run needs must be in the file")  # told once, for the example hypothesis reports, not for every one it tries while shrinking
+                    "Everything the rest of the run needs must be in the file")
         slip = next((keep for keep in RESUME_SLIPS
-                     if all(torch.equal(got[k], v) for k, v in _resume_as(optimizer, steps, stop_at, seed, keep).items())),
-                    None)
+                     if all(torch.equal(got[k], v)
+                            for k, v in _resume_as(optimizer, steps, stop_at, seed, keep).items())), None)
         return ("" if slip is None else f". Your resume equals one that restored "
                 f"{' and '.join(KEPT[k] for k in slip) or 'nothing'} but not {RESUME_SLIPS[slip]}")
 
@@ -803,6 +805,7 @@ STRATEGIES = {
     "zero1": dict(n=st.integers(1, 8), numel=st.integers(0, 64), steps=st.integers(1, 3), lr=st.floats(0.001, 1.0),
                   momentum=st.sampled_from([0.0, 0.9]) | st.floats(0.0, 0.99), seed=st.integers(0, 2**31 - 1)),
     "checkpoint": dict(optimizer=st.sampled_from(["sgd", "adam"]),
-                       run=st.integers(2, 8).flatmap(lambda steps: st.tuples(st.just(steps), st.integers(1, steps - 1))),
+                       run=st.integers(2, 8).flatmap(lambda steps: st.tuples(st.just(steps),
+                                                                              st.integers(1, steps - 1))),
                        seed=st.integers(0, 2**31 - 1)),
 }

@@ -6,8 +6,9 @@ It caps its own memory and file sizes, sends what the file prints to `output.txt
 folder (a temporary one of its own), then answers the grader's requests on its stdin and stdout,
 one frame each: `load` a file, `call` its function on the inputs sent, run one of the grader's `job`s
 with the file's functions (a training run that saves and resumes), or start 2 `ranks` that run a
-job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it sends back the inputs and the output as they are after the call,
-in one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
+job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it
+sends back the inputs and the output as they are after the call, in one `torch.save`, so that the
+grader sees which tensors share memory, and judges them itself.
 """
 from __future__ import annotations
 
