@@ -721,15 +721,6 @@ def graded(tmp_path_factory):
 
 
 GRADER_BUGS = {
-    "allreduce_float32_sum": "a float64 allreduce that sums in float32 PASSes: float64 is compared to 1e-5; wrong verdict",
-    "split_batch_bfloat16": "X shards cast to bfloat16 PASS: torch.equal compares across dtypes and the drawn X holds "
-                            "small integers; wrong verdict",
-    "split_batch_float_labels": "y shards cast to float64 PASS: the labels are compared by .tolist() (0.0 == 0); "
-                                "wrong verdict",
-    "split_batch_zeroes_the_batch": "a split_batch that zeroes the caller's X FAILs with 'the shard is a view of it', "
-                                    "a wrong reason (its shards are copies)",
-    "allreduce_fifo_output": "the answer turns output.txt into a FIFO and exits: the grader opens it for the last "
-                             "printed line and blocks forever, past --total; hang, and its folder is left",
     "allreduce_kills_the_grader": "the answer SIGKILLs the grader (its parent): the child runs on in its own session "
                                   "and its folder stays; process and folder leak",
     "allreduce_stops_the_grader": "the answer SIGSTOPs the grader: nothing bounds the check; hang past --total",

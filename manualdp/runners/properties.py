@@ -137,6 +137,9 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
     devices = cpu_devices(n)
     call = f"split_batch(X, y, devices) with X of shape {tuple(X.shape)}, y = torch.arange({batch}) and {_devices(n)}"
     _, (X, y, _), out = _call(call, split_batch, X, y, devices)  # X and y as the caller holds them after the call
+    if not (torch.equal(X, X_kept) and torch.equal(y, y_kept)):
+        raise Mismatch(f"{call}: the call changed the caller's X or y: split_batch must leave the batch as it was "
+                       "(copy the rows into the shards; write nothing into X or y)")
     if not (isinstance(out, (tuple, list)) and len(out) == 2):
         raise Mismatch(f"{call}: expected a pair (X_shards, y_shards), got {_show(out)}")
     X_shards, y_shards = out
@@ -145,6 +148,12 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
             raise Mismatch(f"{call}: expected {name} to be a list of tensors, got {_show(shards)}")
         if len(shards) != n:
             raise Mismatch(f"{call}: expected {n} shards in {name}, one per device; got {len(shards)}")
+    for name, shards, want in (("X_shards", X_shards, X_kept.dtype), ("y_shards", y_shards, y_kept.dtype)):
+        for i, s in enumerate(shards):
+            if s.dtype != want:
+                raise Mismatch(f"{call}: expected {name}[{i}] to keep the batch's dtype, {str(want)[6:]}; got "
+                               f"{str(s.dtype)[6:]}. Move the rows without converting them (`.to(device)` keeps the "
+                               "dtype)")
     sizes = shard_sizes(batch, n)
     expected = [list(range(sum(sizes[:i]), sum(sizes[:i + 1]))) for i in range(n)]
     got = [s.tolist() for s in y_shards]
@@ -219,14 +228,18 @@ def allreduce_property(allreduce, n: int, shape: tuple, dtype: torch.dtype, seed
             raise Mismatch(f"{call}: expected every device to hold the sum, of dtype {str(dtype)[6:]} and shape "
                            f"{shape}, in the very tensor it held; device {i} holds {what}. Write the sum into each "
                            "device's tensor in place (`tensors[i].copy_(...)` keeps its dtype and shape)")
-        if t.dtype.is_floating_point:
-            right = torch.allclose(t, expected, rtol=1e-5, atol=1e-5)
+        if t.dtype.is_floating_point:  # to each dtype's precision: a float64 sum taken in float32 is wrong
+            tol = 1e-10 if t.dtype == torch.float64 else 1e-5
+            right = torch.allclose(t, expected, rtol=tol, atol=tol)
         else:
             right = torch.equal(t, expected)
         if not right:
             rebound = given[i] is not t
+            coarse = t.dtype == torch.float64 and torch.allclose(t, expected, rtol=1e-5, atol=1e-5)
             raise Mismatch(f"{call}: expected every device to hold the sum {_show(expected)}; "
                            f"device {i} holds {_show(t)}"
+                           + (f", off by up to {(t - expected).abs().max().item():.2g}: right to float32's precision "
+                              "only. Sum in the tensors' own dtype, float64" if coarse else "")
                            + (". Your allreduce put a new tensor into the list (`tensors[i] = ...`): write into the "
                               "tensor the device holds (`tensors[i].copy_(...)`)" if rebound else ""))
         if not torch.equal(t, held[0]):

@@ -15,6 +15,7 @@ import os
 import select
 import shutil
 import signal
+import stat
 import struct
 import subprocess
 import sys
@@ -242,8 +243,11 @@ class Child:
 
     def _printed(self) -> str:
         """The last line the child printed, if any: often the reason it died."""
-        try:
-            with open(os.path.join(self.folder, "output.txt"), "rb") as f:
+        try:  # without blocking: the student's code may have put a FIFO, or a link to one, in its place
+            fd = os.open(os.path.join(self.folder, "output.txt"), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+            with os.fdopen(fd, "rb") as f:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return ""
                 f.seek(0, os.SEEK_END)
                 f.seek(max(0, f.tell() - 2000))
                 lines = f.read().decode(errors="replace").strip().splitlines()
