@@ -35,7 +35,7 @@ from ...shards import ShardPlan
 from ..collectives import reduce
 from ..transport.group import group_worker
 
-__all__ = ["ScatterBucket", "plan_buckets", "GradientShards", "ShardedAway", "real_grad"]
+__all__ = ["ScatterBucket", "plan_buckets", "GradientShards", "ShardedAway", "real_grad", "holders_of"]
 
 
 class ShardedAway(torch.Tensor):
@@ -109,19 +109,16 @@ class GradientShards:
             self.largest[slot] = max(self.largest.get(slot, 0), bucket.hi - bucket.lo)
         self.shards: list[torch.Tensor | None] = [None] * len(plan.buffers)  # this rank's sums, per buffer
         self.used = [False] * len(params)  # which parameters had a gradient here since zero_grad
-        method = weakref.WeakMethod(self._grad_ready)  # a dropped optimizer takes no more gradients
-
-        def hook(p: torch.Tensor) -> None:
-            if (ready := method()) is not None:
-                ready(p)
         def drop_stand_in(p: torch.Tensor):  # before autograd adds the new gradient into .grad
             def hook(grad: torch.Tensor) -> torch.Tensor:
                 if isinstance(p.grad, ShardedAway):
                     p.grad = None
                 return grad
             return hook
-        self.handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+        take = _TakeGrad(self)
+        self.handles = [p.register_post_accumulate_grad_hook(take) for p in params]
         self.handles += [p.register_hook(drop_stand_in(p)) for p in params]
+        self.released = False  # a newer optimizer over these parameters took their gradients (`release`)
         self.in_backward = False
         self._reset()
 
@@ -278,5 +275,31 @@ class GradientShards:
         old.check_finished()
         self.shards[:len(old.shards)] = old.shards
         self.used[:len(old.used)] = old.used
-        for handle in old.handles:
+        old.release()
+
+    def release(self) -> None:
+        """Remove the hooks: from now on another `GradientShards` takes these parameters' gradients."""
+        for handle in self.handles:
             handle.remove()
+        self.handles, self.released = [], True
+
+
+class _TakeGrad:
+    """The hook that hands each finished `.grad` to its `GradientShards`; weak, so a dropped optimizer takes none."""
+
+    def __init__(self, shards: GradientShards) -> None:
+        self.shards = weakref.ref(shards)
+
+    def __call__(self, p: torch.Tensor) -> None:
+        if (shards := self.shards()) is not None:
+            shards._grad_ready(p)
+
+
+def holders_of(params: list[torch.Tensor]) -> list[GradientShards]:
+    """The live `GradientShards` whose hooks take any of `params`' gradients (found among the tensors' own hooks)."""
+    found = {}
+    for p in params:
+        for hook in (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values():
+            if isinstance(hook, _TakeGrad) and (shards := hook.shards()) is not None:
+                found[id(shards)] = shards
+    return list(found.values())

@@ -35,6 +35,26 @@ parameters' `.grad` are then stand-ins that raise when used (`grad_shards.Sharde
 torch's `clip_grad_norm_(model.parameters())` raises instead of returning 0; clip with
 `opt.clip_grad_norm_(max_norm)`, which sums the shards' norms over the ranks (at stage 1 too).
 
+Parameters changed under it between steps end as torch's SGD would end, or every rank raises
+in one line; nothing is stepped silently wrong:
+- a second ZeroRedundancyOptimizer built over the same parameters takes them over (a new phase
+  of training, while a scheduler still holds the first). At stage 2 the first one's gradient
+  hooks are removed and its `step` raises from then on; what it summed since its `zero_grad`
+  (torch's `.grad`, which a new torch optimizer steps with) is carried over where the layout is
+  the same, else the new `step` raises until `zero_grad`. We hand over rather than refuse, as
+  torch's optimizers and its ZeRO let a new one be built: the first is often out of the user's
+  reach (a scheduler, a notebook's history), so "release the first" would be hard to follow.
+  (A first one at stage 1 has no hooks to take gradients: stepped, it steps the parameters'
+  current values, as a second torch optimizer would);
+- a `param.data = t` (`vector_to_parameters`, a loaded vector) is seen at `step` by the
+  parameters' data pointers, and the new values are copied into the flat buffers; a tensor of
+  another shape, dtype or device (`model.float()`) is refused, naming the parameter;
+- a parameter frozen when the optimizer was built and unfrozen later, on every rank, is sharded
+  at the next `step` in flat buffers of its own, and stepped from then on as torch's optimizers
+  step it once it has a gradient; unfrozen on some ranks only, it is refused, naming it.
+The checks ride on the step's one allreduce of flags (a few more integers), and cost about
+0.1 us per parameter a step.
+
 Other differences from torch's: `state_dict()` before any `consolidate_state_dict` is this
 rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters
 of several dtypes are taken (a buffer per dtype), where torch's refuses them; `step` calls the
@@ -59,7 +79,7 @@ from ..collectives import allreduce
 from ..transport.agree import agree
 from ..transport.peers import group_ranks
 from .zero_torch_api import TorchCompat
-from .grad_shards import GradientShards, plan_buckets, real_grad
+from .grad_shards import GradientShards, holders_of, plan_buckets, real_grad
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
@@ -112,16 +132,23 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         self.world_size = len(self.peers)
         self._make = (optimizer_class, defaults)
         self._device = next(p for g in groups for p in g["params"]).device  # where the ranks' flags are summed
-        self._trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+        self._trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]  # the plan's groups
+        self._plan_groups = list(range(len(groups)))  # the parameter group of each of the plan's groups
+        # frozen now: sharded once every rank unfreezes them (`_unfreeze`), as torch's would step them then
+        self._frozen = [(g, p) for g, group in enumerate(groups) for p in group["params"] if not p.requires_grad]
         self.params = [p for ps in self._trainable for p in ps]
         self.plan = ShardPlan(self._trainable, self.world_size)
         buckets = self._buckets(self.plan, self.params)
         self._agree_on_setup(self.plan, len(self.params), len(buckets), groups)
+        holders = holders_of([p for g in groups for p in g["params"]])  # older ZeRO-2s over these parameters
         # The parameters become views of flat buffers, so that the collectives and the
         # optimizer work in place and a checkpoint loaded into the model is what they see.
         self.flats = self.plan.bind(self.params)
+        self._record_binding()
         self._notified = False  # whether this step has told a Join that this rank trains
         self.grad_shards = self._gradient_shards(buckets) if self.stage == 2 else None
+        self._left_behind = self._take_over(holders)  # sums the older ones held that we could not carry over
+        self.pieces: list = []
         self._find_pieces()
         # One inner group per group, as torch's; a group may be empty here (its chunks are on other
         # ranks, or it holds frozen tensors only), and so may all (more ranks than elements).
@@ -163,20 +190,59 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         """Every parameter of every group, frozen ones too, in the order torch's state_dict numbers them."""
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _find_pieces(self) -> None:
-        """This rank's pieces: (parameter, lo, hi, tensor), in parameter order.
+    def _find_pieces(self) -> list[tuple[int, torch.Tensor]]:
+        """This rank's pieces: (parameter, lo, hi, tensor), in the order the inner optimizer numbers them.
 
         The tensor is the parameter itself where this rank's chunk holds all of it (as torch's
         inner optimizer holds whole parameters: `optim.state[p]`), else a slice of its flat buffer.
+        A piece found before keeps its tensor (the inner optimizer's state is keyed by it). Returns
+        the new ones: (parameter group, tensor).
         """
-        self.pieces = []
-        for j, lo, hi in self.plan.pieces(self.rank):
-            b, start, end = self.plan.where[j]
-            whole = (lo, hi) == (start, end)
-            self.pieces.append((j, lo, hi, self.params[j] if whole else self.flats[b][lo:hi]))
+        kept = {(j, lo, hi): v for j, lo, hi, v in self.pieces}
+        self.pieces, new = [], []
+        for j, lo, hi in self._pieces_in_order(self.rank):
+            piece = kept.get((j, lo, hi))
+            if piece is None:
+                b, start, end = self.plan.where[j]
+                piece = self.params[j] if (lo, hi) == (start, end) else self.flats[b][lo:hi]
+                new.append((self._group_of(j), piece))
+            self.pieces.append((j, lo, hi, piece))
+        return new
+
+    def _pieces_in_order(self, rank: int) -> list[tuple[int, int, int]]:
+        """`rank`'s (parameter, lo, hi), by parameter group, then by parameter: as its inner optimizer numbers them."""
+        return sorted(self.plan.pieces(rank), key=lambda piece: self._group_of(piece[0]))
+
+    def _group_of(self, j: int) -> int:
+        """The parameter group of parameter j (a parameter unfrozen later sits in a plan group of its own)."""
+        return self._plan_groups[self.plan.group_of[j]]
 
     def _pieces_of(self, group: int) -> list[torch.Tensor]:
-        return [v for j, _, _, v in self.pieces if self.plan.group_of[j] == group]
+        return [v for j, _, _, v in self.pieces if self._group_of(j) == group]
+
+    def _record_binding(self) -> None:
+        """Where each parameter's data lives in its flat buffer, to see a later `param.data = ...`."""
+        self._pointers, self._shapes = [p.data_ptr() for p in self.params], [p.shape for p in self.params]
+
+    def _take_over(self, holders: list[GradientShards]) -> bool:
+        """Take the parameters' gradients from older stage-2 optimizers still alive; say whether sums were lost.
+
+        Each older one's hooks are removed and its `step` raises from now on. What it summed
+        since its `zero_grad` (torch's `.grad`, which a new torch optimizer would step with) is
+        carried over where the layout is the same (same parameters, groups and ranks); else it
+        cannot be, and this optimizer's `step` raises until its `zero_grad`.
+        """
+        lost = False
+        for old in holders:
+            same = (self.grad_shards is not None and old.group is self.group and len(old.params) == len(self.params)
+                    and all(a is b for a, b in zip(old.params, self.params))
+                    and (old.plan.where, old.plan.sizes) == (self.plan.where, self.plan.sizes))
+            if same:
+                self.grad_shards.adopt(old)
+            else:
+                lost |= any(old.used)
+                old.release()
+        return lost
 
     def _agree_on_setup(self, plan: ShardPlan, parameters: int, buckets: int, groups: list[dict]) -> None:
         """Every rank must build alike: stage, optimizer, each group's tensors and options, the layout; else all raise.
@@ -205,6 +271,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         """Add a group, on every rank: its parameters get new flat buffers, of which this rank steps its chunk."""
         if not self._built:
             return super().add_param_group(param_group)
+        self._refuse_if_taken_over()
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         group = param_groups_of([param_group], "param_group", keep_frozen=True, require_trainable=False)[0]
@@ -220,16 +287,16 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         except BaseException:
             self.param_groups.pop()
             raise
-        kept = self.pieces  # the same pieces, and the very tensors the inner optimizer holds
         self.plan, self._trainable, self.params = plan, self._trainable + [trainable], self.params + trainable
+        self._plan_groups.append(len(self.param_groups) - 1)
+        self._frozen += [(len(self.param_groups) - 1, p) for p in group["params"] if not p.requires_grad]
         self.flats += ShardPlan([trainable], self.world_size).bind(trainable)  # the new group's buffers, as in `plan`
-        self._find_pieces()
-        self.pieces[:len(kept)] = kept
+        self._record_binding()
+        new = self._find_pieces()
         if self.grad_shards is not None:  # new buckets and hooks; what is summed so far is kept
             old, self.grad_shards = self.grad_shards, self._gradient_shards(buckets)
             self.grad_shards.adopt(old)
-        self.optimizer.add_param_group({"params": [v for *_, v in self.pieces[len(kept):]],
-                                        **options_of(self.param_groups[-1])})
+        self.optimizer.add_param_group({"params": [v for _, v in new], **options_of(self.param_groups[-1])})
 
     @property
     def reduces_gradients(self) -> bool:
@@ -237,13 +304,21 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         return self.stage == 2
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._refuse_if_taken_over()
         if self.grad_shards is not None:
             self.grad_shards.zero_grad(set_to_none)
-        for p in self.params:
+        self._left_behind = False
+        for p in self.params + [p for _, p in self._frozen]:  # frozen ones too, as torch's
             if set_to_none:
                 p.grad = None
             elif real_grad(p) is not None:
                 p.grad.zero_()
+
+    def _refuse_if_taken_over(self) -> None:
+        if self.grad_shards is not None and self.grad_shards.released:
+            raise RuntimeError("ZeroRedundancyOptimizer(stage=2): a newer ZeroRedundancyOptimizer was built over "
+                               "this one's parameters and took their gradients over; step that one (or build this "
+                               "one again to take them back)")
 
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
@@ -268,11 +343,17 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
 
     def _step(self, own_gradients: bool, **kwargs) -> None:
         """One step; a rank out of data under Join (`own_gradients=False`) adds zeros at stage 2."""
-        if self.grad_shards is None:  # stage 1: DDP hands every rank the averages, also a rank out of data
-            self._check_gradients_alike()
-            grads = None
-        else:
-            grads, starts, used = self._reduced_grads(own_gradients)
+        self._refuse_if_taken_over()
+        if self.grad_shards is not None:
+            self.grad_shards.check_finished()
+            if not own_gradients:
+                self.grad_shards.reduce_zeros()  # the training ranks reduce-scatter their buckets now
+        used, training = self._agree_on_step(own_gradients, self._adopt_rebound())
+        grads = None
+        if self.grad_shards is not None:  # stage 2: the sums, divided as the DDP wrapper divides them
+            divisor = self.world_size if self._divide_by_initial else training
+            grads = [s / divisor if s is not None else None for s in self.grad_shards.shards]
+            starts = [self.plan.bounds(b, self.rank)[0] for b in range(len(self.flats))]
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update(options_of(outer))  # a scheduler or the user may have changed lr
         lent = []  # the pieces given a gradient for this step, which must not keep it
@@ -297,46 +378,148 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         for flat in self.flats:
             all_gather(flat, algorithm=self.algorithm, group=self.group, timeout=self.timeout)
 
-    def _check_gradients_alike(self) -> None:
+    @torch.no_grad()
+    def _adopt_rebound(self) -> int | None:
+        """Take back the parameters whose `.data` was rebound since they were bound (`vector_to_parameters`,
+        `param.data = t`): their new values are copied into their places in the flat buffers, as
+        torch's optimizers would step the new values. Returns the first (index in `params`) whose
+        new tensor does not fit its place (another shape, dtype or device), or None.
+
+        Costs one `data_ptr()` per parameter a step (about 0.1 us each), and a copy only when one was rebound.
+        """
+        if [p.data_ptr() for p in self.params] == self._pointers:
+            return None
+        unfit = None
+        for j, (p, ptr, shape) in enumerate(zip(self.params, self._pointers, self._shapes)):
+            if p.data_ptr() == ptr:
+                continue
+            b, start, end = self.plan.where[j]
+            flat = self.flats[b]
+            if (p.shape, p.dtype, p.device) != (shape, flat.dtype, flat.device):
+                unfit = j if unfit is None else unfit
+                continue
+            flat[start:end].copy_(p.reshape(-1))
+            p.data = flat[start:end].view(shape)
+        return unfit
+
+    def _agree_on_step(self, own_gradients: bool, unfit: int | None) -> tuple[list[int], int]:
+        """What the ranks bring to this step, summed in one allreduce: every rank raises alike, or all go on.
+
+        Per parameter, how many ranks have its gradient (stage 1: a `.grad`, which DDP averaged;
+        stage 2: summed into the shards, whose parameters no rank used are skipped, as torch's
+        optimizers skip a parameter without a gradient); then how many ranks train this step, hold
+        a `.grad` that no backward handed over (stage 2), hold a parameter rebound to a tensor that
+        does not fit its place, or lost the sums of an optimizer they took over; then, per
+        parameter frozen when the optimizer was built, how many ranks unfroze it and have its
+        gradient. A parameter unfrozen on every rank is sharded now (`_unfreeze`).
+        Returns the per-parameter counts (unfrozen ones included) and how many ranks train.
+        """
+        stage2 = self.grad_shards is not None
+        has = ([own_gradients and u for u in self.grad_shards.used] if stage2 else
+               [p.grad is not None for p in self.params])
+        loose = stage2 and own_gradients and any(real_grad(p) is not None for p in self.params)
+        flags = [own_gradients or not stage2, loose, unfit is not None, self._left_behind]
+        flags += [p.requires_grad for _, p in self._frozen]
+        flags += [(own_gradients or not stage2) and p.grad is not None for _, p in self._frozen]
+        counts = torch.tensor(has + flags, dtype=torch.int32, device=self._device)
+        self._sum_over_ranks(counts)
+        counts = counts.tolist()
+        n, f = len(self.params), len(self._frozen)
+        has, (training, loose, unfit_ranks, lost), thawed, had = (counts[:n], counts[n:n + 4], counts[n + 4:n + 4 + f],
+                                                                  counts[n + 4 + f:])
+        if unfit_ranks:
+            if unfit is None:
+                raise RuntimeError(f"ZeroRedundancyOptimizer: {unfit_ranks} other rank(s) hold a parameter whose "
+                                   ".data was rebound to a tensor of another shape, dtype or device than its place "
+                                   "in the flat buffers; build the optimizer after changing the model")
+            p, shape = self.params[unfit], self._shapes[unfit]
+            raise RuntimeError(f"ZeroRedundancyOptimizer: {self._name(p)} (shape {tuple(shape)}, "
+                               f"{self.flats[self.plan.where[unfit][0]].dtype}) was rebound (param.data = ...) to "
+                               f"a tensor of shape {tuple(p.shape)}, {p.dtype} on {p.device}, which does not fit "
+                               "its place in the flat buffers; build the optimizer after changing the model")
+        if lost:
+            raise RuntimeError(f"ZeroRedundancyOptimizer: on {lost} rank(s) this optimizer took its parameters over "
+                               "from an older one that held gradients summed since its zero_grad, in a layout that "
+                               "cannot be carried over; call zero_grad() and run backward before step()")
+        if loose:  # every rank sees it in the sum, so every rank raises
+            raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2): {loose} rank(s) hold a .grad that no backward "
+                               "pass handed over (set by hand, or averaged by a DDP whose backward ran outside "
+                               "no_sync()); stage 2 reduce-scatters the gradients during backward: run it under "
+                               "model.no_sync(), or use stage=1")
+        partly = [t for t, c in enumerate(thawed) if 0 < c < self.world_size]
+        if partly:
+            p = self._frozen[partly[0]][1]
+            raise RuntimeError(f"ZeroRedundancyOptimizer: {self._name(p)} of shape {tuple(p.shape)}, frozen when "
+                               f"the optimizer was built, requires grad on {thawed[partly[0]]} of {self.world_size} "
+                               "ranks; unfreeze it on every rank or on none")
+        if any(thawed):
+            has += self._unfreeze([t for t, c in enumerate(thawed) if c], had, own_gradients)
+        if not stage2:
+            self._refuse_partial_gradients(has, training)
+        return has, training
+
+    def _name(self, p: torch.Tensor) -> str:
+        """A parameter as torch's state_dict numbers it (frozen ones counted), with its group."""
+        k = next(k for k, q in enumerate(self._all_params) if q is p)
+        g = next(g for g, group in enumerate(self.param_groups) if any(q is p for q in group["params"]))
+        return f"parameter {k} (group {g})"
+
+    def _refuse_partial_gradients(self, has: list[int], ranks: int) -> None:
         """Stage 1: a parameter must have a `.grad` on every rank or on none; else every rank raises, naming it.
 
         Each rank steps its pieces with its own `.grad`, which DDP has averaged. A gradient on some
         ranks only (a parameter used on one rank, outside DDP) would step the parameter in part:
         torch's steps it whole or not at all, by which rank owns it, so neither is the answer.
         """
-        has = torch.tensor([p.grad is not None for p in self.params] + [1], dtype=torch.int32, device=self._device)
-        self._sum_over_ranks(has)
-        counts = has.tolist()
-        partly = [j for j, c in enumerate(counts[:-1]) if 0 < c < counts[-1]]
+        partly = [j for j, c in enumerate(has) if 0 < c < ranks]
         if partly:
             j = partly[0]
             raise RuntimeError(f"ZeroRedundancyOptimizer(stage=1): parameter {j} of shape "
-                               f"{tuple(self.params[j].shape)} has a .grad on {counts[j]} of {counts[-1]} ranks "
-                               f"({len(partly)} such parameter(s)); stage 1 steps each rank's shard with that "
+                               f"{tuple(self.params[j].shape)} has a .grad on {has[j]} of {ranks} "
+                               f"ranks ({len(partly)} such parameter(s)); stage 1 steps each rank's shard with that "
                                "rank's .grad, which must be averaged over the ranks (DistributedDataParallel) "
                                "or None on every rank")
 
-    def _reduced_grads(self, own_gradients: bool) -> tuple[list, list[int], list]:
-        """Stage 2: this rank's shards of the averaged gradient, where they start in their buffers, which are used."""
-        self.grad_shards.check_finished()
-        if not own_gradients:
-            self.grad_shards.reduce_zeros()  # the training ranks reduce-scatter their buckets now
-        # Which parameters has any rank a gradient for (those no rank used are skipped), whether
-        # this rank trains, and whether it holds a `.grad` that no backward handed over.
-        loose = own_gradients and any(real_grad(p) is not None for p in self.params)
-        used = torch.tensor([own_gradients and u for u in self.grad_shards.used] + [own_gradients, loose],
-                            dtype=torch.int32, device=self._device)
-        self._sum_over_ranks(used)
-        used = used.tolist()
-        if used[-1]:  # every rank sees it in the sum, so every rank raises
-            raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2): {used[-1]} rank(s) hold a .grad that no backward "
-                               "pass handed over (set by hand, or averaged by a DDP whose backward ran outside "
-                               "no_sync()); stage 2 reduce-scatters the gradients during backward: run it under "
-                               "model.no_sync(), or use stage=1")
-        divisor = self.world_size if self._divide_by_initial else used[-2]
-        # Sums, divided as the DDP wrapper divides them: DDP hands the optimizer averages.
-        grads = [s / divisor if s is not None else None for s in self.grad_shards.shards]
-        return grads, [self.plan.bounds(b, self.rank)[0] for b in range(len(self.flats))], used
+    def _unfreeze(self, thawed: list[int], had: list[int], own_gradients: bool) -> list[int]:
+        """Shard the parameters frozen at construction that every rank has unfrozen since (`thawed`: places in
+        `_frozen`), as torch's optimizers step a parameter of theirs once it has a gradient.
+
+        They get flat buffers of their own after the others (whose layout, shards and state stay),
+        and their pieces join their parameter groups in the inner optimizer. At stage 2 no hook took
+        this step's gradients of them: each rank's whole `.grad` is summed over the ranks here, once;
+        later backward passes reduce-scatter them with the rest. Returns, for each (in the order
+        they join `params`), how many ranks have its gradient.
+        """
+        by_group: dict[int, list] = {}
+        for t in thawed:
+            g, p = self._frozen[t]
+            by_group.setdefault(g, []).append((p, had[t]))
+        added = [[p for p, _ in by_group[g]] for g in sorted(by_group)]
+        counts = [c for g in sorted(by_group) for _, c in by_group[g]]
+        first, params = len(self.params), [p for ps in added for p in ps]
+        self._frozen = [f for t, f in enumerate(self._frozen) if t not in set(thawed)]
+        self._trainable += added
+        self._plan_groups += sorted(by_group)
+        self.plan, self.params = ShardPlan(self._trainable, self.world_size), self.params + params
+        buffers = len(self.flats)
+        self.flats += ShardPlan(added, self.world_size).bind(params)  # the new buffers, as in `plan`
+        self._record_binding()
+        for g, piece in self._find_pieces():
+            self.optimizer.param_groups[g]["params"].append(piece)
+        if self.grad_shards is not None:
+            old, self.grad_shards = self.grad_shards, self._gradient_shards(self._buckets(self.plan, self.params))
+            self.grad_shards.adopt(old)
+            for b in range(buffers, len(self.flats)):
+                members = [self.params[j] for j in self.plan.buffers[b]]
+                whole = torch.cat([(p.grad if own_gradients and p.grad is not None else torch.zeros_like(p))
+                                   .reshape(-1) for p in members])
+                self._sum_over_ranks(whole)
+                lo, hi = self.plan.bounds(b, self.rank)
+                self.grad_shards.shards[b] = whole[lo:hi].clone()
+            for j, p in enumerate(params, first):
+                self.grad_shards.used[j] = own_gradients and p.grad is not None
+                p.grad = None
+        return counts
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -350,6 +533,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         Call it between backward and `step`, on every rank.
         """
         max_norm, norm_type = non_negative_number("max_norm", max_norm), float(positive_number("norm_type", norm_type))
+        self._refuse_if_taken_over()
         if self.grad_shards is None:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm, norm_type, error_if_nonfinite)
         self.grad_shards.check_finished()

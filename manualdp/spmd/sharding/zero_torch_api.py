@@ -60,7 +60,7 @@ class TorchCompat(Joinable):
         """The full state, keyed by torch's parameter index, from every rank's shard (keyed by piece)."""
         parts: dict[int, list] = {}  # parameter -> [(lo, piece's state)] from every rank
         for rank, shard in enumerate(shards):
-            for i, (j, lo, _) in enumerate(self.plan.pieces(rank)):
+            for i, (j, lo, _) in enumerate(self._pieces_in_order(rank)):
                 parts.setdefault(j, []).append((lo, shard.get(i)))
         number = {id(p): k for k, p in enumerate(self._all_params)}
         state = {}
@@ -115,7 +115,7 @@ class TorchCompat(Joinable):
                 inner[i] = {name: v.reshape(-1)[lo - start:hi - start].clone().view(piece.shape) if _elementwise(v)
                             else _copied(v) for name, v in by_param[j].items()}
         groups = [{**options_of(saved), "params": [i for i, (j, *_) in enumerate(self.pieces)
-                                                   if self.plan.group_of[j] == g]}
+                                                   if self._group_of(j) == g]}
                   for g, saved in enumerate(saved_groups)]
         self.optimizer.load_state_dict({"state": inner, "param_groups": groups})
         for outer, saved in zip(self.param_groups, saved_groups):

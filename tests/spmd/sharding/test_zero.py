@@ -350,7 +350,7 @@ def _zero_step(model, opt, stage):
 
 
 def _corners_job():
-    return {"zero_grad": _zero_grad_job(), "resume": _scheduler_resume_job()}
+    return {"zero_grad": _zero_grad_job(), "resume": _scheduler_resume_job(), "params_change": _params_change_job()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -371,3 +371,190 @@ def test_a_loaded_shard_brings_back_the_schedulers_learning_rate_at_both_stages(
         for stage in (1, 2):
             assert result["resume"][stage]["lr"] == [0.1 * 0.1], f"rank {r}, stage {stage}"
             assert result["resume"][stage]["equal"], f"rank {r}, stage {stage}: the resumed step differs"
+
+
+# ---------------------------------------------------------------- parameters changed under it between steps (round 32)
+# Each ends as torch's SGD would, or raises one line on every rank (every rank is fed the same batch, so the answer is
+# plain SGD on it): a second optimizer built over the same parameters while the first lives takes them over, and the
+# first refuses to step; weights rebound by vector_to_parameters are taken back (another dtype is refused, naming the
+# parameter); a layer frozen when the optimizer is built and unfrozen later is trained, and its state consolidates.
+# They run in the corners launch above.
+
+CHANGE_SGD = dict(lr=0.1, momentum=0.9)
+CHANGE_CAP = 300 / 2**20  # a few small parameters a bucket
+
+
+def _mlp5():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def _step_loss(model, step):
+    g = torch.Generator().manual_seed(100 + step)
+    X, y = torch.randn(8, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    return nn.functional.cross_entropy(model(X), y)
+
+
+def _zero_or_sgd(params, zero, stage=2, **kw):
+    kw = kw or CHANGE_SGD
+    return (ZeroRedundancyOptimizer(params, torch.optim.SGD, stage=stage, bucket_cap_mb=CHANGE_CAP, **kw) if zero
+            else torch.optim.SGD(params, **kw))
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def _rebuilt(zero):
+    """A second optimizer (lr 0.05) after a step of the first, which a StepLR keeps alive, and a backward: torch's
+    SGD steps with the gradient summed before it was built. Then the first is asked to step."""
+    model = _mlp5()
+    first = _zero_or_sgd(model.parameters(), zero)
+    sched = torch.optim.lr_scheduler.StepLR(first, 10)
+    first.zero_grad()
+    _step_loss(model, 0).backward()
+    first.step()
+    sched.step()
+    _step_loss(model, 1).backward()  # summed before the new one is built: a fresh SGD steps with it
+    second = _zero_or_sgd(model.parameters(), zero, lr=0.05, momentum=0.9)
+    second.step()
+    for step in range(2, 4):
+        second.zero_grad()
+        _step_loss(model, step).backward()
+        second.step()
+    return _flat(model), _error_of(first.step) if zero else None
+
+
+def _rebuilt_in_another_layout():
+    """The sums of the old one cannot be carried into other groups: step refuses until zero_grad, then trains."""
+    model = _mlp5()
+    first = _zero_or_sgd(model.parameters(), True)
+    _step_loss(model, 0).backward()
+    params = list(model.parameters())
+    second = _zero_or_sgd([{"params": params[:2]}, {"params": params[2:]}], True)
+    refused = _error_of(second.step)
+    second.zero_grad()
+    _step_loss(model, 0).backward()
+    second.step()
+    return refused, first.grad_shards.released
+
+
+def _reloaded(zero, dtype=None):
+    """Weights halved with vector_to_parameters before step 1 (or the model cast to `dtype`)."""
+    model = _mlp5()
+    opt = _zero_or_sgd(model.parameters(), zero)
+    for step in range(3):
+        if step == 1:
+            if dtype is not None:  # after zero_grad: the stand-ins of the last step's .grad refuse a cast
+                opt.zero_grad()
+                model.to(dtype)
+                return _error_of(opt.step)
+            vec = torch.nn.utils.parameters_to_vector(model.parameters()).detach() * 0.5
+            torch.nn.utils.vector_to_parameters(vec, model.parameters())
+        opt.zero_grad()
+        _step_loss(model, step).backward()
+        opt.step()
+    return _flat(model)
+
+
+def _two_groups(model):
+    return [{"params": model[0:4].parameters()}, {"params": model[4].parameters(), "lr": 0.05}]
+
+
+def _unfrozen(zero, stage, only_rank=None):
+    """The first layer frozen in group 0 (the last layer in group 1) when built, unfrozen before step 1."""
+    model = _mlp5()
+    model[0].requires_grad_(False)
+    opt = _zero_or_sgd(_two_groups(model), zero, stage)
+    for step in range(3):
+        if step == 1 and (only_rank is None or dist.get_rank() == only_rank):
+            model[0].requires_grad_(True)
+        opt.zero_grad()
+        _step_loss(model, step).backward()
+        if only_rank is not None and step == 1:
+            return _error_of(opt.step)
+        opt.step()
+    if not zero:
+        return _flat(model), [opt.state[p]["momentum_buffer"] for p in model.parameters()]
+    opt.consolidate_state_dict(0)
+    state = opt.state_dict() if dist.get_rank() == 0 else None
+    momenta = None
+    if state is not None:
+        plain = _zero_or_sgd(_two_groups(model), False)
+        plain.load_state_dict(state)
+        momenta = [plain.state[p]["momentum_buffer"] for p in model.parameters()]
+    return _flat(model), momenta
+
+
+_CHANGE_CASES = {
+    "rebuilt": lambda: (_rebuilt(True), _rebuilt(False)),
+    "rebuilt_in_another_layout": _rebuilt_in_another_layout,
+    "reloaded": lambda: (_reloaded(True), _reloaded(False)),
+    "reloaded_as_float32": lambda: _reloaded(True, torch.float32),
+    "unfrozen_stage1": lambda: (_unfrozen(True, 1), _unfrozen(False, 1)),
+    "unfrozen_stage2": lambda: (_unfrozen(True, 2), _unfrozen(False, 2)),
+    "unfrozen_on_one_rank": lambda: _unfrozen(True, 2, only_rank=1),
+}
+
+
+def _params_change_job():
+    torch.set_num_threads(1)
+    out = {}
+    for name, case in _CHANGE_CASES.items():
+        try:
+            out[name] = ("ok", case())
+        except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+            out[name] = ("err", type(e).__name__, str(e))
+        dist.barrier()
+    return out
+
+
+def _changed(name):
+    for r, out in enumerate(_corners_results()):
+        assert out["params_change"][name][0] == "ok", (r, out["params_change"][name])
+    return [out["params_change"][name][1] for out in _corners_results()]
+
+
+def _one_line(message, *words):
+    assert message is not None and "\n" not in message and all(w in message for w in words), message
+
+
+def test_a_second_optimizer_takes_the_parameters_over_and_the_first_refuses_to_step():
+    for (got, refused), (want, _) in _changed("rebuilt"):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        _one_line(refused, "newer ZeroRedundancyOptimizer", "took their gradients over")
+
+
+def test_sums_that_cannot_follow_into_another_layout_are_refused_until_zero_grad():
+    for refused, first_released in _changed("rebuilt_in_another_layout"):
+        _one_line(refused, "took its parameters over", "zero_grad()")
+        assert first_released
+
+
+def test_weights_rebound_by_vector_to_parameters_are_taken_back():
+    for got, want in _changed("reloaded"):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_a_parameter_rebound_to_another_dtype_is_refused_on_every_rank_naming_it():
+    for refused in _changed("reloaded_as_float32"):
+        _one_line(refused, "parameter 0 (group 0)", "float32", "rebound")
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_layer_unfrozen_after_construction_is_trained_and_its_state_consolidates(stage):
+    results = _changed(f"unfrozen_stage{stage}")
+    for (got, momenta), (want, plain_momenta) in results:
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    (_, momenta), (_, plain_momenta) = results[0]
+    for m, want in zip(momenta, plain_momenta):
+        torch.testing.assert_close(m, want, rtol=0, atol=1e-12)
+
+
+def test_a_layer_unfrozen_on_one_rank_only_is_refused_on_every_rank_naming_it():
+    for refused in _changed("unfrozen_on_one_rank"):
+        _one_line(refused, "parameter 0 (group 0)", "requires grad on 1 of 2 ranks")
