@@ -26,6 +26,7 @@ SOLUTIONS = pathlib.Path(__file__).resolve().parents[1] / "book" / "solutions"
 TIMEOUT = 3  # seconds each call may take: the hostile answers that never return cost this much
 SLOW = 60  # seconds a grading may take on a busy machine, startup of two interpreters included
 SLOW_RANKS = 150  # the same, for the exercises that start 2 ranks twice (ddp, hook)
+SLOW_CALL = ["--timeout", "30"]  # a whole training run per call (checkpoint): 3 s is too tight on a busy machine
 
 CALL = r"allreduce\(tensors\) on \d tensors? of shape .* and dtype \w+(, holding [-\d., ]+)?"
 NEVER = r"did not return within the 3 s it may take: does it loop forever"
@@ -87,17 +88,17 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
                                   r"params or momenta \(`momenta\[i\] = \.\.\.`\)", []),
     "checkpoint_model_only.py": (r"a run of 2 steps .* stopped after step 1, .*: the parameters differ from the "
                                  r"uninterrupted run's: .* Your resume equals one that restored the model but not the "
-                                 r"optimizer's state and torch's random number generator", []),
+                                 r"optimizer's state and torch's random number generator", SLOW_CALL),
     "checkpoint_in_memory.py": (r"a run of 4 steps .* resumed by load_checkpoint in a new process \(the same "
                                 r"folder, nothing else kept\) raised KeyError: 'model' .* A new process starts with "
                                 r"nothing but the file: does save_checkpoint write everything the resume needs into "
-                                r"it\?", []),
+                                r"it\?", SLOW_CALL),
     "checkpoint_no_rng.py": (r"a run of 2 steps .* stopped after step 1, .*: the parameters differ from the "
                              r"uninterrupted run's: .* Your resume equals one that restored the model and the "
-                             r"optimizer's state but not torch's random number generator", []),
+                             r"optimizer's state but not torch's random number generator", SLOW_CALL),
 }
-PASS = {name: (SOLUTIONS / f"{name}.py", []) for name in ("split_batch", "allreduce", "schedule", "cost", "zero1",
-                                                          "checkpoint", "ddp", "hook")}
+PASS = {name: (SOLUTIONS / f"{name}.py", SLOW_CALL if name == "checkpoint" else [])
+        for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook")}
 PASS["halving_doubling_powers_of_two.py"] = (ANSWERS / "halving_doubling_powers_of_two.py", ["--powers-of-two"])
 
 
