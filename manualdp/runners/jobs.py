@@ -1,4 +1,4 @@
-"""What the grader's child runs with a student's functions (`sandbox_child.JOBS`): the checkpoint exercise's run.
+"""What the grader's child runs with a student's functions (`JOBS`): the checkpoint exercise's run.
 
 The child imports this module, and torch only, when a job is asked for; the grader imports it too,
 to run the same loop uninterrupted in its own process (`properties.resume_property`).
@@ -10,7 +10,9 @@ import contextlib
 import torch
 from torch import nn
 
-__all__ = ["Resumed", "resume_run", "resume_save", "resume_load", "train_resumed"]
+__all__ = ["JOBS", "Resumed", "resume_run", "resume_save", "resume_load", "train_resumed"]
+
+JOBS = {"resume": "resume_run", "resume_save": "resume_save", "resume_load": "resume_load"}  # job -> its function here
 
 
 class Resumed(nn.Module):

@@ -61,10 +61,10 @@ def _call(call: str, fn, *args, job: str | None = None) -> tuple:
     so that a rebound slot shows), as they are after it, and what it returned. `fn` may be a `sandbox.Child`: the
     call runs there, and what comes back is the child's. An exception becomes a Mismatch that names the call.
 
-    With `job` (a name of `sandbox_child.JOBS`), the grader's job runs instead, given `fn`'s functions (a Child's,
+    With `job` (a name of `jobs.JOBS`), the grader's job runs instead, given `fn`'s functions (a Child's,
     or a tuple of functions) and `args`."""
+    from . import jobs
     from .sandbox import Child, Raised, Stopped
-    from .sandbox_child import JOBS
 
     if isinstance(fn, Child):
         try:
@@ -77,7 +77,7 @@ def _call(call: str, fn, *args, job: str | None = None) -> tuple:
             raise Stopped(f"{call} {e}") from None
     before = tuple(list(a) if isinstance(a, list) else a for a in args)
     try:
-        return before, args, (globals()[JOBS[job]](*fn, *args) if job else fn(*args))
+        return before, args, (getattr(jobs, jobs.JOBS[job])(*fn, *args) if job else fn(*args))
     except Exception as e:  # noqa: BLE001 (a student's code may raise anything)
         frames = traceback.extract_tb(e.__traceback__)
         frame = next((f for f in reversed(frames) if not f.filename.startswith(TORCH)), frames[-1])  # the caller's line

@@ -153,7 +153,7 @@ class Child:
         return self._called(self.request({"op": "call", "args": args}, self.timeout, ""))
 
     def job(self, job: str, *args) -> tuple:
-        """As `call`, for a job of the grader's (`sandbox_child.JOBS`) that calls the file's functions."""
+        """As `call`, for a job of the grader's (`jobs.JOBS`) that calls the file's functions."""
         return self._called(self.request({"op": "job", "job": job, "args": args}, self.timeout, ""))
 
     def _called(self, reply: dict) -> tuple:

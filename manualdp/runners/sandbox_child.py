@@ -5,7 +5,7 @@
 It caps its own memory and file sizes, sends what the file prints to `output.txt` in its working
 folder (a temporary one of its own), then answers the grader's requests on its stdin and stdout,
 one frame each: `load` a file, `call` its function on the inputs sent, run one of the grader's `job`s
-with the file's functions (a training run that saves and resumes), or start 2 `ranks` that run a
+(`jobs.JOBS`) with the file's functions (a training run that saves and resumes), or start 2 `ranks` that run a
 job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it
 sends back the inputs and the output as they are after the call, in one `torch.save`, so that the
 grader sees which tensors share memory, and judges them itself.
@@ -21,8 +21,6 @@ import sys
 import traceback
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
-JOBS = {"resume": "resume_run", "resume_save": "resume_save", "resume_load": "resume_load"}  # job -> the function
-# of `jobs` that runs it, with the file's functions
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each of the 2 ranks runs, given the file's path and name
 
 
@@ -151,7 +149,7 @@ def main() -> None:
                 else:  # the grader's code, which calls the file's functions; what it returns is judged by the grader
                     from . import jobs
 
-                    out = getattr(jobs, JOBS[req["job"]])(*fns, *args)
+                    out = getattr(jobs, jobs.JOBS[req["job"]])(*fns, *args)
             except BaseException as e:  # noqa: BLE001
                 send(_raised(e, path))
                 continue
