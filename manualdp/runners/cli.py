@@ -560,14 +560,18 @@ def run_replica(args) -> int:
     except (RuntimeError, OSError) as e:  # nobody listens there, or not within the timeout
         _error(f"replica {args.replica_id!r}: cannot reach the coordinator at {host}:{port}: {_one_line(e)}")
         return 1
+    except ValueError as e:  # another live replica goes by this id
+        _error(_one_line(e))
+        return 1
     try:
         sync = "local_sgd" if args.local_sgd else "diloco" if args.diloco else "ddp"
         outer = {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum))
                  if v is not None}
         history = train_replica(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
                                 sync=sync, sync_every=args.local_sgd or args.diloco or 1, **outer,
+                                settings=run_config(args),
                                 **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
-    except TimeoutError as e:  # too few replicas for too long
+    except (TimeoutError, ValueError) as e:  # too few replicas for too long; replicas started with other settings
         _error(_one_line(e))
         return 1
     except RuntimeError as e:  # the coordinator is gone, or a state that does not fit this model

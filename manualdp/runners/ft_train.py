@@ -51,7 +51,7 @@ def parse_address(text: str) -> tuple[str, int]:
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:29510
     if not host or any(c.isspace() for c in host):
         raise ValueError(f"expected HOST:PORT with a host before the colon, got {text!r}")
-    if not port.isdigit():
+    if not (port.isascii() and port.isdigit()):  # '²' is a digit to str.isdigit, not to int()
         raise ValueError(f"expected HOST:PORT with a port number after the colon, got {text!r}")
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"the port must be from 1 to 65535, got {int(port)} in {text!r}")
@@ -76,12 +76,14 @@ def parameters_sha256(net: nn.Module) -> str:
 def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: float, manager: Manager, *,
                   loss_fn=None, optimizer=None, momentum: float = 0.0, weight_decay: float = 0.0,
                   progress: bool = True, log=print, sync: str = "ddp", sync_every: int = 1, outer_lr: float = 0.7,
-                  outer_momentum: float = 0.9) -> History:
+                  outer_momentum: float = 0.9, settings: dict | None = None) -> History:
     """Train `net` as one replica of `manager`'s run for `num_epochs`; the History, the same on every replica.
 
     `sync`: "ddp" (average the gradients every step), "local_sgd" or "diloco" (H = `sync_every`
     steps alone, then average the parameters, or step the outer Nesterov SGD of `outer_lr` and
-    `outer_momentum` on their average change).
+    `outer_momentum` on their average change). `settings`: more that every replica must share (the
+    command line's seed, model, data), compared with the method's, the optimizer's, the epochs and
+    the batch size as each quorum forms (`Manager.require_same`).
 
     `train_iter` must be a DataLoader (its order is drawn from its sampler, the same on every
     replica). `history.config["fault_tolerant"]` holds, per attempted step, its batch, round,
@@ -109,6 +111,7 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     else:
         ft = DiLoCo(net, inner, manager, sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum)
     run = _Run(train_iter, num_epochs, summed_loss(loss_fn), sync_every if sync != "ddp" else None)
+    manager.require_same(num_epochs=num_epochs, batch_size=getattr(train_iter, "batch_size", None), **(settings or {}))
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     bar = _progress(run.total, progress, manager.id)
     members = None

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ...validate import int_between, timeout_seconds
 
-__all__ = ["Coordinator", "connect", "PREFIX"]
+__all__ = ["Coordinator", "connect", "check_host", "PREFIX"]
 
 PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it, beside whatever else uses the store
 
@@ -36,7 +36,7 @@ class Coordinator:
 
     def __init__(self, port: int = 0, host: str = "127.0.0.1") -> None:
         int_between("port", port, 0, 65535)
-        self.host = host
+        self.host = check_host(host)
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30))
         self.port = self.store.port  # the store's own object: the server lives as long as this reference
@@ -62,12 +62,22 @@ class Coordinator:
         self.close()
 
 
+def check_host(host) -> str:
+    """`host` if it is an address (a non-empty str without spaces); else one line naming it (TCPStore's own is not)."""
+    if not isinstance(host, str):
+        raise TypeError(f"host must be a str such as '127.0.0.1', got {type(host).__name__} {host!r}")
+    if not host or any(c.isspace() for c in host):
+        raise ValueError(f"host must be a non-empty address without spaces such as '127.0.0.1', got {host!r}")
+    return host
+
+
 def connect(host: str, port: int, timeout: float) -> dist.Store:
     """A new connection to the coordinator's store, its keys below `PREFIX`; each wait on it gives up after `timeout` s.
 
     One connection serves one thread at a time (a wait holds it), so the heartbeat thread gets
     its own (`store.clone()`).
     """
+    check_host(host)
     int_between("port", port, 1, 65535)
     seconds = timeout_seconds("timeout", timeout)
     client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=seconds))

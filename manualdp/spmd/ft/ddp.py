@@ -30,7 +30,7 @@ from ..ladder.flat import by_dtype
 from .manager import Manager
 from .quorum import Quorum
 
-__all__ = ["FaultTolerantDDP"]
+__all__ = ["FaultTolerantDDP", "check_wrapped", "optimizer_settings"]
 
 
 class FaultTolerantDDP(nn.Module):
@@ -43,13 +43,11 @@ class FaultTolerantDDP(nn.Module):
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, manager: Manager) -> None:
         super().__init__()
-        initialized("module", nn_module("module", module))
-        no_closure("optimizer", optimizer)
-        if not isinstance(manager, Manager):
-            raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
+        check_wrapped(module, optimizer, manager)
         self.module, self.optimizer, self.manager = module, optimizer, manager
         manager.register_state("model", module.state_dict, module.load_state_dict)
         manager.register_state("optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        manager.require_same(method="ddp", **optimizer_settings(optimizer))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -81,3 +79,28 @@ class FaultTolerantDDP(nn.Module):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return committed
+
+
+def check_wrapped(module: nn.Module, optimizer: torch.optim.Optimizer, manager: Manager) -> None:
+    """The checks of every wrapper of this room, before it registers anything with `manager`."""
+    initialized("module", nn_module("module", module))
+    no_closure("optimizer", optimizer)
+    if not isinstance(manager, Manager):
+        raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
+    ours = {id(p) for p in module.parameters()}
+    for i, group in enumerate(getattr(optimizer, "param_groups", [])):
+        if any(id(p) not in ours for p in group["params"]):
+            raise ValueError(f"optimizer: its parameter group {i} holds tensors that are not parameters of module "
+                             f"(an optimizer over another model's parameters would step nothing this averages): "
+                             f"build it from module.parameters()")
+
+
+def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's class and each group's hyperparameters (lr, momentum, ...) as of now: what replicas must share."""
+    groups = getattr(optimizer, "param_groups", [])
+    out = {"optimizer": type(optimizer).__name__}
+    for i, group in enumerate(groups):
+        for key, value in group.items():
+            if key != "params":
+                out[key if len(groups) == 1 else f"group {i} {key}"] = value
+    return out

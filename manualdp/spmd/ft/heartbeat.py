@@ -19,7 +19,8 @@ __all__ = ["Heartbeat", "Liveness", "register", "registered"]
 
 
 def register(store: dist.Store, replica_id: str) -> None:
-    """Add `replica_id` to the replicas the others wait for, with a counter that starts at 0."""
+    """Add `replica_id` to the replicas the others wait for, with a counter that starts at 0 and no agreed state."""
+    store.set(f"held/{replica_id}", "")  # a new process holds no state of the run yet (quorum.py)
     store.set(f"heartbeat/{replica_id}", "0")
     store.append("replicas", replica_id + "\n")
 

@@ -32,8 +32,9 @@ import torch
 from torch import nn
 
 from ...buckets import flatten, unflatten_
-from ...validate import fraction, initialized, learning_rate, nn_module, no_closure, positive_int
+from ...validate import fraction, learning_rate, positive_int
 from ..ladder.flat import by_dtype
+from .ddp import check_wrapped, optimizer_settings
 from .manager import Manager
 from .quorum import Quorum
 
@@ -43,12 +44,11 @@ __all__ = ["LocalSGD", "DiLoCo"]
 class LocalSGD(nn.Module):
     """`sync_every` (H) optimizer steps alone, then the parameters averaged over the quorum (module docstring)."""
 
+    method = "local_sgd"  # what the replicas compare (`Manager.require_same`)
+
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, manager: Manager, sync_every: int) -> None:
         super().__init__()
-        initialized("module", nn_module("module", module))
-        no_closure("optimizer", optimizer)
-        if not isinstance(manager, Manager):
-            raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
+        check_wrapped(module, optimizer, manager)
         self.module, self.optimizer, self.manager = module, optimizer, manager
         self.sync_every = positive_int("sync_every", sync_every)
         self.params = [p for p in module.parameters() if p.requires_grad]
@@ -57,6 +57,7 @@ class LocalSGD(nn.Module):
         self._inner_start = None   # the inner optimizer's state at the block's start
         manager.register_state("model", module.state_dict, module.load_state_dict)
         manager.register_state("optimizer", optimizer.state_dict, optimizer.load_state_dict)
+        manager.require_same(method=self.method, sync_every=self.sync_every, **optimizer_settings(optimizer))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -119,11 +120,14 @@ class DiLoCo(LocalSGD):
         outer_lr, outer_momentum: eta and mu of the outer step (DiLoCo's paper: 0.7 and 0.9).
     """
 
+    method = "diloco"
+
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, manager: Manager, sync_every: int, *,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9) -> None:
-        super().__init__(module, optimizer, manager, sync_every)
-        learning_rate("outer_lr", outer_lr)
+        learning_rate("outer_lr", outer_lr)  # before the base class registers anything with the manager
         fraction("outer_momentum", outer_momentum)
+        super().__init__(module, optimizer, manager, sync_every)
+        manager.require_same(outer_lr=outer_lr, outer_momentum=outer_momentum)
         self.start = [nn.Parameter(s, requires_grad=True) for s in self.start]  # theta, stepped by the outer optimizer
         self.outer = torch.optim.SGD(self.start, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
         manager.register_state("outer_optimizer", self.outer.state_dict, self.outer.load_state_dict)

@@ -14,6 +14,7 @@ and trains on.
 """
 from __future__ import annotations
 
+import threading
 import time
 from typing import Callable
 
@@ -21,12 +22,13 @@ import torch
 
 from ...validate import a_callable, one_of, positive_int, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
+from ..transport.agree import agree
 from .commit import commit_or_discard
 from .coordinator import connect
 from .group import drop_group, form_group
 from .heartbeat import Heartbeat, Liveness, register
-from .quorum import PATIENCE, Member, Quorum, wait_for_quorum
-from .recovery import forget_state, plan_recovery, receive_state, send_state
+from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
+from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
 
 __all__ = ["Manager"]
 
@@ -46,7 +48,9 @@ class Manager:
         quorum_timeout: seconds a quorum waits for a live replica that has not asked to be
             in it: the deadline past which a slow replica is left out of the step.
         heartbeat_interval, heartbeat_timeout: this replica beats every `interval` s; a
-            replica whose beat has not moved for `heartbeat_timeout` s is dead to the others.
+            replica whose beat has not moved for `heartbeat_timeout` s is dead to the others
+            (so it must be longer than the interval). A replica id whose beat still moves is
+            taken: a second live replica under it is refused.
         algorithm: the book's allreduce schedule for `average` (not "auto", which would
             measure the link again for every new group).
     """
@@ -61,10 +65,14 @@ class Manager:
                             ("heartbeat_interval", heartbeat_interval), ("heartbeat_timeout", heartbeat_timeout)):
             if timeout_seconds(name, value) is None:
                 raise ValueError(f"{name} must be a positive number of seconds, got None")
+        if heartbeat_timeout <= heartbeat_interval:
+            raise ValueError(f"heartbeat_timeout must be longer than heartbeat_interval ({heartbeat_interval!r} s), "
+                             f"else every replica looks dead between two beats; got {heartbeat_timeout!r}")
         one_of("algorithm", algorithm, [a for a in ENGINE_ALGORITHMS if a != "auto"])
         self.id, self.min_replicas, self.algorithm = replica_id, min_replicas, algorithm
         self.timeout, self.quorum_timeout = float(timeout), float(quorum_timeout)
         self.store = connect(host, port, timeout)
+        _refuse_a_live_twin(self.store, replica_id, heartbeat_timeout)
         register(self.store, replica_id)
         self._heartbeat = Heartbeat(self.store, replica_id, heartbeat_interval)
         self._liveness = Liveness(self.store, heartbeat_timeout)
@@ -79,6 +87,9 @@ class Manager:
         self._ok = False           # the step under way can still commit on this replica
         self._in_step = False      # start_step() has run and should_commit() not yet
         self._sent: int | None = None  # the round whose state this replica wrote to the store
+        self._since = 0            # the round of the last quorum it stepped in holding the agreed state (quorum.py)
+        self._settings: dict = {}  # name -> value: what every member must share (`require_same`)
+        self._starting = threading.Lock()  # held while start_step() runs
 
     # ------------------------------------------------------------ the state a joiner receives
 
@@ -100,6 +111,15 @@ class Manager:
         for name, (_, load) in self._states.items():
             load(state[name])
 
+    def require_same(self, **settings) -> None:
+        """Add settings that every member of a quorum must share (method, H, lr, seed, ...), by name.
+
+        Each new group compares them (`transport.agree.agree`, the engine's one comparison) before
+        any state is loaded or step taken: members that differ all raise one ValueError naming the
+        field and every member's value, instead of averaging numbers that do not belong together.
+        """
+        self._settings.update(settings)
+
     # ------------------------------------------------------------ once per step
 
     def start_step(self) -> Quorum:
@@ -107,24 +127,50 @@ class Manager:
 
         A member that fails while the group forms or the state passes fails the round for all
         (its vote is "discard"), and this replica asks again, for up to `PATIENCE` timeouts.
+        In a provisional quorum (a live replica outside it holds more of the run: `quorum.py`)
+        this replica trains, but its state stops being the agreed one until it receives it.
         """
-        started = time.monotonic()
+        if self._in_step or not self._starting.acquire(blocking=False):
+            raise RuntimeError(f"replica {self.id!r}: start_step() called again before the step of round "
+                               f"{self._round} was voted on: call step() (or should_commit()) first")
+        try:
+            return self._start_step()
+        except BaseException:
+            self._in_step = False  # it never began: a later start_step() may ask again
+            raise
+        finally:
+            self._starting.release()
+
+    def _start_step(self) -> Quorum:
+        started, failure = time.monotonic(), None
         if self._sent is not None:  # the receivers of that round have read it, or given up
             forget_state(self.store, self._sent, self.id)
             self._sent = None
         while True:
-            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas)
-            quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout, self.timeout,
-                                     started)
+            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas, self._since)
+            try:
+                quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout,
+                                         self.timeout, started)
+            except TimeoutError as e:
+                if failure is None:
+                    raise
+                raise TimeoutError(f"replica {self.id!r}: no step could start within {time.monotonic() - started:.0f}"
+                                   f" s; the last attempt failed with: {failure}") from e
             self._round, self.quorum, self._in_step = quorum.round, quorum, True
+            if quorum.agreed and self.synced and self.step == quorum.step:
+                self._hold(quorum.round)  # before anything can fail: the quorum's other members count on it
             try:
                 received = self._exchange_state(quorum)
                 if self._group is None or self._group[0] != quorum.group:
                     self._leave_group()
                     form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
                     self._group = (quorum.group, len(quorum.members))
+                    agree("the replicas' settings", self._settings, timeout=self.timeout, shown={"replica": self.id},
+                          hint="every replica must be started with the same settings")
             except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
-                self.last_error = _without_traceback(e)
+                if getattr(e, "final", False):  # a state that cannot be loaded: no fault to ride out
+                    raise
+                failure = self.last_error = _without_traceback(e)
                 self.should_commit(False)
                 if time.monotonic() - started > PATIENCE * self.timeout:
                     raise TimeoutError(f"replica {self.id!r}: no step could start within "
@@ -135,8 +181,18 @@ class Manager:
                 state, source, digest = received
                 self.load_state_dict(state)
                 self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})
-            self.synced, self._ok = True, True
+            if quorum.agreed:
+                self._hold(quorum.round)
+            else:  # provisional: this replica's steps are its own until it meets a holder of the run's state
+                self.synced = False
+                publish_mark(self.store, self.id, None)
+            self._ok = True
             return quorum
+
+    def _hold(self, round_: int) -> None:
+        """This replica holds the agreed state, as of quorum `round_`: say so to the others."""
+        self.synced, self._since = True, round_
+        publish_mark(self.store, self.id, (self.step, self._since))
 
     def _exchange_state(self, quorum: Quorum) -> tuple[dict, str, str] | None:
         """Send the state to the members that need it from this replica; receive it if this one needs it.
@@ -145,8 +201,10 @@ class Manager:
         """
         plan = plan_recovery(quorum)
         if self.id in plan.values():
-            send_state(self.store, quorum.round, self.id, self.state_dict())
+            state = self.state_dict()
+            send_state(self.store, quorum.round, self.id, state)
             self._sent = quorum.round
+            check_loadable(state, self.id)  # after sending: the receivers do not wait for it
         if self.id not in plan:
             return None
         state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
@@ -187,6 +245,8 @@ class Manager:
         self._ok = False
         if committed:
             self.step += 1
+            if self.synced:
+                publish_mark(self.store, self.id, (self.step, self._since))
         else:
             self._leave_group()
         return committed
@@ -207,6 +267,23 @@ class Manager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> None:
+    """ValueError if a live replica already goes by `replica_id`: its heartbeat moves within `heartbeat_timeout` s.
+
+    A replica started again after it died finds its old counter still: that costs it one
+    `heartbeat_timeout` of watching, once.
+    """
+    key = f"heartbeat/{replica_id}"
+    if not store.check([key]):
+        return
+    first, deadline = store.get(key), time.monotonic() + heartbeat_timeout
+    while first != b"-1" and time.monotonic() < deadline:
+        time.sleep(4 * POLL)
+        if store.get(key) != first:
+            raise ValueError(f"replica_id {replica_id!r} is already taken by a live replica (its heartbeat moves): "
+                             f"give each replica its own id, or stop the other first")
 
 
 def _without_traceback(error: BaseException) -> BaseException:

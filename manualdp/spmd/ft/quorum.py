@@ -19,6 +19,25 @@ all; it raises once fewer than `min_replicas` have been alive for `timeout` seco
 The quorum also names the process group (`group_for`): the one its members already share, if
 they all hold the same one and nobody else is in; else a new one, numbered by the round. So
 the group is re-formed only when the membership changes or a step failed.
+
+Whose state is the run's (`agreed`). A member at the highest step is the source of a joiner's
+state (`recovery.plan_recovery`), as in torchft. Max step wins is sound only if no replica can
+train ahead without the others: a replica left alone (a joiner with `min_replicas` 1 beside
+members in a long step) would otherwise count steps of its own, get ahead, and then overwrite
+the members' committed steps. So each replica that holds the agreed state publishes its mark,
+(committed step, round of the last quorum it stepped in), under `held/ID`; the members of the
+newest decided quorum hold (its step, its round) even before they publish it. The rule:
+
+    a quorum is agreed, and its members' steps the run's, only if no live replica outside it
+    holds a mark above every member's; else it is provisional.
+
+A replica that sees a live holder ahead of it waits for it like any live replica that has not
+asked (up to `quorum_timeout`); if it goes on without it, its quorum is provisional: its
+members train, but their state stays not agreed (no mark), and at their first quorum with a
+holder they receive the holder's state, whatever steps they counted. A provisional replica's
+state becomes agreed only once no live replica holds a mark (they died or left). So a quorum
+never makes a replica at a lower committed step of the run the source for replicas that had
+committed more under an earlier quorum, and two quorums never both train on from one state.
 """
 from __future__ import annotations
 
@@ -30,7 +49,7 @@ import torch.distributed as dist
 
 from .heartbeat import Liveness, registered
 
-__all__ = ["Member", "Quorum", "decide", "group_for", "wait_for_quorum", "POLL", "PATIENCE"]
+__all__ = ["Member", "Quorum", "decide", "agreed", "group_for", "wait_for_quorum", "publish_mark", "POLL", "PATIENCE"]
 
 POLL = 0.005  # seconds between two looks at the store while waiting
 PATIENCE = 3  # timeouts a replica waits for a quorum in all: a live one may spend one in a failed allreduce, one voting
@@ -44,14 +63,25 @@ class Member:
     synced: bool                       # its state is the agreed one (it recovered, or was the first quorum's source)
     group: tuple[int, int] | None      # the process group it holds and that group's size; None: none
     min_replicas: int                  # the fewest replicas it will train with
+    since: int = 0                     # the round of the last quorum it stepped in holding the agreed state
+
+    @property
+    def mark(self) -> tuple[int, int] | None:
+        """(step, since) if it holds the agreed state, else None: the higher mark holds more of the run."""
+        return (self.step, self.since) if self.synced else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Quorum:
-    """A round's agreed members (sorted by id: a member's index is its rank in the group) and their group."""
+    """A round's members (sorted by id: a member's index is its rank in the group), their group, and whether agreed.
+
+    `agreed` False: a provisional quorum, formed while a live replica outside it held more of the
+    run (module docstring): its members' state does not become the agreed one.
+    """
     round: int
     members: tuple[Member, ...]
     group: int
+    agreed: bool = True
 
     @property
     def ids(self) -> list[str]:
@@ -59,8 +89,11 @@ class Quorum:
 
     @property
     def step(self) -> int:
-        """The highest step among the members: the step every member takes next, after recovery."""
-        return max(m.step for m in self.members)
+        """The step every member takes next, after recovery: the highest among the holders of the agreed state.
+
+        Without a holder among the members, the highest step among them.
+        """
+        return max((m.step for m in self.members if m.synced), default=max(m.step for m in self.members))
 
     def rank(self, replica_id: str) -> int:
         return self.ids.index(replica_id)
@@ -72,12 +105,12 @@ class Quorum:
     def from_json(cls, text: str | bytes) -> "Quorum":
         raw = json.loads(text)
         members = tuple(_member(m) for m in raw["members"])
-        return cls(raw["round"], members, raw["group"])
+        return cls(raw["round"], members, raw["group"], raw.get("agreed", True))
 
 
 def _member(raw: dict) -> Member:
     group = tuple(raw["group"]) if raw["group"] is not None else None
-    return Member(raw["id"], raw["step"], raw["synced"], group, raw["min_replicas"])
+    return Member(raw["id"], raw["step"], raw["synced"], group, raw["min_replicas"], raw.get("since", 0))
 
 
 def decide(asks: dict[str, Member], live: set[str], waited_enough: bool) -> list[Member] | None:
@@ -93,6 +126,37 @@ def decide(asks: dict[str, Member], live: set[str], waited_enough: bool) -> list
     if live <= set(asks) or waited_enough:
         return members
     return None
+
+
+def agreed(members: list[Member], held: dict[str, tuple[int, int]]) -> bool:
+    """Whether `members` may train on as the run: no replica outside them holds a mark above every member's.
+
+    `held`: the marks of the live replicas that hold the agreed state (members' included or not).
+    """
+    ours = [m.mark for m in members if m.synced]
+    theirs = [mark for rid, mark in held.items() if rid not in {m.id for m in members}]
+    return not theirs or (bool(ours) and max(ours) >= max(theirs))
+
+
+def publish_mark(store: dist.Store, replica_id: str, mark: tuple[int, int] | None) -> None:
+    """Say which agreed state this replica holds (None: none; it is new, or was provisional)."""
+    store.set(f"held/{replica_id}", "" if mark is None else f"{mark[0]} {mark[1]}")
+
+
+def _held(store: dist.Store, live: set[str], round_: int) -> dict[str, tuple[int, int]]:
+    """The marks of the live replicas that hold the agreed state, as published, or as the newest quorum implies."""
+    ids = [r for r in sorted(live) if store.check([f"held/{r}"])]
+    held = {}
+    for rid, value in zip(ids, store.multi_get([f"held/{r}" for r in ids]) if ids else []):
+        if value:
+            step, since = value.decode().split()
+            held[rid] = (int(step), int(since))
+    newest = _decided(store, round_ - 1) if round_ > 1 else None
+    if newest is not None and newest.agreed:  # its holders at its step may not have published their new mark yet
+        for m in newest.members:
+            if m.id in live and m.synced and m.step == newest.step:
+                held[m.id] = max(held.get(m.id, (-1, -1)), (newest.step, newest.round))
+    return held
 
 
 def group_for(members: list[Member], round_: int) -> int:
@@ -146,7 +210,8 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         live = liveness.live(registered(store)) | {me.id}
         members = decide(asks, live, time.monotonic() - asked >= quorum_timeout)
         if members is not None:
-            proposal = Quorum(round_, tuple(members), group_for(members, round_))
+            proposal = Quorum(round_, tuple(members), group_for(members, round_),
+                              agreed(members, _held(store, live, round_)))
             if store.compare_set(f"round/{round_}/quorum", "", proposal.to_json()) == proposal.to_json().encode():
                 store.set("latest", str(round_))  # a hint for replicas that join later: rounds up to here are decided
             continue

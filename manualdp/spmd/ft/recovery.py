@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import re
 import time
 
 import torch
@@ -23,15 +24,19 @@ import torch.distributed as dist
 
 from .quorum import POLL, Quorum
 
-__all__ = ["plan_recovery", "send_state", "forget_state", "receive_state", "RecoveryError"]
+__all__ = ["plan_recovery", "check_loadable", "send_state", "forget_state", "receive_state", "RecoveryError"]
 
 
 class RecoveryError(RuntimeError):
-    """The state did not come within the deadline, or came damaged (its checksum differs)."""
+    """The state did not come within the deadline, came damaged (its checksum differs), or cannot be loaded."""
 
 
 def plan_recovery(quorum: Quorum) -> dict[str, str]:
-    """receiver id -> source id, for every member of `quorum` that must receive the state before its step."""
+    """receiver id -> source id, for every member of `quorum` that must receive the state before its step.
+
+    The top step is the highest among the holders of the agreed state (`quorum.step`): a member
+    that counted more steps without holding it (a provisional quorum's, `quorum.py`) receives.
+    """
     top = quorum.step
     sources = [m.id for m in quorum.members if m.step == top and m.synced]
     if not sources:  # nobody holds an agreed state yet: the first at the top step defines it
@@ -44,11 +49,42 @@ def _key(round_: int, source: str) -> str:
     return f"state/{round_}/{source}"
 
 
+def check_loadable(state: dict, source: str) -> None:
+    """RecoveryError (its `final` True: sending again will not help) naming each entry torch.load(weights_only=True)
+    refuses: on the source, where the name of the user's registered state is known."""
+    bad = [name for name, value in state.items() if _refused(value)]
+    if bad:
+        error = RecoveryError(f"replica {source!r} cannot send its state: {', '.join(map(repr, bad))} holds what "
+                              f"torch.load(weights_only=True) refuses ({_refused(state[bad[0]])}); register states "
+                              f"of tensors, numbers, strings, lists and dicts")
+        error.final = True
+        raise error
+
+
+def _save(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _refused(value) -> str | None:
+    """Why torch.load(weights_only=True) refuses `value` saved, in a few words; None if it loads."""
+    try:
+        torch.load(io.BytesIO(_save(value)), weights_only=True)
+        return None
+    except Exception as e:  # noqa: BLE001 - whatever the unpickler refuses
+        return _why(e)
+
+
+def _why(error: Exception) -> str:
+    """torch.load's refusal in a few words (its own message runs to a dozen lines)."""
+    found = re.search(r"Unsupported global: GLOBAL \S+", str(error))
+    return found.group(0) if found else type(error).__name__
+
+
 def send_state(store: dist.Store, round_: int, source: str, state: dict) -> str:
     """Write `state` for the receivers of `round_`; return its SHA-256 (hex)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    blob = buffer.getvalue()
+    blob = _save(state)
     digest = hashlib.sha256(blob).hexdigest()
     store.set(_key(round_, source), blob)
     store.set(_key(round_, source) + "/sha256", digest)  # written last: the blob is whole once this is there
@@ -75,4 +111,8 @@ def receive_state(store: dist.Store, round_: int, source: str, timeout: float) -
     if digest != expected:
         raise RecoveryError(f"the state of replica {source!r} (round {round_}) arrived damaged: "
                             f"sha256 {digest[:12]}..., sent as {expected[:12]}...")
-    return torch.load(io.BytesIO(blob), weights_only=True), digest
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=True), digest
+    except Exception as e:  # noqa: BLE001 - the source names the entry (`check_loadable`)
+        raise RecoveryError(f"the state of replica {source!r} (round {round_}) cannot be loaded with "
+                            f"weights_only=True: {_why(e)}") from None
