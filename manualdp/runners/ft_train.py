@@ -111,7 +111,8 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     else:
         ft = DiLoCo(net, inner, manager, sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum)
     run = _Run(train_iter, num_epochs, summed_loss(loss_fn), sync_every if sync != "ddp" else None)
-    manager.require_same(num_epochs=num_epochs, batch_size=getattr(train_iter, "batch_size", None), **(settings or {}))
+    manager.require_same(**{"num_epochs": num_epochs, "batch_size": getattr(train_iter, "batch_size", None),
+                            **(settings or {})})
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     bar = _progress(run.total, progress, manager.id)
     members = None

@@ -165,7 +165,7 @@ class Manager:
                     self._leave_group()
                     form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
                     self._group = (quorum.group, len(quorum.members))
-                    agree("the replicas' settings", self._settings, timeout=self.timeout, shown={"replica": self.id},
+                    agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
                           hint="every replica must be started with the same settings")
             except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
                 if getattr(e, "final", False):  # a state that cannot be loaded: no fault to ride out
