@@ -52,7 +52,7 @@ def test_bytes_sent_are_counted_by_the_executor_and_equal_the_formula_summed_ove
         for r in rows:  # the TCP sockets sent at least what the executor counted
             assert (r["wire_bytes"] is None) == (shutil.which("ss") is None)
             assert r["wire_bytes"] is None or r["wire_bytes"] >= r["sent_bytes"]
-    assert [r["other_bytes"] for r in _rows(result, "manualdp ZeRO-2")] == [4 * (tensors + 2)] * N  # int32 used flags
+    assert [r["other_bytes"] for r in _rows(result, "manualdp ZeRO-2")] == [4 * (tensors + 4)] * N  # int32: used flags, 4 step flags
     assert all(r["sent_bytes"] is None for r in result["rows"] if r["row"].startswith("torch"))
     sent = [t for t in result["targets"] if t["name"].startswith("sent")]
     assert len(sent) == 4 and all(t["holds"] for t in sent)

@@ -180,7 +180,8 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         r.may_rebuild = _outside_join(self)  # under Join, torch keeps the first buckets
         self.graph.logged = self.errors
         r.use([self.calls,  # the step's call check: queued as backward starts, waited for before each bucket
-               *([Desync(r, self.world_size, self.uneven.is_joined, self.calls)] if self.debug else []),  # each bucket compared
+               # debug mode: each bucket compared
+               *([Desync(r, self.world_size, self.uneven.is_joined, self.calls)] if self.debug else []),
                self.buffer_sync,  # a buffer comm hook's futures, waited for at the end of backward
                self.graph])  # unused parameters and static graph, checked at the end of backward
 

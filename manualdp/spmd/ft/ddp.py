@@ -96,7 +96,7 @@ def check_wrapped(module: nn.Module, optimizer: torch.optim.Optimizer, manager: 
 
 
 def optimizer_settings(optimizer: torch.optim.Optimizer) -> dict:
-    """The optimizer's class and each group's hyperparameters (lr, momentum, ...) now: what replicas must share."""
+    """The optimizer's class and each group's hyperparameters (lr, momentum, ...): what replicas must share."""
     groups = getattr(optimizer, "param_groups", [])
     out = {"optimizer": type(optimizer).__name__}
     for i, group in enumerate(groups):
