@@ -17,6 +17,27 @@ DEFAULT_LR = {"lenet": 0.2, "mlp": 0.2, "resnet18": 0.05}
 DEFAULT_EPOCHS = {"synthetic": 4, "fashion-mnist": 10}
 
 
+def _load(args):
+    """What `train` and a fault-tolerant replica both start from: (lr, train_iter, test_iter, epochs, model), torch
+    seeded with --seed; None, after one line on stderr, where the data set cannot be loaded."""
+    import torch
+
+    from ..support import data, models
+
+    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
+    torch.manual_seed(args.seed)
+    try:
+        train_iter, test_iter = data.load_data(args.dataset, args.batch_size, data_dir=args.data_dir,
+                                               seed=args.seed, download=args.download,
+                                               num_train=args.num_train, num_test=args.num_test)
+    except (OSError, RuntimeError, ValueError) as e:
+        hint = " (or pass --download)" if isinstance(e, FileNotFoundError) and not args.download else ""
+        _error(f"{e}{hint}")
+        return None
+    epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
+    return lr, train_iter, test_iter, epochs, models.get_model(args.model)
+
+
 def _error(message: str) -> None:
     """One line on stderr, in one write: ranks under torchrun share the stream, and `print`'s
     separate newline let two ranks' lines run into one."""
@@ -465,23 +486,14 @@ def run_train(args) -> int:
 
     from ..devices import cpu_devices, try_all_gpus
     from ..guard import NonFiniteGradientError
-    from ..support import data, models
     from .loop import train
 
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(cpu_threads(args.threads, world_size))
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
-    torch.manual_seed(args.seed)
-    try:
-        train_iter, test_iter = data.load_data(args.dataset, args.batch_size, data_dir=args.data_dir,
-                                               seed=args.seed, download=args.download,
-                                               num_train=args.num_train, num_test=args.num_test)
-    except (OSError, RuntimeError, ValueError) as e:
-        hint = " (or pass --download)" if isinstance(e, FileNotFoundError) and not args.download else ""
-        _error(f"{e}{hint}")
+    loaded = _load(args)
+    if loaded is None:
         return 2
-    epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
-    net = models.get_model(args.model)
+    lr, train_iter, test_iter, epochs, net = loaded
     progress = not args.no_progress
     default = "raise" if world_size == 1 else "auto"
     nonfinite = {"off": None, None: default}.get(args.nonfinite, args.nonfinite)
@@ -536,22 +548,13 @@ def run_replica(args) -> int:
     import torch
 
     from ..spmd.ft import Manager
-    from ..support import data, models
     from .ft_train import train_replica
 
     torch.set_num_threads(cpu_threads(args.threads, 1))
-    lr = args.lr if args.lr is not None else DEFAULT_LR[args.model]
-    torch.manual_seed(args.seed)
-    try:
-        train_iter, test_iter = data.load_data(args.dataset, args.batch_size, data_dir=args.data_dir,
-                                               seed=args.seed, download=args.download,
-                                               num_train=args.num_train, num_test=args.num_test)
-    except (OSError, RuntimeError, ValueError) as e:
-        hint = " (or pass --download)" if isinstance(e, FileNotFoundError) and not args.download else ""
-        _error(f"{e}{hint}")
+    loaded = _load(args)
+    if loaded is None:
         return 2
-    epochs = args.epochs if args.epochs is not None else DEFAULT_EPOCHS[args.dataset]
-    net = models.get_model(args.model)
+    lr, train_iter, test_iter, epochs, net = loaded
     host, port = args.fault_tolerant
     timeout = args.timeout if args.timeout is not None else 60.0
     try:
