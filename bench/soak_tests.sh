@@ -7,7 +7,8 @@
 # and scripts that end without tearing their group down.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python -m pytest -q bench/test_adversary_fsdp.py bench/test_adversary_35.py bench/test_ft_kill.py \
+exec python -m pytest -q bench/test_adversary_fsdp.py bench/test_adversary_35.py bench/test_adversary_35b.py \
+    bench/test_ft_kill.py \
     bench/test_ft_stop.py bench/test_ft_quorum.py bench/test_ft_local_sgd.py bench/test_ft_cli.py \
     bench/test_ft_faults.py bench/test_ft_group.py bench/test_ft_sync_accuracy.py \
     bench/test_check_answers.py bench/test_book_twice.py \

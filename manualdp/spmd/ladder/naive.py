@@ -29,7 +29,10 @@ Two more rules make every rung train as torch's DDP does with its defaults:
   its own way, at no extra message where it can (`unused_everywhere`);
 - before each forward pass with grad enabled, rank 0's buffers (BatchNorm's running statistics)
   are copied to every rank, as torch's DDP does with `broadcast_buffers=True`, its default, by
-  the one helper its drop-in uses too (`transport.agree.broadcast_from_rank0`).
+  the one helper its drop-in uses too (`transport.agree.broadcast_from_rank0`). The step check's
+  header goes first (`check_buffers`), so that a rank that runs one forward pass more raises
+  naming the step, as a skipped backward does. Unlike torch's DDP, a forward pass with no grad
+  copies nothing: one rank may evaluate alone (torch's would wait for the others forever).
 """
 from __future__ import annotations
 
@@ -151,9 +154,10 @@ class NaiveDDP(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
-        if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
-            broadcast_from_rank0(self.synced_buffers, self.group, self.timeout)
         self.steps += 1
+        if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
+            self.check_buffers()
+            broadcast_from_rank0(self.synced_buffers, self.group, self.timeout)
         out = self.module(*args, **kwargs)
         _keep_alive(out, self)
         return out
@@ -171,6 +175,19 @@ class NaiveDDP(nn.Module):
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
         return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
                          numel=sum(p.numel() for p in self.params), step=self.steps, flag=flag)
+
+    def check_buffers(self) -> None:
+        """Before a forward pass's buffer copy: every rank is at the same forward pass, or every rank raises.
+
+        The step check's header (`check_step`), for a broadcast: a rank that runs one forward pass
+        more (with grad enabled, no backward) would otherwise pair its copy with the peers' step
+        check, and both would wait for an answer that never comes.
+        """
+        if self.world_size == 1:
+            return
+        timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
+        same_call(self.state, self.synced_buffers[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
+                  numel=sum(b.numel() for b in self.synced_buffers), step=self.steps, collective="broadcast")
 
     def take_reached(self) -> list[bool]:
         """Whose hook this backward pass fired on this rank, in `params` order; forgotten for the next pass."""

@@ -7,7 +7,9 @@ clear error on every rank, never in a gloo abort, a hang or a wrong number.
 - a layer used on the last rank only: every rung averages it, the others counting zero
   (before: rung 3 made gloo abort);
 - a rank that skips a backward pass, or runs one more: every rank raises naming the step
-  (before: the skipping rank returned normally with gradients of two steps mixed);
+  (before: the skipping rank returned normally with gradients of two steps mixed); also with
+  BatchNorm, whose buffers every training forward copies from rank 0 (before: the copy paired
+  with the peers' step check, and every rank waited out its timeout);
 - a rung over a rung, or two rungs over one module: refused at construction in one line
   (before: no error, gradients averaged twice).
 One launch per world size runs every case; the assertions run here, in the parent.
@@ -38,6 +40,17 @@ class Pair(nn.Module):
         first, second = (self.b, self.a) if self.swap else (self.a, self.b)
         y = second(torch.tanh(first(x)))
         return self.c(y) if self.extra else y
+
+
+class PairNorm(Pair):
+    """`Pair` with a BatchNorm after it: buffers that each forward pass with grad copies from rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.norm(super().forward(x))
 
 
 def _grads(model):
@@ -79,6 +92,7 @@ def _job():
         # one rank skips a backward pass, or runs one more: every rank raises
         _try(out, f"{name} skip", lambda: _steps(make(Pair(), timeout=20), x, skip=1 if last else None))
         _try(out, f"{name} one more", lambda: _steps(make(Pair(), timeout=20), x, again=1 if last else None))
+        _try(out, f"{name} skip, buffers", lambda: _steps(make(PairNorm(), timeout=20), x, skip=1 if last else None))
         # a rung over a rung, two rungs over one module
         inner = make(Pair(), timeout=20)
         _try(out, f"{name} over a rung", lambda: make(inner, timeout=20) and None)
@@ -151,6 +165,9 @@ def test_a_rank_that_skips_a_backward_or_runs_one_more_raises_on_every_rank(n, r
         ["2"] * (n - 1) + ["3"]) + ")")
     _raised(res, f"{rung} one more", "called differently across ranks", "step 2..3 (per rank: " + ", ".join(
         ["3"] * (n - 1) + ["2"]) + ")")
+    # the skipping rank's next forward copies buffers while the others check their backward pass's step
+    _raised(res, f"{rung} skip, buffers", "called differently across ranks", "step 2..3 (per rank: " + ", ".join(
+        ["2"] * (n - 1) + ["3"]) + ")")
 
 
 @pytest.mark.parametrize("n", [2, 3])
