@@ -530,17 +530,7 @@ def run_train(args) -> int:
     print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
           f"test acc {history.test_acc[-1]:.3f}")
     print(f"test acc: {history.test_acc[-1]:.2f}, {seconds:.1f} sec/epoch on {where}")
-    failed = 0
-    for option, path, write in (("--json", args.json, history.to_json), ("--plot", args.plot, history.plot)):
-        if path is None:
-            continue
-        try:
-            write(path)
-            print(f"wrote {path}")
-        except OSError as e:  # the disk filled or went read-only while training
-            _error(f"{option}: cannot write {path}: {_one_line(e)}")
-            failed = 1
-    return failed
+    return _write_outputs(args, history)
 
 
 def run_replica(args) -> int:
@@ -589,6 +579,11 @@ def run_replica(args) -> int:
     print(f"replica {args.replica_id}: {sum(r['committed'] for r in ft['steps'])} {unit} committed, "
           f"{sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) received; "
           f"parameters sha256 {ft['parameters_sha256'][:16]}")
+    return _write_outputs(args, history)
+
+
+def _write_outputs(args, history) -> int:
+    """Write `--json` and `--plot` where asked; 1 if one could not be written (told in one line), else 0."""
     failed = 0
     for option, path, write in (("--json", args.json, history.to_json), ("--plot", args.plot, history.plot)):
         if path is None:
@@ -596,7 +591,7 @@ def run_replica(args) -> int:
         try:
             write(path)
             print(f"wrote {path}")
-        except OSError as e:
+        except OSError as e:  # the disk filled or went read-only while training
             _error(f"{option}: cannot write {path}: {_one_line(e)}")
             failed = 1
     return failed
