@@ -191,7 +191,7 @@ WRONG_MATHS, SIZES, TYPES, CHEAT, HOSTILE, RIGHT = ("plausible wrong maths", "ri
                                                     "hostile (hangs, exits, prints, writes files)",
                                                     "right but different")
 CALL_COST = r"cost\(schedule, nbytes=\d+, alpha=\S+, beta=\S+, gamma=\S+\) for .*"
-NUMBERS = r"expected (?P<want>\S+) s \(manualdp.cost.cost\), got (?!(?P=want) s)\S+ s"  # two numbers that read differently
+NUMBERS = r"expected (?P<want>\S+) s \(manualdp.cost.cost\), got (?!(?P=want) s)\S+ s"  # numbers that read apart
 CALL_ZERO1 = (r"zero1_step\(params, grads, momenta, lr=\S+, momentum=\S+\) on \d devices?, \d+ parameters?, "
               r"step \d of \d(: grads .*?)?")
 CALL_DILOCO = r"outer_step\(theta, replicas, momentum, lr=\S+, mu=\S+\) on \d replica\(s\) of shape \(.*\)"
@@ -317,7 +317,8 @@ def fp16_compress_hook(process_group, bucket):   # gathers every rank's float16 
     "zero1_float32_buffer": ("zero1", WRONG_MATHS, zero1(
         update="momenta[i].copy_((momentum * momenta[i].float() + summed[i].float()).double())\n"
                "        chunk(params[i], i, n).add_(momenta[i], alpha=-lr)"),
-        CALL_ZERO1 + r".*: expected device \d's momentum buffer, .*, to be (?P<want>\[[^\]]*\]), got (?!(?P=want))", []),
+        CALL_ZERO1 + r".*: expected device \d's momentum buffer, .*, to be (?P<want>\[[^\]]*\]), got "
+                     r"(?!(?P=want))", []),
     "zero1_torch_chunk": ("zero1", SIZES, '''
 import torch
 
