@@ -1,7 +1,13 @@
 """Run a student's file in a child process that cannot hang, fool or outlive the grader.
 
 The child (`sandbox_child`) is a fresh interpreter in a session of its own, in a temporary folder
-of its own, with capped memory. The grader keeps the inputs, the expected values and the verdict;
+of its own, with capped memory, under an init of its own that tells the grader how it ended. Where
+`unshare` can, it runs in user and pid namespaces of its own: it sees and signals its own processes
+only, so that an answer that kills or stops its parent, or its process group, never reaches the
+grader. Elsewhere (no `unshare`, user namespaces disabled, or MANUALDP_NAMESPACES=0) such an answer
+kills or stops the init, not the grader, and the child dies with the grader; but an answer that
+looks the grader's pid up (in /proc) can still kill or stop it, and `os.kill(-1, ...)` reaches every
+process of the user. The grader keeps the inputs, the expected values and the verdict;
 it sends the child inputs only, and reads back what the child's function left in them and
 returned, loaded with `weights_only=True` (tensors and plain values: nothing that runs code here).
 Every call has a deadline. A call that does not return in time, or a child that dies, raises
@@ -10,8 +16,11 @@ a new child.
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import io
 import os
+import re
 import select
 import shutil
 import signal
@@ -21,10 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 __all__ = ["Stopped", "Raised", "Opaque", "Child"]
 
 STARTUP = 120.0  # seconds for a fresh interpreter to import torch on a busy machine
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]  # namespaces of its own
+ENDED = "manualdp-sandbox-ended"  # the init's last line on stderr: ENDED, the child's returncode (as Popen's)
+PR_SET_PDEATHSIG = 1
 
 
 class Stopped(BaseException):
@@ -73,6 +86,28 @@ def _restore(obj):
     return obj
 
 
+def die_with_parent() -> Callable[[], object]:
+    """A function that has the kernel SIGKILL the process that calls it when that process's parent ends (Linux's
+    PR_SET_PDEATHSIG; elsewhere it does nothing): taken before a fork, so that the forked process only calls it."""
+    try:
+        return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        return lambda: None
+
+
+@functools.cache
+def namespaces() -> bool:
+    """Whether children run in namespaces of their own (`UNSHARE`): where it works, tried once per process, and
+    MANUALDP_NAMESPACES is not 0."""
+    if os.environ.get("MANUALDP_NAMESPACES") == "0":
+        return False
+    try:
+        return subprocess.run([*UNSHARE, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
 def _signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
@@ -103,11 +138,13 @@ class Child:
         if self.folder is None:  # a restarted child keeps its folder, and what the last one wrote there
             self.folder = tempfile.mkdtemp(prefix="manualdp-check-")
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+        command = [sys.executable, "-m", "manualdp.runners.sandbox_child", str(self.memory_mb << 20)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "manualdp.runners.sandbox_child", str(self.memory_mb << 20)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=self.folder, env=env,
-            start_new_session=True, close_fds=True)
+            [*UNSHARE, *command] if namespaces() else command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, cwd=self.folder, env=env, start_new_session=True, close_fds=True,
+            preexec_fn=die_with_parent())  # killed when the thread that started it ends
         os.set_blocking(self.proc.stdin.fileno(), False)
+        os.set_blocking(self.proc.stderr.fileno(), False)
         self._recv(max(STARTUP, self.timeout), "starting Python and importing torch")
         self._send({"op": "load", "path": self.path, "names": self.names}, self.timeout, "importing the file")
         return self._recv(self.timeout, "importing the file")
@@ -128,7 +165,7 @@ class Child:
     def _end_process(self) -> None:
         if self.proc is not None:
             _kill_session(self.proc.pid)
-            for f in (self.proc.stdin, self.proc.stdout):
+            for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 try:
                     f.close()
                 except OSError:
@@ -221,12 +258,12 @@ class Child:
     def _stop(self, timeout: float, doing: str) -> None:
         """The child did not answer: say why (ran out of time, stopped, exited, killed), kill it, raise Stopped."""
         pid = self.proc.pid
-        state = _state(pid)
-        code = _exit_status(pid, 0.5)
+        stopped = "T" in {_state(p) for p in [pid, *_session(pid)]}  # the file runs under its init (and unshare)
+        code = self._ended(0.5)
         total = time.monotonic() >= self.deadline - 0.01
         printed = self._printed()
         self.close()
-        if code is None and state == "T":
+        if code is None and stopped:
             why = "stopped (SIGSTOP?): it never answered"
         elif code is None:
             why = (f"did not return within the {timeout:g} s it may take" if not total else
@@ -240,6 +277,19 @@ class Child:
             why = (f"ended the process (exit status {code}) instead of returning: does it call sys.exit, os._exit "
                    "or exit()? The grader calls your function; it must return")
         raise Stopped(f"{why}{f' (while {doing})' if doing else ''}{printed}")
+
+    def _ended(self, wait: float) -> int | None:
+        """How the child that ran the file ended (as Popen's returncode), as its init told on stderr, else as the
+        process started here ended; None if that still runs after `wait` seconds."""
+        code = _exit_status(self.proc.pid, wait)
+        if code is None:
+            return None
+        try:
+            told = self.proc.stderr.read(1 << 20) or b""  # the init and unshare have ended: no more is coming
+        except OSError:
+            told = b""
+        codes = re.findall(rf"^{ENDED} (-?\d+)$", told.decode(errors="replace"), re.M)
+        return int(codes[-1]) if codes else code
 
     def _printed(self) -> str:
         """The last line the child printed, if any: often the reason it died."""

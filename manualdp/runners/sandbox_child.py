@@ -2,13 +2,15 @@
 
     python -m manualdp.runners.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
 
-It caps its own memory and file sizes, sends what the file prints to `output.txt` in its working
-folder (a temporary one of its own), then answers the grader's requests on its stdin and stdout,
-one frame each: `load` a file, `call` its function on the inputs sent, run one of the grader's `job`s
-(`jobs.JOBS`) with the file's functions (a training run that saves and resumes), or start 2 `ranks` that run a
-job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it
-sends back the inputs and the output as they are after the call, in one `torch.save`, so that the
-grader sees which tensors share memory, and judges them itself.
+It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how
+it ended (in `sandbox.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the
+student's `os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child
+caps its own memory and file sizes, sends what the file prints to `output.txt` in its working folder (a temporary
+one of its own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a file, `call`
+its function on the inputs sent, run one of the grader's `job`s (`jobs.JOBS`) with the file's functions (a training
+run that saves and resumes), or start 2 `ranks` that run a job of the grader's with the file (train its DDP,
+register its comm hook). It judges nothing: it sends back the inputs and the output as they are after the call, in
+one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
 """
 from __future__ import annotations
 
@@ -16,12 +18,40 @@ import importlib.util
 import io
 import os
 import resource
+import signal
 import struct
 import sys
 import traceback
 
+from .sandbox import ENDED, die_with_parent
+
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each of the 2 ranks runs, given the file's path and name
+
+
+def _init() -> None:
+    """Fork; return in the child, which answers the grader. The parent is its init: it reaps every process that
+    ends under it, writes `ENDED` and how the child ended to stderr, and exits."""
+    parent, kill_me = os.getpid(), die_with_parent()
+    child = os.fork()
+    if child == 0:
+        kill_me()
+        if os.getppid() != parent:  # the init ended before the line above
+            os._exit(1)
+        return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # no handler: as a namespace's PID 1, nothing inside can end it
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)  # the grader's pipes are the child's alone, so that they close when it ends
+    os.dup2(null, 1)
+    while True:
+        pid, status = os.wait()
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            try:
+                os.write(2, f"\n{ENDED} {code}\n".encode())
+            except OSError:
+                pass
+            os._exit(code if code >= 0 else 128 - code)
 
 
 def _frames(fd_in: int, fd_out: int):
@@ -119,6 +149,7 @@ def _load(path: str, names: list[str]) -> dict:
 
 def main() -> None:
     memory = int(sys.argv[1])
+    _init()
     fd_in, fd_out = os.dup(0), os.dup(1)  # the grader's pipes, kept apart from what the student prints
     log = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 1)

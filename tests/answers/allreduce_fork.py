@@ -9,7 +9,7 @@ def _fork_sleeper(leave_group):
         if leave_group:
             os.setsid()
         with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids.txt"), "a") as f:
-            f.write(f"{os.getpid()}\n")
+            f.write(f"{os.readlink('/proc/self')}\n")  # its pid as /proc names it, in a pid namespace too
         while True:
             time.sleep(1)
 
