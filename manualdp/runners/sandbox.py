@@ -1,18 +1,16 @@
 """Run a student's file in a child process that cannot hang, fool or outlive the grader.
 
-The child (`sandbox_child`) is a fresh interpreter in a session of its own, in a temporary folder
-of its own, with capped memory, under an init of its own that tells the grader how it ended. Where
-`unshare` can, it runs in user and pid namespaces of its own: it sees and signals its own processes
-only, so that an answer that kills or stops its parent, or its process group, never reaches the
-grader. Elsewhere (no `unshare`, user namespaces disabled, or MANUALDP_NAMESPACES=0) such an answer
-kills or stops the init, not the grader, and the child dies with the grader; but an answer that
-looks the grader's pid up (in /proc) can still kill or stop it, and `os.kill(-1, ...)` reaches every
-process of the user. The grader keeps the inputs, the expected values and the verdict;
-it sends the child inputs only, and reads back what the child's function left in them and
-returned, loaded with `weights_only=True` (tensors and plain values: nothing that runs code here).
-Every call has a deadline. A call that does not return in time, or a child that dies, raises
-`Stopped` naming what happened; then the child's whole session is killed, and a later call starts
-a new child.
+The child (`sandbox_child`) is a fresh interpreter in a session of its own, in a temporary folder of its own (its
+TMPDIR too, so that what it leaves there goes with the folder), with capped memory, under an init of its own that
+tells the grader how it ended. Where `unshare` can, it runs in user and pid namespaces of its own: it sees and
+signals its own processes only, so that an answer that kills or stops its parent, or its process group, never
+reaches the grader. Elsewhere (no `unshare`, user namespaces disabled, or MANUALDP_NAMESPACES=0) such an answer
+kills or stops the init, not the grader, and the child dies with the grader; but an answer that looks the grader's
+pid up (in /proc) can still kill or stop it, and `os.kill(-1, ...)` reaches every process of the user. The grader
+keeps the inputs, the expected values and the verdict; it sends the child inputs only, and reads back what the
+child's function left in them and returned, loaded with `weights_only=True` (tensors and plain values: nothing that
+runs code here). Every call has a deadline. A call that does not return in time, or a child that dies, raises
+`Stopped` naming what happened; then the child's whole session is killed, and a later call starts a new child.
 """
 from __future__ import annotations
 
@@ -37,6 +35,7 @@ __all__ = ["Stopped", "Raised", "Opaque", "Child"]
 STARTUP = 120.0  # seconds for a fresh interpreter to import torch on a busy machine
 UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]  # namespaces of its own
 ENDED = "manualdp-sandbox-ended"  # the init's last line on stderr: ENDED, the child's returncode (as Popen's)
+SOCKETS = 70  # the longest TMPDIR for multiprocessing's sockets (TMPDIR/pymp-*/listener-*: 32 more, in 104 bytes)
 PR_SET_PDEATHSIG = 1
 
 
@@ -130,14 +129,23 @@ class Child:
         self.timeout, self.deadline, self.memory_mb = timeout, deadline, memory_mb
         self.proc: subprocess.Popen | None = None
         self.folder: str | None = None
+        self.tmp: str | None = None  # the child's TMPDIR
 
     # ------------------------------------------------------------ the child's life
 
     def start(self) -> dict:
         """Start a child and load the file in it: its answer to `load` (`ok`, `missing`, `import_raised`...)."""
-        if self.folder is None:  # a restarted child keeps its folder, and what the last one wrote there
+        if self.folder is None:  # a restarted child keeps its folders, and what the last one wrote there
             self.folder = tempfile.mkdtemp(prefix="manualdp-check-")
-        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1")
+            self.tmp = os.path.join(self.folder, "tmp")  # its temporary files, removed with it
+            if len(self.tmp) > SOCKETS and os.access("/tmp", os.W_OK):  # too long for the sockets of multiprocessing
+                self.tmp = tempfile.mkdtemp(prefix="manualdp-tmp-", dir="/tmp")
+        try:
+            os.makedirs(self.tmp, exist_ok=True)
+        except OSError:  # the last child put something else there: its own doing
+            pass
+        env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TMPDIR=self.tmp, TMP=self.tmp,
+                   TEMP=self.tmp)
         command = [sys.executable, "-m", "manualdp.runners.sandbox_child", str(self.memory_mb << 20)]
         self.proc = subprocess.Popen(
             [*UNSHARE, *command] if namespaces() else command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -159,8 +167,9 @@ class Child:
         """Kill the child and everything it started, and remove its folder."""
         self._end_process()
         if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+            _remove(self.folder)
+            _remove(self.tmp)
+            self.folder = self.tmp = None
 
     def _end_process(self) -> None:
         if self.proc is not None:
@@ -304,6 +313,26 @@ class Child:
         except (OSError, TypeError):
             return ""
         return f". Its last printed line: {lines[-1][:200]!r}" if lines else ""
+
+
+def _remove(folder: str) -> None:
+    """Remove `folder`, also where the child made folders in it read-only (which a user other than root cannot
+    empty): each folder in it is given u+rwx first. The child and everything it started are dead by now, so that
+    nothing swaps a folder for a link between `lstat` and `chmod`."""
+    shutil.rmtree(folder, ignore_errors=True)
+    if not os.path.lexists(folder):
+        return
+    todo = [folder]
+    while todo:
+        path = todo.pop()
+        try:
+            mode = os.lstat(path).st_mode
+            if stat.S_ISDIR(mode):
+                os.chmod(path, mode | stat.S_IRWXU)
+                todo.extend(e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
+        except OSError:
+            continue
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _exit_status(pid: int, wait: float) -> int | None:
