@@ -102,6 +102,8 @@ def _plain(obj, depth: int = 0):
         return obj
     if obj is None or type(obj) in (bool, int, float, str, torch.device, torch.dtype):
         return obj
+    if depth < 6 and _numpy_number(obj):  # np.float64(0.5), np.int64(3), np.array(2.0): the number it holds
+        return _plain(obj.item(), depth + 1)
     if depth < 6 and isinstance(obj, Schedule):
         return {"__schedule__": [obj.num_devices, obj.num_chunks, _plain(obj.rounds, depth + 1)]}
     if depth < 6 and type(obj) is dict and len(obj) <= 10_000 and all(type(k) is str for k in obj):
@@ -114,6 +116,14 @@ def _plain(obj, depth: int = 0):
     except BaseException:  # noqa: BLE001 (a repr that raises)
         text = f"<{type(obj).__name__}>"
     return {"__object__": text}
+
+
+def _numpy_number(obj) -> bool:
+    """Whether `obj` is a numpy bool, integer or real number, or a 0-dim array of one (which numpy's own arithmetic
+    makes of scalars): numpy is imported already where it is one."""
+    np = sys.modules.get("numpy")
+    return (np is not None and isinstance(obj, (np.generic, np.ndarray)) and type(obj).__module__ == "numpy"
+            and obj.ndim == 0 and obj.dtype.kind in "biuf")
 
 
 def _raised(e: BaseException, path: str) -> dict:
