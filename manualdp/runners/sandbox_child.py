@@ -2,18 +2,20 @@
 
     python -m manualdp.runners.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
 
-It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how
-it ended (in `sandbox.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the
-student's `os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child
-caps its own memory and file sizes, sends what the file prints to `output.txt` in its working folder (a temporary
-one of its own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a file, `call`
-its function on the inputs sent, run one of the grader's `job`s (`jobs.JOBS`) with the file's functions (a training
-run that saves and resumes), or start 2 `ranks` that run a job of the grader's with the file (train its DDP,
-register its comm hook). It judges nothing: it sends back the inputs and the output as they are after the call, in
-one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
+It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how it ended
+(in `sandbox.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the student's
+`os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child caps its own
+memory and file sizes, sends what the file prints to `output.txt` in its working folder (a temporary one of its
+own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a file (and tell, for each
+name, the file its code was defined in and its module), `call` its function on the inputs sent, run one of the
+grader's `job`s (`jobs.JOBS`) with the file's functions (a training run that saves and resumes), or start 2 `ranks`
+that run a job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it sends
+back the inputs and the output as they are after the call, in one `torch.save`, so that the grader sees which
+tensors share memory, and judges them itself.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import io
 import os
@@ -22,6 +24,7 @@ import signal
 import struct
 import sys
 import traceback
+import types
 
 from .sandbox import ENDED, die_with_parent
 
@@ -154,7 +157,29 @@ def _load(path: str, names: list[str]) -> dict:
     missing = [name for name in names if not hasattr(module, name)]
     if missing:
         return {"missing": missing[0]}
-    return {"ok": True, "fns": [getattr(module, name) for name in names]}
+    fns = [getattr(module, name) for name in names]
+    origins = [_origin(fn) for fn in fns]
+    return {"ok": True, "fns": fns, "defined_in": {name: file for name, (file, _) in zip(names, origins)},
+            "module": {name: module for name, (_, module) in zip(names, origins)}}
+
+
+def _origin(fn) -> tuple[str | None, str | None]:
+    """The file that `fn`'s code was defined in (that of the function it wraps, for `functools.cache`'s, `wraps`'s
+    or a `partial`) and its `__module__`: so that the grader can tell the library's own function taken for an answer.
+    Each None where there is none (a class, a builtin) or it is not a string."""
+    try:
+        code = getattr(fn, "__code__", None)
+        inner = fn
+        for _ in range(10):
+            if isinstance(code, types.CodeType):
+                break
+            inner = inner.func if isinstance(inner, functools.partial) else getattr(inner, "__wrapped__", None)
+            code = getattr(inner, "__code__", None)
+        file = code.co_filename if isinstance(code, types.CodeType) else None
+        module = getattr(fn, "__module__", None)
+    except BaseException:  # noqa: BLE001 (an attribute of the student's that raises)
+        return None, None
+    return (file if type(file) is str else None), (module if type(module) is str else None)
 
 
 def main() -> None:
