@@ -8,10 +8,10 @@ It forks at once: the parent stays as the child's init, which reaps it and tells
 memory and file sizes, sends what the file prints to `output.txt` in its working folder (a temporary one of its
 own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a file (and tell, for each
 name, the file its code was defined in and its module), `call` its function on the inputs sent, run one of the
-grader's `job`s (`jobs.JOBS`) with the file's functions (a training run that saves and resumes), or start 2 `ranks`
-that run a job of the grader's with the file (train its DDP, register its comm hook). It judges nothing: it sends
-back the inputs and the output as they are after the call, in one `torch.save`, so that the grader sees which
-tensors share memory, and judges them itself.
+grader's `job`s (`jobs.JOBS`) with the file's functions (a training run that saves and resumes), or start `ranks`
+(2, or the request's `world_size`, up to 4) that run a job of the grader's with the file (train its DDP, register
+its comm hook). It judges nothing: it sends back the inputs and the output as they are after the call, in one
+`torch.save`, so that the grader sees which tensors share memory, and judges them itself.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ import types
 from .sandbox import ENDED, die_with_parent
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
-RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each of the 2 ranks runs, given the file's path and name
+RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each rank runs, given the file's path and name
+WORLD_SIZES = (2, 3, 4)  # how many ranks a `ranks` request may start (2 unless it says `world_size`)
 
 
 def _init() -> None:
@@ -224,9 +225,13 @@ def main() -> None:
             from ..spmd.launch import launch
             from . import properties
 
+            world_size = req.get("world_size", 2)
+            if world_size not in WORLD_SIZES:
+                send({"error": f"world_size must be one of {WORLD_SIZES}, got {world_size!r}"})
+                continue
             try:
                 job = getattr(properties, RANK_JOBS[req["job"]])
-                send({"ranks": launch(job, 2, (path, names[0]), timeout=req["timeout"])})
+                send({"ranks": launch(job, world_size, (path, names[0]), timeout=req["timeout"])})
             except TimeoutError:
                 send({"timeout": True})
             except Exception as e:  # noqa: BLE001 (a rank that died: its last lines)
