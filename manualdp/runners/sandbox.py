@@ -6,11 +6,16 @@ tells the grader how it ended. Where `unshare` can, it runs in user and pid name
 signals its own processes only, so that an answer that kills or stops its parent, or its process group, never
 reaches the grader. Elsewhere (no `unshare`, user namespaces disabled, or MANUALDP_NAMESPACES=0) such an answer
 kills or stops the init, not the grader, and the child dies with the grader; but an answer that looks the grader's
-pid up (in /proc) can still kill or stop it, and `os.kill(-1, ...)` reaches every process of the user. The grader
-keeps the inputs, the expected values and the verdict; it sends the child inputs only, and reads back what the
-child's function left in them and returned, loaded with `weights_only=True` (tensors and plain values: nothing that
-runs code here). Every call has a deadline. A call that does not return in time, or a child that dies, raises
-`Stopped` naming what happened; then the child's whole session is killed, and a later call starts a new child.
+pid up (in /proc) can still kill or stop it, and `os.kill(-1, ...)` reaches every process of the user. In neither
+can the child open the grader's /proc/PID/fd or mem (to print a verdict of its own into the grader's output, or
+write into its memory): namespaces keep it out of the grader's user namespace, and in the fallback the grader is not
+dumpable while a child runs and the child holds no CAP_SYS_PTRACE. Still open: a terminal the grader prints to (the
+child writes to it as the same user), and, in the fallback for a user other than root, the other processes of that
+user (a `| tee` that reads the grader's output). The grader keeps the inputs, the expected values and the verdict;
+it sends the child inputs only, and reads back what the child's function left in them and returned, loaded with
+`weights_only=True` (tensors and plain values: nothing that runs code here). Every call has a deadline. A call that
+does not return in time, or a child that dies, raises `Stopped` naming what happened; then the child's whole session
+is killed, and a later call starts a new child.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 
@@ -36,7 +42,7 @@ STARTUP = 120.0  # seconds for a fresh interpreter to import torch on a busy mac
 UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]  # namespaces of its own
 ENDED = "manualdp-sandbox-ended"  # the init's last line on stderr: ENDED, the child's returncode (as Popen's)
 SOCKETS = 70  # the longest TMPDIR for multiprocessing's sockets (TMPDIR/pymp-*/listener-*: 32 more, in 104 bytes)
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_GET_DUMPABLE, PR_SET_DUMPABLE = 1, 3, 4
 
 
 class Stopped(BaseException):
@@ -85,13 +91,37 @@ def _restore(obj):
     return obj
 
 
+@functools.cache
+def _prctl() -> Callable[..., int]:
+    """libc's prctl (Linux), or a function that does nothing."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda *args: -1
+
+
+_children = {"running": 0, "dumpable": 1}  # the children this process runs now, and its dumpable flag before them
+_children_lock = threading.Lock()
+
+
+def _hide_grader(more: int) -> None:
+    """Count a child started (+1) or ended (-1). While any runs, this process is not dumpable (PR_SET_DUMPABLE 0):
+    a process of the same user without CAP_SYS_PTRACE (the child in the fallback) can then open neither its
+    /proc/PID/fd, to print a verdict of its own into the grader's output, nor its /proc/PID/mem. Core dumps and
+    ptrace of the grader are off meanwhile too."""
+    with _children_lock:
+        _children["running"] += more
+        if more > 0 and _children["running"] == 1:
+            _children["dumpable"] = _prctl()(PR_GET_DUMPABLE, 0, 0, 0, 0)
+            _prctl()(PR_SET_DUMPABLE, 0, 0, 0, 0)
+        elif more < 0 and _children["running"] == 0 and _children["dumpable"] > 0:
+            _prctl()(PR_SET_DUMPABLE, _children["dumpable"], 0, 0, 0)
+
+
 def die_with_parent() -> Callable[[], object]:
     """A function that has the kernel SIGKILL the process that calls it when that process's parent ends (Linux's
     PR_SET_PDEATHSIG; elsewhere it does nothing): taken before a fork, so that the forked process only calls it."""
-    try:
-        return functools.partial(ctypes.CDLL(None, use_errno=True).prctl, PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        return lambda: None
+    return functools.partial(_prctl(), PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 @functools.cache
@@ -151,6 +181,7 @@ class Child:
             [*UNSHARE, *command] if namespaces() else command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=self.folder, env=env, start_new_session=True, close_fds=True,
             preexec_fn=die_with_parent())  # killed when the thread that started it ends
+        _hide_grader(+1)  # before the child, which imports torch first, can run the file
         os.set_blocking(self.proc.stdin.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)
         self._recv(max(STARTUP, self.timeout), "starting Python and importing torch")
@@ -184,6 +215,7 @@ class Child:
             except subprocess.TimeoutExpired:
                 pass
             self.proc = None
+            _hide_grader(-1)
 
     def __enter__(self):
         return self

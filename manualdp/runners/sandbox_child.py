@@ -4,14 +4,14 @@
 
 It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how it ended
 (in `sandbox.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the student's
-`os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child caps its own
-memory and file sizes, sends what the file prints to `output.txt` in its working folder (a temporary one of its
-own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a file (and tell, for each
-name, the file its code was defined in and its module), `call` its function on the inputs sent, run one of the
-grader's `job`s (`jobs.JOBS`) with the file's functions (a training run that saves and resumes), or start `ranks`
-(2, or the request's `world_size`, up to 4) that run a job of the grader's with the file (train its DDP, register
-its comm hook). It judges nothing: it sends back the inputs and the output as they are after the call, in one
-`torch.save`, so that the grader sees which tensors share memory, and judges them itself.
+`os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child gives up
+CAP_SYS_PTRACE, caps its own memory and file sizes, sends what the file prints to `output.txt` in its working folder
+(a temporary one of its own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a
+file (and tell, for each name, the file its code was defined in and its module), `call` its function on the inputs
+sent, run one of the grader's `job`s (`jobs.JOBS`) with the file's functions (a training run that saves and
+resumes), or start `ranks` (2, or the request's `world_size`, up to 4) that run a job of the grader's with the file
+(train its DDP, register its comm hook). It judges nothing: it sends back the inputs and the output as they are
+after the call, in one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
 """
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from .sandbox import ENDED, die_with_parent
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each rank runs, given the file's path and name
+PR_CAPBSET_DROP, CAP_SYS_PTRACE, CAPABILITY_VERSION_3 = 24, 19, 0x20080522
 WORLD_SIZES = (2, 3, 4)  # how many ranks a `ranks` request may start (2 unless it says `world_size`)
 
 
@@ -56,6 +57,26 @@ def _init() -> None:
             except OSError:
                 pass
             os._exit(code if code >= 0 else 128 - code)
+
+
+def _drop_ptrace() -> None:
+    """Give up CAP_SYS_PTRACE for good (from the bounding set too, so that no exec brings it back): without it, a
+    process may open another's /proc/PID/fd or mem only where that one holds no capability it lacks, which keeps the
+    child out of the grader's where both run as root without namespaces (there the grader's not being dumpable does
+    not stop root). A process that does not hold it (not root) is left as it is."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return
+    libc.prctl(PR_CAPBSET_DROP, CAP_SYS_PTRACE, 0, 0, 0)  # fails where it lacks CAP_SETPCAP: then it is no root
+    header = (ctypes.c_uint32 * 2)(CAPABILITY_VERSION_3, 0)
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: capabilities 0-31, then 32-63
+    if libc.capget(header, sets) == 0:
+        for i in range(3):
+            sets[i] &= ~(1 << CAP_SYS_PTRACE)
+        libc.capset(header, sets)
 
 
 def _frames(fd_in: int, fd_out: int):
@@ -185,6 +206,7 @@ def _origin(fn) -> tuple[str | None, str | None]:
 
 def main() -> None:
     memory = int(sys.argv[1])
+    _drop_ptrace()
     _init()
     fd_in, fd_out = os.dup(0), os.dup(1)  # the grader's pipes, kept apart from what the student prints
     log = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
