@@ -86,7 +86,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
 
 
 def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool,
-         check: bool) -> int:
+         check: bool, step: int = -1) -> int:
     """Check, then run `collective` on this rank; returns this rank's index in `group`.
 
     With `check`, the ranks compare their calls (collective, size, dtype, algorithm, root,
@@ -102,6 +102,7 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     positive_int("segment_bytes", segment_bytes)
     timeout = timeout_seconds("timeout", timeout)
     boolean("check", check)
+    int_between("step", step, -1, 2 ** 62)
     state = group_state(group)
     int_between("root", root, 0, len(state.peers) - 1)
     schedule = get_collective(collective, algorithm, len(state.peers), root)
@@ -111,10 +112,10 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     after_wrappers(state)
     carried = check and state.early and tensor.numel() > 0
     if check and not carried:
-        same_call(state, tensor, algorithm, segment_bytes, timeout, collective=collective, root=root)
+        same_call(state, tensor, algorithm, segment_bytes, timeout, collective=collective, root=root, step=step)
     if tensor.numel():
         header = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, schedule=algorithm,
-                             collective=collective, root=root) if carried else None
+                             collective=collective, root=root, step=step) if carried else None
         run_schedule(tensor, schedule, state, segment_bytes, timeout, check=header)
     return state.rank
 
@@ -140,6 +141,10 @@ def reduce(tensor: torch.Tensor, dst: int = 0, algorithm: str = "tree", group=No
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "tree", group=None, *,
-              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True) -> None:
-    """Copy group rank `src`'s `tensor` into every other rank's, in place."""
-    _run("broadcast", tensor, algorithm, group, src, segment_bytes, timeout, sums=False, check=check)
+              segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True,
+              step: int = -1) -> None:
+    """Copy group rank `src`'s `tensor` into every other rank's, in place.
+
+    `step` (default -1: none): a wrapper's count of its steps, compared by the check too, as `allreduce`'s (the
+    ladder's rungs copy rank 0's buffers before each forward pass this way)."""
+    _run("broadcast", tensor, algorithm, group, src, segment_bytes, timeout, sums=False, check=check, step=step)

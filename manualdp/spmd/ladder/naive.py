@@ -29,10 +29,10 @@ Two more rules make every rung train as torch's DDP does with its defaults:
   its own way, at no extra message where it can (`unused_everywhere`);
 - before each forward pass with grad enabled, rank 0's buffers (BatchNorm's running statistics)
   are copied to every rank, as torch's DDP does with `broadcast_buffers=True`, its default, by
-  the one helper its drop-in uses too (`transport.agree.broadcast_from_rank0`). The step check's
-  header goes first (`check_buffers`), so that a rank that runs one forward pass more raises
-  naming the step, as a skipped backward does. Unlike torch's DDP, a forward pass with no grad
-  copies nothing: one rank may evaluate alone (torch's would wait for the others forever).
+  manualdp's own broadcast (`copy_buffers`), whose call check carries the step: a rank that runs
+  one forward pass more raises naming the step, as a skipped backward does. Unlike torch's DDP,
+  a forward pass with no grad copies nothing: one rank may evaluate alone (torch's DDP would
+  wait for the others forever).
 """
 from __future__ import annotations
 
@@ -41,8 +41,9 @@ import weakref
 import torch
 from torch import nn
 
+from ...buckets import flatten, unflatten_
 from ...validate import boolean, nn_module, one_of, timeout_seconds
-from ..collectives import ENGINE_ALGORITHMS, allreduce
+from ..collectives import ENGINE_ALGORITHMS, allreduce, broadcast
 from ..transport.agree import agree, broadcast_from_rank0, check_same_model
 from ..transport.call_check import same_call
 from ..transport.group import group_state
@@ -156,8 +157,7 @@ class NaiveDDP(nn.Module):
             return self.module(*args, **kwargs)
         self.steps += 1
         if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
-            self.check_buffers()
-            broadcast_from_rank0(self.synced_buffers, self.group, self.timeout)
+            self.copy_buffers()
         out = self.module(*args, **kwargs)
         _keep_alive(out, self)
         return out
@@ -176,18 +176,24 @@ class NaiveDDP(nn.Module):
         return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
                          numel=sum(p.numel() for p in self.params), step=self.steps, flag=flag)
 
-    def check_buffers(self) -> None:
-        """Before a forward pass's buffer copy: every rank is at the same forward pass, or every rank raises.
+    def copy_buffers(self) -> None:
+        """Before a forward pass with grad: rank 0's buffers to every rank, with the step compared on the way.
 
-        The step check's header (`check_step`), for a broadcast: a rank that runs one forward pass
-        more (with grad enabled, no backward) would otherwise pair its copy with the peers' step
-        check, and both would wait for an answer that never comes.
+        One `collectives.broadcast` per dtype and device, of the buffers flattened; the first
+        carries the step check's header (`check_step`'s fields, for a broadcast) beside its data,
+        so that a rank that runs one forward pass more raises naming the step, as a skipped
+        backward does, instead of pairing its copy with the peers' step check.
         """
         if self.world_size == 1:
             return
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
-        same_call(self.state, self.synced_buffers[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
-                  numel=sum(b.numel() for b in self.synced_buffers), step=self.steps, collective="broadcast")
+        with torch.no_grad():
+            groups = dict.fromkeys((b.dtype, b.device) for b in self.synced_buffers)
+            for k, (dtype, device) in enumerate(groups):
+                same = [b for b in self.synced_buffers if b.dtype == dtype and b.device == device]
+                flat = flatten(same)
+                broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.steps)
+                unflatten_(flat, [b.data for b in same])  # .data: autograd may have saved them (two forwards)
 
     def take_reached(self) -> list[bool]:
         """Whose hook this backward pass fired on this rank, in `params` order; forgotten for the next pass."""
