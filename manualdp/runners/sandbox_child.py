@@ -186,17 +186,18 @@ def _load(path: str, names: list[str]) -> dict:
 
 
 def _origin(fn) -> tuple[str | None, str | None]:
-    """The file that `fn`'s code was defined in (that of the function it wraps, for `functools.cache`'s, `wraps`'s
-    or a `partial`) and its `__module__`: so that the grader can tell the library's own function taken for an answer.
-    Each None where there is none (a class, a builtin) or it is not a string."""
+    """The file that `fn`'s code was defined in (that of the function it wraps, for a decorator's that says so, as
+    `torch.no_grad()`'s, `functools.cache`'s and a `partial` do) and its `__module__`: so that the grader can tell the
+    library's own function taken for an answer. Each None where there is none (a class, a builtin) or it is not a
+    string."""
     try:
-        code = getattr(fn, "__code__", None)
         inner = fn
         for _ in range(10):
-            if isinstance(code, types.CodeType):
+            wrapped = inner.func if isinstance(inner, functools.partial) else getattr(inner, "__wrapped__", None)
+            if wrapped is None:
                 break
-            inner = inner.func if isinstance(inner, functools.partial) else getattr(inner, "__wrapped__", None)
-            code = getattr(inner, "__code__", None)
+            inner = wrapped
+        code = getattr(inner, "__code__", None)
         file = code.co_filename if isinstance(code, types.CodeType) else None
         module = getattr(fn, "__module__", None)
     except BaseException:  # noqa: BLE001 (an attribute of the student's that raises)

@@ -102,9 +102,15 @@ PROBE = '''
 import os, shutil, tempfile
 
 import numpy as np
+import torch
 
 from math import sqrt
 from manualdp.cost import cost  # the library's own, as a cheat would take it
+
+
+@torch.no_grad()  # torch's wrapper, whose own code lies in torch: the function it wraps is the file's
+def scaled(x):
+    return x * 2
 
 
 def probe(what, grader=0):
@@ -134,7 +140,7 @@ PR_GET_DUMPABLE = 3
 
 @pytest.fixture(scope="module", params=MODES)
 def probed(request):
-    """A child, in each mode, that loaded PROBE's `probe` and the library's `cost` and math's `sqrt` beside it: its
+    """A child, in each mode, that loaded PROBE's `probe`, `scaled`, the library's `cost` and math's `sqrt`: its
     answer to `load`, and what each of `probe`'s requests returned; then the child is closed. The grader's TMPDIR is
     short (not pytest's), so that the child's lies in its folder (`sandbox.SOCKETS`)."""
     with tempfile.TemporaryDirectory(prefix="sandbox-") as tmp, pytest.MonkeyPatch.context() as m:
@@ -144,7 +150,7 @@ def probed(request):
         m.setattr(sandbox, "namespaces", lambda: on)
         m.setattr(sandbox.tempfile, "tempdir", str(pathlib.Path(tmp, "tmp")))
         pathlib.Path(tmp, "tmp").mkdir()
-        with Child(str(path), ["probe", "cost", "sqrt"], 10, time.monotonic() + 120, 2048) as child:
+        with Child(str(path), ["probe", "scaled", "cost", "sqrt"], 10, time.monotonic() + 120, 2048) as child:
             loaded = child.start()
             got = {what: child.call(what, os.getpid())[2] for what in ("litter", "numbers", "grader")}
             got["folder"], got["child tmp"] = child.folder, child.tmp
@@ -156,9 +162,10 @@ def probed(request):
 
 def test_load_tells_the_file_and_module_each_function_was_defined_in(probed):
     assert probed["loaded"] == {"ok": True,
-                                "defined_in": {"probe": probed["path"], "cost": inspect.getfile(cost.cost),
-                                               "sqrt": None},
-                                "module": {"probe": "exercise", "cost": "manualdp.cost", "sqrt": math.__name__}}
+                                "defined_in": {"probe": probed["path"], "scaled": probed["path"],
+                                               "cost": inspect.getfile(cost.cost), "sqrt": None},
+                                "module": {"probe": "exercise", "scaled": "exercise", "cost": "manualdp.cost",
+                                           "sqrt": math.__name__}}
 
 
 def test_numpy_numbers_come_back_as_numbers(probed):
