@@ -520,16 +520,11 @@ sys.exit(0)
 VERDICT_BUGS = {  # answer -> what the grader says instead of an honest verdict in one clear paragraph
     "cost_float32_rounds": "FAIL, but both times are printed to 6 digits ('expected 1e-07 s (manualdp.cost.cost), "
                            "got 1e-07 s'): the paragraph reads as if they were equal",
-    "cost_numpy_float": "FAIL 'expected a number of seconds, got np.float64(0.0)': a numpy scalar comes back from the "
-                        "child as an opaque repr (sandbox_child._plain keeps exact int/float types only)",
     "cost_the_librarys_own": "PASS: `from manualdp.cost import cost`, the grader's own expected value, is taken for "
                              "an answer; nothing looks at where the function comes from",
     "cost_loops_at_16_devices": "PASS: the check says 'the book's collectives on 1 to 16 devices', but its "
                                 "derandomized draw never has 16 devices (at 100 examples: 1-8, 10, 11, 14), so an "
                                 "answer that hangs at 16 is never called there",
-    "cost_forges_a_pass_without_namespaces": "without namespaces (MANUALDP_NAMESPACES=0, or no unshare) the child "
-                                             "opens /proc/<grader>/fd/1 and prints 'PASS cost ...' lines into the "
-                                             "grader's output ahead of its FAIL (the exit status stays 1)",
     "hook_divides_by_two": "PASS: the hook runs on 2 ranks only, so dividing by 2 instead of the group's size is "
                            "taken for right",
     "hook_returns_none": "FAIL 'a rank died: process 1 terminated with signal SIGSEGV': torch's reducer crashes on "
@@ -555,15 +550,7 @@ VERDICT_BUGS = {  # answer -> what the grader says instead of an honest verdict 
     "checkpoint_replays_from_the_seed": "PASS: load_checkpoint reads `seed` off the grader's job frame "
                                         "(sys._getframe(1)) and replays the run; the file holds the step only",
 }
-LEFTOVER_BUGS = {  # answer -> what the grader leaves behind
-    **{name: "a pymp-* folder (the child's forkserver listener) is left in $TMPDIR by every hook check: the child "
-             "is SIGKILLed before multiprocessing removes it" for name in ANSWERS if name.startswith("hook_")},
-    "hook_future_never_set": "a pymp-* and a manualdp-launch-* folder are left in $TMPDIR: the child that ran the "
-                             "ranks is SIGKILLed at --total",
-    "zero1_mkdtemp_per_call": "every call's tempfile.mkdtemp() folder (about 170) is left in the grader's $TMPDIR: "
-                              "the child's TMPDIR is not inside the folder the grader removes",
-    "checkpoint_ignores_path": "its $TMPDIR/my_checkpoint.pt is left: the child's TMPDIR is the grader's",
-}
+LEFTOVER_BUGS: dict = {}  # answer -> what the grader leaves behind
 
 
 # ---------------------------------------------------------------------------------------------------------------
