@@ -104,6 +104,15 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "checkpoint_half.py": (r"a run of \d steps .* stopped after step \d, .*: the parameters differ from the "
                            r"uninterrupted run's: \S+, element \d+, is \S+ where the uninterrupted run has \S+",
                            SLOW_CALL),
+    # what bench/test_adversary_graders.py found the new graders soft on: each told as what it is
+    "cost_float32.py": (r"cost\(schedule, .*\): expected (?P<want>\S+) s \(manualdp.cost.cost\), got (?!(?P=want) s)"
+                        r"\S+ s$", []),
+    "cost_wrong_at_16.py": (r"cost\(schedule, nbytes=1000003, .*\) for all_gather ring\(16\): expected \S+ s "
+                            r"\(manualdp.cost.cost\), got 0 s", []),
+    "zero1_float32_momentum.py": (r"zero1_step\(.*: expected device 0's momentum buffer, .*, to be "
+                                  r"(?P<want>\[[^\]]*\]), got (?!(?P=want))\[", []),
+    "zero1_returns_new_lists.py": (r"zero1_step\(.*: your zero1_step returned a tuple and changed nothing in place",
+                                   []),
 }
 PASS = {name: (SOLUTIONS / f"{name}.py", SLOW_CALL if name == "checkpoint" else [])
         for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook")}

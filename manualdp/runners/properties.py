@@ -28,9 +28,9 @@ from ..split import shard_sizes
 from .explain import trace
 from .jobs import Resumed, resume_run, train_resumed
 
-__all__ = ["Mismatch", "STRATEGIES", "split_property", "split_devices_property", "allreduce_property",
-           "schedule_property", "as_schedule", "cost_property", "schedules", "zero1_property", "resume_property",
-           "resume_in_a_new_process_property",
+__all__ = ["Mismatch", "STRATEGIES", "apart", "split_property", "split_devices_property",
+           "allreduce_property", "schedule_property", "as_schedule", "cost_property", "cost_sweep_property",
+           "book_schedules", "schedules", "zero1_property", "resume_property", "resume_in_a_new_process_property",
            "resume_run", "hook_job", "torch_hook_job", "hook_mismatch",
            "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
            "torch_ddp_job"]
@@ -103,18 +103,37 @@ def _hint(kind: str, message: str) -> str:
     return ""
 
 
-def _show(t) -> str:
-    """A tensor's values when they are few, rounded; else its repr, cut short."""
+def _show(t, digits: int | None = None) -> str:
+    """A tensor's values when they are few, rounded (to 4 decimals, or to `digits` significant digits); else its
+    repr, cut short."""
     if isinstance(t, torch.Tensor) and t.numel() <= 12:
         values = t.tolist()
-        return repr(_rounded(values))
+        return repr(_rounded(values, digits))
     return repr(t)[:200]
 
 
-def _rounded(values):
+def _rounded(values, digits: int | None = None):
     if isinstance(values, list):
-        return [_rounded(v) for v in values]
-    return round(values, 4) if isinstance(values, float) else values
+        return [_rounded(v, digits) for v in values]
+    if not isinstance(values, float):
+        return values
+    return round(values, 4) if digits is None else float(f"{values:.{digits}g}")
+
+
+def _seconds(x: float, digits: int = 6) -> str:
+    """A number to `digits` significant digits (6 unless `apart` asks for more)."""
+    return f"{x:.{digits}g}"
+
+
+def apart(want, got, show=_show) -> tuple[str, str]:
+    """`show(want)` and `show(got)`, given more significant digits (`show(x, digits)`, up to float64's 17) while they
+    read alike, so that values that differ never read as equal (a float32 rounding, a sum in another order)."""
+    a, b = show(want), show(got)
+    for digits in range(5, 18):
+        if a != b:
+            break
+        a, b = show(want, digits), show(got, digits)
+    return a, b
 
 
 def _devices(n: int) -> str:
@@ -236,15 +255,15 @@ def allreduce_property(allreduce, n: int, shape: tuple, dtype: torch.dtype, seed
         if not right:
             rebound = given[i] is not t
             coarse = t.dtype == torch.float64 and torch.allclose(t, expected, rtol=1e-5, atol=1e-5)
-            raise Mismatch(f"{call}: expected every device to hold the sum {_show(expected)}; "
-                           f"device {i} holds {_show(t)}"
+            want, got = apart(expected, t)
+            raise Mismatch(f"{call}: expected every device to hold the sum {want}; device {i} holds {got}"
                            + (f", off by up to {(t - expected).abs().max().item():.2g}: right to float32's precision "
                               "only. Sum in the tensors' own dtype, float64" if coarse else "")
                            + (". Your allreduce put a new tensor into the list (`tensors[i] = ...`): write into the "
                               "tensor the device holds (`tensors[i].copy_(...)`)" if rebound else ""))
         if not torch.equal(t, held[0]):
             raise Mismatch(f"{call}: devices 0 and {i} hold sums that are close but not bitwise identical "
-                           f"({_show(held[0])} and {_show(t)}): every device must end with the very same bits "
+                           f"({' and '.join(apart(held[0], t))}): every device must end with the very same bits "
                            "(copy one sum to the others rather than adding in another order)")
 
 
@@ -498,8 +517,35 @@ def cost_property(cost_fn, sched: Schedule, nbytes: int, alpha: float, beta: flo
     if not math.isclose(out, expected, rel_tol=1e-9, abs_tol=1e-15):
         slips = [s for s in COST_SLIPS if math.isclose(out, _slip_cost(sched, nbytes, alpha, beta, gamma, s),
                                                       rel_tol=1e-9, abs_tol=1e-15)]
-        raise Mismatch(f"{call}: expected {expected:.6g} s (manualdp.cost.cost), got {out:.6g} s"
+        want, got = apart(expected, out, _seconds)
+        raise Mismatch(f"{call}: expected {want} s (manualdp.cost.cost), got {got} s"
                        + (f". Yours counts {slips[0]}: {COST_SLIPS[slips[0]]}" if slips else ""))
+
+
+COST_SWEEP = dict(nbytes=1_000_003, alpha=1e-5, beta=1e-9, gamma=2e-10)  # every term counts; uneven chunks
+
+
+def _book_schedule(collective: str, algorithm: str, n: int) -> Schedule:
+    """The book's schedule of `collective` by `algorithm` on `n` devices, named as `_describe` tells it."""
+    from ..schedule import get_collective
+
+    sched = get_collective(collective, algorithm, n)
+    return Schedule(f"{collective} {algorithm}" if collective != "allreduce" else algorithm, sched.num_devices,
+                    sched.num_chunks, sched.rounds, sched.phases)
+
+
+def book_schedules(sizes=range(1, 17)) -> list[Schedule]:
+    """Every schedule of the book (each algorithm of each collective, `COLLECTIVES`) on each of `sizes` devices."""
+    from ..schedule import COLLECTIVES
+
+    return [_book_schedule(c, a, n) for n in sizes for c in sorted(COLLECTIVES) for a in sorted(COLLECTIVES[c])]
+
+
+def cost_sweep_property(cost_fn) -> None:
+    """`cost_property` on every schedule of the book on every n from 1 to 16 (`COST_SWEEP`'s buffer and constants):
+    each size the grader's report names is called, whatever hypothesis draws."""
+    for sched in book_schedules():
+        cost_property(cost_fn, sched, **COST_SWEEP)
 
 
 @st.composite
@@ -507,14 +553,12 @@ def schedules(draw) -> Schedule:
     """The book's schedules on 1 to 16 devices, or a random valid one: 2 to 6 devices, 1 to 6 chunks, 0 to 4 rounds
     of up to 10 transfers (some to one peer, some adding, some overwriting)."""
     from ..cost import check_schedule
-    from ..schedule import COLLECTIVES, get_collective
+    from ..schedule import COLLECTIVES
 
     if draw(st.booleans()):
         collective = draw(st.sampled_from(sorted(COLLECTIVES)))
         algorithm = draw(st.sampled_from(sorted(COLLECTIVES[collective])))
-        sched = get_collective(collective, algorithm, draw(st.integers(1, 16)))
-        return Schedule(f"{collective} {algorithm}" if collective != "allreduce" else algorithm, sched.num_devices,
-                        sched.num_chunks, sched.rounds, sched.phases)
+        return _book_schedule(collective, algorithm, draw(st.integers(1, 16)))
     n, k = draw(st.integers(2, 6)), draw(st.integers(1, 6))
     rounds = []
     for _ in range(draw(st.integers(0, 4))):
@@ -554,8 +598,15 @@ def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, moment
         call = (f"zero1_step(params, grads, momenta, lr={lr:g}, momentum={momentum:g}) on {_devices(n)}, "
                 f"{numel} parameter{'s' * (numel != 1)}, step {step + 1} of {steps}"
                 + (f": grads {', '.join(_show(t) for t in grads)}" if numel * n <= 8 else ""))
-        held, given, _ = _call(call, zero1_step, params, [t.clone() for t in grads], momenta, lr, momentum)
+        kept = [t.clone() for t in params + momenta]
+        held, given, out = _call(call, zero1_step, params, [t.clone() for t in grads], momenta, lr, momentum)
         params, momenta = list(held[0]), list(held[2])  # the tensors the devices hold, in place
+        if out is not None and numel and all(isinstance(t, torch.Tensor) and torch.equal(t, k)
+                                             for t, k in zip(params + momenta, kept)):
+            raise Mismatch(f"{call}: your zero1_step returned a {type(out).__name__} and changed nothing in place: the "
+                           "devices keep their own tensors, and the grader reads those, not what zero1_step returns. "
+                           "Update params and momenta in place (`momenta[i].mul_(momentum).add_(...)`, "
+                           "`params[i].copy_(...)`)")
         for i in range(n):
             for name, t, size in (("params", params[i], numel), ("momenta", momenta[i], chunk(start, i, n).numel())):
                 if not isinstance(t, torch.Tensor) or t.shape != (size,) or t.dtype != torch.float64:
@@ -570,8 +621,9 @@ def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, moment
             lo, hi = _chunk_range(numel, i, n)
             want = plain_buf[lo:hi]
             if not torch.allclose(momenta[i], want, rtol=1e-10, atol=1e-12):
+                shown = apart(want, momenta[i])
                 raise Mismatch(f"{call}: expected device {i}'s momentum buffer, for elements {lo}..{hi - 1} (its "
-                               f"chunk), to be {_show(want)}, got {_show(momenta[i])}: b = momentum * b + (the summed "
+                               f"chunk), to be {shown[0]}, got {shown[1]}: b = momentum * b + (the summed "
                                "gradient of that chunk)" + _averaged(momenta[i], want, n))
         for i in range(n):
             if not torch.allclose(params[i], plain, rtol=1e-10, atol=1e-12):
@@ -582,9 +634,9 @@ def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, moment
                 hint = (_averaged(step_got, step_want, n) or
                         (". That element was not updated on this device: all-gather the updated chunks, so that "
                          "every device holds every chunk" if stale else ""))
+                got, want = apart(params[i][bad].item(), plain[bad].item(), _seconds)
                 raise Mismatch(f"{call}: expected every device's parameters to be plain data parallelism's; device "
-                               f"{i}'s element {bad} (in device {owner}'s chunk) is {params[i][bad].item():.6g}, "
-                               f"expected {plain[bad].item():.6g}{hint}")
+                               f"{i}'s element {bad} (in device {owner}'s chunk) is {got}, expected {want}{hint}")
             if not torch.equal(params[i], params[0]):
                 raise Mismatch(f"{call}: devices 0 and {i} hold parameters that are close but not bitwise identical: "
                                "each chunk must be stepped once, by its owner, and copied to the others")

@@ -1,0 +1,48 @@
+"""The new graders (cost, hook, zero1, checkpoint, diloco) against the answers of tests/answers/ that
+bench/test_adversary_graders.py found them soft on: each property called here on the answer's own functions (fast);
+the hook's ranks through `launch`; what needs the sandbox (where a function comes from, a call that never returns,
+an import that exits) through `manualdp check`. bench/test_check_answers.py grades every answer as a student's."""
+import importlib.util
+import pathlib
+import re
+
+import pytest
+
+from manualdp.cost import cost
+from manualdp.runners.properties import Mismatch, book_schedules, cost_property, cost_sweep_property, zero1_property
+from manualdp.schedule import get_schedule
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+ANSWERS = ROOT / "tests" / "answers"
+
+
+def answer(name: str, folder: pathlib.Path = ANSWERS):
+    """The module of `folder`/`name`.py, imported here (its functions called in this process)."""
+    spec = importlib.util.spec_from_file_location(f"answer_{name}", folder / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_values_that_differ_never_read_as_equal():
+    with pytest.raises(Mismatch) as told:  # float32's 7 digits, where the grader asks 9: 2e-07 is 1.99999999e-07
+        cost_property(answer("cost_float32").cost, get_schedule("ring", 2), 0, 1e-7, 0.0, 0.0)
+    want, got = re.search(r"expected (\S+) s \(manualdp.cost.cost\), got (\S+) s", str(told.value)).groups()
+    assert want != got and float(want) == pytest.approx(float(got), rel=1e-7), str(told.value)
+    with pytest.raises(Mismatch) as told:
+        zero1_property(answer("zero1_float32_momentum").zero1_step, 2, 3, 1, 0.1, 0.9, 0)
+    want, got = re.search(r"momentum buffer, .*, to be (\[.*?\]), got (\[.*?\])", str(told.value)).groups()
+    assert want != got, str(told.value)
+
+
+def test_the_cost_check_calls_every_size_its_report_names():
+    assert {s.num_devices for s in book_schedules()} == set(range(1, 17))
+    cost_sweep_property(cost)
+    with pytest.raises(Mismatch, match=r"for all_gather ring\(16\): expected \S+ s \(manualdp.cost.cost\), got 0 s"):
+        cost_sweep_property(answer("cost_wrong_at_16").cost)
+
+
+def test_a_zero1_step_that_returns_new_lists_is_told_to_update_in_place():
+    with pytest.raises(Mismatch, match=r"your zero1_step returned a tuple and changed nothing in place: .* Update "
+                                       r"params and momenta in place"):
+        zero1_property(answer("zero1_returns_new_lists").zero1_step, 2, 3, 1, 0.1, 0.9, 0)
