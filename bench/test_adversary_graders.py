@@ -242,7 +242,9 @@ ANSWERS = {
                          "PASS", []),
     "cost_debug_print": ("cost", RIGHT, cost(post="print('round', r, times)"), "PASS", []),
     "cost_the_librarys_own": ("cost", CHEAT, "from manualdp.cost import cost  # the very function it is graded "
-                                             "against\n", r"manualdp\.cost", []),
+                                             "against\n",
+                              r"the file's cost is not written in it but taken from manualdp\.cost: write it yourself",
+                              []),
     "cost_loops_at_16_devices": ("cost", HOSTILE, cost(pre="while schedule.num_devices >= 16:\n        pass"),
                                  CALL_COST + r" did not return within the 3 s it may take", []),
     "cost_forges_a_pass": ("cost", HOSTILE, FORGE, CALL_COST + ": " + NUMBERS, []),
@@ -426,7 +428,9 @@ def zero1_step(params, grads, momenta, lr, momentum):   # no collectives: each c
         ret="theta.sub_(lr * (delta + mu * new_momentum)), new_momentum"), "PASS", []),
     "diloco_the_graders_own": ("diloco", CHEAT,
                                "from manualdp.runners.check_ft import expected_outer_step as outer_step  # the "
-                               "grader's own formula\n", r"manualdp", []),
+                               "grader's own formula\n",
+                               r"the file's outer_step is not written in it but taken from manualdp\.runners\.check_ft",
+                               []),
     "diloco_loops_on_three": ("diloco", HOSTILE, diloco(pre="while len(replicas) >= 3:\n        pass"),
                               CALL_DILOCO + r".* did not return within the 3 s it may take", []),
     "diloco_keyboard_interrupt": ("diloco", HOSTILE,
@@ -518,8 +522,6 @@ sys.exit(0)
 }
 
 VERDICT_BUGS = {  # answer -> what the grader says instead of an honest verdict in one clear paragraph
-    "cost_the_librarys_own": "PASS: `from manualdp.cost import cost`, the grader's own expected value, is taken for "
-                             "an answer; nothing looks at where the function comes from",
     "hook_divides_by_two": "PASS: the hook runs on 2 ranks only, so dividing by 2 instead of the group's size is "
                            "taken for right",
     "hook_returns_none": "FAIL 'a rank died: process 1 terminated with signal SIGSEGV': torch's reducer crashes on "
@@ -527,12 +529,6 @@ VERDICT_BUGS = {  # answer -> what the grader says instead of an honest verdict 
     "hook_no_decompress": "FAIL 'rank 0: RuntimeError: result.isPyObject() INTERNAL ASSERT FAILED ... please report a "
                           "bug to PyTorch': the raw all_reduce future (a list of float16 tensors) is not told as "
                           "'the future must hold the bucket's float32 tensor: .then(...)'",
-    "diloco_the_graders_own": "PASS: importing the grader's own expected_outer_step is taken for an answer",
-    "diloco_loops_on_three": "FAIL 'did not return within the 3 s it may take' without the call: check_ft's "
-                             "outer_step_property calls the child without properties._call, which names the input",
-    "diloco_selftest_exits": "FAIL 'importing the file raised SystemExit: 0 (at ...)' without the self-test hint "
-                             "the other exercises give: check_ft.check_diloco loads the file by its own copy of "
-                             "check.load",
     "checkpoint_step_as_tensor": "FAIL 'the resumed model's state_dict has keys None': a step returned as a 0-dim "
                                  "tensor passes `step != stop_at` (a tensor(False)), and the paragraph blames the "
                                  "state_dict instead of the returned type",

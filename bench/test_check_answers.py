@@ -109,21 +109,27 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
                         r"\S+ s$", []),
     "cost_wrong_at_16.py": (r"cost\(schedule, nbytes=1000003, .*\) for all_gather ring\(16\): expected \S+ s "
                             r"\(manualdp.cost.cost\), got 0 s", []),
+    "cost_the_librarys_own.py": (r"the file's cost is not written in it but taken from manualdp\.cost: write it "
+                                 r"yourself, in the file", []),
     "zero1_float32_momentum.py": (r"zero1_step\(.*: expected device 0's momentum buffer, .*, to be "
                                   r"(?P<want>\[[^\]]*\]), got (?!(?P=want))\[", []),
     "zero1_returns_new_lists.py": (r"zero1_step\(.*: your zero1_step returned a tuple and changed nothing in place",
                                    []),
+    "diloco_selftest_exit.py": (r"importing the file raised SystemExit: 0 \(at .*diloco_selftest_exit.py, line 14\)\. "
+                                r"Is there a self-test at the end of the file\?", []),
+    "diloco_loop.py": (r"outer_step\(theta, replicas, momentum, lr=\S+, mu=\S+\) on [3-5] replica\(s\) .* " + NEVER,
+                       []),
 }
 PASS = {name: (SOLUTIONS / f"{name}.py", SLOW_CALL if name == "checkpoint" else [])
-        for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook")}
+        for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook", "diloco")}
 PASS["halving_doubling_powers_of_two.py"] = (ANSWERS / "halving_doubling_powers_of_two.py", ["--powers-of-two"])
 
 
 def exercise(name: str) -> str:
     if name.startswith("halving_doubling"):
         return "schedule"
-    return next(e for e in ("split_batch", "allreduce", "schedule", "ddp", "cost", "hook", "zero1", "checkpoint")
-                if name.startswith(e.split("_")[0]))
+    return next(e for e in ("split_batch", "allreduce", "schedule", "ddp", "cost", "hook", "zero1", "checkpoint",
+                            "diloco") if name.startswith(e.split("_")[0]))
 
 
 def grade(path: pathlib.Path, name: str, options: list, work: pathlib.Path) -> dict:
@@ -164,6 +170,7 @@ def cwd_under(folder: pathlib.Path) -> list[int]:
 
 BACKGROUND = {"allreduce_loop.py", "schedule_loop.py", "split_batch_loop.py", "allreduce_sigstop.py",
               "allreduce_fork.py", "ddp_patch_torch.py", "hook_sum_then_divide.py", "hook_float32.py",
+              "diloco_loop.py",
               "ddp", "hook"}  # they wait out their timeout, or start ranks (the last two: reference solutions)
 
 

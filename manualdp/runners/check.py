@@ -8,6 +8,7 @@
     manualdp check hook my_hook.py
     manualdp check zero1 my_zero1.py
     manualdp check checkpoint my_checkpoint.py
+    manualdp check diloco my_outer_step.py
 
 FILE.py defines what the exercise asks for (`EXERCISES`), with manualdp's signature where manualdp has one:
 `split_batch(X, y, devices)`, `allreduce(tensors)`, `schedule(n)` returning the rounds (a `Schedule`, or
@@ -51,6 +52,7 @@ EXERCISES = {  # name -> what FILE.py must define
 NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "schedule", "ddp": "DDP", "cost": "cost",
          "hook": "fp16_compress_hook", "zero1": "zero1_step", "checkpoint": ("save_checkpoint", "load_checkpoint"),
          "diloco": "outer_step"}
+OWN = ("cost", "hook", "diloco")  # exercises whose answer the library holds: the file must write its own
 SIZE = 1 << 20  # the buffer whose bytes a schedule's report counts (divisible by 4 and 8 devices)
 DDP_TIMEOUT = 90.0  # seconds for the two ranks of the ddp check
 
@@ -82,11 +84,27 @@ def load(path: str, name: str | tuple[str, ...], args) -> Child:
     if "error" in loaded:
         child.close()
         raise Failed(loaded["error"])
+    taken = _taken(loaded, child.path) if _exercise(name) in OWN else None
+    if taken:
+        child.close()
+        raise Failed(f"the file's {taken[0]} is not written in it but taken from {taken[1]}: write it yourself, in "
+                     f"the file (the exercise asks for {EXERCISES[_exercise(name)]})")
     return child
 
 
 def _exercise(name: str) -> str:
     return next(k for k, v in NAMES.items() if v == name)
+
+
+def _taken(loaded: dict, path: str) -> tuple[str, str] | None:
+    """(name, where it comes from) of a graded function the file imports rather than defines, as the child's `load`
+    answer tells where each was defined (`defined_in`, `module`); None if each is the file's own."""
+    files, modules = loaded.get("defined_in") or {}, loaded.get("module") or {}
+    for name, file in files.items():
+        module = modules.get(name)
+        if file is not None and file != path or file is None and module not in (None, "exercise"):
+            return name, module if module not in (None, "exercise") else file
+    return None
 
 
 def _hypothesis(prop, fn, strategies: dict, examples: int) -> None:
@@ -264,9 +282,16 @@ def check_checkpoint(path: str, args) -> str:
 
 
 def check_diloco(path: str, args) -> str:
-    from .check_ft import check_diloco as check
+    from .check_ft import outer_step_property, strategies
 
-    return check(path, args)
+    def drawn(fn, inputs, lr, mu):
+        outer_step_property(fn, *inputs, lr, mu)
+
+    with load(path, NAMES["diloco"], args) as child:
+        _hypothesis(drawn, child, strategies(), args.examples)
+    return (f"{args.examples} outer steps drawn by hypothesis (1 to 5 replicas, 0-dim to 3-dim float64 tensors, "
+            "lr 0.01 to 1, mu 0 to 0.99, a zero or a running momentum buffer): the new theta and momentum equal "
+            "Nesterov SGD on the average change, to 1e-10, and the replicas' tensors are left as they were")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,20 +9,18 @@ block), `lr` and `mu` the outer learning rate and momentum. The formula (`manual
     b     = mu * b + delta
     theta = theta - lr * (delta + mu * b)
 
-As `check.py`'s exercises, FILE.py runs only in a sandboxed child (`sandbox.Child`); this process
-draws the inputs with hypothesis, computes the expected values and judges what comes back.
+As the other exercises, FILE.py runs only in a sandboxed child (`sandbox.Child`), which `check.check_diloco`
+loads; this process draws the inputs with hypothesis (`strategies`), computes the expected values and judges
+what comes back (`outer_step_property`).
 """
 from __future__ import annotations
 
 import torch
 
-from .properties import Mismatch
-from .sandbox import Child, Raised
+from .properties import Mismatch, apart, hint_for
+from .sandbox import Raised, Stopped
 
-__all__ = ["EXERCISE", "NAME", "expected_outer_step", "outer_step_property", "check_diloco"]
-
-EXERCISE = "a function outer_step(theta, replicas, momentum, lr, mu) -> (new_theta, new_momentum), DiLoCo's outer step"
-NAME = "outer_step"
+__all__ = ["expected_outer_step", "outer_step_property", "strategies"]
 
 
 def expected_outer_step(theta, replicas, momentum, lr, mu):
@@ -36,28 +34,34 @@ def outer_step_property(fn, theta, replicas, momentum, lr, mu) -> None:
     """`fn` (a sandbox child) returns the formula's theta and momentum, to float64 rounding, and changes no replica."""
     want_theta, want_b = expected_outer_step(theta, replicas, momentum, lr, mu)
     told = (f"outer_step(theta, replicas, momentum, lr={lr:g}, mu={mu:g}) on {len(replicas)} replica(s) of shape "
-            f"{tuple(theta.shape)}, theta {_show(theta)}, replicas {[_show(t) for t in replicas]}, momentum "
+            f"{tuple(theta.shape)}, theta {_show(theta)}, replicas [{', '.join(_show(t) for t in replicas)}], momentum "
             f"{_show(momentum)}")
     try:
         _, after, out = fn.call(theta, replicas, momentum, lr, mu)
     except Raised as e:
-        raise Mismatch(f"{told}: it raised {e.kind}: {e.message}" + (f" (at {e.at})" if e.at else "")) from None
+        raise Mismatch(f"{told}: it raised {e.kind}: {e.message}" + (f" (at {e.at})" if e.at else "")
+                       + hint_for(e.kind, e.message)) from None
+    except Stopped as e:  # it did not return: name the call that did not
+        raise Stopped(f"{told} {e}") from None
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
         raise Mismatch(f"{told}: expected a pair of tensors (new theta, new momentum), got {str(out)[:200]}")
     for name, got, want in (("theta", out[0], want_theta), ("momentum", out[1], want_b)):
         if got.shape != want.shape or not torch.allclose(got.to(want.dtype), want, rtol=1e-10, atol=1e-12):
-            raise Mismatch(f"{told}: expected new {name} {_show(want)}, got {_show(got)}"
+            shown = apart(want, got, _show)
+            raise Mismatch(f"{told}: expected new {name} {shown[0]}, got {shown[1]}"
                            + (" (the momentum buffer must be mu * b + delta, before the Nesterov step uses it)"
                               if name == "theta" and mu > 0 else ""))
     if any(not torch.equal(a, b) for a, b in zip(after[1], replicas)):
         raise Mismatch(f"{told}: it changed the replicas' parameters; only return new tensors")
 
 
-def _show(t: torch.Tensor) -> str:
-    return "[" + ", ".join(f"{x:.4g}" for x in t.reshape(-1)[:6].tolist()) + (", ...]" if t.numel() > 6 else "]")
+def _show(t: torch.Tensor, digits: int = 4) -> str:
+    return ("[" + ", ".join(f"{x:.{digits}g}" for x in t.reshape(-1)[:6].tolist())
+            + (", ...]" if t.numel() > 6 else "]"))
 
 
-def _strategies() -> dict:
+def strategies() -> dict:
+    """What hypothesis draws for `outer_step_property`: `inputs` (theta, replicas, momentum), `lr` and `mu`."""
     from hypothesis import strategies as st
 
     def tensors(draw_shape):
@@ -73,35 +77,3 @@ def _inputs(seed: int, shape: tuple, n: int):
     theta = torch.randn(shape, generator=g, dtype=torch.float64)
     replicas = [theta + 0.1 * torch.randn(shape, generator=g, dtype=torch.float64) for _ in range(n)]
     return theta, replicas, torch.randn(shape, generator=g, dtype=torch.float64) * (seed % 2)  # zeros, or a buffer
-
-
-def check_diloco(path: str, args) -> str:
-    """Grade FILE.py's `outer_step`; the report on a pass; Mismatch, or the sandbox's Stopped, on a failure."""
-    import os
-
-    from hypothesis import HealthCheck, Verbosity, given, settings
-
-    if not os.path.isfile(path):
-        raise Mismatch(f"{path}: no such file")
-    with Child(path, NAME, args.timeout, args.deadline, args.memory) as child:
-        loaded = child.start()
-        if "import_raised" in loaded:
-            e = loaded["import_raised"]
-            raise Mismatch(f"importing the file raised {e['raised']}: {e['message']}"
-                           + (f" (at {e['at']})" if e["at"] else ""))
-        if "missing" in loaded:
-            raise Mismatch(f"the file defines no {NAME!r}: the exercise asks for {EXERCISE}")
-        if "error" in loaded:
-            raise Mismatch(loaded["error"])
-
-        def test(inputs, lr, mu):
-            theta, replicas, momentum = inputs
-            outer_step_property(child, theta, replicas, momentum, lr, mu)
-
-        settings(database=None, derandomize=True, deadline=None, max_examples=args.examples,
-                 verbosity=Verbosity.quiet, report_multiple_bugs=False,
-                 suppress_health_check=list(HealthCheck))(given(**_strategies())(test))()
-    return (f"{args.examples} outer steps drawn by hypothesis (1 to 5 replicas, 0-dim to 3-dim float64 tensors, "
-            "lr 0.01 to 1, mu 0 to 0.99, a zero or a running momentum buffer): the new theta and momentum equal "
-            "Nesterov SGD on the average change, to 1e-10, and the replicas' tensors are left as they were")
-

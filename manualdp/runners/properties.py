@@ -28,7 +28,7 @@ from ..split import shard_sizes
 from .explain import trace
 from .jobs import Resumed, resume_run, train_resumed
 
-__all__ = ["Mismatch", "STRATEGIES", "apart", "split_property", "split_devices_property",
+__all__ = ["Mismatch", "STRATEGIES", "apart", "hint_for", "split_property", "split_devices_property",
            "allreduce_property", "schedule_property", "as_schedule", "cost_property", "cost_sweep_property",
            "book_schedules", "schedules", "zero1_property", "resume_property", "resume_in_a_new_process_property",
            "resume_run", "hook_job", "torch_hook_job", "hook_mismatch",
@@ -72,7 +72,7 @@ def _call(call: str, fn, *args, job: str | None = None) -> tuple:
         except Raised as e:
             raise Mismatch(f"{call} raised {e.kind}" + (f": {e.message}" if e.message else "")
                            + (f" (at {e.at})" if e.at else "")
-                           + _hint(e.kind, e.message)) from None
+                           + hint_for(e.kind, e.message)) from None
         except Stopped as e:
             raise Stopped(f"{call} {e}") from None
     before = tuple(list(a) if isinstance(a, list) else a for a in args)
@@ -82,10 +82,10 @@ def _call(call: str, fn, *args, job: str | None = None) -> tuple:
         frames = traceback.extract_tb(e.__traceback__)
         frame = next((f for f in reversed(frames) if not f.filename.startswith(TORCH)), frames[-1])  # the caller's line
         raise Mismatch(f"{call} raised {type(e).__name__}: {e} (at {frame.filename}, line {frame.lineno})"
-                       + _hint(type(e).__name__, str(e))) from e
+                       + hint_for(type(e).__name__, str(e))) from e
 
 
-def _hint(kind: str, message: str) -> str:
+def hint_for(kind: str, message: str) -> str:
     """What to write instead, for the slips a student makes most."""
     if kind == "IndexError" and "0-dim" in message:
         return (". A 0-dim tensor (shape ()) has no rows to slice, so d2l's `data[0][:] += ...` fails on it: write "

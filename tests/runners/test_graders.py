@@ -9,6 +9,7 @@ import re
 import pytest
 
 from manualdp.cost import cost
+from manualdp.runners.cli import main
 from manualdp.runners.properties import Mismatch, book_schedules, cost_property, cost_sweep_property, zero1_property
 from manualdp.schedule import get_schedule
 
@@ -46,3 +47,17 @@ def test_a_zero1_step_that_returns_new_lists_is_told_to_update_in_place():
     with pytest.raises(Mismatch, match=r"your zero1_step returned a tuple and changed nothing in place: .* Update "
                                        r"params and momenta in place"):
         zero1_property(answer("zero1_returns_new_lists").zero1_step, 2, 3, 1, 0.1, 0.9, 0)
+
+
+@pytest.mark.parametrize("exercise, name, told, options", [
+    ("cost", "cost_the_librarys_own", r"the file's cost is not written in it but taken from manualdp\.cost: write it "
+                                      r"yourself, in the file", []),
+    ("diloco", "diloco_selftest_exit", r"importing the file raised SystemExit: 0 \(at .*, line 14\)\. Is there a "
+                                       r"self-test at the end of the file\?", []),
+    ("diloco", "diloco_loop", r"outer_step\(theta, replicas, momentum, lr=\S+, mu=\S+\) on [3-5] replica\(s\) of "
+                              r"shape .* did not return within the 1 s it may take", ["--timeout", "1"]),
+])
+def test_what_the_sandbox_tells_is_told_as_for_every_exercise(exercise, name, told, options, capsys):
+    status = main(["check", exercise, str(ANSWERS / f"{name}.py"), "--examples", "10", *options])
+    out = " ".join(capsys.readouterr().out.split())
+    assert status == 1 and re.match(rf"FAIL {exercise} \(.*{name}.py\): {told}", out), out

@@ -1,4 +1,5 @@
-"""The grader of chapter 8's exercise (`manualdp.runners.check_ft`): the solution passes, a wrong one fails."""
+"""The grader of chapter 8's exercise (`manualdp.runners.check_ft`, run by `check.check_diloco`): the solution passes,
+a wrong one fails."""
 import argparse
 import pathlib
 import time
@@ -6,7 +7,8 @@ import time
 import pytest
 import torch
 
-from manualdp.runners.check_ft import check_diloco, expected_outer_step
+from manualdp.runners.check import check_diloco
+from manualdp.runners.check_ft import expected_outer_step
 from manualdp.runners.properties import Mismatch
 from manualdp.spmd.ft.local_sgd import DiLoCo
 
