@@ -485,7 +485,7 @@ sys.exit(0)
     "checkpoint_ignores_path": ("checkpoint", HOSTILE, checkpoint(
         extra='MINE = os.path.join(tempfile.gettempdir(), "my_checkpoint.pt")  # one place for every checkpoint',
         save=SAVE.replace("}, path)", "}, MINE)"), load=LOAD.replace("torch.load(path,", "torch.load(MINE,")),
-        r"path", CK),
+        RUN + r".*: save_checkpoint\('checkpoint\.pt', \.\.\.\) wrote nothing at 'checkpoint\.pt'", CK),
     "checkpoint_replays_from_the_seed": ("checkpoint", CHEAT, checkpoint(
         extra="from manualdp.runners import jobs",
         save='torch.save({"step": step}, path)  # a step count is all a replay needs',
@@ -529,13 +529,6 @@ VERDICT_BUGS = {  # answer -> what the grader says instead of an honest verdict 
     "hook_no_decompress": "FAIL 'rank 0: RuntimeError: result.isPyObject() INTERNAL ASSERT FAILED ... please report a "
                           "bug to PyTorch': the raw all_reduce future (a list of float16 tensors) is not told as "
                           "'the future must hold the bucket's float32 tensor: .then(...)'",
-    "checkpoint_step_as_tensor": "FAIL 'the resumed model's state_dict has keys None': a step returned as a 0-dim "
-                                 "tensor passes `step != stop_at` (a tensor(False)), and the paragraph blames the "
-                                 "state_dict instead of the returned type",
-    "checkpoint_ignores_path": "PASS: save_checkpoint ignores `path` and writes $TMPDIR/my_checkpoint.pt, which "
-                               "outlives the child, so the new-process resume finds it",
-    "checkpoint_replays_from_the_seed": "PASS: load_checkpoint reads `seed` off the grader's job frame "
-                                        "(sys._getframe(1)) and replays the run; the file holds the step only",
 }
 LEFTOVER_BUGS: dict = {}  # answer -> what the grader leaves behind
 

@@ -277,8 +277,9 @@ def check_checkpoint(path: str, args) -> str:
         _hypothesis(resume_property, child, STRATEGIES["checkpoint"], args.examples)
         resume_in_a_new_process_property(child)
     return (f"{args.examples} runs drawn by hypothesis (2 to 8 steps, SGD with momentum or Adam, dropout, random "
-            "batches; stopped after any step and resumed in a new model and optimizer, torch seeded anew), and one "
-            "resumed in a new process: every resumed run ends bitwise equal to the uninterrupted one")
+            "batches; stopped after any step and resumed in a new model and optimizer, torch seeded anew by a seed "
+            "drawn apart from the run's), and one resumed in a new process from the file moved to a new name (its "
+            "seeds drawn at random): every resumed run ends bitwise equal to the uninterrupted one")
 
 
 def check_diloco(path: str, args) -> str:

@@ -6,6 +6,7 @@ to run the same loop uninterrupted in its own process (`properties.resume_proper
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -59,12 +60,13 @@ def resume_save(save_checkpoint, load_checkpoint, optimizer: str, steps: int, st
         save_checkpoint(path, model, opt, stop_at)
 
 
-def resume_load(save_checkpoint, load_checkpoint, optimizer: str, steps: int, seed: int,
+def resume_load(save_checkpoint, load_checkpoint, optimizer: str, steps: int, reseed: int,
                 path: str = "checkpoint.pt") -> dict:
-    """The second half: a fresh model and optimizer (torch seeded anew, as a new process would be),
-    `load_checkpoint(path, model, optimizer)`, and the steps from the one it returns to `steps`."""
+    """The second half: a fresh model and optimizer (torch seeded anew by `reseed`, drawn apart from the run's seed,
+    as a new process would be), `load_checkpoint(path, model, optimizer)`, and the steps from the one it returns to
+    `steps`. Nothing here holds the run's seed: a resume can come from the file only, not from a replay."""
     with _one_thread():
-        torch.manual_seed(seed + 1)
+        torch.manual_seed(reseed)
         model = Resumed()
         opt = _optimizer(optimizer, model)
         step = load_checkpoint(path, model, opt)
@@ -74,11 +76,14 @@ def resume_load(save_checkpoint, load_checkpoint, optimizer: str, steps: int, se
         return {"step": step, "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int,
+def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int, reseed: int,
                path: str = "checkpoint.pt") -> dict:
-    """Both halves in one process (the grader also runs them in two: `properties.resume_property`)."""
+    """Both halves in one process (the grader also runs them in two: `properties.resume_property`); {"unsaved": path}
+    if save_checkpoint wrote nothing at `path`."""
     resume_save(save_checkpoint, load_checkpoint, optimizer, steps, stop_at, seed, path)
-    return resume_load(save_checkpoint, load_checkpoint, optimizer, steps, seed, path)
+    if not os.path.exists(path):
+        return {"unsaved": path}
+    return resume_load(save_checkpoint, load_checkpoint, optimizer, steps, reseed, path)
 
 
 @contextlib.contextmanager

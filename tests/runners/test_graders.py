@@ -10,7 +10,8 @@ import pytest
 
 from manualdp.cost import cost
 from manualdp.runners.cli import main
-from manualdp.runners.properties import Mismatch, book_schedules, cost_property, cost_sweep_property, zero1_property
+from manualdp.runners.properties import (Mismatch, book_schedules, cost_property, cost_sweep_property, resume_property,
+                                         zero1_property)
 from manualdp.schedule import get_schedule
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -61,3 +62,18 @@ def test_what_the_sandbox_tells_is_told_as_for_every_exercise(exercise, name, to
     status = main(["check", exercise, str(ANSWERS / f"{name}.py"), "--examples", "10", *options])
     out = " ".join(capsys.readouterr().out.split())
     assert status == 1 and re.match(rf"FAIL {exercise} \(.*{name}.py\): {told}", out), out
+
+
+@pytest.mark.parametrize("name, told", [
+    ("checkpoint_step_as_tensor", r"load_checkpoint returned 1, a tensor, not an int: return the step as a Python int "
+                                  r"\(1 here, .*`int\(\.\.\.\)` of the tensor"),
+    ("checkpoint_own_path", r"save_checkpoint\('checkpoint.pt', \.\.\.\) wrote nothing at 'checkpoint.pt'"),
+    ("checkpoint_replays", r"load_checkpoint\(path, model, optimizer\) raised KeyError: 'seed'"),  # no seed to read
+])
+def test_a_resume_is_judged_by_its_file_and_its_step(name, told, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the run's checkpoint.pt is written
+    module = answer(name)
+    with pytest.raises(Mismatch, match=told):
+        resume_property((module.save_checkpoint, module.load_checkpoint), "sgd", (3, 1), 5, 9)
+    solution = answer("checkpoint", ROOT / "book" / "solutions")
+    resume_property((solution.save_checkpoint, solution.load_checkpoint), "adam", (3, 1), 5, 9)
