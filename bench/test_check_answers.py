@@ -111,6 +111,12 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
                             r"\(manualdp.cost.cost\), got 0 s", []),
     "cost_the_librarys_own.py": (r"the file's cost is not written in it but taken from manualdp\.cost: write it "
                                  r"yourself, in the file", []),
+    "hook_divides_by_two.py": (r"fp16_compress_hook on 3 ranks, step 0, rank \d: the gradients when backward returned "
+                               r"differ .* Yours is 3/2 times torch's: divide by the world size \(3 here", []),
+    "hook_returns_none.py": (r"rank \d: fp16_compress_hook returned None, not a torch.futures.Future", []),
+    "hook_no_decompress.py": (r"rank \d: the future fp16_compress_hook returned holds a list of one item, a tensor of "
+                              r"dtype float16 .* turn the allreduce's float16 result back into the bucket's float32 "
+                              r"tensor with `\.then\(\.\.\.\)`", []),
     "zero1_float32_momentum.py": (r"zero1_step\(.*: expected device 0's momentum buffer, .*, to be "
                                   r"(?P<want>\[[^\]]*\]), got (?!(?P=want))\[", []),
     "zero1_returns_new_lists.py": (r"zero1_step\(.*: your zero1_step returned a tuple and changed nothing in place",
@@ -175,7 +181,7 @@ def cwd_under(folder: pathlib.Path) -> list[int]:
 
 BACKGROUND = {"allreduce_loop.py", "schedule_loop.py", "split_batch_loop.py", "allreduce_sigstop.py",
               "allreduce_fork.py", "ddp_patch_torch.py", "hook_sum_then_divide.py", "hook_float32.py",
-              "diloco_loop.py",
+              "diloco_loop.py", "hook_divides_by_two.py", "hook_returns_none.py", "hook_no_decompress.py",
               "ddp", "hook"}  # they wait out their timeout, or start ranks (the last two: reference solutions)
 
 

@@ -54,7 +54,8 @@ NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "sc
          "diloco": "outer_step"}
 OWN = ("cost", "hook", "diloco")  # exercises whose answer the library holds: the file must write its own
 SIZE = 1 << 20  # the buffer whose bytes a schedule's report counts (divisible by 4 and 8 devices)
-DDP_TIMEOUT = 90.0  # seconds for the two ranks of the ddp check
+DDP_TIMEOUT = 90.0  # seconds for the ranks of the ddp and hook checks
+HOOK_WORLDS = (2, 3)  # the hook check's numbers of ranks
 
 
 class Failed(Exception):
@@ -201,15 +202,20 @@ def _draw(fn, n: int, plot_path: str) -> str | None:
 def _ranks(path: str, exercise: str, args) -> list[dict]:
     """What each of 2 ranks, started by the file's child, returned from `sandbox_child.RANK_JOBS[exercise]`."""
     with load(path, NAMES[exercise], args) as child:  # its errors are told here, before any rank starts
-        reply = child.request({"op": "ranks", "job": exercise, "timeout": DDP_TIMEOUT}, DDP_TIMEOUT + 30,
-                              "running the 2 ranks")
+        return _run_ranks(child, exercise, 2)
+
+
+def _run_ranks(child: Child, exercise: str, world: int) -> list[dict]:
+    """`world` ranks of the exercise's job, started by `child` (`sandbox_child`'s `ranks`); Failed if one failed."""
+    reply = child.request({"op": "ranks", "job": exercise, "world_size": world, "timeout": DDP_TIMEOUT},
+                          DDP_TIMEOUT + 30, f"running the {world} ranks")
     if reply.get("timeout"):
-        raise Failed(f"the 2 ranks did not finish in {DDP_TIMEOUT:.0f} s: a rank waits for a message the other never "
-                     "sends (do both ranks make the same collective calls, in the same order?)")
-    if "rank_died" in reply:
-        raise Failed(f"a rank died: {reply['rank_died']}")
+        raise Failed(f"the {world} ranks did not finish in {DDP_TIMEOUT:.0f} s: a rank waits for a message another "
+                     "never sends (do all ranks make the same collective calls, in the same order?)")
+    if "rank_died" in reply or "error" in reply:
+        raise Failed(f"a rank died: {reply['rank_died']}" if "rank_died" in reply else reply["error"])
     ranks = reply.get("ranks")
-    if not (isinstance(ranks, list) and len(ranks) == 2 and all(isinstance(r, dict) for r in ranks)):
+    if not (isinstance(ranks, list) and len(ranks) == world and all(isinstance(r, dict) for r in ranks)):
         raise Failed(f"the ranks sent back {str(ranks)[:200]} instead of their results")
     errors = [r["error"] for r in ranks if "error" in r]
     if errors:
@@ -237,14 +243,18 @@ def check_hook(path: str, args) -> str:
     from .properties import LOSS_SCALE, hook_mismatch, torch_hook_job
 
     name = NAMES["hook"]
-    ranks = _ranks(path, "hook", args)
-    reference = launch(torch_hook_job, 2, timeout=DDP_TIMEOUT)  # torch's own hook, in ranks the file never ran in
-    try:
-        hook_mismatch([{name: mine[name], **ref} for mine, ref in zip(ranks, reference)], name)
-    except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
-        raise Failed(f"the ranks sent back results in another shape than the grader's ({type(e).__name__}: {e})")
-    return (f"{name} on torch's DDP equals torch's fp16_compress_hook on 2 ranks (a float32 MLP, a bucket per layer "
-            f"or two, to 1e-6): the gradients and parameters of an ordinary step, and of a step whose loss is scaled "
+    with load(path, name, args) as child:  # its errors are told here, before any rank starts
+        for world in HOOK_WORLDS:  # two sizes: a hook that divides by 2 is right on 2 ranks only
+            ranks = _run_ranks(child, "hook", world)
+            reference = launch(torch_hook_job, world, timeout=DDP_TIMEOUT)  # torch's own hook, in ranks of ours
+            try:
+                hook_mismatch([{name: mine[name], **ref} for mine, ref in zip(ranks, reference)], name)
+            except (KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+                raise Failed(f"the ranks sent back results in another shape than the grader's ({type(e).__name__}: "
+                             f"{e})")
+    return (f"{name} on torch's DDP equals torch's fp16_compress_hook on 2 ranks, to 1e-6, and on 3, to float16's "
+            f"precision (where a right hook may round in another order than torch's), for a float32 MLP with a bucket "
+            f"per layer or two: the gradients and parameters of an ordinary step, and of a step whose loss is scaled "
             f"by {LOSS_SCALE:.0f}, where the sum of the ranks' float16 gradients would overflow")
 
 
@@ -306,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", metavar="PATH", help="schedule: where to draw it (default: FILE with .png)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds each call of your code may take, and importing your file (default 60; ddp "
-                             f"and hook: their 2 ranks take up to {DDP_TIMEOUT:.0f})")
+                             f"and hook: their ranks take up to {DDP_TIMEOUT:.0f})")
     parser.add_argument("--total", type=float, default=600.0, help="seconds for the whole check (default 600)")
     parser.add_argument("--memory", type=int, default=4096, metavar="MB",
                         help="memory your code's process may map, in MiB (default 4096)")

@@ -9,10 +9,12 @@ import re
 import pytest
 
 from manualdp.cost import cost
+from manualdp.runners.check import HOOK_WORLDS
 from manualdp.runners.cli import main
-from manualdp.runners.properties import (Mismatch, book_schedules, cost_property, cost_sweep_property, resume_property,
-                                         zero1_property)
+from manualdp.runners.properties import (Mismatch, book_schedules, cost_property, cost_sweep_property, hook_job,
+                                         hook_mismatch, resume_property, torch_hook_job, zero1_property)
 from manualdp.schedule import get_schedule
+from manualdp.spmd.launch import launch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ANSWERS = ROOT / "tests" / "answers"
@@ -77,3 +79,24 @@ def test_a_resume_is_judged_by_its_file_and_its_step(name, told, tmp_path, monke
         resume_property((module.save_checkpoint, module.load_checkpoint), "sgd", (3, 1), 5, 9)
     solution = answer("checkpoint", ROOT / "book" / "solutions")
     resume_property((solution.save_checkpoint, solution.load_checkpoint), "adam", (3, 1), 5, 9)
+
+
+HOOK = "fp16_compress_hook"
+HOOK_ANSWERS = ("hook_returns_none", "hook_no_decompress", "hook_divides_by_two")
+
+
+def every_hook() -> list[dict]:
+    """One rank: each hook answer on torch's DDP, as the grader's ranks run it (`hook_job`), then torch's own hook."""
+    return [hook_job(str(ANSWERS / f"{name}.py"), HOOK) for name in HOOK_ANSWERS] + [torch_hook_job()]
+
+
+def test_a_hook_that_breaks_the_contract_is_told_and_one_right_on_2_ranks_only_fails_on_3():
+    assert HOOK_WORLDS == (2, 3)
+    ranks = launch(every_hook, 3, timeout=90)  # one launch for all: each costs seconds
+    none, raw, by_two, theirs = zip(*ranks)
+    assert none[0]["error"].startswith(f"rank 0: {HOOK} returned None, not a torch.futures.Future"), none
+    assert raw[0]["error"].startswith(f"rank 0: the future {HOOK} returned holds a list of one item, a tensor of "
+                                      "dtype float16"), raw
+    with pytest.raises(Mismatch, match=f"{HOOK} on 3 ranks, step 0, .* Yours is 3/2 times torch's: divide by the "
+                                       r"world size \(3 here"):
+        hook_mismatch([{HOOK: mine[HOOK], **torch} for mine, torch in zip(by_two, theirs)], HOOK)
