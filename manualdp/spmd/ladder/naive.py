@@ -41,7 +41,6 @@ import weakref
 import torch
 from torch import nn
 
-from ...buckets import flatten, unflatten_
 from ...validate import boolean, nn_module, one_of, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce, broadcast
 from ..transport.agree import agree, broadcast_from_rank0, check_same_model
@@ -179,21 +178,28 @@ class NaiveDDP(nn.Module):
     def copy_buffers(self) -> None:
         """Before a forward pass with grad: rank 0's buffers to every rank, with the step compared on the way.
 
-        One `collectives.broadcast` per dtype and device, of the buffers flattened; the first
-        carries the step check's header (`check_step`'s fields, for a broadcast) beside its data,
-        so that a rank that runs one forward pass more raises naming the step, as a skipped
-        backward does, instead of pairing its copy with the peers' step check.
+        One `collectives.broadcast` per device (one in all, as a rule) of the buffers' bytes
+        side by side, whatever their dtypes; the first carries the step check's header
+        (`check_step`'s fields, for a broadcast) beside its data, so that a rank that runs one
+        forward pass more raises naming the step, as a skipped backward does, instead of pairing
+        its copy with the peers' step check.
         """
         if self.world_size == 1:
             return
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
         with torch.no_grad():
-            groups = dict.fromkeys((b.dtype, b.device) for b in self.synced_buffers)
-            for k, (dtype, device) in enumerate(groups):
-                same = [b for b in self.synced_buffers if b.dtype == dtype and b.device == device]
-                flat = flatten(same)
+            for k, device in enumerate(dict.fromkeys(b.device for b in self.synced_buffers)):
+                same = [b for b in self.synced_buffers if b.device == device and b.numel()]
+                places, end = [], 0
+                for b in same:  # each at an offset of a multiple of 16 bytes, so that its bytes can be viewed as it
+                    places.append(end)
+                    end += -(-b.numel() * b.element_size() // 16) * 16
+                flat = torch.empty(end, dtype=torch.uint8, device=device)
+                for b, at in zip(same, places):
+                    flat[at:at + b.numel() * b.element_size()].copy_(b.reshape(-1).view(torch.uint8))
                 broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.steps)
-                unflatten_(flat, [b.data for b in same])  # .data: autograd may have saved them (two forwards)
+                for b, at in zip(same, places):  # .data: autograd may have saved them (two forwards, one backward)
+                    b.data.copy_(flat[at:at + b.numel() * b.element_size()].view(b.dtype).view(b.shape))
 
     def take_reached(self) -> list[bool]:
         """Whose hook this backward pass fired on this rank, in `params` order; forgotten for the next pass."""
