@@ -519,8 +519,11 @@ def cost_property(cost_fn, sched: Schedule, nbytes: int, alpha: float, beta: flo
         slips = [s for s in COST_SLIPS if math.isclose(out, _slip_cost(sched, nbytes, alpha, beta, gamma, s),
                                                       rel_tol=1e-9, abs_tol=1e-15)]
         want, got = apart(expected, out, _seconds)
+        off = abs(out - expected) / abs(expected) if expected else math.inf
         raise Mismatch(f"{call}: expected {want} s (manualdp.cost.cost), got {got} s"
-                       + (f". Yours counts {slips[0]}: {COST_SLIPS[slips[0]]}" if slips else ""))
+                       + (f". Yours counts {slips[0]}: {COST_SLIPS[slips[0]]}" if slips else "")
+                       + (f", off by {off:.2g} relatively where 1e-9 is asked: is a sum rounded to float32 "
+                          "somewhere?" if not slips and off < 1e-5 else ""))
 
 
 COST_SWEEP = dict(nbytes=1_000_003, alpha=1e-5, beta=1e-9, gamma=2e-10)  # every term counts; uneven chunks
@@ -748,7 +751,8 @@ def resume_property(fns, optimizer: str, run: tuple[int, int], seed: int, reseed
 def _unsaved(path: str) -> str:
     """What to say of a save_checkpoint that wrote nothing at the path it was given."""
     return (f"save_checkpoint({path!r}, ...) wrote nothing at {path!r}: write the checkpoint to the path it is given, "
-            "the one load_checkpoint is then given")
+            "the one load_checkpoint is then given (a new process, where a run resumes, starts with nothing but that "
+            "file)")
 
 
 def _judge_resume(call: str, out, optimizer: str, steps: int, stop_at: int, seed: int, reseed: int,
