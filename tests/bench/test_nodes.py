@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SMALL = ["--no-progress", "--num-train", "256", "--num-test", "64", "--batch-size", "32", "--model", "mlp"]
 
@@ -53,6 +55,7 @@ def test_two_nodes_of_two_ranks_train_end_to_end():
 
 
 
+@pytest.mark.soak  # about 20 s: bench/soak_tests.sh runs it
 def test_a_node_killed_mid_run_is_named_by_the_other_and_both_resume_bitwise(tmp_path):
     """Two nodes of one rank (bench/faults.py runs two of two): node 1's agent and worker get SIGKILL after a checkpoint."""
     import re

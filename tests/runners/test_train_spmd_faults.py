@@ -204,6 +204,7 @@ def test_when_a_rank_hangs_the_other_exits_after_the_timeout(tmp_path):
     assert 2 < seconds < 3 + 6
 
 
+@pytest.mark.soak  # about 20 s: bench/soak_tests.sh runs it
 def test_a_rank_that_fails_while_its_allreduce_thread_waits_still_exits(tmp_path):
     # Rank 1 hangs before its backward of step 5; rank 0 raises in the middle of that backward,
     # after its last layers' buckets went out: its allreduce thread waits for rank 1 (60 s).
@@ -422,6 +423,7 @@ def _torchrun(*args, timeout=120):
                           env=env, cwd=ROOT)
 
 
+@pytest.mark.soak  # about 20 s: bench/soak_tests.sh runs it
 def test_resume_under_torchrun_equals_one_run(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     straight = _torchrun("--epochs", "2", "--json", str(tmp_path / "a.json"))
