@@ -5,7 +5,7 @@ import torch
 
 from .validate import positive_number
 
-__all__ = ["DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_CAP_MB", "assign_buckets", "flatten", "unflatten_"]
+__all__ = ["DEFAULT_BUCKET_CAP_MB", "FIRST_BUCKET_CAP_MB", "assign_buckets", "by_dtype", "flatten", "unflatten_"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0  # DDP's default
 FIRST_BUCKET_CAP_MB = 1.0  # DDP's first bucket, when bucket_cap_mb is its default
@@ -45,6 +45,14 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_mb: float | list[float
         buckets[-1].append(i)
         size += nbytes
     return buckets
+
+
+def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` split by dtype, in order: a flat buffer holds one dtype."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.dtype, []).append(t)
+    return list(groups.values())
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:

@@ -24,9 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...buckets import flatten, unflatten_
+from ...buckets import by_dtype, flatten, unflatten_
 from ...validate import initialized, nn_module, no_closure
-from ..ladder.flat import by_dtype
 from .manager import Manager
 from .quorum import Quorum
 

@@ -31,9 +31,8 @@ import copy
 import torch
 from torch import nn
 
-from ...buckets import flatten, unflatten_
+from ...buckets import by_dtype, flatten, unflatten_
 from ...validate import fraction, learning_rate, positive_int
-from ..ladder.flat import by_dtype
 from .ddp import check_wrapped, optimizer_settings
 from .manager import Manager
 from .quorum import Quorum

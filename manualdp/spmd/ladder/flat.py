@@ -9,19 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ...buckets import flatten, unflatten_
+from ...buckets import by_dtype, flatten, unflatten_
 from ..collectives import allreduce
 from .naive import NaiveDDP
 
-__all__ = ["FlatDDP", "by_dtype"]
+__all__ = ["FlatDDP"]
 
-
-def by_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`tensors` split by dtype, in order: a flat buffer holds one dtype."""
-    groups: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault(t.dtype, []).append(t)
-    return list(groups.values())
 
 
 class FlatDDP(NaiveDDP):
