@@ -1,5 +1,6 @@
 """The architecture of ARCHITECTURE.md, held by tests: which layer may import which, and a book a student can read."""
 import ast
+import importlib
 import inspect
 import json
 import os
@@ -108,12 +109,21 @@ def test_every_sub_package_is_in_a_known_layer_and_the_engines_in_a_known_room()
 
 # ---------------------------------------------------------------- the engine's rooms
 
-ROOMS = ["transport", "auto", "collectives", "ladder", "ddp", "sharding", "launch", "ft"]  # an arrow points back up this list
-ROOM_OF = {  # the engine's files and folders below spmd/, each in its room
-    "transport": "transport", "auto": "auto", "collectives": "collectives", "ladder": "ladder", "ddp": "ddp",
-    "comm_hooks": "ddp", "syncbn": "ddp", "sharding": "sharding", "launch": "launch", "sampler": "launch",
-    "ft": "ft",  # fault tolerance: on transport, the collectives and the ladder; nothing in the engine imports it
+# The engine's rooms in order (an arrow points back up this list), each with its files and folders below spmd/.
+# The one map: spmd/__init__.py's docstring and ARCHITECTURE.md list the same rooms, in this order, with these names
+# (test_the_three_maps_agree).
+MAP = {
+    "transport": ["transport/"],
+    "auto": ["auto/"],
+    "collectives": ["collectives.py", "comm_hooks.py", "syncbn.py"],  # what users call, and what rests on it alone
+    "ladder": ["ladder/"],
+    "ddp": ["ddp/"],
+    "sharding": ["sharding/"],
+    "launch": ["launch.py", "sampler.py"],
+    "ft": ["ft/"],  # fault tolerance: on transport, the collectives and the ladder; nothing in the engine imports it
 }
+ROOMS = list(MAP)
+ROOM_OF = {entry.rstrip("/").removesuffix(".py"): name for name, entries in MAP.items() for entry in entries}
 KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()  # (module, imported module) pairs the order allows for now: none
 
 
@@ -175,6 +185,70 @@ def test_the_room_checker_sees_a_wrong_arrow(tmp_path):
         test_rooms_import_only_their_own_room_or_rooms_before_it("spmd.transport.p2p", bad)
     with pytest.raises(KeyError):
         room("spmd.pipeline.stages")  # a new room must be placed in the order before it is checked
+
+
+# ---------------------------------------------------------------- the three maps of the engine agree
+
+ARCHITECTURE = ROOT.parent / "ARCHITECTURE.md"
+
+
+def listed_rooms(text: str) -> list[list[str]]:
+    """The rooms a list names, in order: for each item ("- " or "3. ") whose head (the text before its first colon)
+    is only names in backticks, those names, without `spmd/`."""
+    found = []
+    for line in text.splitlines():
+        item = re.match(r"\s*(?:-|\d+\.)\s+((?:`[\w./]+`(?:,\s*|\s+and\s+)?)+):", line)
+        if item:
+            found.append([name.removeprefix("spmd/") for name in re.findall(r"`([\w./]+)`", item.group(1))])
+    return found
+
+
+def section(text: str, start: str, end: str) -> str:
+    """The part of `text` from the line holding `start` to the next line holding `end`."""
+    head = text.index(start)
+    return text[head:text.index(end, head)]
+
+
+def table_rooms(text: str) -> list[str]:
+    """The room of each row of ARCHITECTURE.md's table of the engine's files, in the table's order."""
+    rows = re.findall(r"^\| `spmd/([\w./]+)` \|", text, re.M)
+    return [ROOM_OF[row.split("/")[0].removesuffix(".py")] for row in rows]
+
+
+def check_maps(docstring: str, architecture: str) -> None:
+    expected = list(MAP.values())
+    listed = listed_rooms(section(docstring, "Rooms, in reading order", "\n\n"))
+    assert listed == expected, f"spmd/__init__.py lists the rooms {listed}; tests/test_layout.py's MAP: {expected}"
+    rooms_part = section(architecture, "## The engine's rooms", "| file |")
+    listed = listed_rooms(rooms_part)
+    assert listed == expected, f"ARCHITECTURE.md lists the rooms {listed}; tests/test_layout.py's MAP: {expected}"
+    order = table_rooms(section(architecture, "| file |", "\n\n"))
+    assert order == sorted(order, key=ROOMS.index) and set(order) == set(ROOMS), (
+        f"ARCHITECTURE.md's table of the engine's files goes through the rooms in another order: {order}")
+
+
+def test_the_three_maps_agree():
+    check_maps(inspect.getdoc(importlib.import_module("manualdp.spmd")), ARCHITECTURE.read_text())
+    on_disk = sorted(p.name + ("/" if p.is_dir() else "") for p in (ROOT / "spmd").iterdir()
+                     if p.name not in ("__init__.py", "__pycache__"))
+    assert on_disk == sorted(e for entries in MAP.values() for e in entries), "spmd/ holds what MAP does not name"
+
+
+def test_the_map_checker_sees_a_disagreement():
+    docstring = inspect.getdoc(importlib.import_module("manualdp.spmd"))
+    architecture = ARCHITECTURE.read_text()
+    check_maps(docstring, architecture)
+    swapped = docstring.replace("- `ladder/`", "- `LADDER`").replace("- `ddp/`", "- `ladder/`").replace(
+        "- `LADDER`", "- `ddp/`")
+    with pytest.raises(AssertionError, match="spmd/__init__.py lists the rooms"):
+        check_maps(swapped, architecture)
+    without_ft = re.sub(r"\n\d+\. `ft/`:", "\nthen `ft/`:", architecture)
+    with pytest.raises(AssertionError, match="ARCHITECTURE.md lists the rooms"):
+        check_maps(docstring, without_ft)
+    row = re.search(r"^\| `spmd/ft/manager.py` \|.*\n", architecture, re.M).group(0)
+    moved_up = architecture.replace(row, "").replace("| `spmd/auto/pick.py`", row + "| `spmd/auto/pick.py`")
+    with pytest.raises(AssertionError, match="table of the engine's files"):
+        check_maps(docstring, moved_up)
 
 
 @pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: str(x) if isinstance(x, str) else "")

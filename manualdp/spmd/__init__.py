@@ -1,16 +1,19 @@
 """The engine: one process per device over `torch.distributed`, each step a function you can read.
 
-Rooms, in reading order (each arrow points down this list only; `tests/test_layout.py` holds them):
-- `transport/`: how bytes move between ranks: a schedule's plan for one rank, the p2p executor,
-  deadlines and `PeerError`, the call check, and the one way ranks agree (`agree.py`);
+Rooms, in reading order (a room imports only the rooms before it; `tests/test_layout.py` holds this list to
+ARCHITECTURE.md's and to the imports):
+- `transport/`: how bytes move between ranks: a schedule's plan for one rank, the p2p executor, the group's
+  ordered worker, deadlines and `PeerError`, the call check, and the one way ranks agree (`agree.py`);
 - `auto/`: `algorithm="auto"`: measure the link, let the cost model pick the schedule;
-- `collectives.py`: what users call: `allreduce`, `reduce_scatter`, `all_gather`, `reduce`, `broadcast`;
+- `collectives.py`, `comm_hooks.py`, `syncbn.py`: what users call (`allreduce`, `reduce_scatter`, `all_gather`,
+  `reduce`, `broadcast`), and what rests on those alone: torch's comm hooks (fp16/bf16 compression, PowerSGD,
+  no-op) and `SyncBatchNorm`;
 - `ladder/`: rungs 1-4 of DDP, naive to bucketed, each the one below plus one idea;
 - `ddp/`: rung 5, the drop-in `DistributedDataParallel`: rung 4's buckets plus torch's features;
-- `comm_hooks.py`: torch's comm hooks (fp16/bf16 compression, PowerSGD, no-op) on our allreduce;
-- `syncbn.py`: `SyncBatchNorm`, statistics over the process group;
-- `sharding/`: ZeRO-1/2 (`ZeroRedundancyOptimizer`) and ZeRO-3 (`fully_shard`);
-- `launch.py`, `sampler.py`: starting ranks (torchrun or on this machine), each rank's shard of the data.
+- `sharding/`: ZeRO-1/2 (`ZeroRedundancyOptimizer`) and ZeRO-3 (`fully_shard`, in FSDP2's roles);
+- `launch.py`, `sampler.py`: starting ranks (torchrun or on this machine), each rank's shard of the data;
+- `ft/`: fault tolerance: replicas that agree on a quorum each step, commit or discard it together, and take a
+  restarted replica back in (`manualdp.spmd.ft`, imported on its own).
 
 The drop-ins users swap for torch's are also importable from `manualdp.distributed`.
 """
