@@ -180,5 +180,6 @@ def same_rows(rows, atol=1e-12):
     """Every tensor of each row equals the row's first, within `atol`."""
     for step, row in enumerate(rows):
         for other in row[1:]:
-            assert torch.allclose(row[0], other, rtol=0, atol=atol), f"step {step}: max diff {(row[0] - other).abs().max()}"
+            assert torch.allclose(row[0], other, rtol=0, atol=atol), (
+                f"step {step}: max diff {(row[0] - other).abs().max()}")
 

@@ -130,7 +130,8 @@ def test_spmd_sweep_busbw_is_algbw_times_2_n_minus_1_over_n(monkeypatch):
     seconds = {0: 1e-3, 1: 2e-3, 2: 1.5e-3, 3: 0.5e-3}  # the collective takes as long as its slowest rank: 2 ms
 
     def fake_launch(fn, world_size, args, **kwargs):
-        return [{4096: {"times": {name: [seconds[r]] for name in names}, "wrong": dict.fromkeys(names, 0), "pick": "ring"},
+        return [{4096: {"times": {name: [seconds[r]] for name in names}, "wrong": dict.fromkeys(names, 0),
+                        "pick": "ring"},
                  "link": {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0}}
                 for r in range(world_size)]
 

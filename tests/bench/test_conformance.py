@@ -22,7 +22,8 @@ def test_selection_leaves_out_only_tests_that_read_torch_privates_or_cannot_run_
                for why in left_out.values())
     assert set(conformance.IMPLEMENTATION) <= set(left_out)
     # private names read in the helpers a test calls count too, each with why manualdp does not offer it
-    assert left_out["test_ddp_logging_data_cpu"].startswith("reads torch private `_set_ddp_runtime_logging_sample_rate`: ")
+    assert left_out["test_ddp_logging_data_cpu"].startswith(
+        "reads torch private `_set_ddp_runtime_logging_sample_rate`: ")
     # a private API on the DDP class that manualdp supports is no reason to leave a test out
     assert {"test_ddp_ignore_params_arg", "test_ddp_multiple_nested_unused_params_err_ignore_params",
             "test_ddp_remove_autograd_hooks", "test_ddp_buffer_hook_allreduce", "test_ddp_broadcast_buffer_via_hook",
@@ -40,22 +41,25 @@ def test_selection_leaves_out_only_tests_that_read_torch_privates_or_cannot_run_
 def test_selection_finds_ddp_tests_by_their_code_and_reads_names_only_in_code():
     chosen, _ = conformance.select()
     # DDP tests whose names do not say so: they build a DistributedDataParallel
-    assert {"test_invalid_static_graph", "test_output_unused_in_loss_tuple_module", "test_output_unused_in_loss_dict_module",
+    assert {"test_invalid_static_graph", "test_output_unused_in_loss_tuple_module",
+            "test_output_unused_in_loss_dict_module",
             "test_post_localSGD_optimizer_parity", "test_post_localSGD_optimizer_parity_grad_is_view",
             "test_post_localSGD_optimizer_parity_with_hierarchical_sgd",
             "test_post_localSGD_optimizer_parity_with_hierarchical_sgd_grad_is_view",
             "test_post_localSGD_optimizer_step_reload", "test_static_graph_multi_forward",
             "test_undefined_grad_parity_unused_parameters"} <= set(chosen)
     # `reducer` only in a comment or a docstring, `_sync_buffers` only inside `forward_sync_buffers`
-    assert {"test_accumulate_gradients_no_sync_allreduce_hook", "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
+    assert {"test_accumulate_gradients_no_sync_allreduce_hook",
+            "test_accumulate_gradients_no_sync_allreduce_with_then_hook",
             "test_ddp_model_diff_num_params_across_ranks", "test_ddp_broadcast_buffers_deprecation_warning",
             "test_ddp_init_sync_buffers_with_forward_sync_buffers_false",
             "test_ddp_join_respects_forward_sync_buffers_false"} <= set(chosen)
 
 
 def test_logging_fields_read_are_found_in_code():
-    code = "d = m._get_ddp_logging_data()\nddp_logging_data = d\nx = ddp_logging_data.get('iteration')\n" \
-           "y = ddp_logging_data['error']\nif 'has_error' not in ddp_logging_data: pass\nz = m._get_ddp_logging_data().get('rank')"
+    code = ("d = m._get_ddp_logging_data()\nddp_logging_data = d\nx = ddp_logging_data.get('iteration')\n"
+            "y = ddp_logging_data['error']\nif 'has_error' not in ddp_logging_data: pass\n"
+            "z = m._get_ddp_logging_data().get('rank')")
     assert conformance.logging_fields_read(code) == {"iteration", "error", "has_error", "rank"}
 
 

@@ -23,7 +23,8 @@ def test_without_cuda_gpu_sh_says_so_and_exits_0_having_run_nothing(tmp_path):
     out = subprocess.run(["bash", str(ROOT / "bench" / "gpu.sh")], cwd=tmp_path, capture_output=True, text=True,
                          timeout=120, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OUT": str(tmp_path / "gpu")})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "bench/gpu.sh: no CUDA device here (torch.cuda.is_available() is False); nothing to run"
+    assert out.stdout.strip() == ("bench/gpu.sh: no CUDA device here (torch.cuda.is_available() is False); "
+                                  "nothing to run")
     assert not (tmp_path / "gpu").exists()
 
 

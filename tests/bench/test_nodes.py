@@ -57,7 +57,8 @@ def test_two_nodes_of_two_ranks_train_end_to_end():
 
 @pytest.mark.soak  # about 20 s: bench/soak_tests.sh runs it
 def test_a_node_killed_mid_run_is_named_by_the_other_and_both_resume_bitwise(tmp_path):
-    """Two nodes of one rank (bench/faults.py runs two of two): node 1's agent and worker get SIGKILL after a checkpoint."""
+    """Two nodes of one rank (bench/faults.py runs two of two): node 1's agent and worker get SIGKILL after a
+    checkpoint."""
     import re
 
     from bench.nodes import kill_node_and_resume

@@ -7,7 +7,8 @@ from bench.scaling import format_table, main
 def test_scaling_table_compares_both_wrappers_at_every_world_size(tmp_path, capsys):
     out_json, out_png = tmp_path / "s.json", tmp_path / "s.png"
     code = main(["--models", "mlp", "--world-sizes", "2", "1", "--rounds", "2", "--steps", "1",
-                 "--warmup", "1", "--batch-size", "16", "--no-progress", "--json", str(out_json), "--plot", str(out_png)])
+                 "--warmup", "1", "--batch-size", "16", "--no-progress",
+                 "--json", str(out_json), "--plot", str(out_png)])
     assert code == 0
     result = json.loads(out_json.read_text())
     rows = result["rows"]
@@ -18,7 +19,8 @@ def test_scaling_table_compares_both_wrappers_at_every_world_size(tmp_path, caps
         assert ours["p50_ms"] <= ours["p75_ms"] <= ours["p90_ms"] <= ours["p95_ms"]
         assert r["max_param_diff"] < 1e-5  # both wrappers trained the same model on the same data
     assert rows[0]["manualdp"]["speedup"] == rows[0]["torch DDP"]["speedup"] == 1.0
-    assert abs(rows[1]["manualdp"]["speedup"] - rows[1]["manualdp"]["samples_per_s"] / rows[0]["manualdp"]["samples_per_s"]) < 1e-9
+    assert abs(rows[1]["manualdp"]["speedup"]
+               - rows[1]["manualdp"]["samples_per_s"] / rows[0]["manualdp"]["samples_per_s"]) < 1e-9
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert format_table(result) in printed

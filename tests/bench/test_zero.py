@@ -39,7 +39,8 @@ def test_bytes_sent_are_counted_by_the_executor_and_equal_the_formula_summed_ove
     expected = {"manualdp DDP": 2 * (N - 1) * (S + 8 * tensors),  # the buckets carry two fp32 flags per tensor
                 "manualdp ZeRO-1": 2 * (N - 1) * (S + 8 * tensors) + (N - 1) * S,
                 "manualdp ZeRO-2": 2 * (N - 1) * S,
-                # three passes, and each segment's tail: 2 fp32 per all-gather, 2 per rank + 1 per tensor per reduce-scatter
+                # three passes, and each segment's tail: 2 fp32 per all-gather,
+                # 2 per rank + 1 per tensor per reduce-scatter
                 "manualdp ZeRO-3": 3 * (N - 1) * S + (N - 1) * 4 * N * (LAYERS + 1) * (2 * 2 + 2 * N + 2)}
     for run in result["runs"]:
         if run["row"] in expected:
@@ -52,7 +53,8 @@ def test_bytes_sent_are_counted_by_the_executor_and_equal_the_formula_summed_ove
         for r in rows:  # the TCP sockets sent at least what the executor counted
             assert (r["wire_bytes"] is None) == (shutil.which("ss") is None)
             assert r["wire_bytes"] is None or r["wire_bytes"] >= r["sent_bytes"]
-    assert [r["other_bytes"] for r in _rows(result, "manualdp ZeRO-2")] == [4 * (tensors + 4)] * N  # int32: used flags, 4 step flags
+    # int32: used flags, 4 step flags
+    assert [r["other_bytes"] for r in _rows(result, "manualdp ZeRO-2")] == [4 * (tensors + 4)] * N
     assert all(r["sent_bytes"] is None for r in result["rows"] if r["row"].startswith("torch"))
     sent = [t for t in result["targets"] if t["name"].startswith("sent")]
     assert len(sent) == 4 and all(t["holds"] for t in sent)

@@ -1,4 +1,5 @@
-"""The API cases: tuple and dict outputs, non-finite by default, double division, shared optimizers, dict batches, meta tensors."""
+"""The API cases: tuple and dict outputs, non-finite by default, double division, shared optimizers, dict batches,
+meta tensors."""
 import functools
 import warnings
 
@@ -137,7 +138,8 @@ def test_one_optimizer_shared_by_two_replicas_is_refused_and_nothing_changes():
 def test_an_iterator_of_dicts_gets_a_clear_message():
     X, y = _data()
     batches = [{"image": X, "label": y}]
-    with pytest.raises(TypeError, match=r"train_iter must yield \(X, y\) pairs, got a dict with keys \['image', 'label'\]"):
+    with pytest.raises(TypeError,
+                       match=r"train_iter must yield \(X, y\) pairs, got a dict with keys \['image', 'label'\]"):
         train(nn.Linear(4, 3), batches, [], cpu_devices(2), 1, 0.1, progress=False, log=None)
     with pytest.raises(TypeError, match=r"data_iter must yield \(X, y\) pairs, got a dict"):
         evaluate(nn.Linear(4, 3), batches)

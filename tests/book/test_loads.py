@@ -1,4 +1,5 @@
-"""The standard allreduces' loads written down without their schedules: equal to the schedules', and fast at any size."""
+"""The standard allreduces' loads written down without their schedules: equal to the schedules', and fast at any
+size."""
 import math
 
 import pytest

@@ -130,7 +130,8 @@ def test_beta_only_cost_matches_the_textbook(n):
     assert cost(get_schedule("ring", n), S, 0, beta, 0) == pytest.approx(beta * 2 * (n - 1) * S / n)
     assert cost(get_schedule("ring", n), S, 0, 0, beta) == pytest.approx(beta * (n - 1) * S / n)
     folds = 2 * S if n != p else 0
-    assert cost(get_schedule("halving_doubling", n), S, 0, beta, 0) == pytest.approx(beta * (2 * (p - 1) * S / p + folds))
+    assert cost(get_schedule("halving_doubling", n), S, 0, beta, 0) == pytest.approx(
+        beta * (2 * (p - 1) * S / p + folds))
 
 
 @pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), True, "1"])
@@ -174,7 +175,8 @@ def test_several_adds_into_one_chunk_are_allowed():
 
 
 @pytest.mark.parametrize("algorithm, n, match", [
-    ("butterfly", 4, "algorithm"), (["ring"], 4, "algorithm"), ("ring", 0, "n"), ("ring", True, "n"), ("ring", 2.0, "n"),
+    ("butterfly", 4, "algorithm"), (["ring"], 4, "algorithm"),
+    ("ring", 0, "n"), ("ring", True, "n"), ("ring", 2.0, "n"),
 ])
 def test_get_schedule_rejects_bad_input(algorithm, n, match):
     with pytest.raises(ValueError, match=match):

@@ -30,7 +30,8 @@ CASES = [
     (lambda: split_batch(torch.zeros(4, 2), torch.zeros(5), cpu_devices(2)), ValueError, ["len(X)=4", "len(y)=5"]),
     (lambda: split_batch(torch.zeros(4, 2), torch.zeros(4), []), ValueError, ["devices must not be empty"]),
     (lambda: split_batch(torch.zeros(4, 2), torch.zeros(4), ["gpu7"]), TypeError, ["devices contains 'gpu7'"]),
-    (lambda: split_batch(torch.tensor(1.0), torch.zeros(4), cpu_devices(1)), ValueError, ["X must have a batch dimension"]),
+    (lambda: split_batch(torch.tensor(1.0), torch.zeros(4), cpu_devices(1)), ValueError,
+     ["X must have a batch dimension"]),
     (lambda: replicate(nn.Linear(2, 2), "cpu"), TypeError, ["devices must be a list", "'cpu'"]),
     (lambda: replicate_params([1.0], "cpu"), TypeError, ["params[0] must be a torch.Tensor", "float"]),
     (lambda: allreduce([]), ValueError, ["tensors must not be empty"]),
@@ -44,7 +45,8 @@ CASES = [
     (lambda: assign_buckets([torch.zeros(2)], 0), ValueError, ["bucket_cap_mb must be a positive number", "0"]),
     (lambda: assign_buckets([torch.zeros(2)], -1.5), ValueError, ["bucket_cap_mb", "-1.5"]),
     (lambda: assign_buckets([torch.zeros(2)], [1, -2]), ValueError, ["bucket_cap_mb", "-2"]),
-    (lambda: assign_buckets([torch.zeros(2), torch.zeros(2)], 1, order=[1, 1]), ValueError, ["order must hold", "[1, 1]"]),
+    (lambda: assign_buckets([torch.zeros(2), torch.zeros(2)], 1, order=[1, 1]), ValueError,
+     ["order must hold", "[1, 1]"]),
     (lambda: unflatten_(torch.zeros(3), [torch.zeros(2)]), ValueError, ["flat has 3 elements", "hold 2"]),
     (lambda: evaluate("net", []), TypeError, ["net must be an nn.Module", "str"]),
     (lambda: train(nn.Linear(2, 2), [], [], cpu_devices(1), 1, 0.1, nonfinite="ignore", progress=False, log=None),
@@ -67,7 +69,8 @@ def test_bad_input_is_a_clear_error(call, error, words):
 
 
 NOTHING_TO_TRAIN = {
-    "frozen": (lambda: nn.Linear(4, 3).requires_grad_(False), "net has no parameters that require grad (all 2 are frozen)"),
+    "frozen": (lambda: nn.Linear(4, 3).requires_grad_(False),
+               "net has no parameters that require grad (all 2 are frozen)"),
     "parameterless": (lambda: nn.Softmax(dim=1), "net has no parameters that require grad (it has none)"),
     "lazy": (lambda: nn.Sequential(nn.LazyLinear(3)), "net has uninitialized parameters (0.weight, 0.bias: a lazy"),
 }
@@ -127,7 +130,8 @@ def test_failed_train_batch_leaves_replicas_unchanged():
     opts = [torch.optim.SGD(r.parameters(), lr=1.0) for r in replicas]
     before = [p.clone() for p in replicas[0].parameters()]
     with pytest.raises(ValueError, match="nonfinite must be one of"):
-        train_batch(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), replicas, opts, cpu_devices(2), nonfinite="warn")
+        train_batch(torch.randn(4, 3), torch.zeros(4, dtype=torch.long), replicas, opts, cpu_devices(2),
+                    nonfinite="warn")
     with pytest.raises(ValueError, match="batch of 1 is smaller than the 2 devices"):
         train_batch(torch.randn(1, 3), torch.zeros(1, dtype=torch.long), replicas, opts, cpu_devices(2))
     for p, b in zip(replicas[0].parameters(), before):
@@ -164,13 +168,15 @@ def test_public_names_exist():
         assert hasattr(manualdp, name), name
 
 
-# ---------------------------------------------------------------- the engine (manualdp.distributed), outside any process group
+# ------------------------------------------------------ the engine (manualdp.distributed), outside any process group
 
 @pytest.mark.parametrize("call, error, words", [
     (lambda: spmd_allreduce([torch.ones(2)]), TypeError, "tensor must be a torch.Tensor"),
     (lambda: spmd_allreduce(torch.ones(2, dtype=torch.bool)), TypeError, "torch.bool"),
-    (lambda: spmd_allreduce(torch.ones(2, dtype=torch.uint16)), TypeError, "torch.uint16, which torch cannot add on cpu"),
-    (lambda: spmd_allreduce(torch.zeros(2, dtype=torch.float8_e4m3fn)), TypeError, "float8_e4m3fn, which torch cannot add"),
+    (lambda: spmd_allreduce(torch.ones(2, dtype=torch.uint16)), TypeError,
+     "torch.uint16, which torch cannot add on cpu"),
+    (lambda: spmd_allreduce(torch.zeros(2, dtype=torch.float8_e4m3fn)), TypeError,
+     "float8_e4m3fn, which torch cannot add"),
     (lambda: spmd_allreduce(torch.ones(1).expand(3)), ValueError, "stride 0"),
     (lambda: spmd_allreduce(torch.ones(2), "rings"), ValueError, "'rings'"),
     (lambda: spmd_allreduce(torch.ones(2), segment_bytes=0), ValueError, "segment_bytes"),

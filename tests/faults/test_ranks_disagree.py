@@ -48,7 +48,8 @@ def _short_rank():
     net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     g = torch.Generator().manual_seed(1)
     n = 32 if rank == 0 else 40  # 4 batches against 5
-    data = DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)), batch_size=8)
+    data = DataLoader(TensorDataset(torch.randn(n, 4, generator=g), torch.randint(0, 3, (n,), generator=g)),
+                      batch_size=8)
     try:
         train_spmd(net, data, data, 1, 0.1, progress=False, log=None, timeout=20)
         return None
@@ -94,7 +95,8 @@ def _mismatched_wrappers():
     net(x).sum().backward()
     for g in (p.grad for p in net.parameters()):
         torch.distributed.all_reduce(g, group=group)
-    out["grads_are_the_mean"] = all(torch.allclose(a, b / 2, atol=1e-6) for a, b in zip(local, (p.grad for p in net.parameters())))
+    out["grads_are_the_mean"] = all(torch.allclose(a, b / 2, atol=1e-6)
+                                    for a, b in zip(local, (p.grad for p in net.parameters())))
     return out
 
 
@@ -111,7 +113,8 @@ def test_wrappers_with_another_communication_layout_are_refused_at_construction_
         assert "broadcast_buffers True..False (per rank: True, False)" in out["broadcast_buffers"], out
         assert "rebuild_buckets True..False (per rank: True, False)" in out["rebuild_buckets"], out
         for name in ("algorithm", "segment_bytes", "broadcast_buffers", "rebuild_buckets"):
-            assert "bucket_cap_mb" not in out[name] and "bucket elements" not in out[name], out[name]  # only what differs
+            # only what differs
+            assert "bucket_cap_mb" not in out[name] and "bucket elements" not in out[name], out[name]
         assert out["grads_are_the_mean"]
 
 
@@ -194,7 +197,8 @@ def _checks_per_step():
     from manualdp.spmd.ddp.wrapper import DistributedDataParallel
     seen = []
     check, reduce = ddp_debug.check_same_call, reducer.run_allreduce
-    ddp_debug.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)), check(t, *a, numel=numel, **k))[1]
+    ddp_debug.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)),
+                                                                 check(t, *a, numel=numel, **k))[1]
     # buckets go straight to the executor, which checks nothing
     reducer.run_allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel())), reduce(t, *a, **k))[1]
     try:

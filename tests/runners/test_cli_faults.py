@@ -99,7 +99,8 @@ def test_zero3_under_torchrun_refuses_an_algorithm_it_does_not_run(monkeypatch, 
 
 def _manualdp(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "manualdp", *args], capture_output=True, text=True, timeout=300, env=env)
+    return subprocess.run([sys.executable, "-m", "manualdp", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def test_resume_with_changed_options_is_one_line_naming_each(tmp_path):
@@ -125,7 +126,8 @@ def test_a_write_error_during_the_run_keeps_the_finished_epochs(tmp_path, monkey
         return real(path, mode)
     monkeypatch.setattr(ck, "atomic_write", filling)
     g = torch.Generator().manual_seed(0)
-    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)), batch_size=8)
+    data = DataLoader(TensorDataset(torch.randn(32, 4, generator=g), torch.randint(0, 2, (32,), generator=g)),
+                      batch_size=8)
     with pytest.raises(OSError) as e:
         train(nn.Linear(4, 2), data, data, cpu_devices(2), 3, 0.1, checkpoint_dir=str(tmp_path / "c"), progress=False,
               log=None)

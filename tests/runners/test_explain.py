@@ -29,7 +29,8 @@ def parse(text):
     return rounds, table, states
 
 
-@pytest.mark.parametrize("algorithm, n, size", [("ring", 4, 4000), ("tree", 3, 1200), ("tree", 6, 4096), ("naive", 3, 44)])
+@pytest.mark.parametrize("algorithm, n, size",
+                         [("ring", 4, 4000), ("tree", 3, 1200), ("tree", 6, 4096), ("naive", 3, 44)])
 def test_explain_prints_the_schedule_and_its_accounting(algorithm, n, size):
     schedule = get_schedule(algorithm, n)
     text = explain(algorithm, n, size_bytes=size)
@@ -42,7 +43,8 @@ def test_explain_prints_the_schedule_and_its_accounting(algorithm, n, size):
         assert printed["count"] == len(rnd)
         assert Counter(printed["transfers"]) == Counter((t.src, t.dst, t.chunk, t.reduce, sizes[t.chunk]) for t in rnd)
         one = type(schedule)(algorithm, n, schedule.num_chunks, (rnd,), ("",))
-        assert printed["us"] == pytest.approx(cost(one, size, DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, 4) * 1e6, abs=0.05)
+        assert printed["us"] == pytest.approx(cost(one, size, DEFAULT_ALPHA, DEFAULT_BETA, DEFAULT_GAMMA, 4) * 1e6,
+                                              abs=0.05)
 
     t = traffic(schedule, size, 4)
     assert table == {d: [t["sent"][d], t["received"][d], t["reduced"][d], t["messages"][d]] for d in range(n)}
@@ -201,7 +203,8 @@ def test_explain_auto_at_100000_ranks_answers_with_every_algorithms_rounds(capsy
         assert main(["auto", "--devices", "100000", "--alpha", "1e-5", "--beta", "1e-9", "--gamma", "1e-10"]) == 0
     out = capsys.readouterr().out
     link = Link(1e-5, 1e-9, 1e-10)
-    # naive: gather and scatter; ring: 2(n-1); tree: 2 ceil(log2 n); halving-doubling: 2 log2(65536) and the fold in and out.
+    # naive: gather and scatter; ring: 2(n-1); tree: 2 ceil(log2 n);
+    # halving-doubling: 2 log2(65536) and the fold in and out.
     for a, rounds in [("naive", 2), ("ring", 199998), ("halving_doubling", 34), ("tree", 34)]:
         line = next(x for x in out.splitlines() if x.strip().startswith(a + " "))
         assert line.split()[1] == str(rounds)

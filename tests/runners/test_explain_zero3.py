@@ -20,7 +20,8 @@ def test_explain_zero3_prints_every_collective_of_the_step_with_its_bytes(n):
     text = explain_zero3(n)
     steps = demo_step(n).collectives
     rows = [m for line in text.splitlines() if (m := ROW.match(line))]
-    assert len(rows) == len(steps) == 8  # 3 units: 3 + 2 all-gathers (the first layer's backward needs none), 3 reduce-scatters
+    # 3 units: 3 + 2 all-gathers (the first layer's backward needs none), 3 reduce-scatters
+    assert len(rows) == len(steps) == 8
     for row, c in zip(rows, steps):
         t = traffic(get_collective(c.kind, "ring", n), c.numel * 4, 4)
         assert (row[2].replace("-", "_"), row[3], row[4]) == (c.kind, c.phase, c.unit)

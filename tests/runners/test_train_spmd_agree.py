@@ -40,7 +40,8 @@ def _train_with_a_full_disk_on_rank0(ckpt):
 
 def test_a_full_disk_on_one_rank_is_named_on_every_rank(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    for rank, (kind, code, message, epochs) in enumerate(launch(_train_with_a_full_disk_on_rank0, 2, (ckpt,), timeout=60)):
+    for rank, (kind, code, message, epochs) in enumerate(launch(_train_with_a_full_disk_on_rank0, 2, (ckpt,),
+                                                                timeout=60)):
         assert kind == "OSError" and code == errno.ENOSPC, (rank, kind, message)
         assert "No space left on device" in message and os.path.join(ckpt, "rank0") in message, (rank, message)
         assert epochs == (2 if rank == 0 else 0)  # rank 0 recorded its epochs (rank 1's History is not kept)

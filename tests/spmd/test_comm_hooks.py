@@ -369,7 +369,8 @@ def test_a_hook_on_one_rank_only_is_named_on_every_rank_before_any_bucket_moves(
         value = _get(rank, "one_rank_hook")
         error = value["mismatch"]
         assert error is not None and error["type"] == "ValueError", error
-        assert "(per rank: manualdp.spmd.comm_hooks.allreduce_hook, none (manualdp's allreduce))" in error["message"], error
+        assert ("(per rank: manualdp.spmd.comm_hooks.allreduce_hook, none (manualdp's allreduce))"
+                in error["message"]), error
         late = value["late"]
         assert late is not None and late["type"] == "RuntimeError" and "before training" in late["message"], late
 
@@ -408,7 +409,8 @@ def _reference_powersgd():
         p = p / p.norm()
         q = sum(m.t() @ p for m in ms) / N  # the average of Q
         result = torch.cat([(p @ q.t()).reshape(-1), sum(f[12:] for f in fed) / N])  # the vector goes exactly
-        errors = [torch.cat([f[:12] - result[:12], torch.zeros(3, dtype=torch.float64)]) for f in fed]  # what P Qᵀ missed
+        # what P Qᵀ missed
+        errors = [torch.cat([f[:12] - result[:12], torch.zeros(3, dtype=torch.float64)]) for f in fed]
         out.append({"result": result, "error": errors})
     return out
 

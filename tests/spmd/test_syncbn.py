@@ -82,7 +82,8 @@ def test_sync_batchnorm_in_one_process_is_batchnorm():
     assert torch.allclose(bn.running_var, sync.running_var, atol=1e-12)
 
 
-@pytest.mark.parametrize("kwargs, words", [({"num_features": 0}, "num_features"), ({"num_features": 3, "eps": -1}, "eps"),
+@pytest.mark.parametrize("kwargs, words", [({"num_features": 0}, "num_features"),
+                                           ({"num_features": 3, "eps": -1}, "eps"),
                                            ({"num_features": 3, "affine": "yes"}, "affine")])
 def test_sync_batchnorm_bad_arguments_name_themselves(kwargs, words):
     with pytest.raises((TypeError, ValueError), match=words):

@@ -137,7 +137,8 @@ def test_checkpoint_options_need_a_directory():
     with pytest.raises(ValueError, match="need checkpoint_dir"):
         train(dropout_mlp(), [], [], cpu_devices(1), 1, 0.1, resume=True, progress=False, log=None)
     with pytest.raises(ValueError, match="checkpoint_every must be a positive int or None, got 0"):
-        train(dropout_mlp(), [], [], cpu_devices(1), 1, 0.1, checkpoint_dir="x", checkpoint_every=0, progress=False, log=None)
+        train(dropout_mlp(), [], [], cpu_devices(1), 1, 0.1, checkpoint_dir="x", checkpoint_every=0, progress=False,
+              log=None)
 
 
 def test_mid_epoch_and_end_of_epoch_checkpoints_of_one_step_are_both_kept(tmp_path):
@@ -170,8 +171,8 @@ def test_torchrun_checkpoints_are_not_resumed_by_a_single_process(tmp_path):
 def test_stale_checkpoints_are_refused_unless_resuming(tmp_path):
     save_checkpoint(str(tmp_path), 12, {"run": "old"})
     with pytest.raises(ValueError, match="already holds checkpoints"):
-        train(dropout_mlp(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path), progress=False,
-              log=None)
+        train(dropout_mlp(), _loader(), _loader(1), cpu_devices(2), 1, 0.1, checkpoint_dir=str(tmp_path),
+              progress=False, log=None)
 
 
 def test_saving_never_deletes_the_checkpoint_just_written(tmp_path):

@@ -59,7 +59,8 @@ def test_single_controller_trace_has_one_ordered_track_per_device(tmp_path):
             assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
     comm = sorted(spans["comm"], key=lambda e: e["ts"])
     assert len(comm) == steps
-    backwards = sorted((e for d in range(3) for e in spans[f"dev{d}"] if e["name"] == "backward"), key=lambda e: e["ts"])
+    backwards = sorted((e for d in range(3) for e in spans[f"dev{d}"] if e["name"] == "backward"),
+                       key=lambda e: e["ts"])
     firsts = sorted((e for e in spans["dev0"] if e["name"] == "step"), key=lambda e: e["ts"])
     for s, c in enumerate(comm):  # the allreduce starts when the last replica's backward ends, the step follows
         last = max(backwards[3 * s:3 * s + 3], key=lambda e: e["ts"] + e["dur"])
@@ -74,7 +75,8 @@ def test_single_controller_trace_has_one_ordered_track_per_device(tmp_path):
 def _spmd_job(path):
     from manualdp import train_spmd
     train_iter, test_iter = _data()
-    history = train_spmd(_net(), train_iter, test_iter, 1, 0.1, bucket_cap_mb=0.002, trace=path, progress=False, log=None)
+    history = train_spmd(_net(), train_iter, test_iter, 1, 0.1, bucket_cap_mb=0.002, trace=path, progress=False,
+                         log=None)
     return (history.config["timeline"], history.trace) if history is not None else None
 
 
@@ -101,7 +103,8 @@ def test_spmd_trace_has_each_buckets_ready_allreduce_and_wait_in_order(tmp_path)
                 wait = [e for e in waits if e["args"]["bucket"] == b][s]
                 first_ready = [e for e in ready if e["args"]["bucket"] == b]
                 assert any(r["ts"] <= send["ts"] for r in first_ready), "a bucket was sent before it was ready"
-                assert send["ts"] <= wait["ts"] + wait["dur"] and send["ts"] + send["dur"] <= wait["ts"] + wait["dur"] + 1e-3
+                assert (send["ts"] <= wait["ts"] + wait["dur"]
+                        and send["ts"] + send["dur"] <= wait["ts"] + wait["dur"] + 1e-3)
     s, events = summaries[0]
     assert json.loads(json.dumps(events)) == data  # rank 0 keeps every rank's events in memory, for the plot
     assert 0.0 <= s["overlap_fraction"] <= 1.0 and s["steps"] == steps

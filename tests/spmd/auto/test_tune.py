@@ -54,7 +54,8 @@ def test_link_constants_are_checked():
        alpha=st.floats(0, 1e-3), beta=st.floats(0, 1e-8), gamma=st.floats(0, 1e-9), duplex=st.floats(0, 2))
 def test_duplex_only_charges_rounds_that_send_and_receive_at_once(n, nbytes, alpha, beta, gamma, duplex):
     for a in ALGORITHMS:
-        full, shared = predict(a, n, nbytes, Link(alpha, beta, gamma)), predict(a, n, nbytes, Link(alpha, beta, gamma, duplex))
+        full, shared = (predict(a, n, nbytes, Link(alpha, beta, gamma)),
+                        predict(a, n, nbytes, Link(alpha, beta, gamma, duplex)))
         assert shared >= full
         one_way = all(not ({t.src for t in rnd} & {t.dst for t in rnd}) for rnd in get_schedule(a, n).rounds)
         if one_way:  # naive and tree: no device sends and receives in the same round
@@ -102,8 +103,10 @@ def test_shared_cores_lies_between_the_two_bounds_of_scheduling_on_fewer_cores(w
     if parallel == 0 or parallel >= len(busy):  # a core each: the longest work
         assert t == max(busy)
         return
-    lower = max(max(busy), sum(busy) / parallel)  # no core does more than all of it; no device runs faster than one core
-    graham = sum(busy) / parallel + (1 - 1 / parallel) * max(busy)  # Graham's bound for any schedule that never idles a core
+    # no core does more than all of it; no device runs faster than one core
+    lower = max(max(busy), sum(busy) / parallel)
+    # Graham's bound for any schedule that never idles a core
+    graham = sum(busy) / parallel + (1 - 1 / parallel) * max(busy)
     assert lower * (1 - 1e-12) <= t <= graham * (1 + 1e-12)
     if len(set(busy)) == 1:  # equal work packs the cores exactly
         assert math.isclose(t, sum(busy) / parallel, rel_tol=1e-12)
@@ -253,7 +256,8 @@ HOSTILE_CACHES = {
     "measured_at of 4000 digits": _json('{"alpha": 1e-6, %s}' % GOOD.replace(NOW, "9" * 4000)),
     "extra key": _json('{"alpha": 1e-6, "parallel": 1, %s}' % GOOD),
     "missing key": _json('{%s}' % GOOD),
-    "calibration not a number": _json('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, "calibration": [2]}'),
+    "calibration not a number": _json('{"alpha": 1e-6, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.5, '
+                                      '"calibration": [2]}'),
     "top level a list": _json("[1e-6, 1e-9, 1e-10, 0.5]"),
     "top level a number": _json("1e308"),
     "nested 2000 deep": _json("[" * 2000 + "]" * 2000),                 # fits the file; json raises RecursionError

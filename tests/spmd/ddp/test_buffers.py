@@ -109,7 +109,8 @@ def _warnings():
 
 
 def _buffer_hook():
-    """torch's private buffer comm hook (allreduce, before or after forward, futures or not): buffers after each step."""
+    """torch's private buffer comm hook (allreduce, before or after forward, futures or not): buffers after each
+    step."""
     rank = dist.get_rank()
 
     def average(ddp, named, futures=False):
@@ -124,7 +125,8 @@ def _buffer_hook():
     for name, wrapper in WRAPPERS:
         rows = []
         # not futures before forward: they would race with the forward's update of the buffer (torch says so)
-        for where, futures in ((_BufferCommHookLocation.PRE_FORWARD, False), (_BufferCommHookLocation.POST_FORWARD, False),
+        for where, futures in ((_BufferCommHookLocation.PRE_FORWARD, False),
+                               (_BufferCommHookLocation.POST_FORWARD, False),
                                (_BufferCommHookLocation.POST_FORWARD, True)):
             module = _WithBuffer(rank)
             model = wrapper(module)

@@ -147,7 +147,8 @@ def test_uneven_inputs_train_like_torch_ddp_join(n, case):
 def test_throw_on_early_termination_raises_on_every_rank(n):
     for rank in range(n):
         message = _results(n)[rank]["early"]
-        assert message is not None and ("exhausted all inputs" in message if rank == 0 else "exhausted inputs" in message)
+        assert message is not None and ("exhausted all inputs" in message if rank == 0
+                                        else "exhausted inputs" in message)
 
 
 def test_a_rank_that_joined_early_keeps_its_grad_as_torchs_does():

@@ -1,4 +1,5 @@
-"""The drop-in is rung 4's bucket plus flags, and features, each in a file of its own that uses only the reducer's public names."""
+"""The drop-in is rung 4's bucket plus flags, and features, each in a file of its own that uses only the reducer's
+public names."""
 import ast
 import pathlib
 import re

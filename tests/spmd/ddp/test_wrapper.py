@@ -40,7 +40,8 @@ def _keywords():
     rank = dist.get_rank()
     torch.manual_seed(0)
     module = mlp()
-    ours = DistributedDataParallel(copy.deepcopy(module), None, None, 0, True, True, None, 25, False, False, False, True)
+    ours = DistributedDataParallel(copy.deepcopy(module), None, None, 0, True, True, None, 25, False, False, False,
+                                   True)
     theirs = TorchDDP(copy.deepcopy(module), None, None, 0, True, True, None, 25, False, False, False, True)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
     return train_each([ours, theirs], opts, rank_batches(rank))
@@ -201,7 +202,8 @@ def _ignored():
         rows.append([cat_flat(m.parameters()) for m in models])
     early = [cat_flat(m.module.early.parameters()) for m in models]
     ours = models[0]
-    return {"rows": rows, "early": early, "late": cat_flat(ours.module.late.parameters()), "scale": ours.module.late.scale,
+    return {"rows": rows, "early": early, "late": cat_flat(ours.module.late.parameters()),
+            "scale": ours.module.late.scale,
             "ignored": (ours.parameters_to_ignore, models[1].parameters_to_ignore),
             "group": ours.process_group is dist.group.WORLD}
 
@@ -271,7 +273,8 @@ def _wrappers(count):
                 for m in group:
                     for p in m.parameters():
                         p -= 0.1 * p.grad
-        rows.append([cat_flat(p for m in ours for p in m.parameters()), cat_flat(p for m in theirs for p in m.parameters())])
+        rows.append([cat_flat(p for m in ours for p in m.parameters()),
+                     cat_flat(p for m in theirs for p in m.parameters())])
     return rows
 
 
@@ -454,7 +457,8 @@ def _device_errors():
     for name, wrapper in WRAPPERS:
         said = {}
         for case, args in (("cpu with device_ids", (nn.Linear(3, 2), [torch.device("cpu")])),
-                           ("two device types", (nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2, device="meta")), None))):
+                           ("two device types",
+                            (nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2, device="meta")), None))):
             try:
                 wrapper(*args)
             except ValueError as e:
@@ -509,7 +513,8 @@ def test_training_equals_torch_ddp_step_by_step(n, name):
         same_rows(_get(n, rank, name))
 
 
-@pytest.mark.parametrize("name", ["copies", "no_sync_used_map", "two_forwards_bn", "wrappers2", "sparse", "device_mesh"])
+@pytest.mark.parametrize("name",
+                         ["copies", "no_sync_used_map", "two_forwards_bn", "wrappers2", "sparse", "device_mesh"])
 def test_more_cases_equal_torch_ddp(name):
     for rank in range(2):
         value = _get(2, rank, name)
