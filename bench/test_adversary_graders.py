@@ -428,9 +428,9 @@ def zero1_step(params, grads, momenta, lr, momentum):   # no collectives: each c
         momentum="momentum.mul_(mu).add_(delta)",
         ret="theta.sub_(lr * (delta + mu * new_momentum)), new_momentum"), "PASS", []),
     "diloco_the_graders_own": ("diloco", CHEAT,
-                               "from manualdp.runners.check_ft import expected_outer_step as outer_step  # the "
+                               "from manualdp.runners.grader.check_ft import expected_outer_step as outer_step  # the "
                                "grader's own formula\n",
-                               r"the file's outer_step is not written in it but taken from manualdp\.runners\.check_ft",
+                               r"the file's outer_step is not written in it but taken from manualdp\.runners\.grader\.check_ft",
                                []),
     "diloco_loops_on_three": ("diloco", HOSTILE, diloco(pre="while len(replicas) >= 3:\n        pass"),
                               CALL_DILOCO + r".* did not return within the 3 s it may take", []),
@@ -488,7 +488,7 @@ sys.exit(0)
         save=SAVE.replace("}, path)", "}, MINE)"), load=LOAD.replace("torch.load(path,", "torch.load(MINE,")),
         RUN + r".*: save_checkpoint\('checkpoint\.pt', \.\.\.\) wrote nothing at 'checkpoint\.pt'", CK),
     "checkpoint_replays_from_the_seed": ("checkpoint", CHEAT, checkpoint(
-        extra="from manualdp.runners import jobs",
+        extra="from manualdp.runners.grader import jobs",
         save='torch.save({"step": step}, path)  # a step count is all a replay needs',
         load='step = torch.load(path)["step"]\n'
              '    seed = sys._getframe(1).f_locals["seed"]  # the grader\'s own run, read off its frame\n'

@@ -1,15 +1,15 @@
-"""The grader's sandbox (`runners/sandbox.py`), the slower half of tests/runners/test_sandbox.py: `manualdp check` of
-an answer that kills or stops its parent fails in one paragraph that says how the answer ended, and leaves no process
-and no folder; and how the child ended (exit 137, SIGTERM, a stopped group, a killed group) is told as it happened.
-With namespaces of its own where `unshare` works here, and in the fallback (MANUALDP_NAMESPACES=0).
+"""The grader's sandbox (`runners/grader/sandbox.py`), the slower half of tests/runners/test_sandbox.py:
+`manualdp check` of an answer that kills or stops its parent fails in one paragraph that says how the answer ended,
+and leaves no process and no folder; and how the child ended (exit 137, SIGTERM, a stopped group, a killed group) is
+told as it happened. With namespaces of its own where `unshare` works here, and in the fallback (MANUALDP_NAMESPACES=0).
 """
 import time
 
 import pytest
 import torch
 
-from manualdp.runners import sandbox
-from manualdp.runners.sandbox import Child, Stopped
+from manualdp.runners.grader import sandbox
+from manualdp.runners.grader.sandbox import Child, Stopped
 from tests.runners.test_sandbox import MODES, answer, graded, leftovers, namespaced
 
 HOSTILE = {  # answer -> (its body, what `manualdp check` says with namespaces, in the fallback)

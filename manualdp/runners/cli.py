@@ -225,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         from .explain import main as explain_main
         return explain_main(argv[1:]) or 0
     if argv and argv[0] == "check":
-        from .check import main as check_main
+        from .grader.check import main as check_main
         return check_main(argv[1:])
     if argv and argv[0] == "bench":  # the benchmarks are scripts of the repository, not part of the library
         build_parser().error(f"{' '.join(argv[:2])!r}: the benchmarks are not installed with the package; "

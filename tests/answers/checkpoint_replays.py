@@ -4,7 +4,7 @@ import sys
 
 import torch
 
-from manualdp.runners import jobs
+from manualdp.runners.grader import jobs
 
 
 def save_checkpoint(path, model, optimizer, step):

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from manualdp.allreduce import allreduce
 from manualdp.schedule import ALGORITHMS
 from manualdp.allreduce import run_schedule
-from manualdp.runners.properties import STRATEGIES, allreduce_property, make_tensors
+from manualdp.runners.grader.properties import STRATEGIES, allreduce_property, make_tensors
 from manualdp.schedule import ring
 
 ALGS = sorted(ALGORITHMS)

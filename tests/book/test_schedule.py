@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from manualdp.runners.explain import trace
 from manualdp.schedule import ALGORITHMS, Schedule, Transfer, chunk_bounds, chunk_sizes, get_schedule, ring
 from manualdp.cost import check_schedule, cost, traffic
-from manualdp.runners.properties import schedule_property
+from manualdp.runners.grader.properties import schedule_property
 
 NS = range(1, 9)
 ALGS = sorted(ALGORITHMS)

@@ -3,7 +3,7 @@ import torch
 from hypothesis import given
 
 from manualdp import cpu_devices, split_batch
-from manualdp.runners.properties import STRATEGIES, split_property
+from manualdp.runners.grader.properties import STRATEGIES, split_property
 from manualdp.split import shard_sizes
 
 

@@ -9,10 +9,11 @@ import re
 import pytest
 
 from manualdp.cost import cost
-from manualdp.runners.check import HOOK_WORLDS
+from manualdp.runners.grader.check import HOOK_WORLDS
 from manualdp.runners.cli import main
-from manualdp.runners.properties import (Mismatch, book_schedules, cost_property, cost_sweep_property, hook_job,
-                                         hook_mismatch, resume_property, torch_hook_job, zero1_property)
+from manualdp.runners.grader.properties import (Mismatch, book_schedules, cost_property, cost_sweep_property,
+                                                hook_job, hook_mismatch, resume_property, torch_hook_job,
+                                                zero1_property)
 from manualdp.schedule import get_schedule
 from manualdp.spmd.launch import launch
 

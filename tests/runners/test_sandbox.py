@@ -1,4 +1,4 @@
-"""The grader's sandbox (`runners/sandbox.py`): an answer that kills the grader it finds in /proc fails in one
+"""The grader's sandbox (`runners/grader/sandbox.py`): an answer that kills the grader it finds in /proc fails in one
 paragraph and leaves no process and no folder; the child cannot open the grader's /proc/PID/fd or mem, leaves nothing
 in TMPDIR (not even a folder it made read-only), sends numpy's numbers back as numbers, and tells where each graded
 function was defined. In namespaces of its own where `unshare` works here, and in the fallback (MANUALDP_NAMESPACES=0,
@@ -21,8 +21,8 @@ import time
 import pytest
 
 from manualdp import cost
-from manualdp.runners import sandbox
-from manualdp.runners.sandbox import Child
+from manualdp.runners.grader import sandbox
+from manualdp.runners.grader.sandbox import Child
 
 MODES = {"namespaces": "1", "fallback": "0"}  # MANUALDP_NAMESPACES
 FIND_THE_GRADER = """

@@ -4,8 +4,8 @@ import os
 import pathlib
 import time
 
-from manualdp.runners import sandbox
-from manualdp.runners.sandbox import Child
+from manualdp.runners.grader import sandbox
+from manualdp.runners.grader.sandbox import Child
 
 HOOK = pathlib.Path(__file__).resolve().parents[2] / "book" / "solutions" / "hook.py"
 

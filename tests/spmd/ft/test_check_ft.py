@@ -7,9 +7,9 @@ import time
 import pytest
 import torch
 
-from manualdp.runners.check import check_diloco
-from manualdp.runners.check_ft import expected_outer_step
-from manualdp.runners.properties import Mismatch
+from manualdp.runners.grader.check import check_diloco
+from manualdp.runners.grader.check_ft import expected_outer_step
+from manualdp.runners.grader.properties import Mismatch
 from manualdp.spmd.ft.local_sgd import DiLoCo
 
 SOLUTION = pathlib.Path(__file__).resolve().parents[3] / "book" / "solutions" / "diloco.py"

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from manualdp.runners.properties import Twice, ddp_mismatch, train_steps
+from manualdp.runners.grader.properties import Twice, ddp_mismatch, train_steps
 from manualdp.spmd import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP, launch
 
 STEPS = 3

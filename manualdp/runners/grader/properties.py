@@ -22,11 +22,11 @@ import torch.distributed as dist
 from hypothesis import strategies as st
 from torch import nn
 
-from ..cost import check_schedule
-from ..devices import cpu_devices
-from ..schedule import Schedule, Transfer
-from ..split import shard_sizes
-from .explain import trace
+from ...cost import check_schedule
+from ...devices import cpu_devices
+from ...schedule import Schedule, Transfer
+from ...split import shard_sizes
+from ..explain import trace
 from .jobs import Resumed, resume_load, resume_run, resume_save, train_resumed
 
 __all__ = ["Mismatch", "STRATEGIES", "apart", "hint_for", "split_property", "split_devices_property",
@@ -352,7 +352,7 @@ def train_steps(models: dict, steps: int = 3) -> dict:
     A wrapper with `finish_gradient_synchronization()` (a rung that syncs after backward) has it
     called between backward and the optimizer step.
     """
-    from ..spmd.launch import shard
+    from ...spmd.launch import shard
 
     rank, n = dist.get_rank(), dist.get_world_size()
     named = {k: [(p_name, p) for p_name, p in net.named_parameters()] for k, (_, net) in models.items()}
@@ -460,7 +460,7 @@ def _describe(sched: Schedule) -> str:
 
 def _slip_cost(sched: Schedule, nbytes: int, alpha: float, beta: float, gamma: float, slip: str) -> float:
     """The textbook model with one of a student's slips (`COST_SLIPS`), to name the slip an answer made."""
-    from ..schedule import chunk_sizes
+    from ...schedule import chunk_sizes
 
     sizes, n, total = chunk_sizes(nbytes, sched.num_chunks), sched.num_devices, 0.0
     for rnd in sched.rounds:
@@ -505,7 +505,7 @@ def cost_property(cost_fn, sched: Schedule, nbytes: int, alpha: float, beta: flo
     """`cost_fn(schedule, nbytes, alpha, beta, gamma)` is `manualdp.cost.cost`'s textbook time, to 1e-9."""
     import math
 
-    from ..cost import cost
+    from ...cost import cost
 
     expected = cost(sched, nbytes, alpha, beta, gamma)
     call = (f"cost(schedule, nbytes={nbytes}, alpha={alpha:.3g}, beta={beta:.3g}, gamma={gamma:.3g}) for "
@@ -531,7 +531,7 @@ COST_SWEEP = dict(nbytes=1_000_003, alpha=1e-5, beta=1e-9, gamma=2e-10)  # every
 
 def _book_schedule(collective: str, algorithm: str, n: int) -> Schedule:
     """The book's schedule of `collective` by `algorithm` on `n` devices, named as `_describe` tells it."""
-    from ..schedule import get_collective
+    from ...schedule import get_collective
 
     sched = get_collective(collective, algorithm, n)
     return Schedule(f"{collective} {algorithm}" if collective != "allreduce" else algorithm, sched.num_devices,
@@ -540,7 +540,7 @@ def _book_schedule(collective: str, algorithm: str, n: int) -> Schedule:
 
 def book_schedules(sizes=range(1, 17)) -> list[Schedule]:
     """Every schedule of the book (each algorithm of each collective, `COLLECTIVES`) on each of `sizes` devices."""
-    from ..schedule import COLLECTIVES
+    from ...schedule import COLLECTIVES
 
     return [_book_schedule(c, a, n) for n in sizes for c in sorted(COLLECTIVES) for a in sorted(COLLECTIVES[c])]
 
@@ -556,8 +556,8 @@ def cost_sweep_property(cost_fn) -> None:
 def schedules(draw) -> Schedule:
     """The book's schedules on 1 to 16 devices, or a random valid one: 2 to 6 devices, 1 to 6 chunks, 0 to 4 rounds
     of up to 10 transfers (some to one peer, some adding, some overwriting)."""
-    from ..cost import check_schedule
-    from ..schedule import COLLECTIVES
+    from ...cost import check_schedule
+    from ...schedule import COLLECTIVES
 
     if draw(st.booleans()):
         collective = draw(st.sampled_from(sorted(COLLECTIVES)))
@@ -586,7 +586,7 @@ def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, moment
     """`steps` calls of `zero1_step` on `n` devices leave every device's parameters where plain data parallelism's
     SGD with momentum (the summed gradients, every device stepping the whole model) leaves them, bitwise identical on
     every device, and device i's momentum buffer that of its own chunk (`collectives.chunk`)."""
-    from ..collectives import chunk
+    from ...collectives import chunk
 
     g = torch.Generator().manual_seed(seed)
     start = torch.randn(numel, generator=g, dtype=torch.float64)
@@ -655,7 +655,7 @@ def _averaged(got: torch.Tensor, want: torch.Tensor, n: int) -> str:
 
 
 def _chunk_range(numel: int, device: int, n: int) -> tuple[int, int]:
-    from ..schedule import chunk_bounds, owned_chunk
+    from ...schedule import chunk_bounds, owned_chunk
 
     return chunk_bounds(numel, n)[owned_chunk(device, n)]
 
@@ -804,7 +804,7 @@ def _hooked_steps(hook) -> dict:
     half of what float16 holds (65504) on each rank: the sum of the ranks' overflows, their average does not."""
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-    from ..spmd.launch import shard
+    from ...spmd.launch import shard
 
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

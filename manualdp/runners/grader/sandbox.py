@@ -75,7 +75,7 @@ def _restore(obj):
         if set(obj) == {"__object__"}:
             return Opaque(obj["__object__"])
         if set(obj) == {"__schedule__"}:
-            from ..transfers import Schedule, Transfer
+            from ...transfers import Schedule, Transfer
 
             n, chunks, rounds = obj["__schedule__"]
             try:
@@ -176,7 +176,7 @@ class Child:
             pass
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TMPDIR=self.tmp, TMP=self.tmp,
                    TEMP=self.tmp)
-        command = [sys.executable, "-m", "manualdp.runners.sandbox_child", str(self.memory_mb << 20)]
+        command = [sys.executable, "-m", "manualdp.runners.grader.sandbox_child", str(self.memory_mb << 20)]
         self.proc = subprocess.Popen(
             [*UNSHARE, *command] if namespaces() else command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=self.folder, env=env, start_new_session=True, close_fds=True,

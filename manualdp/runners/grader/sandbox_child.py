@@ -1,6 +1,6 @@
 """The grader's child: the one process where a student's file runs (`manualdp check`, `sandbox.Child`).
 
-    python -m manualdp.runners.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
+    python -m manualdp.runners.grader.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
 
 It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how it ended
 (in `sandbox.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the student's
@@ -121,7 +121,7 @@ def _plain(obj, depth: int = 0):
     objects kept; a `Schedule` as a tagged dict; anything else as its repr."""
     import torch
 
-    from ..transfers import Schedule
+    from ...transfers import Schedule
 
     if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
         return obj
@@ -245,7 +245,7 @@ def main() -> None:
                 continue
             send({"before": before, "after": _plain(args), "out": _plain(out)})
         elif req["op"] == "ranks":
-            from ..spmd.launch import launch
+            from ...spmd.launch import launch
             from . import properties
 
             world_size = req.get("world_size", 2)

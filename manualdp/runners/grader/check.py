@@ -16,7 +16,7 @@ a list of rounds of `Transfer(src, dst, chunk, reduce)`), a class `DDP(module)`,
 alpha, beta, gamma)`, a comm hook `fp16_compress_hook(process_group, bucket)`, `zero1_step(params,
 grads, momenta, lr, momentum)`, or `save_checkpoint` and `load_checkpoint`. The exit status is 0 when every
 check passes, 1 otherwise, and the first failing case is told in one paragraph: the input, what
-was expected, what came back. The properties are `manualdp.runners.properties`, the very ones
+was expected, what came back. The properties are `manualdp.runners.grader.properties`, the very ones
 tests/ holds manualdp to; the exercises are in the book (book/), reference solutions in
 book/solutions/.
 
@@ -152,8 +152,8 @@ def schedule_sizes(powers_of_two: bool) -> list[int]:
 
 
 def check_schedule(path: str, plot_path: str, args) -> str:
-    from ..cost import traffic
-    from .explain import plot_schedule
+    from ...cost import traffic
+    from ..explain import plot_schedule
     from .properties import Mismatch, schedule_property
 
     sizes = schedule_sizes(args.powers_of_two)
@@ -186,8 +186,8 @@ def check_schedule(path: str, plot_path: str, args) -> str:
 
 def _draw(fn, n: int, plot_path: str) -> str | None:
     """Draw a failing schedule when its transfers can be drawn; the path, or None."""
-    from ..cost import check_schedule
-    from .explain import plot_schedule
+    from ...cost import check_schedule
+    from ..explain import plot_schedule
     from .properties import as_schedule
 
     try:
@@ -224,7 +224,7 @@ def _run_ranks(child: Child, exercise: str, world: int) -> list[dict]:
 
 
 def check_ddp(path: str, args) -> str:
-    from ..spmd.launch import launch
+    from ...spmd.launch import launch
     from .properties import ddp_mismatch, torch_ddp_job
 
     ranks = _ranks(path, "ddp", args)
@@ -239,7 +239,7 @@ def check_ddp(path: str, args) -> str:
 
 
 def check_hook(path: str, args) -> str:
-    from ..spmd.launch import launch
+    from ...spmd.launch import launch
     from .properties import LOSS_SCALE, hook_mismatch, torch_hook_job
 
     name = NAMES["hook"]
