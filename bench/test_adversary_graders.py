@@ -428,9 +428,10 @@ def zero1_step(params, grads, momenta, lr, momentum):   # no collectives: each c
         momentum="momentum.mul_(mu).add_(delta)",
         ret="theta.sub_(lr * (delta + mu * new_momentum)), new_momentum"), "PASS", []),
     "diloco_the_graders_own": ("diloco", CHEAT,
-                               "from manualdp.runners.grader.check_ft import expected_outer_step as outer_step  # the "
-                               "grader's own formula\n",
-                               r"the file's outer_step is not written in it but taken from manualdp\.runners\.grader\.check_ft",
+                               "from manualdp.runners.grader.properties.diloco import expected_outer_step as "
+                               "outer_step  # the grader's own formula\n",
+                               r"the file's outer_step is not written in it but taken from "
+                               r"manualdp\.runners\.grader\.properties\.diloco",
                                []),
     "diloco_loops_on_three": ("diloco", HOSTILE, diloco(pre="while len(replicas) >= 3:\n        pass"),
                               CALL_DILOCO + r".* did not return within the 3 s it may take", []),

@@ -293,7 +293,7 @@ def check_checkpoint(path: str, args) -> str:
 
 
 def check_diloco(path: str, args) -> str:
-    from .check_ft import outer_step_property, strategies
+    from .properties.diloco import outer_step_property, strategies
 
     def drawn(fn, inputs, lr, mu):
         outer_step_property(fn, *inputs, lr, mu)

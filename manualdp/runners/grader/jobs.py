@@ -1,7 +1,7 @@
 """What the grader's child runs with a student's functions (`JOBS`): the checkpoint exercise's run.
 
 The child imports this module, and torch only, when a job is asked for; the grader imports it too,
-to run the same loop uninterrupted in its own process (`properties.resume_property`).
+to run the same loop uninterrupted in its own process (`properties.checkpoint.resume_property`).
 """
 from __future__ import annotations
 
@@ -78,8 +78,8 @@ def resume_load(save_checkpoint, load_checkpoint, optimizer: str, steps: int, re
 
 def resume_run(save_checkpoint, load_checkpoint, optimizer: str, steps: int, stop_at: int, seed: int, reseed: int,
                path: str = "checkpoint.pt") -> dict:
-    """Both halves in one process (the grader also runs them in two: `properties.resume_property`); {"unsaved": path}
-    if save_checkpoint wrote nothing at `path`."""
+    """Both halves in one process (the grader also runs them in two: `properties.checkpoint.resume_property`);
+    {"unsaved": path} if save_checkpoint wrote nothing at `path`."""
     resume_save(save_checkpoint, load_checkpoint, optimizer, steps, stop_at, seed, path)
     if not os.path.exists(path):
         return {"unsaved": path}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from manualdp.runners.grader.check import check_diloco
-from manualdp.runners.grader.check_ft import expected_outer_step
+from manualdp.runners.grader.properties.diloco import expected_outer_step
 from manualdp.runners.grader.properties import Mismatch
 from manualdp.spmd.ft.local_sgd import DiLoCo
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .properties import Mismatch, apart, hint_for
-from .sandbox import Raised, Stopped
+from ..sandbox import Raised, Stopped
+from .common import Mismatch, apart, hint_for
 
 __all__ = ["expected_outer_step", "outer_step_property", "strategies"]
 
