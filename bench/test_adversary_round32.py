@@ -31,8 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from manualdp.spmd import launch
-from manualdp.spmd.sharding import grad_shards as grad_shards_module
-from manualdp.spmd.sharding.grad_shards import ShardedAway
+from manualdp.spmd.sharding import zero_grad_shards as grad_shards_module
+from manualdp.spmd.sharding.zero_grad_shards import ShardedAway
 from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -305,7 +305,7 @@ def case_consolidated_state_dict():
 def case_planted_off_by_one_is_caught():
     """Planted bug: the reduce-scatter drops the last element of each part. The authors' accumulation job against
     torch's DDP must see it (else a test is missing)."""
-    from tests.spmd.sharding import test_grad_shards as theirs
+    from tests.spmd.sharding import test_zero_grad_shards as theirs
     original = grad_shards_module.GradientShards._reduce
 
     def planted(self, bucket, view):

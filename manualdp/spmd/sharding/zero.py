@@ -14,46 +14,24 @@ inputs (`zero_torch_api.py`):
     with model.no_sync():                                          # stage 2: the optimizer reduce-scatters
         loss.backward()                                            # bucket by bucket, during backward
 
-The partition differs from torch's, by design. torch's gives each rank whole parameters, sorted
-by size and dealt greedily to the rank with the fewest elements so far (so one rank may hold
-much more than another). We shard the flat vector into near-equal chunks, as the ring does,
-with the layout of `manualdp.shards.ShardPlan`: one flat buffer per (parameter group, dtype), the
-parameters made views of it, and this rank's chunk handed to its optimizer as one piece per
-parameter it overlaps: the parameter itself where the chunk holds all of it, else a slice of
-the buffer. Elementwise optimizers (SGD, Adam, AdamW, ...) give the same numbers either way, on
-averaged gradients. What differs: which tensors `.optim` holds on a rank (`optim.state[p]`
-exists only on a rank that owns all of `p`), and a gradient that differs across ranks, which
-torch's steps with its owner's and ours refuses at stage 1 (below). A parameter no rank has a
-gradient for is skipped, as torch's optimizers skip it; one with a gradient on some ranks only
-is refused at stage 1, on every rank: stepped by its owners' gradients only, it would be
-stepped in part.
+A step is the ring allreduce with the optimizer moved between its two phases:
+1. reduce-scatter: this rank's chunk of the averaged gradient. At stage 1 DDP has allreduced
+   every gradient, and the chunk is a slice of `.grad`; at stage 2 backward reduce-scattered
+   the gradients into this rank's shards (`zero_grad_shards.py`), and `step` divides them;
+2. the inner optimizer steps this rank's chunk, the only one whose state it keeps;
+3. all-gather: each flat buffer, so that every rank holds every parameter again.
+Before it the ranks agree on what each brings to the step, and what changed under the
+optimizer since the last one (a newer optimizer, rebound or unfrozen parameters, gradients on
+some ranks only) is taken in or refused on every rank: `zero_guards.py`.
 
-At stage 2 the gradients never exist whole on a rank (`grad_shards.py`): during backward each
-bucket is reduce-scattered as it fills and `.grad` freed, so after backward a rank holds 1/N
-of the gradient (`gradient_bytes()`), summed over the backward passes since `zero_grad`. The
-parameters' `.grad` are then stand-ins that raise when used (`grad_shards.ShardedAway`), so
+A rank's chunk is near-equal slices of flat buffers, not torch's whole parameters:
+`zero_layout.py` holds the partition and says what it changes.
+
+At stage 2 the gradients never exist whole on a rank: after backward a rank holds 1/N of the
+gradient (`gradient_bytes()`), summed over the backward passes since `zero_grad`. The
+parameters' `.grad` are then stand-ins that raise when used (`zero_grad_shards.ShardedAway`), so
 torch's `clip_grad_norm_(model.parameters())` raises instead of returning 0; clip with
 `opt.clip_grad_norm_(max_norm)`, which sums the shards' norms over the ranks (at stage 1 too).
-
-Parameters changed under it between steps end as torch's SGD would end, or every rank raises
-in one line; nothing is stepped silently wrong:
-- a second ZeroRedundancyOptimizer built over the same parameters takes them over (a new phase
-  of training, while a scheduler still holds the first). At stage 2 the first one's gradient
-  hooks are removed and its `step` raises from then on; what it summed since its `zero_grad`
-  (torch's `.grad`, which a new torch optimizer steps with) is carried over where the layout is
-  the same, else the new `step` raises until `zero_grad`. We hand over rather than refuse, as
-  torch's optimizers and its ZeRO let a new one be built: the first is often out of the user's
-  reach (a scheduler, a notebook's history), so "release the first" would be hard to follow.
-  (A first one at stage 1 has no hooks to take gradients: stepped, it steps the parameters'
-  current values, as a second torch optimizer would);
-- a `param.data = t` (`vector_to_parameters`, a loaded vector) is seen at `step` by the
-  parameters' data pointers, and the new values are copied into the flat buffers; a tensor of
-  another shape, dtype or device (`model.float()`) is refused, naming the parameter;
-- a parameter frozen when the optimizer was built and unfrozen later, on every rank, is sharded
-  at the next `step` in flat buffers of its own, and stepped from then on as torch's optimizers
-  step it once it has a gradient; unfrozen on some ranks only, it is refused, naming it.
-The checks ride on the step's one allreduce of flags (a few more integers), and cost about
-0.1 us per parameter a step.
 
 Other differences from torch's: `state_dict()` before any `consolidate_state_dict` is this
 rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters
@@ -76,15 +54,16 @@ from ...shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ...zero import make_optimizer, state_bytes
 from ..collectives import all_gather
 from ..collectives import allreduce
-from ..transport.agree import agree
 from ..transport.peers import group_ranks
+from .zero_grad_shards import GradientShards, holders_of, plan_buckets, real_grad
+from .zero_guards import ZeroGuards, refuse_sparse
+from .zero_layout import ZeroLayout
 from .zero_torch_api import TorchCompat
-from .grad_shards import GradientShards, holders_of, plan_buckets, real_grad
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
+class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, TorchCompat):
     """Shard `params`' optimizer state (stage 1) and gradients (stage 2) over the ranks of `group`.
 
     Args:
@@ -106,7 +85,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
     compare them at construction and at `add_param_group`, and all raise, naming the field.
 
     The partition is not torch's (whole parameters, sorted and dealt greedily) but near-equal
-    chunks of a flat buffer: see the module's docstring for what that changes.
+    chunks of a flat buffer: see `zero_layout.py` for what that changes.
     """
 
     def __init__(self, params, optimizer_class, *, stage: int = 1, algorithm: str = "ring", group=None,
@@ -114,7 +93,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
                  bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, timeout: float | None = None, **defaults) -> None:
         # frozen ones too: torch's indices count them, and it takes a group of frozen tensors only
         groups = param_groups_of(params, keep_frozen=True, require_trainable=False)
-        _refuse_sparse(groups)
+        refuse_sparse(groups)
         self.stage = one_of("stage", stage, (1, 2))
         factory("optimizer_class", optimizer_class)
         self.parameters_as_bucket_view = boolean("parameters_as_bucket_view", parameters_as_bucket_view)
@@ -163,163 +142,6 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         self._consolidated_to: int | None = None
         self._full_state: dict | None = None
 
-    def _buckets(self, plan: ShardPlan, params: list[torch.Tensor]) -> list:
-        return plan_buckets(plan, params, self.bucket_cap_mb) if self.stage == 2 else []
-
-    def _gradient_shards(self, buckets: list) -> GradientShards:
-        notify = weakref.WeakMethod(self._notify_join)  # the hooks must not keep a dropped optimizer alive
-        return GradientShards(self.plan, self.params, buckets, self.rank, self.group, self.timeout, notify)
-
-    def _notify_join(self) -> None:
-        """Tell a Join (if this optimizer is its first joinable) that this rank trains, once a step.
-
-        At stage 2 the first gradient of backward does it, before the first bucket is sent:
-        the joined ranks must start answering the reduce-scatters then.
-        """
-        if not self._notified:
-            self._notified = True
-            Join.notify_join_context(self)
-
-    @property
-    def optim(self) -> torch.optim.Optimizer:
-        """The inner optimizer, which steps this rank's pieces (torch's attribute)."""
-        return self.optimizer
-
-    @property
-    def _all_params(self) -> list[torch.Tensor]:
-        """Every parameter of every group, frozen ones too, in the order torch's state_dict numbers them."""
-        return [p for g in self.param_groups for p in g["params"]]
-
-    def _find_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """This rank's pieces: (parameter, lo, hi, tensor), in the order the inner optimizer numbers them.
-
-        The tensor is the parameter itself where this rank's chunk holds all of it (as torch's
-        inner optimizer holds whole parameters: `optim.state[p]`), else a slice of its flat buffer.
-        A piece found before keeps its tensor (the inner optimizer's state is keyed by it). Returns
-        the new ones: (parameter group, tensor).
-        """
-        kept = {(j, lo, hi): v for j, lo, hi, v in self.pieces}
-        self.pieces, new = [], []
-        for j, lo, hi in self._pieces_in_order(self.rank):
-            piece = kept.get((j, lo, hi))
-            if piece is None:
-                b, start, end = self.plan.where[j]
-                piece = self.params[j] if (lo, hi) == (start, end) else self.flats[b][lo:hi]
-                new.append((self._group_of(j), piece))
-            self.pieces.append((j, lo, hi, piece))
-        return new
-
-    def _pieces_in_order(self, rank: int) -> list[tuple[int, int, int]]:
-        """`rank`'s (parameter, lo, hi), by parameter group, then by parameter: as its inner optimizer numbers them."""
-        return sorted(self.plan.pieces(rank), key=lambda piece: self._group_of(piece[0]))
-
-    def _group_of(self, j: int) -> int:
-        """The parameter group of parameter j (a parameter unfrozen later sits in a plan group of its own)."""
-        return self._plan_groups[self.plan.group_of[j]]
-
-    def _pieces_of(self, group: int) -> list[torch.Tensor]:
-        return [v for j, _, _, v in self.pieces if self._group_of(j) == group]
-
-    def _record_binding(self) -> None:
-        """Where each parameter's data lives in its flat buffer, to see a later `param.data = ...`."""
-        self._pointers, self._shapes = [p.data_ptr() for p in self.params], [p.shape for p in self.params]
-
-    def _take_over(self, holders: list[GradientShards]) -> bool:
-        """Take the parameters' gradients from older stage-2 optimizers still alive; say whether sums were lost.
-
-        Each older one's hooks are removed and its `step` raises from now on. What it summed
-        since its `zero_grad` (torch's `.grad`, which a new torch optimizer would step with) is
-        carried over where the layout is the same (same parameters, groups and ranks); else it
-        cannot be, and this optimizer's `step` raises until its `zero_grad`.
-        """
-        lost = False
-        for old in holders:
-            same = (self.grad_shards is not None and old.group is self.group and len(old.params) == len(self.params)
-                    and all(a is b for a, b in zip(old.params, self.params))
-                    and (old.plan.where, old.plan.sizes) == (self.plan.where, self.plan.sizes))
-            if same:
-                self.grad_shards.adopt(old)
-            else:
-                lost |= any(old.used)
-                old.release()
-        return lost
-
-    def _agree_on_setup(self, plan: ShardPlan, parameters: int, buckets: int, groups: list[dict]) -> None:
-        """Every rank must build alike: stage, optimizer, each group's tensors and options, the layout; else all raise.
-
-        A group's options are compared as given (`groups`), beside the optimizer's `defaults`, so
-        another `lr` on one rank is named; so are other groups of the same elements, which would
-        otherwise cut other buffers and abort gloo at the first all-gather.
-        """
-        cls, defaults = self._make
-        fields = {"stage": self.stage, "algorithm": self.algorithm, "optimizer_class": _name_of(cls),
-                  "defaults": _options_text(defaults), "parameter groups": len(groups)}
-        for g, group in enumerate(groups):
-            fields[f"group {g} tensors"] = " ".join(
-                f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ':frozen'}"
-                for p in group["params"])
-            fields[f"group {g} options"] = _options_text(options_of(group))
-        fields |= {"buffers to shard": len(plan.sizes), "elements to shard": sum(plan.sizes),
-                   "parameters to shard": parameters, "buckets": buckets}
-        agree("ZeroRedundancyOptimizer", fields, self.group, timeout=self.timeout, check=True,
-              hint="every rank must build the optimizer with the same class, options and parameter groups")
-
-    def _sum_over_ranks(self, tensor: torch.Tensor) -> None:
-        allreduce(tensor, self.algorithm, group=self.group, timeout=self.timeout)
-
-    def add_param_group(self, param_group: dict) -> None:
-        """Add a group, on every rank: its parameters get new flat buffers, of which this rank steps its chunk."""
-        if not self._built:
-            return super().add_param_group(param_group)
-        self._refuse_if_taken_over()
-        if not isinstance(param_group, dict):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        group = param_groups_of([param_group], "param_group", keep_frozen=True, require_trainable=False)[0]
-        _refuse_sparse([group], "param_group")
-        trainable = [p for p in group["params"] if p.requires_grad]
-        super().add_param_group(group)  # torch's checks (a parameter in two groups) and defaults
-        try:
-            if self.grad_shards is not None:
-                self.grad_shards.check_finished()
-            plan = ShardPlan(self._trainable + [trainable], self.world_size)
-            buckets = self._buckets(plan, self.params + trainable)
-            self._agree_on_setup(plan, len(self.params) + len(trainable), len(buckets), self.param_groups)
-        except BaseException:
-            self.param_groups.pop()
-            raise
-        self.plan, self._trainable, self.params = plan, self._trainable + [trainable], self.params + trainable
-        self._plan_groups.append(len(self.param_groups) - 1)
-        self._frozen += [(len(self.param_groups) - 1, p) for p in group["params"] if not p.requires_grad]
-        self.flats += ShardPlan([trainable], self.world_size).bind(trainable)  # the new group's buffers, as in `plan`
-        self._record_binding()
-        new = self._find_pieces()
-        if self.grad_shards is not None:  # new buckets and hooks; what is summed so far is kept
-            old, self.grad_shards = self.grad_shards, self._gradient_shards(buckets)
-            self.grad_shards.adopt(old)
-        self.optimizer.add_param_group({"params": [v for _, v in new], **options_of(self.param_groups[-1])})
-
-    @property
-    def reduces_gradients(self) -> bool:
-        """True at stage 2: DDP must not average the gradients (backward under `no_sync()`); we reduce-scatter them."""
-        return self.stage == 2
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._refuse_if_taken_over()
-        if self.grad_shards is not None:
-            self.grad_shards.zero_grad(set_to_none)
-        self._left_behind = False
-        for p in self.params + [p for _, p in self._frozen]:  # frozen ones too, as torch's
-            if set_to_none:
-                p.grad = None
-            elif real_grad(p) is not None:
-                p.grad.zero_()
-
-    def _refuse_if_taken_over(self) -> None:
-        if self.grad_shards is not None and self.grad_shards.released:
-            raise RuntimeError("ZeroRedundancyOptimizer(stage=2): a newer ZeroRedundancyOptimizer was built over "
-                               "this one's parameters and took their gradients over; step that one (or build this "
-                               "one again to take them back)")
-
     @torch.no_grad()
     def step(self, closure=None, **kwargs):
         """Step this rank's shard with its gradient (stage 2: reduce-scattered in backward), all-gather the parameters.
@@ -348,24 +170,13 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
             self.grad_shards.check_finished()
             if not own_gradients:
                 self.grad_shards.reduce_zeros()  # the training ranks reduce-scatter their buckets now
+        # the guards: every rank brings the same to this step, or all raise (`zero_guards.py`)
         used, training = self._agree_on_step(own_gradients, self._adopt_rebound())
-        grads = None
-        if self.grad_shards is not None:  # stage 2: the sums, divided as the DDP wrapper divides them
-            divisor = self.world_size if self._divide_by_initial else training
-            grads = [s / divisor if s is not None else None for s in self.grad_shards.shards]
-            starts = [self.plan.bounds(b, self.rank)[0] for b in range(len(self.flats))]
+        # 1. reduce-scatter (by DDP's allreduce at stage 1, in backward at stage 2): this rank's chunk of the gradient
+        lent = self._lend_gradients(used, training)
+        # 2. step this rank's chunk
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update(options_of(outer))  # a scheduler or the user may have changed lr
-        lent = []  # the pieces given a gradient for this step, which must not keep it
-        for j, lo, hi, piece in self.pieces:
-            p, (b, start, _) = self.params[j], self.plan.where[j]
-            if grads is None:  # stage 1: this rank's .grad (a whole parameter steps with its own)
-                if piece is p or p.grad is None:
-                    continue
-                piece.grad = p.grad.reshape(-1)[lo - start:hi - start]
-            else:
-                piece.grad = grads[b][lo - starts[b]:hi - starts[b]].view_as(piece) if used[j] else None
-            lent.append(piece)
         try:
             self.optimizer.step(**kwargs)
         finally:
@@ -375,151 +186,49 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
                 self.grad_shards.stand_in()
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             outer.update(options_of(inner))  # keys the inner optimizer added or changed, as torch copies them
+        # 3. all-gather: every rank holds every parameter again
         for flat in self.flats:
             all_gather(flat, algorithm=self.algorithm, group=self.group, timeout=self.timeout)
 
-    @torch.no_grad()
-    def _adopt_rebound(self) -> int | None:
-        """Take back the parameters whose `.data` was rebound since they were bound (`vector_to_parameters`,
-        `param.data = t`): their new values are copied into their places in the flat buffers, as
-        torch's optimizers would step the new values. Returns the first (index in `params`) whose
-        new tensor does not fit its place (another shape, dtype or device), or None.
+    def _lend_gradients(self, used: list[int], training: int) -> list[torch.Tensor]:
+        """Give each of this rank's pieces its slice of the averaged gradient; return the pieces given one.
 
-        Costs one `data_ptr()` per parameter a step (about 0.1 us each), and a copy only when one was rebound.
+        Stage 1: a slice of its parameter's `.grad`, which DDP averaged (a whole parameter steps with
+        its own). Stage 2: a slice of the shards, divided as the DDP wrapper divides the sums; a
+        parameter no rank used gets none, and the inner optimizer skips it.
         """
-        if [p.data_ptr() for p in self.params] == self._pointers:
-            return None
-        unfit = None
-        for j, (p, ptr, shape) in enumerate(zip(self.params, self._pointers, self._shapes)):
-            if p.data_ptr() == ptr:
-                continue
-            b, start, end = self.plan.where[j]
-            flat = self.flats[b]
-            if (p.shape, p.dtype, p.device) != (shape, flat.dtype, flat.device):
-                unfit = j if unfit is None else unfit
-                continue
-            flat[start:end].copy_(p.reshape(-1))
-            p.data = flat[start:end].view(shape)
-        return unfit
-
-    def _agree_on_step(self, own_gradients: bool, unfit: int | None) -> tuple[list[int], int]:
-        """What the ranks bring to this step, summed in one allreduce: every rank raises alike, or all go on.
-
-        Per parameter, how many ranks have its gradient (stage 1: a `.grad`, which DDP averaged;
-        stage 2: summed into the shards, whose parameters no rank used are skipped, as torch's
-        optimizers skip a parameter without a gradient); then how many ranks train this step, hold
-        a `.grad` that no backward handed over (stage 2), hold a parameter rebound to a tensor that
-        does not fit its place, or lost the sums of an optimizer they took over; then, per
-        parameter frozen when the optimizer was built, how many ranks unfroze it and have its
-        gradient. A parameter unfrozen on every rank is sharded now (`_unfreeze`).
-        Returns the per-parameter counts (unfrozen ones included) and how many ranks train.
-        """
-        stage2 = self.grad_shards is not None
-        has = ([own_gradients and u for u in self.grad_shards.used] if stage2 else
-               [p.grad is not None for p in self.params])
-        loose = stage2 and own_gradients and any(real_grad(p) is not None for p in self.params)
-        flags = [own_gradients or not stage2, loose, unfit is not None, self._left_behind]
-        flags += [p.requires_grad for _, p in self._frozen]
-        flags += [(own_gradients or not stage2) and p.grad is not None for _, p in self._frozen]
-        counts = torch.tensor(has + flags, dtype=torch.int32, device=self._device)
-        self._sum_over_ranks(counts)
-        counts = counts.tolist()
-        n, f = len(self.params), len(self._frozen)
-        has, (training, loose, unfit_ranks, lost), thawed, had = (counts[:n], counts[n:n + 4], counts[n + 4:n + 4 + f],
-                                                                  counts[n + 4 + f:])
-        if unfit_ranks:
-            if unfit is None:
-                raise RuntimeError(f"ZeroRedundancyOptimizer: {unfit_ranks} other rank(s) hold a parameter whose "
-                                   ".data was rebound to a tensor of another shape, dtype or device than its place "
-                                   "in the flat buffers; build the optimizer after changing the model")
-            p, shape = self.params[unfit], self._shapes[unfit]
-            raise RuntimeError(f"ZeroRedundancyOptimizer: {self._name(p)} (shape {tuple(shape)}, "
-                               f"{self.flats[self.plan.where[unfit][0]].dtype}) was rebound (param.data = ...) to "
-                               f"a tensor of shape {tuple(p.shape)}, {p.dtype} on {p.device}, which does not fit "
-                               "its place in the flat buffers; build the optimizer after changing the model")
-        if lost:
-            raise RuntimeError(f"ZeroRedundancyOptimizer: on {lost} rank(s) this optimizer took its parameters over "
-                               "from an older one that held gradients summed since its zero_grad, in a layout that "
-                               "cannot be carried over; call zero_grad() and run backward before step()")
-        if loose:  # every rank sees it in the sum, so every rank raises
-            raise RuntimeError(f"ZeroRedundancyOptimizer(stage=2): {loose} rank(s) hold a .grad that no backward "
-                               "pass handed over (set by hand, or averaged by a DDP whose backward ran outside "
-                               "no_sync()); stage 2 reduce-scatters the gradients during backward: run it under "
-                               "model.no_sync(), or use stage=1")
-        partly = [t for t, c in enumerate(thawed) if 0 < c < self.world_size]
-        if partly:
-            p = self._frozen[partly[0]][1]
-            raise RuntimeError(f"ZeroRedundancyOptimizer: {self._name(p)} of shape {tuple(p.shape)}, frozen when "
-                               f"the optimizer was built, requires grad on {thawed[partly[0]]} of {self.world_size} "
-                               "ranks; unfreeze it on every rank or on none")
-        if any(thawed):
-            has += self._unfreeze([t for t, c in enumerate(thawed) if c], had, own_gradients)
-        if not stage2:
-            self._refuse_partial_gradients(has, training)
-        return has, training
-
-    def _name(self, p: torch.Tensor) -> str:
-        """A parameter as torch's state_dict numbers it (frozen ones counted), with its group."""
-        k = next(k for k, q in enumerate(self._all_params) if q is p)
-        g = next(g for g, group in enumerate(self.param_groups) if any(q is p for q in group["params"]))
-        return f"parameter {k} (group {g})"
-
-    def _refuse_partial_gradients(self, has: list[int], ranks: int) -> None:
-        """Stage 1: a parameter must have a `.grad` on every rank or on none; else every rank raises, naming it.
-
-        Each rank steps its pieces with its own `.grad`, which DDP has averaged. A gradient on some
-        ranks only (a parameter used on one rank, outside DDP) would step the parameter in part:
-        torch's steps it whole or not at all, by which rank owns it, so neither is the answer.
-        """
-        partly = [j for j, c in enumerate(has) if 0 < c < ranks]
-        if partly:
-            j = partly[0]
-            raise RuntimeError(f"ZeroRedundancyOptimizer(stage=1): parameter {j} of shape "
-                               f"{tuple(self.params[j].shape)} has a .grad on {has[j]} of {ranks} "
-                               f"ranks ({len(partly)} such parameter(s)); stage 1 steps each rank's shard with that "
-                               "rank's .grad, which must be averaged over the ranks (DistributedDataParallel) "
-                               "or None on every rank")
-
-    def _unfreeze(self, thawed: list[int], had: list[int], own_gradients: bool) -> list[int]:
-        """Shard the parameters frozen at construction that every rank has unfrozen since (`thawed`: places in
-        `_frozen`), as torch's optimizers step a parameter of theirs once it has a gradient.
-
-        They get flat buffers of their own after the others (whose layout, shards and state stay),
-        and their pieces join their parameter groups in the inner optimizer. At stage 2 no hook took
-        this step's gradients of them: each rank's whole `.grad` is summed over the ranks here, once;
-        later backward passes reduce-scatter them with the rest. Returns, for each (in the order
-        they join `params`), how many ranks have its gradient.
-        """
-        by_group: dict[int, list] = {}
-        for t in thawed:
-            g, p = self._frozen[t]
-            by_group.setdefault(g, []).append((p, had[t]))
-        added = [[p for p, _ in by_group[g]] for g in sorted(by_group)]
-        counts = [c for g in sorted(by_group) for _, c in by_group[g]]
-        first, params = len(self.params), [p for ps in added for p in ps]
-        self._frozen = [f for t, f in enumerate(self._frozen) if t not in set(thawed)]
-        self._trainable += added
-        self._plan_groups += sorted(by_group)
-        self.plan, self.params = ShardPlan(self._trainable, self.world_size), self.params + params
-        buffers = len(self.flats)
-        self.flats += ShardPlan(added, self.world_size).bind(params)  # the new buffers, as in `plan`
-        self._record_binding()
-        for g, piece in self._find_pieces():
-            self.optimizer.param_groups[g]["params"].append(piece)
+        grads = None
         if self.grad_shards is not None:
-            old, self.grad_shards = self.grad_shards, self._gradient_shards(self._buckets(self.plan, self.params))
-            self.grad_shards.adopt(old)
-            for b in range(buffers, len(self.flats)):
-                members = [self.params[j] for j in self.plan.buffers[b]]
-                whole = torch.cat([(p.grad if own_gradients and p.grad is not None else torch.zeros_like(p))
-                                   .reshape(-1) for p in members])
-                self._sum_over_ranks(whole)
-                lo, hi = self.plan.bounds(b, self.rank)
-                self.grad_shards.shards[b] = whole[lo:hi].clone()
-            for j, p in enumerate(params, first):
-                self.grad_shards.used[j] = own_gradients and p.grad is not None
+            divisor = self.world_size if self._divide_by_initial else training
+            grads = [s / divisor if s is not None else None for s in self.grad_shards.shards]
+            starts = [self.plan.bounds(b, self.rank)[0] for b in range(len(self.flats))]
+        lent = []  # the pieces given a gradient for this step, which must not keep it
+        for j, lo, hi, piece in self.pieces:
+            p, (b, start, _) = self.params[j], self.plan.where[j]
+            if grads is None:
+                if piece is p or p.grad is None:
+                    continue
+                piece.grad = p.grad.reshape(-1)[lo - start:hi - start]
+            else:
+                piece.grad = grads[b][lo - starts[b]:hi - starts[b]].view_as(piece) if used[j] else None
+            lent.append(piece)
+        return lent
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._refuse_if_taken_over()
+        if self.grad_shards is not None:
+            self.grad_shards.zero_grad(set_to_none)
+        self._left_behind = False
+        for p in self.params + [p for _, p in self._frozen]:  # frozen ones too, as torch's
+            if set_to_none:
                 p.grad = None
-        return counts
+            elif real_grad(p) is not None:
+                p.grad.zero_()
+
+    @property
+    def reduces_gradients(self) -> bool:
+        """True at stage 2: DDP must not average the gradients (backward under `no_sync()`); we reduce-scatter them."""
+        return self.stage == 2
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -557,6 +266,56 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
         for s in shards:
             s.mul_(coefficient.to(s.dtype))
         return total.to(shards[0].dtype if shards else torch.get_default_dtype())
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Add a group, on every rank: its parameters get new flat buffers, of which this rank steps its chunk."""
+        if not self._built:
+            return super().add_param_group(param_group)
+        self._refuse_if_taken_over()
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        group = param_groups_of([param_group], "param_group", keep_frozen=True, require_trainable=False)[0]
+        refuse_sparse([group], "param_group")
+        trainable = [p for p in group["params"] if p.requires_grad]
+        super().add_param_group(group)  # torch's checks (a parameter in two groups) and defaults
+        try:
+            if self.grad_shards is not None:
+                self.grad_shards.check_finished()
+            plan = ShardPlan(self._trainable + [trainable], self.world_size)
+            buckets = self._buckets(plan, self.params + trainable)
+            self._agree_on_setup(plan, len(self.params) + len(trainable), len(buckets), self.param_groups)
+        except BaseException:
+            self.param_groups.pop()
+            raise
+        g = len(self.param_groups) - 1
+        self._frozen += [(g, p) for p in group["params"] if not p.requires_grad]
+        new = self._add_buffers([trainable], [g], plan, buckets)
+        self.optimizer.add_param_group({"params": [v for _, v in new], **options_of(self.param_groups[-1])})
+
+    def _sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        allreduce(tensor, self.algorithm, group=self.group, timeout=self.timeout)
+
+    def _buckets(self, plan: ShardPlan, params: list[torch.Tensor]) -> list:
+        return plan_buckets(plan, params, self.bucket_cap_mb) if self.stage == 2 else []
+
+    def _gradient_shards(self, buckets: list) -> GradientShards:
+        notify = weakref.WeakMethod(self._notify_join)  # the hooks must not keep a dropped optimizer alive
+        return GradientShards(self.plan, self.params, buckets, self.rank, self.group, self.timeout, notify)
+
+    def _notify_join(self) -> None:
+        """Tell a Join (if this optimizer is its first joinable) that this rank trains, once a step.
+
+        At stage 2 the first gradient of backward does it, before the first bucket is sent:
+        the joined ranks must start answering the reduce-scatters then.
+        """
+        if not self._notified:
+            self._notified = True
+            Join.notify_join_context(self)
+
+    @property
+    def optim(self) -> torch.optim.Optimizer:
+        """The inner optimizer, which steps this rank's pieces (torch's attribute)."""
+        return self.optimizer
 
     def gradient_bytes(self) -> int:
         """Bytes of gradient this rank holds: the parameters' `.grad`, and at stage 2 its shards and bucket buffers."""
@@ -604,22 +363,3 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, TorchCompat):
             self.optimizer.load_state_dict(copy.deepcopy(saved))
         for outer, saved in zip(self.param_groups, state.get("param_groups", ())):
             outer.update(saved)
-
-
-def _refuse_sparse(groups: list[dict], name: str = "params") -> None:
-    for g, group in enumerate(groups):
-        for p in group["params"]:
-            if p.layout != torch.strided:
-                raise ValueError(f"{name}: group {g} holds a tensor of layout {p.layout}; ZeroRedundancyOptimizer "
-                                 "shards dense tensors only (torch's refuses sparse ones too)")
-
-
-def _name_of(optimizer_class) -> str:
-    """The optimizer's class (or factory) as the ranks compare it: its module and qualified name."""
-    name = getattr(optimizer_class, "__qualname__", type(optimizer_class).__name__)
-    return f"{getattr(optimizer_class, '__module__', '')}.{name}"
-
-
-def _options_text(options: dict) -> str:
-    """A group's options (or the defaults), sorted by name, as the ranks compare them."""
-    return ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))

@@ -7,7 +7,7 @@ steps only its shard. Stage 2 never builds the whole gradient on a rank:
    on, and this rank adds its part of the sum into its gradient shard;
 3. the next bucket fills a second buffer, and the one after reuses the first once it is sent.
 After backward a rank holds its shard, 1/N of the gradient, summed over the ranks and over
-the backward passes since `zero_grad`, and no bucket.
+the backward passes since `zero_grad`, and no bucket; `zero.py`'s step divides it and steps with it.
 
 Each parameter's `.grad` is then a `ShardedAway`: a tensor of the gradient's shape and dtype
 with no storage, which refuses every operation in one line. Left None, torch's

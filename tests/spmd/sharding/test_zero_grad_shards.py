@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch, shard
-from manualdp.spmd.sharding.grad_shards import ShardedAway
+from manualdp.spmd.sharding.zero_grad_shards import ShardedAway
 from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
 
 STEPS = 4
