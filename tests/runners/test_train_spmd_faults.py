@@ -395,7 +395,7 @@ def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
 
 
 def test_after_one_failed_call_the_worker_fails_the_queued_ones_without_running_them():
-    from manualdp.spmd.transport.peers import SerialWorker
+    from manualdp.spmd.transport.worker import SerialWorker
     worker, ran = SerialWorker("test"), []
 
     def fail():

@@ -11,7 +11,7 @@ copied back into `.grad`. This is torch's DDP without its features (rung 5).
 
 The last bucket also carries one flag per parameter, whether this rank's backward reached it,
 summed with the gradients: it starts after every other bucket, when this rank's flags are final,
-and no message is added for them. A parameter no rank reached keeps its `.grad` (rung 1's rule).
+and no message is added for them. A parameter no rank reached keeps its `.grad` (`rules.py`).
 """
 from __future__ import annotations
 

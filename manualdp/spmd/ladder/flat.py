@@ -16,7 +16,6 @@ from .naive import NaiveDDP
 __all__ = ["FlatDDP"]
 
 
-
 class FlatDDP(NaiveDDP):
     """`NaiveDDP` with one allreduce of all the gradients (per dtype) instead of one per parameter."""
 

@@ -16,10 +16,10 @@ Three details:
   same-shaped layers applied in another order on one rank, or a layer used on some ranks
   only, still average right; a parameter that no hook reported (unused in this step) is sent
   after backward, its `.grad` or zeros;
-- the step's check (rung 1's `check_step`) rides on the first allreduce of each backward
+- the step's check (`rules.Rung.check_step`) rides on the first allreduce of each backward
   pass (`allreduce(..., check=True, step=...)`: fixed-size headers beside its data, no round
   trip more); the others start once it has passed;
-- which parameters some rank used (rung 1's rule: one no rank used keeps its `.grad`) is known
+- which parameters some rank used (`rules.py`: one no rank used keeps its `.grad`) is known
   only once every hook has fired, long after the check went out. The last parameter of `order`
   starts last, when this rank's flags (one per parameter) are final, so its allreduce carries
   them: its gradient and the flags are copied into one buffer (`tail`), no message more. A

@@ -4,6 +4,7 @@
 - `plan.py`: a book schedule cut into this rank's messages, round by round;
 - `p2p.py`: the executor: one rank runs its plan as `isend`/`irecv`;
 - `group.py`: what is kept per process group (its ordered worker thread, link constants, scratch);
+- `worker.py`: that worker: one daemon thread running calls in order (none at one rank);
 - `call_check.py`: ranks that call a collective differently all raise, headers beside the data;
 - `agree.py`: the one way ranks agree on anything (a digest, then the differing fields), and
   the one rank-0 broadcast every wrapper starts from;

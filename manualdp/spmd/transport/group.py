@@ -1,7 +1,7 @@
 """What manualdp keeps between calls on one process group, in one object per group.
 
 Collectives on a group share a few things across calls: the one thread that runs them in
-order, the link constants every rank agreed on (and whether measured times have drifted
+order (`worker.py`), the link constants every rank agreed on (and whether measured times have drifted
 from them), the call check's counter, the bytes sent, and per thread the scratch space and
 the works kept until the next call. Kept apart in module-level dicts, each file had its own
 idea of what a group is and none said what a group holds; here one `GroupState` says it,
@@ -10,16 +10,16 @@ given the state. A test that wants a fresh start makes a fresh state.
 """
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import weakref
 
 import torch
 import torch.distributed as dist
 
-from .peers import SerialWorker, group_ranks, is_refused_alike
+from .peers import group_ranks
+from .worker import InlineWorker, SerialWorker
 
-__all__ = ["GroupState", "group_state", "group_worker", "InlineWorker", "Traffic"]
+__all__ = ["GroupState", "group_state", "group_worker", "Traffic"]
 
 
 class Traffic:
@@ -44,33 +44,6 @@ class Traffic:
         """A copy of the counts so far: dtype name -> bytes."""
         with self._lock:
             return dict(self._sent)
-
-
-class InlineWorker:
-    """A `SerialWorker` without a thread, for a group of one rank: each call runs at once, in the caller's thread.
-
-    Nothing is sent at world size 1, so a thread would only add a hand-off per call. As on
-    the thread, after a call fails every later one fails with the same error (unless every rank
-    refused it alike, `peers.refused_alike`).
-    """
-
-    def __init__(self) -> None:
-        self._failed: BaseException | None = None
-
-    def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        if self._failed is not None:
-            future.set_exception(self._failed)
-            return future
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as e:  # handed to whoever waits on the future, as the thread does
-            self._failed = None if is_refused_alike(e) else e
-            future.set_exception(e)
-        return future
-
-    def shutdown(self) -> None:
-        pass
 
 
 class GroupState:

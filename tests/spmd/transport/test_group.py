@@ -13,7 +13,7 @@ MUTABLE_CALLS = {"dict", "set", "list", "local", "defaultdict", "OrderedDict", "
                  "WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
 ALLOWED = {
     ("group.py", "_STATES"),  # the one registry: process group -> its state
-    ("peers.py", "_threads"),  # the process's worker threads, for the exit drain: not any one group's
+    ("worker.py", "_threads"),  # the process's worker threads, for the exit drain: not any one group's
 }
 
 
