@@ -176,19 +176,11 @@ class _Run:
         out = ft(Xs)
         loss = self.loss_fn(out, ys)
         (loss / n * size).backward()
-        # the global batch's loss and correct count: each member's, summed (averaged, then times the members)
+        # the global batch's loss and correct count: each member's, summed (averaged with the step, times the members)
         totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
-        ft.manager.average(totals)  # a failure here fails the step's vote too
-        committed = ft.step()
+        committed = ft.step(also=(totals,))
         record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
-        if committed:
-            totals *= size
-            record["loss"] = totals[0].item() / n
-            self.sums["loss"] += totals[0].item()
-            self.sums["correct"] += totals[1].item()
-            self.sums["seen"] += n
-        self.records.append(record)
-        return record
+        return self._record(record, totals * size, n)
 
     def block(self, ft: LocalSGD, quorum) -> dict:
         """Take block `manager.step` (up to H batches, alone on this replica's shards), then combine; its record."""
@@ -207,13 +199,15 @@ class _Run:
             (loss / len(X) * size).backward()  # the mean over this shard (equal shards): DDP's gradient scale
             totals += torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
             seen += len(X)
-            if j == length - 1:
-                ft.manager.average(totals)  # summed over the members below: the H global batches' totals
-            committed = ft.step(end_block=j == length - 1)
+            # averaged with the block at its end (then times the members): the H global batches' totals
+            committed = ft.step(end_block=j == length - 1, also=(totals,))
         record = {"step": k, "batch": epoch * self.batches_per_epoch + first, "local_steps": length,
                   "round": quorum.round, "members": quorum.ids, "committed": committed}
-        if committed:
-            totals *= size
+        return self._record(record, totals * size, seen)
+
+    def _record(self, record: dict, totals: torch.Tensor, seen: int) -> dict:
+        """Keep `record`; if it was committed, add its `totals` (loss, correct count of `seen` examples) to the sums."""
+        if record["committed"]:
             record["loss"] = totals[0].item() / seen
             self.sums["loss"] += totals[0].item()
             self.sums["correct"] += totals[1].item()

@@ -9,9 +9,10 @@ the state of a member at the highest step and trains on. torchft does this for t
 every piece is a short file, in reading order:
 
 - `coordinator.py`: `Coordinator`, the process that hosts the store (a `TCPStore`); `connect`;
+- `keys.py`: the store's keys, every one the room writes or reads;
 - `heartbeat.py`: who is alive: a counter each replica moves, watched on each observer's clock;
 - `quorum.py`: once per step, the live replicas agree on the members, the step and the group;
-- `group.py`: the quorum's gloo process group, re-formed when the members change;
+- `quorum_group.py`: the quorum's gloo process group, re-formed when the members change;
 - `commit.py`: every member votes; the first outcome written to the store is everyone's;
 - `recovery.py`: who sends the state to whom, and the state through the store, checksummed;
 - `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;

@@ -17,6 +17,7 @@ import time
 
 import torch.distributed as dist
 
+from . import keys
 from .heartbeat import Liveness
 from .quorum import POLL, Quorum
 
@@ -38,16 +39,16 @@ def outcome_of(votes: dict[str, bool | None], alive: set[str], timed_out: bool) 
 def commit_or_discard(store: dist.Store, quorum: Quorum, replica_id: str, ok: bool, liveness: Liveness,
                       timeout: float) -> bool:
     """Vote `ok` for `quorum`'s step, then return whether every member commits it (the same answer on all)."""
-    prefix = f"round/{quorum.round}"
-    store.set(f"{prefix}/vote/{replica_id}", "1" if ok else "0")
+    round_, decided = quorum.round, keys.outcome(quorum.round)
+    store.set(keys.vote(round_, replica_id), "1" if ok else "0")
     deadline = time.monotonic() + timeout
     while True:
-        if store.check([f"{prefix}/outcome"]):
-            return store.get(f"{prefix}/outcome") == b"commit"
-        votes = {m: (store.get(f"{prefix}/vote/{m}") == b"1" if store.check([f"{prefix}/vote/{m}"]) else None)
+        if store.check([decided]):
+            return store.get(decided) == b"commit"
+        votes = {m: (store.get(keys.vote(round_, m)) == b"1" if store.check([keys.vote(round_, m)]) else None)
                  for m in quorum.ids}
         proposal = outcome_of(votes, liveness.live(quorum.ids), time.monotonic() > deadline)
         if proposal is not None:
-            store.compare_set(f"{prefix}/outcome", "", proposal)  # the first proposal written is the outcome
+            store.compare_set(decided, "", proposal)  # the first proposal written is the outcome
             continue
         time.sleep(POLL)

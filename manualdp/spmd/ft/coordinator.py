@@ -6,8 +6,9 @@ torchft calls it the lighthouse. Here it is only a `torch.distributed.TCPStore`,
 key-value server that `init_process_group` uses to introduce ranks to each other. It holds no
 logic: the replicas register and heartbeat in it (`heartbeat.py`), ask for a quorum and take
 the first one written (`quorum.py`), vote on each step (`commit.py`), hand a joiner its state
-(`recovery.py`), and each quorum's gloo group meets in it (`group.py`). Every decision is a
-key that the first replica to write it wins (`compare_set`): the store makes that atomic.
+(`recovery.py`), and each quorum's gloo group meets in it (`quorum_group.py`); `keys.py` names
+every key. Every decision is a key that the first replica to write it wins (`compare_set`):
+the store makes that atomic.
 
 The store must outlive the replicas: once it is gone, their next wait on it raises.
 """
@@ -19,10 +20,9 @@ import time
 import torch.distributed as dist
 
 from ...validate import int_between, timeout_seconds
+from .keys import PREFIX
 
 __all__ = ["Coordinator", "connect", "check_host", "PREFIX"]
-
-PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it, beside whatever else uses the store
 
 
 class Coordinator:

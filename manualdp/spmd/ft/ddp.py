@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...buckets import by_dtype, flatten, unflatten_
 from ...validate import initialized, nn_module, no_closure
+from .average import average_and_vote
 from .manager import Manager
 from .quorum import Quorum
 
@@ -62,19 +62,17 @@ class FaultTolerantDDP(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         return quorum
 
-    def step(self) -> bool:
-        """Average the gradients over the quorum, then apply the step on every member or on none; True if applied."""
+    def step(self, also: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Average the gradients over the quorum, then apply the step on every member or on none; True if applied.
+
+        `also`: more tensors averaged with the step (a loop's loss totals), changed only if it is applied.
+        """
         params = [p for p in self.module.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:  # unused in this step on this replica: it contributes zeros
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params]
-        flats = [(flatten(group), group) for group in by_dtype(grads)]
-        ok = all([self.manager.average(flat) for flat, _ in flats])  # a list: every buffer goes, as on the others
-        committed = self.manager.should_commit(ok)
+        committed = average_and_vote(self.manager, [p.grad for p in params], also)
         if committed:
-            for flat, group in flats:
-                unflatten_(flat, group)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return committed

@@ -6,7 +6,7 @@ seconds belongs to a replica that died (SIGKILL), stopped (SIGSTOP: its heartbea
 stops with it) or lost the network. A replica that leaves on purpose (`Heartbeat.stop(leave=True)`)
 writes -1, and is gone at once.
 
-Keys: `replicas` (every id that registered, one a line) and `heartbeat/ID` (the counter).
+Keys (`keys.py`): `replicas` (every id that registered, one a line) and `heartbeat/ID` (the counter).
 """
 from __future__ import annotations
 
@@ -15,21 +15,23 @@ import time
 
 import torch.distributed as dist
 
+from . import keys
+
 __all__ = ["Heartbeat", "Liveness", "register", "registered"]
 
 
 def register(store: dist.Store, replica_id: str) -> None:
     """Add `replica_id` to the replicas the others wait for, with a counter that starts at 0 and no agreed state."""
-    store.set(f"held/{replica_id}", "")  # a new process holds no state of the run yet (quorum.py)
-    store.set(f"heartbeat/{replica_id}", "0")
-    store.append("replicas", replica_id + "\n")
+    store.set(keys.held(replica_id), "")  # a new process holds no state of the run yet (quorum.py)
+    store.set(keys.heartbeat(replica_id), "0")
+    store.append(keys.REPLICAS, replica_id + "\n")
 
 
 def registered(store: dist.Store) -> list[str]:
     """Every replica id that has ever registered, once each, in the order they first did."""
-    if not store.check(["replicas"]):
+    if not store.check([keys.REPLICAS]):
         return []
-    return list(dict.fromkeys(store.get("replicas").decode().split()))
+    return list(dict.fromkeys(store.get(keys.REPLICAS).decode().split()))
 
 
 class Heartbeat:
@@ -41,7 +43,7 @@ class Heartbeat:
 
     def __init__(self, store: dist.Store, replica_id: str, interval: float) -> None:
         self._store = store.clone()
-        self._key = f"heartbeat/{replica_id}"
+        self._key = keys.heartbeat(replica_id)
         self._interval = interval
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"manualdp-heartbeat-{replica_id}", daemon=True)
@@ -91,7 +93,7 @@ class Liveness:
             self._seen.clear()
         self._looked = now
         alive = set()
-        for replica, value in zip(ids, self._store.multi_get([f"heartbeat/{r}" for r in ids])):
+        for replica, value in zip(ids, self._store.multi_get([keys.heartbeat(r) for r in ids])):
             last, since = self._seen.get(replica, (None, now))
             if value != last:
                 since = now

@@ -31,8 +31,8 @@ import copy
 import torch
 from torch import nn
 
-from ...buckets import by_dtype, flatten, unflatten_
 from ...validate import fraction, learning_rate, positive_int
+from .average import average_and_vote
 from .ddp import check_wrapped, optimizer_settings
 from .manager import Manager
 from .quorum import Quorum
@@ -81,11 +81,12 @@ class LocalSGD(nn.Module):
         self.optimizer.zero_grad(set_to_none=True)
         return quorum
 
-    def step(self, end_block: bool = False) -> bool | None:
+    def step(self, end_block: bool = False, also: tuple[torch.Tensor, ...] = ()) -> bool | None:
         """An optimizer step alone; at the block's end the replicas combine: True if committed, False if discarded.
 
         Inside a block it returns None: nothing was sent. `end_block=True` ends this block before
-        its H steps (every member must pass it at the same step: at an epoch's end, say).
+        its H steps (every member must pass it at the same step: at an epoch's end, say). `also`:
+        more tensors averaged at the block's end (a loop's loss totals), changed only if it commits.
         """
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -94,22 +95,16 @@ class LocalSGD(nn.Module):
             return None
         self._local = 0
         with torch.no_grad():
-            committed = self.combine()
+            committed = self.combine(also)
             if not committed:  # the block never happened
                 for s, p in zip(self.start, self.params):
                     p.copy_(s)
                 self.optimizer.load_state_dict(self._inner_start)
         return committed
 
-    def combine(self) -> bool:
+    def combine(self, also: tuple[torch.Tensor, ...] = ()) -> bool:
         """Local SGD: the parameters averaged over the members, if they all commit."""
-        flats = [(flatten(group), group) for group in by_dtype([p.detach() for p in self.params])]
-        ok = all([self.manager.average(flat) for flat, _ in flats])
-        if not self.manager.should_commit(ok):
-            return False
-        for flat, group in flats:
-            unflatten_(flat, group)
-        return True
+        return average_and_vote(self.manager, [p.detach() for p in self.params], also)
 
 
 class DiLoCo(LocalSGD):
@@ -131,14 +126,10 @@ class DiLoCo(LocalSGD):
         self.outer = torch.optim.SGD(self.start, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
         manager.register_state("outer_optimizer", self.outer.state_dict, self.outer.load_state_dict)
 
-    def combine(self) -> bool:
+    def combine(self, also: tuple[torch.Tensor, ...] = ()) -> bool:
         deltas = [s.detach() - p.detach() for s, p in zip(self.start, self.params)]  # theta - theta_i
-        flats = [(flatten(group), group) for group in by_dtype(deltas)]
-        ok = all([self.manager.average(flat) for flat, _ in flats])
-        if not self.manager.should_commit(ok):
+        if not average_and_vote(self.manager, deltas, also):  # delta, averaged over the members
             return False
-        for flat, group in flats:
-            unflatten_(flat, group)  # delta, averaged over the members
         for s, delta in zip(self.start, deltas):
             s.grad = delta
         self.outer.step()

@@ -23,11 +23,12 @@ import torch
 from ...validate import a_callable, one_of, positive_int, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
 from ..transport.agree import agree
+from . import keys
 from .commit import commit_or_discard
 from .coordinator import connect
-from .group import drop_group, form_group
 from .heartbeat import Heartbeat, Liveness, register
 from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
+from .quorum_group import drop_group, form_group
 from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
 
 __all__ = ["Manager"]
@@ -275,7 +276,7 @@ def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> Non
     A replica started again after it died finds its old counter still: that costs it one
     `heartbeat_timeout` of watching, once.
     """
-    key = f"heartbeat/{replica_id}"
+    key = keys.heartbeat(replica_id)
     if not store.check([key]):
         return
     first, deadline = store.get(key), time.monotonic() + heartbeat_timeout

@@ -47,6 +47,7 @@ import time
 
 import torch.distributed as dist
 
+from . import keys
 from .heartbeat import Liveness, registered
 
 __all__ = ["Member", "Quorum", "decide", "agreed", "group_for", "wait_for_quorum", "publish_mark", "POLL", "PATIENCE"]
@@ -140,14 +141,14 @@ def agreed(members: list[Member], held: dict[str, tuple[int, int]]) -> bool:
 
 def publish_mark(store: dist.Store, replica_id: str, mark: tuple[int, int] | None) -> None:
     """Say which agreed state this replica holds (None: none; it is new, or was provisional)."""
-    store.set(f"held/{replica_id}", "" if mark is None else f"{mark[0]} {mark[1]}")
+    store.set(keys.held(replica_id), "" if mark is None else f"{mark[0]} {mark[1]}")
 
 
 def _held(store: dist.Store, live: set[str], round_: int) -> dict[str, tuple[int, int]]:
     """The marks of the live replicas that hold the agreed state, as published, or as the newest quorum implies."""
-    ids = [r for r in sorted(live) if store.check([f"held/{r}"])]
+    ids = [r for r in sorted(live) if store.check([keys.held(r)])]
     held = {}
-    for rid, value in zip(ids, store.multi_get([f"held/{r}" for r in ids]) if ids else []):
+    for rid, value in zip(ids, store.multi_get([keys.held(r) for r in ids]) if ids else []):
         if value:
             step, since = value.decode().split()
             held[rid] = (int(step), int(since))
@@ -170,19 +171,19 @@ def group_for(members: list[Member], round_: int) -> int:
 
 
 def _asks(store: dist.Store, round_: int) -> dict[str, Member]:
-    lines = store.get(f"round/{round_}/asks").decode().splitlines()
+    lines = store.get(keys.asks(round_)).decode().splitlines()
     return {m.id: m for m in (_member(json.loads(line)) for line in lines)}  # a replica's last ask counts
 
 
 def _decided(store: dist.Store, round_: int) -> Quorum | None:
-    key = f"round/{round_}/quorum"
+    key = keys.quorum(round_)
     return Quorum.from_json(store.get(key)) if store.check([key]) else None
 
 
 def _first_open_round(store: dist.Store, after: int) -> int:
     """The first round after `after` (and after the newest one known to be decided) that has no quorum yet."""
-    round_ = max(after, int(store.get("latest")) if store.check(["latest"]) else 0) + 1
-    while store.check([f"round/{round_}/quorum"]):
+    round_ = max(after, int(store.get(keys.LATEST)) if store.check([keys.LATEST]) else 0) + 1
+    while store.check([keys.quorum(round_)]):
         round_ += 1
     return round_
 
@@ -195,7 +196,7 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
     been alive for `timeout` s, or `PATIENCE * timeout` s after `started` (time.monotonic()).
     """
     round_ = _first_open_round(store, after)
-    store.append(f"round/{round_}/asks", json.dumps(dataclasses.asdict(me)) + "\n")
+    store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
     asked, short_since = time.monotonic(), None
     while True:
         quorum = _decided(store, round_)
@@ -203,7 +204,7 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
             if me.id in quorum.ids:
                 return quorum
             round_ = _first_open_round(store, round_)  # left out: ask in the next round
-            store.append(f"round/{round_}/asks", json.dumps(dataclasses.asdict(me)) + "\n")
+            store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
             asked = time.monotonic()
             continue
         asks = _asks(store, round_)
@@ -212,8 +213,8 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         if members is not None:
             proposal = Quorum(round_, tuple(members), group_for(members, round_),
                               agreed(members, _held(store, live, round_)))
-            if store.compare_set(f"round/{round_}/quorum", "", proposal.to_json()) == proposal.to_json().encode():
-                store.set("latest", str(round_))  # a hint for replicas that join later: rounds up to here are decided
+            if store.compare_set(keys.quorum(round_), "", proposal.to_json()) == proposal.to_json().encode():
+                store.set(keys.LATEST, str(round_))  # a hint for those that join later: rounds up to here are decided
             continue
         now, need = time.monotonic(), max(m.min_replicas for m in asks.values())
         short_since = (short_since or now) if len(live) < need else None

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import keys
 from .quorum import POLL, Quorum
 
 __all__ = ["plan_recovery", "check_loadable", "send_state", "forget_state", "receive_state", "RecoveryError"]
@@ -43,10 +44,6 @@ def plan_recovery(quorum: Quorum) -> dict[str, str]:
         sources = [next(m.id for m in quorum.members if m.step == top)]
     receivers = [m.id for m in quorum.members if m.id not in sources and (m.step < top or not m.synced)]
     return {r: sources[i % len(sources)] for i, r in enumerate(receivers)}
-
-
-def _key(round_: int, source: str) -> str:
-    return f"state/{round_}/{source}"
 
 
 def check_loadable(state: dict, source: str) -> None:
@@ -86,26 +83,26 @@ def send_state(store: dist.Store, round_: int, source: str, state: dict) -> str:
     """Write `state` for the receivers of `round_`; return its SHA-256 (hex)."""
     blob = _save(state)
     digest = hashlib.sha256(blob).hexdigest()
-    store.set(_key(round_, source), blob)
-    store.set(_key(round_, source) + "/sha256", digest)  # written last: the blob is whole once this is there
+    store.set(keys.state(round_, source), blob)
+    store.set(keys.state_sha256(round_, source), digest)  # written last: the blob is whole once this is there
     return digest
 
 
 def forget_state(store: dist.Store, round_: int, source: str) -> None:
     """Remove what `send_state` wrote for `round_` (its receivers have read it, or given up)."""
-    store.delete_key(_key(round_, source))
-    store.delete_key(_key(round_, source) + "/sha256")
+    store.delete_key(keys.state(round_, source))
+    store.delete_key(keys.state_sha256(round_, source))
 
 
 def receive_state(store: dist.Store, round_: int, source: str, timeout: float) -> tuple[dict, str]:
     """The state `source` sent for `round_` and its SHA-256, checked; RecoveryError after `timeout` s or if damaged."""
-    key = _key(round_, source)
+    key, sha256 = keys.state(round_, source), keys.state_sha256(round_, source)
     deadline = time.monotonic() + timeout
-    while not store.check([key + "/sha256"]):
+    while not store.check([sha256]):
         if time.monotonic() > deadline:
             raise RecoveryError(f"the state of replica {source!r} (round {round_}) did not come within {timeout:g} s")
         time.sleep(POLL)
-    expected = store.get(key + "/sha256").decode()
+    expected = store.get(sha256).decode()
     blob = store.get(key)
     digest = hashlib.sha256(blob).hexdigest()
     if digest != expected:

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from manualdp.spmd.ft.keys import PREFIX
+
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 # a tiny run: 8 steps an epoch, float32 MLP; short deadlines, so that a fault costs seconds
 RUN = ["--model", "mlp", "--num-train", "256", "--num-test", "64", "--batch-size", "32", "--lr", "0.1",
@@ -34,7 +36,7 @@ class Run:
         line = self.wait("the coordinator's first line", lambda: (tmp / "coordinator.log").read_text())
         self.port = int(line.split("127.0.0.1:")[1].split(";")[0])
         client = torch.distributed.TCPStore("127.0.0.1", self.port, is_master=False)
-        self.store = torch.distributed.PrefixStore("manualdp-ft", client)
+        self.store = torch.distributed.PrefixStore(PREFIX, client)
         self.options = [*RUN, "--epochs", str(epochs), "--timeout", str(timeout), "--min-replicas", str(min_replicas)]
 
     def command(self, rid: str) -> list[str]:

@@ -96,7 +96,7 @@ def fail_first_send():
 
 def die_in_recovery(fault: str, at, sig=signal.SIGKILL):
     """`kill_receive`: die in the first state received, before loading it; `kill_send`: die in sending at step `at`."""
-    from manualdp.spmd.ft import manager, recovery
+    from manualdp.spmd.ft import keys, manager
 
     if fault == "kill_receive":
         receive = manager.receive_state
@@ -115,7 +115,7 @@ def die_in_recovery(fault: str, at, sig=signal.SIGKILL):
             import io
             buffer = io.BytesIO()
             torch.save(state, buffer)
-            store.set(recovery._key(round_, source), buffer.getvalue())  # the bytes, not yet their checksum
+            store.set(keys.state(round_, source), buffer.getvalue())  # the bytes, not yet their checksum
             os.kill(os.getpid(), sig)
 
         manager.send_state = send_and_die

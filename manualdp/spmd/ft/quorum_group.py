@@ -1,7 +1,7 @@
 """A process group per quorum: the members' gloo group, re-formed when the membership changes.
 
 A quorum names a group by number (`quorum.group_for`); the members meet in the coordinator's
-store under `group/N`, so that a new group never sees an old one's keys, and connect to each
+store under `group/N` (`keys.group`), so that a new group never sees an old one's keys, and connect to each
 other as gloo does for `init_process_group`. The member's index in the quorum (sorted by id)
 is its rank. They meet on a connection of their own (gloo's rendezvous waits on it, and the
 group keeps it), so the manager's connection is never shared with gloo's threads. The price:
@@ -27,6 +27,8 @@ import datetime
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from . import keys
+
 __all__ = ["form_group", "drop_group"]
 
 
@@ -40,7 +42,7 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
     # trainers that recover from failure re-create the same names"; an init_process_group that failed (a member gone
     # during the rendezvous) leaves it one up, and the next group's members would wait on different keys
     distributed_c10d._world.group_count = 0
-    meeting = dist.PrefixStore(f"group/{group}", store.clone())
+    meeting = dist.PrefixStore(keys.group(group), store.clone())
     dist.init_process_group("gloo", store=meeting, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
 

@@ -1,0 +1,31 @@
+"""The step every wrapper of this room ends with: flatten, average over the quorum, vote, and unflatten if committed.
+
+`FaultTolerantDDP` (`ddp.py`) averages the gradients so, `LocalSGD` the parameters and `DiLoCo`
+their change (`local_sgd.py`); `manualdp train --fault-tolerant` (`runners/ft_train.py`) hands
+its step's loss totals along (`also`), so that they are averaged with the step and counted only
+if it is applied.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...buckets import by_dtype, flatten, unflatten_
+from .manager import Manager
+
+__all__ = ["average_and_vote"]
+
+
+def average_and_vote(manager: Manager, tensors: list[torch.Tensor], also: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Average `tensors` over `manager`'s quorum and vote; True, and the averages written back, if every member commits.
+
+    `tensors` go as one flat buffer per dtype (rung 2 of the ladder), each tensor of `also` as a
+    buffer of its own, first. On False (a member failed) every tensor is left as it was.
+    """
+    groups = [[t] for t in also] + by_dtype(tensors)
+    flats = [flatten(group) for group in groups]
+    ok = all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
+    if not manager.should_commit(ok):
+        return False
+    for flat, group in zip(flats, groups):
+        unflatten_(flat, group)
+    return True
