@@ -21,7 +21,7 @@ import time
 import pytest
 
 from manualdp import cost
-from manualdp.runners.grader import sandbox
+from manualdp.runners.grader import processes, sandbox
 from manualdp.runners.grader.sandbox import Child
 
 MODES = {"namespaces": "1", "fallback": "0"}  # MANUALDP_NAMESPACES
@@ -190,9 +190,9 @@ def test_the_child_cannot_open_the_graders_stdout_or_memory_in_proc(probed):
 
 LOCKED = """
 import ctypes, importlib.util, os, shutil, sys
-spec = importlib.util.spec_from_file_location("sandbox", sys.argv[2])  # not torch, which the package imports
-sandbox = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(sandbox)
+spec = importlib.util.spec_from_file_location("processes", sys.argv[2])  # not torch, which the package imports
+processes = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(processes)
 
 header, caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
 if ctypes.CDLL(None).capget(header, caps) == 0:  # as root, drop what makes modes no matter: as any other user
@@ -207,12 +207,12 @@ for path, mode in ((f"{folder}/a/b/c", 0o500), (f"{folder}/a/b", 0), (f"{folder}
     os.chmod(path, mode)
 shutil.rmtree(folder, ignore_errors=True)
 assert os.path.exists(f"{folder}/a/b"), "rmtree removed a locked folder: nothing to test"
-sandbox._remove(folder)
+processes.remove_folder(folder)
 print(os.path.lexists(folder), oct(os.stat("/").st_mode))
 """
 
 
 def test_a_folder_the_child_locked_is_removed_all_the_same(tmp_path):
-    done = subprocess.run([sys.executable, "-c", LOCKED, str(tmp_path / "folder"), sandbox.__file__],
+    done = subprocess.run([sys.executable, "-c", LOCKED, str(tmp_path / "folder"), processes.__file__],
                           capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.split() == ["False", oct(os.stat("/").st_mode)], done

@@ -15,34 +15,30 @@ user (a `| tee` that reads the grader's output). The grader keeps the inputs, th
 it sends the child inputs only, and reads back what the child's function left in them and returned, loaded with
 `weights_only=True` (tensors and plain values: nothing that runs code here). Every call has a deadline. A call that
 does not return in time, or a child that dies, raises `Stopped` naming what happened; then the child's whole session
-is killed, and a later call starts a new child.
+is killed, and a later call starts a new child. The operating system's side of all this (the namespaces, the grader
+not dumpable, the child's session found and killed, its folder removed) is in `processes.py`.
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import io
 import os
 import re
 import select
-import shutil
 import signal
 import stat
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
+
+from .processes import (ENDED, UNSHARE, die_with_parent, exit_status, hide_grader, kill_session, namespaces,
+                        process_state, remove_folder, session, signal_name)
 
 __all__ = ["Stopped", "Raised", "Opaque", "Child"]
 
 STARTUP = 120.0  # seconds for a fresh interpreter to import torch on a busy machine
-UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]  # namespaces of its own
-ENDED = "manualdp-sandbox-ended"  # the init's last line on stderr: ENDED, the child's returncode (as Popen's)
 SOCKETS = 70  # the longest TMPDIR for multiprocessing's sockets (TMPDIR/pymp-*/listener-*: 32 more, in 104 bytes)
-PR_SET_PDEATHSIG, PR_GET_DUMPABLE, PR_SET_DUMPABLE = 1, 3, 4
 
 
 class Stopped(BaseException):
@@ -91,59 +87,6 @@ def _restore(obj):
     return obj
 
 
-@functools.cache
-def _prctl() -> Callable[..., int]:
-    """libc's prctl (Linux), or a function that does nothing."""
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return lambda *args: -1
-
-
-_children = {"running": 0, "dumpable": 1}  # the children this process runs now, and its dumpable flag before them
-_children_lock = threading.Lock()
-
-
-def _hide_grader(more: int) -> None:
-    """Count a child started (+1) or ended (-1). While any runs, this process is not dumpable (PR_SET_DUMPABLE 0):
-    a process of the same user without CAP_SYS_PTRACE (the child in the fallback) can then open neither its
-    /proc/PID/fd, to print a verdict of its own into the grader's output, nor its /proc/PID/mem. Core dumps and
-    ptrace of the grader are off meanwhile too."""
-    with _children_lock:
-        _children["running"] += more
-        if more > 0 and _children["running"] == 1:
-            _children["dumpable"] = _prctl()(PR_GET_DUMPABLE, 0, 0, 0, 0)
-            _prctl()(PR_SET_DUMPABLE, 0, 0, 0, 0)
-        elif more < 0 and _children["running"] == 0 and _children["dumpable"] > 0:
-            _prctl()(PR_SET_DUMPABLE, _children["dumpable"], 0, 0, 0)
-
-
-def die_with_parent() -> Callable[[], object]:
-    """A function that has the kernel SIGKILL the process that calls it when that process's parent ends (Linux's
-    PR_SET_PDEATHSIG; elsewhere it does nothing): taken before a fork, so that the forked process only calls it."""
-    return functools.partial(_prctl(), PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-@functools.cache
-def namespaces() -> bool:
-    """Whether children run in namespaces of their own (`UNSHARE`): where it works, tried once per process, and
-    MANUALDP_NAMESPACES is not 0."""
-    if os.environ.get("MANUALDP_NAMESPACES") == "0":
-        return False
-    try:
-        return subprocess.run([*UNSHARE, "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, timeout=30).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
 class Child:
     """The student's file at `path`, loaded in a child process; `call(*args)` runs its `name` there (`name`: a
     function's name, or a list of names, the first being the one `call` runs), `job` a job of the grader's with them.
@@ -181,7 +124,7 @@ class Child:
             [*UNSHARE, *command] if namespaces() else command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=self.folder, env=env, start_new_session=True, close_fds=True,
             preexec_fn=die_with_parent())  # killed when the thread that started it ends
-        _hide_grader(+1)  # before the child, which imports torch first, can run the file
+        hide_grader(+1)  # before the child, which imports torch first, can run the file
         os.set_blocking(self.proc.stdin.fileno(), False)
         os.set_blocking(self.proc.stderr.fileno(), False)
         self._recv(max(STARTUP, self.timeout), "starting Python and importing torch")
@@ -198,13 +141,13 @@ class Child:
         """Kill the child and everything it started, and remove its folder."""
         self._end_process()
         if self.folder is not None:
-            _remove(self.folder)
-            _remove(self.tmp)
+            remove_folder(self.folder)
+            remove_folder(self.tmp)
             self.folder = self.tmp = None
 
     def _end_process(self) -> None:
         if self.proc is not None:
-            _kill_session(self.proc.pid)
+            kill_session(self.proc.pid)
             for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                 try:
                     f.close()
@@ -215,7 +158,7 @@ class Child:
             except subprocess.TimeoutExpired:
                 pass
             self.proc = None
-            _hide_grader(-1)
+            hide_grader(-1)
 
     def __enter__(self):
         return self
@@ -299,7 +242,7 @@ class Child:
     def _stop(self, timeout: float, doing: str) -> None:
         """The child did not answer: say why (ran out of time, stopped, exited, killed), kill it, raise Stopped."""
         pid = self.proc.pid
-        stopped = "T" in {_state(p) for p in [pid, *_session(pid)]}  # the file runs under its init (and unshare)
+        stopped = "T" in {process_state(p) for p in [pid, *session(pid)]}  # the file runs under its init (and unshare)
         code = self._ended(0.5)
         total = time.monotonic() >= self.deadline - 0.01
         printed = self._printed()
@@ -311,7 +254,7 @@ class Child:
                    "was still running when the whole check ran out of time (--total)")
             why += ": does it loop forever, or wait for something that never comes?"
         elif code < 0:
-            why = f"was killed by {_signal_name(-code)}"
+            why = f"was killed by {signal_name(-code)}"
             if -code == signal.SIGXFSZ:
                 why += " (it printed or wrote more than 64 MiB into one file)"
         else:
@@ -322,7 +265,7 @@ class Child:
     def _ended(self, wait: float) -> int | None:
         """How the child that ran the file ended (as Popen's returncode), as its init told on stderr, else as the
         process started here ended; None if that still runs after `wait` seconds."""
-        code = _exit_status(self.proc.pid, wait)
+        code = exit_status(self.proc.pid, wait)
         if code is None:
             return None
         try:
@@ -345,92 +288,3 @@ class Child:
         except (OSError, TypeError):
             return ""
         return f". Its last printed line: {lines[-1][:200]!r}" if lines else ""
-
-
-def _remove(folder: str) -> None:
-    """Remove `folder`, also where the child made folders in it read-only (which a user other than root cannot
-    empty): each folder in it is given u+rwx first. The child and everything it started are dead by now, so that
-    nothing swaps a folder for a link between `lstat` and `chmod`."""
-    shutil.rmtree(folder, ignore_errors=True)
-    if not os.path.lexists(folder):
-        return
-    todo = [folder]
-    while todo:
-        path = todo.pop()
-        try:
-            mode = os.lstat(path).st_mode
-            if stat.S_ISDIR(mode):
-                os.chmod(path, mode | stat.S_IRWXU)
-                todo.extend(e.path for e in os.scandir(path) if e.is_dir(follow_symlinks=False))
-        except OSError:
-            continue
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _exit_status(pid: int, wait: float) -> int | None:
-    """How the child ended (as Popen's returncode: negative for a signal), or None if it still runs after `wait`
-    seconds; it is not reaped, so that its pid cannot be reused before its session is killed."""
-    end = time.monotonic() + wait
-    while True:
-        try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        except ChildProcessError:
-            return None
-        if info is not None:
-            return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-        if time.monotonic() >= end:
-            return None
-        time.sleep(0.02)
-
-
-def _state(pid: int) -> str:
-    """The process state letter in /proc (R, S, T, Z...), or '' where there is no /proc."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
-
-
-def _session(sid: int) -> list[int]:
-    """Every process in session `sid`, or descended from it, that /proc lists (forks that left the group too)."""
-    found, parents = set(), {}
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        parents[pid] = int(fields[1])
-        if int(fields[3]) == sid:
-            found.add(pid)
-    grew = True
-    while grew:
-        more = {pid for pid, ppid in parents.items() if ppid in found or ppid == sid} - found
-        found |= more
-        grew = bool(more)
-    found.discard(os.getpid())
-    return sorted(found)
-
-
-def _kill_session(sid: int) -> None:
-    """SIGKILL the child, its process group, and every process of its session or tree (found while the child
-    still lives, so that a fork that left the group is found by its parent), until none is left."""
-    for _ in range(20):
-        left = [pid for pid in [sid, *_session(sid)] if _state(pid) not in ("Z", "")]
-        try:
-            os.killpg(sid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        if not left:
-            return
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        time.sleep(0.05)

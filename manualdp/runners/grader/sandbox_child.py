@@ -3,7 +3,7 @@
     python -m manualdp.runners.grader.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
 
 It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how it ended
-(in `sandbox.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the student's
+(in `processes.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the student's
 `os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child gives up
 CAP_SYS_PTRACE, caps its own memory and file sizes, sends what the file prints to `output.txt` in its working folder
 (a temporary one of its own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a
@@ -26,7 +26,7 @@ import sys
 import traceback
 import types
 
-from .sandbox import ENDED, die_with_parent
+from .processes import ENDED, die_with_parent
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job"}  # what each rank runs, given the file's path and name
