@@ -129,7 +129,18 @@ def build_parser() -> argparse.ArgumentParser:
                                             "python bench/NAME.py")
     sub = parser.add_subparsers(dest="command", metavar="{train,explain,check,coordinator}")
     sub.required = True
+    _fault_tolerance_options(_train_parser(sub))
+    _coordinator_parser(sub)
+    e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
+    e.add_argument("rest", nargs=argparse.REMAINDER)
+    c = sub.add_parser("check", help="grade your own split_batch, allreduce, schedule or DDP (the book's exercises)",
+                       add_help=False)
+    c.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser
 
+
+def _train_parser(sub) -> argparse.ArgumentParser:
+    """`manualdp train`'s options, but for fault tolerance (`_fault_tolerance_options`)."""
     t = sub.add_parser("train", help="train a model on several (simulated) devices",
                        description="Train with single-controller data parallelism; "
                                    "under torchrun, one process per device.")
@@ -179,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch threads per process on the CPU (default: 1 for simulated devices, which take "
                         "turns on small shards; under torchrun, the cores shared among this machine's ranks)")
     t.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    return t
+
+
+def _fault_tolerance_options(t: argparse.ArgumentParser) -> None:
+    """`manualdp train`'s group of options for a fault-tolerant run."""
     f = t.add_argument_group("fault tolerance", "each replica one process and one device, started on its own; "
                                                 "they meet at a `manualdp coordinator`")
     f.add_argument("--fault-tolerant", type=_address, metavar="HOST:PORT",
@@ -200,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--outer-momentum", type=_momentum, default=None,
                    help="DiLoCo's outer Nesterov momentum, from 0 to below 1 (default: 0.9, the paper's)")
 
+
+def _coordinator_parser(sub) -> None:
+    """`manualdp coordinator`: the store fault-tolerant replicas meet in."""
     co = sub.add_parser("coordinator", help="host the store fault-tolerant replicas meet in, until stopped",
                         description="Host the membership store of `manualdp train --fault-tolerant` until Ctrl-C "
                                     "or SIGTERM.")
@@ -208,13 +227,6 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--host", default="127.0.0.1",
                     help="the address printed for the replicas (the store listens on every interface; "
                          "default 127.0.0.1)")
-
-    e = sub.add_parser("explain", help="print an allreduce schedule step by step", add_help=False)
-    e.add_argument("rest", nargs=argparse.REMAINDER)
-    c = sub.add_parser("check", help="grade your own split_batch, allreduce, schedule or DDP (the book's exercises)",
-                       add_help=False)
-    c.add_argument("rest", nargs=argparse.REMAINDER)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
