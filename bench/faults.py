@@ -265,28 +265,28 @@ def _stop(tmp: str) -> str:
 
 # ---------------------------------------------------------------- fault-tolerant replicas (issue 33)
 
-FT_CASES = {  # case -> the pytest node that stages it with replica processes and checks every replica after it
-    "kill -9 during forward": "bench/test_ft_kill.py::test_a_killed_replica_costs_one_step_and_rejoins_with_the_state"
+FT_CASES = {  # case -> the node of tests/spmd/ft/ that stages it with replica processes and checks every replica
+    "kill -9 during forward": "test_ft_kill.py::test_a_killed_replica_costs_one_step_and_rejoins_with_the_state"
                               "[kill_forward]",
-    "kill -9 during the allreduce": "bench/test_ft_kill.py::test_a_killed_replica_costs_one_step_and_rejoins_with_"
+    "kill -9 during the allreduce": "test_ft_kill.py::test_a_killed_replica_costs_one_step_and_rejoins_with_"
                                     "the_state[kill_allreduce]",
-    "SIGSTOP past the deadline, SIGCONT": "bench/test_ft_stop.py::test_a_stopped_replica_is_dropped_past_the_deadline_"
+    "SIGSTOP past the deadline, SIGCONT": "test_ft_stop.py::test_a_stopped_replica_is_dropped_past_the_deadline_"
                                           "and_rejoins_when_it_wakes",
-    "allreduce fails on a live replica": "bench/test_ft_stop.py::test_an_allreduce_that_fails_on_a_live_replica_is_"
+    "allreduce fails on a live replica": "test_ft_stop.py::test_an_allreduce_that_fails_on_a_live_replica_is_"
                                          "discarded_everywhere_and_taken_again",
-    "quorum below the minimum and back": "bench/test_ft_stop.py::test_below_min_replicas_the_first_waits_then_both_"
+    "quorum below the minimum and back": "test_ft_stop.py::test_below_min_replicas_the_first_waits_then_both_"
                                          "go_on",
-    "kill -9 in recovery, the joiner": "bench/test_ft_faults.py::test_a_joiner_killed_in_its_recovery_costs_the_"
+    "kill -9 in recovery, the joiner": "test_ft_faults.py::test_a_joiner_killed_in_its_recovery_costs_the_"
                                        "others_one_round_and_rejoins_when_started_again",
-    "kill -9 in recovery, the source": "bench/test_ft_faults.py::test_a_source_killed_while_sending_the_state_leaves_"
+    "kill -9 in recovery, the source": "test_ft_faults.py::test_a_source_killed_while_sending_the_state_leaves_"
                                        "the_joiner_to_receive_it_from_another",
-    "two kill -9 in one step": "bench/test_ft_faults.py::test_two_replicas_killed_in_one_step_cost_the_last_one_that_"
+    "two kill -9 in one step": "test_ft_faults.py::test_two_replicas_killed_in_one_step_cost_the_last_one_that_"
                                "step_and_both_rejoin",
-    "partition (SIGSTOP in the allreduce), healed": "bench/test_ft_faults.py::test_a_partitioned_replica_is_dropped_"
+    "partition (SIGSTOP in the allreduce), healed": "test_ft_faults.py::test_a_partitioned_replica_is_dropped_"
                                                     "past_the_deadline_and_finds_its_step_discarded_when_it_returns",
-    "CLI: kill -9, same command, survivors stopped": "bench/test_ft_cli.py::test_a_killed_replica_started_again_by_the_"
-                                                     "same_command_rejoins_and_all_end_as_one_process",
-    "CLI: below the minimum and back": "bench/test_ft_cli.py::test_two_replicas_one_killed_and_started_again_end_as_"
+    "CLI: kill -9, same command, survivors stopped": "test_ft_cli_rejoin.py::test_a_killed_replica_started_again_by_"
+                                                     "the_same_command_rejoins_and_all_end_as_one_process",
+    "CLI: below the minimum and back": "test_ft_cli_rejoin.py::test_two_replicas_one_killed_and_started_again_end_as_"
                                        "one_process",
 }
 
@@ -297,7 +297,8 @@ def _ft(case: str, tmp: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                             "--basetemp", os.path.join(tmp, "pytest"), FT_CASES[case]], cwd=root, env=env,
+                             "--basetemp", os.path.join(tmp, "pytest"), "-m", "soak",
+                             os.path.join("tests", "spmd", "ft", FT_CASES[case])], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=300)

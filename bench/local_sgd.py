@@ -2,7 +2,7 @@
 
     python bench/local_sgd.py                                  # the default task, 3 replicas, H = 3, 3 seeds
     python bench/local_sgd.py --replicas 2 --sync-every 13 --runs 3 --json bench/results/local_sgd.json
-    python bench/local_sgd.py --tiny                           # the size of bench/test_ft_sync_accuracy.py
+    python bench/local_sgd.py --tiny                           # the size of tests/spmd/ft/test_ft_sync_accuracy.py
 
 Each run starts a coordinator and `--replicas` replicas by `manualdp train --fault-tolerant`, with
 `--local-sgd H`, `--diloco H` or neither (DDP), all else the default task (LeNet on the synthetic

@@ -10,9 +10,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pytest -q -m soak tests/  # the slow runs taken out of the CPU suite
 exec python -m pytest -q -m "" bench/test_adversary_fsdp.py bench/test_adversary_35.py bench/test_adversary_35b.py \
-    bench/test_ft_kill.py \
-    bench/test_ft_stop.py bench/test_ft_quorum.py bench/test_ft_local_sgd.py bench/test_ft_cli.py \
-    bench/test_ft_faults.py bench/test_ft_group.py bench/test_ft_sync_accuracy.py \
     bench/test_check_answers.py bench/test_book_twice.py \
     bench/test_fsdp2_example.py bench/test_exit.py bench/test_adversary_round32.py bench/test_adversary_ft.py \
     bench/test_sandbox_soak.py "$@"

@@ -212,7 +212,7 @@ def ft_quorum(path: str, fast: bool) -> None:
     """A run of 3 replicas where c is out from step 3 to 5: the quorum per step, and the loss of three runs.
 
     The losses are `reference_run`'s, the one-process run that the replicas equal (chapter 8 checks it on
-    a real run, bench/test_ft_cli.py on longer ones): uninterrupted, the batch split among the members,
+    a real run, tests/spmd/ft/test_ft_cli_rejoin.py on longer ones): uninterrupted, the batch split among the members,
     and each replica keeping its own shard."""
     from manualdp.runners.ft_reference import reference_run
     from manualdp.support import data, models

@@ -1,4 +1,5 @@
-"""Starting, watching and killing the replicas of `replica.py`, and the single-process reference they must equal."""
+"""Starting, watching and killing the replicas of `replica.py`, the single-process reference they must equal, and
+`member`, a replica as it asks for a quorum."""
 import contextlib
 import json
 import os
@@ -10,11 +11,17 @@ import time
 
 import torch
 
-from manualdp.spmd.ft import Coordinator
+from manualdp.spmd.ft import Coordinator, Member
+from manualdp.spmd.ft.keys import PREFIX
 from tests.spmd.ft.replica import build, make_optimizer, my_shard
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 FAST = {"timeout": 20, "quorum_timeout": 5, "heartbeat_timeout": 1.0}
+
+
+def member(rid: str, step: int = 0, synced: bool = True, group=None, min_replicas: int = 1, since: int = 0) -> Member:
+    """What replica `rid` says of itself when it asks for a quorum."""
+    return Member(rid, step, synced, group, min_replicas, since)
 
 
 class Replicas:
@@ -41,11 +48,16 @@ class Replicas:
 
     def key(self, key: str) -> bytes | None:
         """A key of the fault-tolerant room's store, or None."""
-        key = f"manualdp-ft/{key}"
+        key = f"{PREFIX}/{key}"
         return self.store.get(key) if self.store.check([key]) else None
 
+    def records(self, rid: str, n: int = 0) -> list[dict]:
+        """What the `n`-th process of replica `rid` has done so far: its records, written line by line."""
+        path = self.outs[rid][n].with_suffix(".jsonl")
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
     def set(self, key: str, value: str) -> None:
-        self.store.set(f"manualdp-ft/{key}", value)
+        self.store.set(f"{PREFIX}/{key}", value)
 
     def registrations(self) -> int:
         """How many times a replica has registered (a restarted one counts again)."""
@@ -109,6 +121,17 @@ def committed_steps(results: dict[str, list[dict]]) -> dict[int, dict]:
                 seen = steps.setdefault(r["batch"], {"members": r["members"], "sha256": {}})
                 assert seen["members"] == r["members"], (r["batch"], seen["members"], r["members"])
                 seen["sha256"][rid] = r["sha256"]
+    return steps
+
+
+def agreed_steps(results: dict[str, list[dict]], total: int | None = None) -> dict[int, dict]:
+    """`committed_steps`, each checked bitwise alike on every member that took it; with `total`, steps 0 to total-1."""
+    steps = committed_steps(results)
+    if total is not None:
+        assert sorted(steps) == list(range(total)), sorted(steps)
+    for s, seen in steps.items():
+        assert len(set(seen["sha256"].values())) == 1, (s, seen)
+        assert set(seen["sha256"]) == set(seen["members"]), (s, seen)
     return steps
 
 

@@ -1,7 +1,7 @@
 """`manualdp coordinator` and `manualdp train --fault-tolerant`: what they refuse, and a quick run with a kill.
 
 A run by the commands with a replica killed and started again: chapter 8 of the book (3 replicas,
-tests/test_book.py) and bench/test_ft_cli.py (3 and 2 replicas, bench/soak_tests.sh).
+tests/test_book.py) and test_ft_cli_rejoin.py (3 and 2 replicas, soak: bench/soak_tests.sh).
 """
 import socket
 

@@ -1,7 +1,7 @@
 """Bytes per step of DDP, local SGD and DiLoCo in the cost model, and `manualdp explain diloco`.
 
 The bytes the replicas' allreduces really send are measured against `bytes_per_step` in
-bench/test_ft_local_sgd.py and bench/test_ft_stop.py (replica processes: bench/soak_tests.sh).
+test_ft_local_sgd.py and test_ft_stop.py (replica processes, soak: bench/soak_tests.sh).
 """
 import pytest
 

@@ -7,12 +7,9 @@ import torch
 from torch import nn
 
 from manualdp.runners.ft_train import parse_address
-from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager, Member, Quorum, plan_recovery
+from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager, Quorum, plan_recovery
 from manualdp.spmd.ft.quorum import agreed
-
-
-def member(rid, step=0, synced=True, since=0):
-    return Member(rid, step, synced, None, 1, since)
+from tests.spmd.ft.harness import member
 
 
 def test_a_quorum_is_provisional_while_a_live_replica_outside_holds_more_of_the_run():

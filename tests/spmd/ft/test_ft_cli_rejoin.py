@@ -1,11 +1,15 @@
 """The issue's check, by the commands: replicas and a coordinator, one replica killed (SIGKILL) and started again.
 
-    python -m pytest -q bench/test_ft_cli.py      (about 30 s; bench/soak_tests.sh runs it)
+    python -m pytest -q -m soak tests/spmd/ft/test_ft_cli_rejoin.py      (about 30 s; bench/soak_tests.sh runs it)
 """
 import os
 import signal
 
+import pytest
+
 from tests.spmd.ft.cli_harness import check_against_reference, committed, reference, run
+
+pytestmark = pytest.mark.soak  # replica processes started by the command line
 
 EPOCHS = 3  # 24 steps
 

@@ -10,16 +10,12 @@ import time
 import pytest
 import torch
 
-from manualdp.spmd.ft import Coordinator, Member, Quorum, RecoveryError, plan_recovery
+from manualdp.spmd.ft import Quorum, RecoveryError, plan_recovery
 from manualdp.spmd.ft.commit import commit_or_discard, outcome_of
-from manualdp.spmd.ft.coordinator import connect
 from manualdp.spmd.ft.heartbeat import Heartbeat, Liveness, register
 from manualdp.spmd.ft.quorum import decide, group_for, wait_for_quorum
 from manualdp.spmd.ft.recovery import receive_state, send_state
-
-
-def member(rid, step=0, synced=True, group=None, min_replicas=1):
-    return Member(rid, step, synced, group, min_replicas)
+from tests.spmd.ft.harness import member
 
 
 # ---------------------------------------------------------------- pure functions
@@ -66,20 +62,6 @@ def test_outcome_of():
 
 
 # ---------------------------------------------------------------- through a store
-
-@pytest.fixture(scope="module")
-def coordinator():
-    # One for the whole file: torch's store, shut down while a connection is still open, stalls a new one
-    # in this process for 5 s (libuv's "uv_loop_close failed ... EBUSY").
-    with Coordinator(0) as c:
-        yield c
-
-
-@pytest.fixture
-def store(coordinator, request):
-    """New connections to the coordinator, in a namespace of this test's own."""
-    return lambda: torch.distributed.PrefixStore(request.node.name, connect("127.0.0.1", coordinator.port, 10))
-
 
 def ask(connect_, rid, after=0, quorum_timeout=5.0, timeout=10.0, min_replicas=1, heartbeat_timeout=1.0, took=None):
     """`rid`'s quorum; `took` (a list), if given, gets the seconds it waited (the connection not counted)."""

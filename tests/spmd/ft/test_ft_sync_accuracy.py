@@ -6,7 +6,11 @@ accuracy; DiLoCo's outer Nesterov momentum often makes it the better one at a fi
 methods share the data, the seed and the first model, so their gap varies less than that. On the default task
 (2000 test examples, bench/local_sgd.py, bench/README.md) the tolerance is 0.02 on the mean of three seeds.
 """
+import pytest
+
 from bench.local_sgd import TINY, measure
+
+pytestmark = pytest.mark.soak  # replica processes by the command line, three methods: a few minutes
 
 TOLERANCE = 0.05
 

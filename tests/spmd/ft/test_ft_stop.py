@@ -1,19 +1,16 @@
 """A replica stopped (SIGSTOP) past the deadline is dropped and taken back when it wakes; too few replicas wait."""
-import json
 import os
 import signal
 import time
 
+import pytest
 import torch
 
 from manualdp.cost import bytes_per_step
-from tests.spmd.ft.harness import committed_steps, reference_ddp, replicas
+from tests.spmd.ft.harness import agreed_steps, committed_steps, reference_ddp, replicas
 from tests.spmd.ft.replica import build
 
-
-def records(run, rid, n=0):
-    path = run.outs[rid][n].with_suffix(".jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+pytestmark = pytest.mark.soak  # replica processes: about a minute
 
 
 def test_a_stopped_replica_is_dropped_past_the_deadline_and_rejoins_when_it_wakes(tmp_path):
@@ -22,10 +19,10 @@ def test_a_stopped_replica_is_dropped_past_the_deadline_and_rejoins_when_it_wake
         for i, rid in enumerate("abc"):
             run.start(id=rid, index=i, steps=steps, pause_after=pause, timeout=4,
                       **({"fault": "stop_forward", "at": at} if rid == "c" else {}))
-        run.wait("a committed step 4 without c", lambda: any(r["step"] == pause for r in records(run, "a")))
+        run.wait("a committed step 4 without c", lambda: any(r["step"] == pause for r in run.records("a")))
         assert run.procs[2].poll() is None  # c is stopped, not dead
         os.kill(run.procs[2].pid, signal.SIGCONT)
-        run.wait("c saw its step fail", lambda: len(records(run, "c")) > at)
+        run.wait("c saw its step fail", lambda: len(run.records("c")) > at)
         run.set("go", "1")
         results = run.finish()
     a, b, c = (results[r][0] for r in "abc")
@@ -34,9 +31,7 @@ def test_a_stopped_replica_is_dropped_past_the_deadline_and_rejoins_when_it_wake
         assert [(x["members"], x["committed"]) for x in attempts] == [(["a", "b", "c"], False), (["a", "b"], True)]
     assert [(x["batch"], x["committed"]) for x in c["records"]][at:at + 2] == [(at, False), (pause, True)]
     assert [x["step"] for x in c["recoveries"]] == [0, pause]  # a's fresh model at the start, then step 4
-    steps_seen = committed_steps(results)
-    for seen in steps_seen.values():
-        assert len(set(seen["sha256"].values())) == 1 and set(seen["sha256"]) == set(seen["members"])
+    steps_seen = agreed_steps(results)
     assert a["sha256"] == b["sha256"] == c["sha256"]
     expected = reference_ddp(steps_seen, seed=0, config={})
     torch.testing.assert_close(torch.tensor(c["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)

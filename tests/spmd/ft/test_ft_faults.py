@@ -8,27 +8,14 @@ of the steps' members (no state lost). bench/faults.py shows each as a row of "f
 import os
 import signal
 
+import pytest
 import torch
 
-from tests.spmd.ft.harness import committed_steps, reference_ddp, replicas
+from tests.spmd.ft.harness import agreed_steps, reference_ddp, replicas
+
+pytestmark = pytest.mark.soak  # replica processes: a few minutes
 
 STEPS, AT, PAUSE = 7, 2, 3
-
-
-def check_agreed(results, steps_total=STEPS) -> dict:
-    """Every step committed once, by the same members everywhere, bitwise alike on each; the steps' members."""
-    steps = committed_steps(results)
-    assert sorted(steps) == list(range(steps_total)), sorted(steps)
-    for s, seen in steps.items():
-        assert len(set(seen["sha256"].values())) == 1, (s, seen)
-        assert set(seen["sha256"]) == set(seen["members"]), (s, seen)
-    return steps
-
-
-def records(run, rid, n=0):
-    import json
-    path = run.outs[rid][n].with_suffix(".jsonl")
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_a_joiner_killed_in_its_recovery_costs_the_others_one_round_and_rejoins_when_started_again(tmp_path):
@@ -37,13 +24,13 @@ def test_a_joiner_killed_in_its_recovery_costs_the_others_one_round_and_rejoins_
     with replicas(tmp_path) as run:
         for i, rid in enumerate("ab"):
             run.start(id=rid, index=i, steps=STEPS, pause_after=[PAUSE, PAUSE + 1], timeout=4)
-        run.wait("a committed step PAUSE", lambda: any(r["step"] == PAUSE for r in records(run, "a")))
+        run.wait("a committed step PAUSE", lambda: any(r["step"] == PAUSE for r in run.records("a")))
         joiner = run.start(id="c", index=2, steps=STEPS, fault="kill_receive", timeout=4)
         run.wait("c registered", lambda: run.registrations() == 3)
         run.set("go", "1")
         run.wait("c killed in its recovery", lambda: joiner.poll() is not None)
         assert joiner.returncode == -9, run.logs()
-        run.wait("a committed step PAUSE + 1", lambda: any(r["step"] == PAUSE + 1 for r in records(run, "a")))
+        run.wait("a committed step PAUSE + 1", lambda: any(r["step"] == PAUSE + 1 for r in run.records("a")))
         run.start(id="c", index=2, steps=STEPS, timeout=4)  # the same command again
         run.wait("c registered again", lambda: run.registrations() == 4)
         run.set("go1", "1")
@@ -51,7 +38,7 @@ def test_a_joiner_killed_in_its_recovery_costs_the_others_one_round_and_rejoins_
     a, b, c = results["a"][0], results["b"][0], results["c"][1]
     assert results["c"][0]["records"] == []  # the killed joiner took no step
     assert all(r["committed"] for r in a["records"] + b["records"])  # the failed round was no step
-    steps = check_agreed(results)
+    steps = agreed_steps(results, STEPS)
     assert [steps[s]["members"] for s in range(STEPS)] == [["a", "b"]] * (PAUSE + 1) + \
         [["a", "b", "c"]] * (STEPS - PAUSE - 1)
     assert len(c["recoveries"]) == 1 and c["recoveries"][0]["source"] in ("a", "b")
@@ -67,7 +54,7 @@ def test_a_source_killed_while_sending_the_state_leaves_the_joiner_to_receive_it
     with replicas(tmp_path) as run:
         run.start(id="a", index=0, steps=STEPS, pause_after=PAUSE, timeout=4, fault="kill_send", at=PAUSE)
         run.start(id="b", index=1, steps=STEPS, pause_after=PAUSE, timeout=4)
-        run.wait("a committed step PAUSE", lambda: any(r["step"] == PAUSE for r in records(run, "a")))
+        run.wait("a committed step PAUSE", lambda: any(r["step"] == PAUSE for r in run.records("a")))
         run.start(id="c", index=2, steps=STEPS, timeout=4)
         run.wait("c registered", lambda: run.registrations() == 3)
         run.set("go", "1")
@@ -78,7 +65,7 @@ def test_a_source_killed_while_sending_the_state_leaves_the_joiner_to_receive_it
     b, c = results["b"][0], results["c"][0]
     assert all(r["committed"] for r in b["records"] + c["records"])
     assert [r["source"] for r in c["recoveries"]] == ["b"] and c["recoveries"][0]["step"] == PAUSE
-    steps = check_agreed(results)
+    steps = agreed_steps(results, STEPS)
     assert [steps[s]["members"] for s in range(STEPS)] == [["a", "b"]] * PAUSE + [["b", "c"]] * (STEPS - PAUSE)
     assert b["sha256"] == c["sha256"]
     expected = reference_ddp(steps, seed=0, config={})
@@ -101,7 +88,7 @@ def test_two_replicas_killed_in_one_step_cost_the_last_one_that_step_and_both_re
     attempts = [x for x in a["records"] if x["batch"] == AT]
     assert [(x["members"], x["committed"]) for x in attempts] == [(["a", "b", "c"], False), (["a"], True)]
     assert sum(not x["committed"] for x in a["records"]) == 1
-    steps = check_agreed(results)
+    steps = agreed_steps(results, STEPS)
     assert [steps[s]["members"] for s in range(STEPS)] == \
         [["a", "b", "c"]] * AT + [["a"]] * (PAUSE + 1 - AT) + [["a", "b", "c"]] * (STEPS - PAUSE - 1)
     for r in (b, c):
@@ -119,10 +106,10 @@ def test_a_partitioned_replica_is_dropped_past_the_deadline_and_finds_its_step_d
         for i, rid in enumerate("abc"):
             run.start(id=rid, index=i, steps=STEPS, pause_after=PAUSE + 1, timeout=4,
                       **({"fault": "stop_allreduce", "at": AT} if rid == "c" else {}))
-        run.wait("a committed step PAUSE + 1 without c", lambda: any(r["step"] == PAUSE + 1 for r in records(run, "a")))
+        run.wait("a committed step PAUSE + 1 without c", lambda: any(r["step"] == PAUSE + 1 for r in run.records("a")))
         assert run.procs[2].poll() is None  # c is stopped, not dead
         os.kill(run.procs[2].pid, signal.SIGCONT)
-        run.wait("c saw its step fail", lambda: len(records(run, "c")) > AT)
+        run.wait("c saw its step fail", lambda: len(run.records("c")) > AT)
         run.set("go", "1")
         results = run.finish()
     a, b, c = (results[r][0] for r in "abc")
@@ -131,7 +118,7 @@ def test_a_partitioned_replica_is_dropped_past_the_deadline_and_finds_its_step_d
         assert [(x["members"], x["committed"]) for x in attempts] == [(["a", "b", "c"], False), (["a", "b"], True)]
     assert [(x["batch"], x["committed"]) for x in c["records"]][AT:AT + 2] == [(AT, False), (PAUSE + 1, True)]
     assert [x["step"] for x in c["recoveries"]] == [0, PAUSE + 1]
-    steps = check_agreed(results)
+    steps = agreed_steps(results, STEPS)
     assert a["sha256"] == b["sha256"] == c["sha256"]
     expected = reference_ddp(steps, seed=0, config={})
     torch.testing.assert_close(torch.tensor(c["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)

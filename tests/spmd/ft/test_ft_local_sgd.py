@@ -1,9 +1,12 @@
 """Local SGD and DiLoCo on 2 replica processes, against their formulas computed here in one process."""
+import pytest
 import torch
 
 from manualdp.cost import bytes_per_step
 from tests.spmd.ft.harness import reference_ddp, replicas
-from tests.spmd.ft.replica import build, make_optimizer, my_shard
+from tests.spmd.ft.replica import build, flat_params, make_optimizer, my_shard
+
+pytestmark = pytest.mark.soak  # replica processes: about a minute
 
 
 def check_bytes(result, rank, method, sync_every):
@@ -26,10 +29,6 @@ def run_two(tmp_path, **config):
     return a, b
 
 
-def flat(model):
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 def test_diloco_outer_step_is_nesterov_sgd_on_the_average_change(tmp_path):
     H, outer, eta, mu = 2, 3, 0.7, 0.9
     config = {"lr": 0.1, "momentum": 0.5}
@@ -39,7 +38,7 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_average_change(tmp_path):
     # the formula, by hand: two replicas from a's model, each with its own inner SGD
     models = [build(0), build(0)]
     inner = [make_optimizer(m.parameters(), config) for m in models]
-    theta, momentum = flat(models[0]), None
+    theta, momentum = flat_params(models[0]), None
     for k in range(outer):
         for i, (m, opt) in enumerate(zip(models, inner)):
             for j in range(H):
@@ -47,7 +46,7 @@ def test_diloco_outer_step_is_nesterov_sgd_on_the_average_change(tmp_path):
                 X, y = my_shard(k * H + j, i)
                 ((m(X) - y) ** 2).mean().backward()
                 opt.step()
-        delta = sum(theta - flat(m) for m in models) / len(models)  # the average change: the outer gradient
+        delta = sum(theta - flat_params(m) for m in models) / len(models)  # the average change: the outer gradient
         momentum = delta if momentum is None else mu * momentum + delta
         theta = theta - eta * (delta + mu * momentum)  # Nesterov
         for m in models:
