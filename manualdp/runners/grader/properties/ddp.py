@@ -1,6 +1,6 @@
 """`class DDP(module)` (chapter 4), on 2 ranks: it trains `Twice` as torch's DDP does, fed the same data; the rank
-job of the file's DDP (`ddp_job`, run by the sandbox's child) and of torch's (`torch_ddp_job`, run by the grader).
-`Twice`, `train_steps` and `ddp_mismatch` hold manualdp's own rungs in tests/ too."""
+job of the file's DDP (`ddp_job`, in ranks the sandbox's child starts) and of torch's (`torch_ddp_job`, in ranks of
+the grader's own). `Twice`, `train_steps` and `ddp_mismatch` hold manualdp's own rungs in tests/ too."""
 from __future__ import annotations
 
 import traceback

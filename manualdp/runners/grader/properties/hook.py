@@ -1,6 +1,6 @@
 """`fp16_compress_hook(process_group, bucket)` (chapter 5), on 2 and 3 ranks: torch's DDP with the file's comm
-hook steps as with torch's own, held to a comm hook's contract; the rank job of the file's hook (`hook_job`, run by
-the sandbox's child) and of torch's (`torch_hook_job`, run by the grader)."""
+hook steps as with torch's own, held to a comm hook's contract; the rank job of the file's hook (`hook_job`, in ranks
+the sandbox's child starts) and of torch's (`torch_hook_job`, in ranks of the grader's own)."""
 from __future__ import annotations
 
 import math
