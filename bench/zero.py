@@ -109,7 +109,7 @@ def formula(row: str, n: int, model_bytes: int, tensors: int, mp_policy: str = "
     if row == "manualdp ZeRO-1":
         return ddp + (n - 1) * model_bytes  # DDP's allreduce, then all-gather the stepped shards
     if row == "manualdp ZeRO-3":  # each segment's tail: (unit, count) per all-gather; per rank, and a flag per
-        units = tensors // 2      # tensor, per reduce-scatter (fsdp_unit.py); a Linear (2 tensors) is a unit
+        units = tensors // 2      # tensor, per reduce-scatter (fsdp_collectives.py); a Linear (2 tensors) is a unit
         gathered = 2 if mp_policy == "bf16" else 4  # bytes per element of the all-gathers (the reductions: fp32)
         return ((2 * gathered // 4 + 1) * (n - 1) * model_bytes
                 + (n - 1) * n * (units * 2 * 2 * gathered + 4 * (units * 2 * n + tensors)))
@@ -146,7 +146,7 @@ def _build(row: str, net: nn.Sequential, mp_policy: str = "none"):
     from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
     from manualdp.spmd import DistributedDataParallel, fully_shard
-    from manualdp.spmd.sharding.fsdp import UNIT
+    from manualdp.spmd.sharding.fsdp_unit import UNIT
     from manualdp.spmd.sharding.zero import ZeroRedundancyOptimizer
 
     def held() -> tuple[int, int]:

@@ -13,8 +13,13 @@ It is a drop-in for `torch.distributed.fsdp.fully_shard`: the same keywords (`me
 per parameter, `Shard(0)` on a 1-D mesh, under the parameter's own name), and the methods of
 torch's `FSDPModule` that training scripts call (`FSDPModule` below). So torch's utilities work on
 the sharded model unchanged: `clip_grad_norm_`, `torch.distributed.checkpoint`, `model.state_dict()`,
-`get_model_state_dict` / `set_model_state_dict` and their optimizer twins, full or sharded. What a
-unit does in a step is `fsdp_unit.py`; its all-gathers and reduce-scatters are the book's schedules.
+`get_model_state_dict` / `set_model_state_dict` and their optimizer twins, full or sharded.
+
+One role a file, as FSDP2's `torch/distributed/fsdp/_fully_shard/`: this page is the API;
+`fsdp_init.py` checks a call; `fsdp_param.py` holds one parameter's two forms (shard and full);
+`fsdp_unit.py` gathers and frees a unit's parameters, and starts their reduce-scatter;
+`fsdp_collectives.py` moves their bytes (the book's schedules); `fsdp_hooks.py` hooks a unit's
+forward and backward; `fsdp_step.py` is the step under way of a tree of units.
 
 Where it differs from torch's FSDP2:
 - every rank starts from rank 0's parameters and buffers (a broadcast, as `DistributedDataParallel`
@@ -34,21 +39,19 @@ reduce-scatter, and buy every torch utility that takes parameters one by one.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ...validate import boolean, initialized, nn_module, timeout_seconds
-from ..transport.agree import agree, broadcast_from_rank0
-from ..transport.peers import group_ranks
-from .fsdp_unit import REPLACED, SLOTS, Param, Unit, owner_of, set_owner
+from ...validate import boolean, nn_module
+from ..transport.agree import broadcast_from_rank0
+from .fsdp_hooks import install_hooks
+from .fsdp_init import Checked, checked_arguments
+from .fsdp_param import Param, watch_optimizers
+from .fsdp_unit import UNIT, Unit
 
 __all__ = ["fully_shard", "full_state_dict", "FSDPModule", "UnshardHandle"]
-
-UNIT = "_manualdp_fsdp"  # in a sharded module's __dict__: its Unit
 
 
 class UnshardHandle:
@@ -148,7 +151,7 @@ class FSDPModule:
 
     def reset_iter_state(self) -> None:
         """After forward or backward raised: free every unit's full parameters and forget the step."""
-        self._unit().top().end_step()
+        self._unit().step.end()
 
     def _apply(self, fn, recurse: bool = True):  # to_empty, to, float...: take the new tensors as the shards
         out = super()._apply(fn, recurse)
@@ -191,38 +194,6 @@ def _fsdp_class(cls: type) -> type:
     return _classes[cls]
 
 
-def _mesh_and_group(mesh, group, device_type: str):
-    if mesh is not None and group is not None:
-        raise ValueError("pass mesh or group, not both")
-    if mesh is not None:
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-        if mesh.ndim != 1:
-            raise NotImplementedError(f"mesh has {mesh.ndim} dimensions: manualdp's fully_shard shards over a 1-D "
-                                      "mesh (HSDP's 2-D mesh is not supported)")
-        if mesh.device_type != device_type:
-            raise ValueError(f"mesh is a {mesh.device_type!r} mesh, the parameters are on {device_type!r}")
-        return mesh, mesh.get_group()
-    if dist.is_initialized() and group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives a non-member
-        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of it")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
-    group_ranks(group)  # torch.distributed is initialised, and this process belongs to `group`
-    pg = group if group is not None else dist.group.WORLD
-    return DeviceMesh.from_group(pg, device_type), group
-
-
-def _reshard_after_forward(value, world_size: int) -> bool | None:
-    """torch's meanings: None (all but the outermost unit), a bool, or an int dividing the group size."""
-    if value is None or isinstance(value, bool):
-        return value
-    if isinstance(value, int):
-        if value < 1 or value > world_size or world_size % value:
-            raise ValueError(f"reshard_after_forward as an int must divide the group size {world_size}, got {value}")
-        return value != 1  # 1: keep the full parameters; any other: reshard (over all ranks here)
-    raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
-
-
 def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn=None, mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None,
                 ignored_params: set[nn.Parameter] | None = None, group=None, timeout: float | None = None,
@@ -238,166 +209,38 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     silent peer), `recorder` (a `manualdp.support.trace.Trace` that gets every collective).
     Every rank must call it alike; it compares the ranks' calls first.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("module: manualdp's fully_shard takes one module at a time, not a list")
-    nn_module("module", module)
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
-        raise ValueError(f"module is a {type(module).__name__}, a container without a forward of its own: its "
-                         "forward never runs, so neither would the unit's; shard each of its children instead")
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn is not supported by manualdp's fully_shard: it shards dim 0")
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError(f"offload_policy={type(offload_policy).__name__} is not supported by manualdp's "
-                                  "fully_shard")
-    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
-    if not isinstance(mp_policy, MixedPrecisionPolicy):
-        raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-                        f"{type(mp_policy).__name__}")
-    ignored = _ignored(ignored_params)
-    timeout = timeout_seconds("timeout", timeout)
-    if UNIT in module.__dict__:
-        raise ValueError(f"module ({type(module).__name__}) is already sharded by fully_shard: "
-                         "apply it once per module")
-    taken, slot_order, nested, buffers = _walk(module, ignored)
-    devices = {p.sharded.device if isinstance(p, Param) else p.device for p, _, _ in taken.values()}
-    if len(devices) > 1:
-        raise ValueError(f"module ({type(module).__name__}) has parameters on several devices: fully_shard needs one")
-    meta = devices == {torch.device("meta")}
-    if not meta:
-        initialized("module", module)
-    if meta:  # the device the model will be moved to (to_empty): the mesh's, or the backend's
-        device_type = mesh.device_type if mesh is not None else ("cuda" if dist.get_backend(group) == "nccl" else "cpu")
-    else:
-        device_type = next(iter(devices)).type if devices else "cpu"
-    mesh, group = _mesh_and_group(mesh, group, device_type)
-    world_size = mesh.size()
-    reshard = _reshard_after_forward(reshard_after_forward, world_size)
-    for p, _, name in taken.values():
-        if not isinstance(p, Param) and p.dim() == 0:
-            raise ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
-                             "ignored_params, or make it shape (1,)")
-    _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored)
+    call = checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                             ignored_params, group, timeout)
     # Checked: from here on every rank changes the module the same way.
-    unit = Unit(module, group, mesh, reshard, mp_policy, timeout, recorder)
-    for path, child in nested:
-        child.parent = unit
-        unit.children.append(child)
-    fresh = [p for p, _, _ in taken.values() if not isinstance(p, Param)]
-    if not meta:  # every rank starts from rank 0's parameters and buffers; on the worker, in line with the collectives
-        unit.worker.submit(broadcast_from_rank0, fresh + buffers, group, timeout).result()
-    laid, originals = [], []
-    for p, slots, name in taken.values():
-        if isinstance(p, Param):  # a weight tied to a unit inside this one: it moves here, where both users are
-            inner = next(u for _, c in nested for u in c.tree() if p in u.params)
-            more, value = inner.give_up(p)
-            laid.append((more + slots, value, p.requires_grad, name))
-            originals.append(p.original)
-        else:
-            laid.append((slots, p.detach(), p.requires_grad, name))
-            originals.append(p)
-    for param, original in zip(unit.lay_out(laid), originals):
-        param.original = original  # what the user's model held: emptied, marked, pointing at its Param
-        set_owner(original, param)
-        setattr(original, REPLACED, True)
-        original.data = torch.empty(0, dtype=original.dtype, device=original.device)  # its values are in the shards
-    for number, u in enumerate(unit.tree(), 1):
-        u.number = number
-    for path, child in nested:
-        for u in child.tree():
-            u.name = path + (f".{u.name}" if u.name else "")
-    module.register_forward_pre_hook(unit.before_forward, with_kwargs=True)
-    module.register_forward_hook(unit.after_forward, always_call=True)
+    unit = Unit(module, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder)
+    unit.take_in(call.nested)  # the units already inside: one tree, one step
+    fresh = [p for p, _, _ in call.taken.values() if not isinstance(p, Param)]
+    if not call.meta:  # every rank starts from rank 0's values, sent on the worker in line with the collectives
+        unit.worker.submit(broadcast_from_rank0, fresh + call.buffers, call.group, call.timeout).result()
+    values, originals = _values(call)
+    for param, original in zip(unit.lay_out(values), originals):
+        param.replaces(original)  # what the user's model held: emptied, its values are in the shards
+    unit.name_tree(call.nested)
+    install_hooks(unit)
     module.__dict__[UNIT] = unit
     module.__class__ = _fsdp_class(type(module))
-    _watch_optimizers()
+    watch_optimizers()
     return module
 
 
-def _ignored(ignored_params) -> set[int]:
-    if ignored_params is None:
-        return set()
-    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
-            isinstance(p, nn.Parameter) for p in ignored_params):
-        raise TypeError(f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}")
-    return {id(p) for p in ignored_params}
-
-
-def _walk(module: nn.Module, ignored: set[int]):
-    """What `fully_shard(module)` takes: the parameters of its subtree outside the units already in it
-    (id -> (parameter, its slots, its name)), their slots in order, those units (the first met on each
-    path, with their paths), and the buffers met. Raises, naming them, on parameters held elsewhere."""
-    taken: dict[int, tuple[nn.Parameter, list, str]] = {}
-    slot_order, nested, buffers, seen = [], [], {}, set()
-
-    def visit(sub: nn.Module, path: str) -> None:
-        if id(sub) in seen:
-            return
-        seen.add(id(sub))
-        if sub is not module and UNIT in sub.__dict__:
-            nested.append((path, sub.__dict__[UNIT]))
-            return
-        for attr, p in sub._parameters.items():
-            if p is None or id(p) in ignored:
-                continue
-            owner = owner_of(p)  # a Param: a unit holds p, or p is what a unit replaced (a tied weight)
-            if owner is None and isinstance(p, DTensor):
-                raise ValueError(f"{path + '.' if path else ''}{attr} is a DTensor already (sharded by torch's "
-                                 "fully_shard, or by tensor parallelism): manualdp's fully_shard shards plain "
-                                 "parameters; use one fully_shard for the whole model")
-            if owner is not None and p is owner.sharded:
-                unit = sub.__dict__[SLOTS][attr]
-                raise ValueError(f"{path or 'module'} ({type(sub).__name__}) lies inside a module already sharded "
-                                 f"by fully_shard (its {attr!r} is held by the unit of {type(unit.module).__name__}): "
-                                 "apply fully_shard bottom-up, submodules first, then their parents")
-            entry = taken.setdefault(id(owner if owner is not None else p),
-                                     (owner if owner is not None else p, [], f"{path}.{attr}" if path else attr))
-            entry[1].append((sub, attr))
-            slot_order.append((sub, attr))
-        buffers.update((id(b), b) for b in sub._buffers.values() if b is not None)
-        for name, child in sub._modules.items():
-            if child is not None:
-                visit(child, f"{path}.{name}" if path else name)
-
-    visit(module, "")
-    inside = {id(q) for _, child in nested for u in child.tree() for q in u.params}
-    for p, _, name in taken.values():
-        if isinstance(p, Param) and id(p) not in inside:
-            raise ValueError(f"{name} is tied to a parameter that another unit holds, and that unit is not inside "
-                             "this module: apply fully_shard to a module that holds both users of the weight "
-                             "(their common ancestor), not to each of them")
-    return taken, slot_order, nested, list(buffers.values())
-
-
-def _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored) -> None:
-    """Raise on every rank unless every rank shards the same parameters, buffers and units alike."""
-    fields = {"reshard_after_forward": reshard, "mp_policy": mp_policy, "ignored_params": len(ignored),
-              "units inside": [path for path, _ in nested],
-              "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
-    for p, _, name in taken.values():
-        fields[f"parameter {name}"] = ("tied" if isinstance(p, Param) else
-                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen"))
-    agree(f"fully_shard({type(module).__name__})", fields, group,
-          hint="every rank must build the same model and shard it alike")
-
-
-_watching = False
-
-
-def _watch_optimizers() -> None:
-    """Once: make any optimizer step refuse a parameter that fully_shard replaced by its shard (built too early)."""
-    global _watching
-    if not _watching:
-        register_optimizer_step_pre_hook(_refuse_replaced)
-        _watching = True
-
-
-def _refuse_replaced(optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if getattr(p, REPLACED, False):
-                raise ValueError(f"{type(optimizer).__name__} holds a parameter that fully_shard replaced by its "
-                                 f"shard (shape {tuple(p.shape)}, emptied): build the optimizer after fully_shard, "
-                                 "from model.parameters()")
+def _values(call: Checked) -> tuple[list, list[nn.Parameter]]:
+    """What the unit lays out, (slots, full value, trainable, name) per parameter, and the user's parameters."""
+    values, originals = [], []
+    for p, slots, name in call.taken.values():
+        if isinstance(p, Param):  # a weight tied to a unit inside this one: it moves here, where both users are
+            inner = next(u for _, c in call.nested for u in c.tree() if p in u.params)
+            more, value = inner.give_up(p)
+            values.append((more + slots, value, p.requires_grad, name))
+            originals.append(p.original)
+        else:
+            values.append((slots, p.detach(), p.requires_grad, name))
+            originals.append(p)
+    return values, originals
 
 
 def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from manualdp.spmd import full_state_dict, fully_shard, launch, shard
-from manualdp.spmd.sharding.fsdp import UNIT
+from manualdp.spmd.sharding.fsdp_unit import UNIT
 from manualdp.support.trace import Trace
 
 STEPS = 4

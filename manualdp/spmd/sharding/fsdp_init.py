@@ -1,0 +1,191 @@
+"""`fully_shard`'s checks, all in one place: `checked_arguments` returns what a call shards, and how.
+
+Each argument is checked where the user hands it in, once; then the module is walked (its parameters
+outside the units already inside it, those units, its buffers), refused where it cannot be sharded
+(a DTensor already, a module inside a sharded one, a weight tied to a unit outside it, a 0-dim
+parameter, parameters on several devices), and every rank's call is compared with the others' before
+anything changes (`agree`), so that all ranks raise alike, naming the field. `fsdp.py` then shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+
+from ...validate import initialized, nn_module, timeout_seconds
+from ..transport.agree import agree
+from ..transport.peers import group_ranks
+from .fsdp_param import SLOTS, Param, owner_of
+from .fsdp_unit import UNIT
+
+__all__ = ["checked_arguments", "Checked"]
+
+
+@dataclass
+class Checked:
+    """A `fully_shard` call, checked and agreed on by every rank: what it shards, over which group, how."""
+
+    group: object        # the process group of the collectives (None: the default group)
+    mesh: DeviceMesh     # the 1-D mesh of the shards
+    reshard: bool | None  # reshard_after_forward, in torch's meanings
+    mp_policy: MixedPrecisionPolicy
+    timeout: float | None
+    taken: dict          # id -> (a parameter, or the `Param` of a weight tied inside, its slots, its name)
+    nested: list         # (path, unit): the units already inside the module, the first met on each path
+    buffers: list        # the buffers met, each once
+    meta: bool           # the module is on the meta device: nothing to broadcast yet
+
+
+def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
+                      ignored_params, group, timeout) -> Checked:
+    """Check `fully_shard`'s arguments and module, then that every rank calls it alike; raise before any change."""
+    _one_module(module)
+    if shard_placement_fn is not None:
+        raise NotImplementedError("shard_placement_fn is not supported by manualdp's fully_shard: it shards dim 0")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        raise NotImplementedError(f"offload_policy={type(offload_policy).__name__} is not supported by manualdp's "
+                                  "fully_shard")
+    mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                        f"{type(mp_policy).__name__}")
+    ignored = _ignored(ignored_params)
+    timeout = timeout_seconds("timeout", timeout)
+    if UNIT in module.__dict__:
+        raise ValueError(f"module ({type(module).__name__}) is already sharded by fully_shard: "
+                         "apply it once per module")
+    taken, nested, buffers = _walk(module, ignored)
+    meta, device_type = _device(module, taken, mesh, group)
+    mesh, group = _mesh_and_group(mesh, group, device_type)
+    reshard = _reshard_after_forward(reshard_after_forward, mesh.size())
+    for p, _, name in taken.values():
+        if not isinstance(p, Param) and p.dim() == 0:
+            raise ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
+                             "ignored_params, or make it shape (1,)")
+    _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored)
+    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta)
+
+
+def _one_module(module) -> None:
+    if isinstance(module, (list, tuple)):
+        raise NotImplementedError("module: manualdp's fully_shard takes one module at a time, not a list")
+    nn_module("module", module)
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(f"module is a {type(module).__name__}, a container without a forward of its own: its "
+                         "forward never runs, so neither would the unit's; shard each of its children instead")
+
+
+def _ignored(ignored_params) -> set[int]:
+    if ignored_params is None:
+        return set()
+    if not isinstance(ignored_params, (set, frozenset, list, tuple)) or not all(
+            isinstance(p, nn.Parameter) for p in ignored_params):
+        raise TypeError(f"ignored_params must be a set of nn.Parameter, got {type(ignored_params).__name__}")
+    return {id(p) for p in ignored_params}
+
+
+def _device(module: nn.Module, taken: dict, mesh, group) -> tuple[bool, str]:
+    """(Whether the module is on the meta device, the device type its shards will live on)."""
+    devices = {p.sharded.device if isinstance(p, Param) else p.device for p, _, _ in taken.values()}
+    if len(devices) > 1:
+        raise ValueError(f"module ({type(module).__name__}) has parameters on several devices: fully_shard needs one")
+    if devices != {torch.device("meta")}:
+        initialized("module", module)
+        return False, next(iter(devices)).type if devices else "cpu"
+    if mesh is not None:  # the device the model will be moved to (to_empty): the mesh's, or the backend's
+        return True, mesh.device_type
+    return True, "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def _mesh_and_group(mesh, group, device_type: str):
+    if mesh is not None and group is not None:
+        raise ValueError("pass mesh or group, not both")
+    if mesh is not None:
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim != 1:
+            raise NotImplementedError(f"mesh has {mesh.ndim} dimensions: manualdp's fully_shard shards over a 1-D "
+                                      "mesh (HSDP's 2-D mesh is not supported)")
+        if mesh.device_type != device_type:
+            raise ValueError(f"mesh is a {mesh.device_type!r} mesh, the parameters are on {device_type!r}")
+        return mesh, mesh.get_group()
+    if dist.is_initialized() and group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives a non-member
+        raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of it")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
+    group_ranks(group)  # torch.distributed is initialised, and this process belongs to `group`
+    pg = group if group is not None else dist.group.WORLD
+    return DeviceMesh.from_group(pg, device_type), group
+
+
+def _reshard_after_forward(value, world_size: int) -> bool | None:
+    """torch's meanings: None (all but the outermost unit), a bool, or an int dividing the group size."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value < 1 or value > world_size or world_size % value:
+            raise ValueError(f"reshard_after_forward as an int must divide the group size {world_size}, got {value}")
+        return value != 1  # 1: keep the full parameters; any other: reshard (over all ranks here)
+    raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
+
+
+def _walk(module: nn.Module, ignored: set[int]):
+    """What `fully_shard(module)` takes: the parameters of its subtree outside the units already in it
+    (id -> (parameter, its slots, its name)), those units (the first met on each path, with their paths),
+    and the buffers met. Raises, naming them, on parameters held elsewhere."""
+    taken: dict[int, tuple[nn.Parameter, list, str]] = {}
+    nested, buffers, seen = [], {}, set()
+
+    def visit(sub: nn.Module, path: str) -> None:
+        if id(sub) in seen:
+            return
+        seen.add(id(sub))
+        if sub is not module and UNIT in sub.__dict__:
+            nested.append((path, sub.__dict__[UNIT]))
+            return
+        for attr, p in sub._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            owner = owner_of(p)  # a Param: a unit holds p, or p is what a unit replaced (a tied weight)
+            if owner is None and isinstance(p, DTensor):
+                raise ValueError(f"{path + '.' if path else ''}{attr} is a DTensor already (sharded by torch's "
+                                 "fully_shard, or by tensor parallelism): manualdp's fully_shard shards plain "
+                                 "parameters; use one fully_shard for the whole model")
+            if owner is not None and p is owner.sharded:
+                unit = sub.__dict__[SLOTS][attr]
+                raise ValueError(f"{path or 'module'} ({type(sub).__name__}) lies inside a module already sharded "
+                                 f"by fully_shard (its {attr!r} is held by the unit of {type(unit.module).__name__}): "
+                                 "apply fully_shard bottom-up, submodules first, then their parents")
+            entry = taken.setdefault(id(owner if owner is not None else p),
+                                     (owner if owner is not None else p, [], f"{path}.{attr}" if path else attr))
+            entry[1].append((sub, attr))
+        buffers.update((id(b), b) for b in sub._buffers.values() if b is not None)
+        for name, child in sub._modules.items():
+            if child is not None:
+                visit(child, f"{path}.{name}" if path else name)
+
+    visit(module, "")
+    inside = {id(q) for _, child in nested for u in child.tree() for q in u.params}
+    for p, _, name in taken.values():
+        if isinstance(p, Param) and id(p) not in inside:
+            raise ValueError(f"{name} is tied to a parameter that another unit holds, and that unit is not inside "
+                             "this module: apply fully_shard to a module that holds both users of the weight "
+                             "(their common ancestor), not to each of them")
+    return taken, nested, list(buffers.values())
+
+
+def _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored) -> None:
+    """Raise on every rank unless every rank shards the same parameters, buffers and units alike."""
+    fields = {"reshard_after_forward": reshard, "mp_policy": mp_policy, "ignored_params": len(ignored),
+              "units inside": [path for path, _ in nested],
+              "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
+    for p, _, name in taken.values():
+        fields[f"parameter {name}"] = ("tied" if isinstance(p, Param) else
+                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen"))
+    agree(f"fully_shard({type(module).__name__})", fields, group,
+          hint="every rank must build the same model and shard it alike")

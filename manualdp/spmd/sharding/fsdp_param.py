@@ -1,0 +1,181 @@
+"""One parameter of `fully_shard` in its two forms, as torch's FSDP2's `FSDPParam`.
+
+Each parameter lives in two forms:
+
+- its *shard*: this rank's rows of it (dim 0, cut as `torch.chunk` cuts: ceil(rows / W) rows per rank,
+  the last ranks may get fewer or none), an `nn.Parameter` holding a DTensor placed `Shard(0)` on a 1-D
+  mesh of the group. That is what `module.parameters()` yields between steps and what the optimizer
+  steps; torch's own utilities (`clip_grad_norm_`, `torch.distributed.checkpoint`, state dicts) see
+  a sharded tensor and reduce or gather over the mesh themselves;
+- its *full* form: a plain `nn.Parameter` of the whole shape, put in the module's place while
+  forward and backward run, its memory given back between uses.
+
+"Freed" is `untyped_storage().resize_(0)`: the full parameter (and what autograd saved of it) keeps
+its shape and place and holds no memory. The copy-out of an all-gather (`fsdp_collectives.py`) writes
+through `.data`, which leaves alone the version counter that autograd checks on saved tensors (torch's
+FSDP2 does the same).
+
+The user's own parameter, which a shard replaces, is emptied and marked: an optimizer built from it
+before `fully_shard` refuses to step. A unit gathers and frees its parameters together (`fsdp_unit.py`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["Param", "owner_of", "set_owner", "watch_optimizers", "SLOTS", "REPLACED"]
+
+OWNER = "_manualdp_fsdp_owner"  # attribute of a shard, or of an original a shard replaced: its `_Owner`
+SLOTS = "_manualdp_fsdp_slots"  # in a submodule's __dict__: its sharded parameter names -> the unit holding each
+REPLACED = "_manualdp_fsdp_replaced"  # attribute of an original parameter that fully_shard replaced by a shard
+
+
+class _Owner:
+    """Points a parameter at its `Param`; pickled or deep-copied, it becomes None: a copy of a shard is a plain
+    DTensor parameter (pickling the `Param` would take its unit and module along)."""
+
+    def __init__(self, param: "Param") -> None:
+        self.param = param
+
+    def __reduce__(self):
+        return _nothing, ()
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def _nothing() -> None:
+    return None
+
+
+def owner_of(t: torch.Tensor) -> "Param | None":
+    """The `Param` that holds `t` (a shard), or that replaced it (an original parameter); None for others."""
+    owner = getattr(t, OWNER, None)
+    return owner.param if isinstance(owner, _Owner) else None
+
+
+def set_owner(t: torch.Tensor, param: "Param") -> None:
+    setattr(t, OWNER, _Owner(param))
+
+
+class Param:
+    """One parameter of a unit: where it sits, its shard (a DTensor parameter) and its full form while gathered."""
+
+    def __init__(self, slots: list[tuple[nn.Module, str]], value: torch.Tensor, requires_grad: bool, mesh,
+                 rank: int, world_size: int, name: str) -> None:
+        self.slots, self.name, self.requires_grad = slots, name, requires_grad
+        self.shape, self.dtype, self.device = value.shape, value.dtype, value.device
+        self.rows = value.shape[0]
+        self.row_numel = math.prod(value.shape[1:])
+        self.chunk_rows = -(-self.rows // world_size)  # ceil: torch.chunk's rows per rank (rank 0's, the padded size)
+        start = min(rank * self.chunk_rows, self.rows)
+        self.local_rows = min(self.chunk_rows, self.rows - start)
+        self.padded = self.chunk_rows * self.row_numel  # this parameter's elements in every rank's segment
+        with torch.no_grad():
+            local = value[start:start + self.local_rows].detach().clone()
+            self.sharded = nn.Parameter(_as_shard(local, mesh, self.shape), requires_grad=requires_grad)
+        set_owner(self.sharded, self)
+        self.full: nn.Parameter | None = None  # made at the first gather (after `to_empty` on a meta model)
+        self.original: nn.Parameter | None = None  # the parameter the user's model held before
+        self.accumulated: torch.Tensor | None = None  # gradients kept with sync off, in the reduce dtype
+
+    def local(self) -> torch.Tensor:
+        """This rank's rows (the DTensor's local tensor), detached."""
+        return self.sharded.to_local().detach()
+
+    def make_full(self, dtype: torch.dtype, on_grad) -> nn.Parameter:
+        """The full-shape parameter the modules use in forward (memory freed), made once per dtype and device;
+        `on_grad(full)` runs once autograd has accumulated its gradient."""
+        device = self.sharded.device
+        if self.full is None or self.full.dtype != dtype or self.full.device != device:
+            self.full = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device),
+                                     requires_grad=self.requires_grad)
+            self.full.untyped_storage().resize_(0)
+            if self.requires_grad:
+                self.full.register_post_accumulate_grad_hook(on_grad)
+        return self.full
+
+    def put(self, t: torch.Tensor) -> None:
+        """Put `t` (the shard or the full form) in every module slot this parameter has."""
+        for sub, attr in self.slots:
+            sub._parameters[attr] = t
+
+    def occupy(self, unit) -> None:
+        """Put the shard in the slots, each marked as held by `unit`."""
+        for sub, attr in self.slots:
+            sub._parameters[attr] = self.sharded
+            sub.__dict__.setdefault(SLOTS, {})[attr] = unit
+
+    def vacate(self) -> None:
+        """Unmark the slots: another unit takes this parameter."""
+        for sub, attr in self.slots:
+            del sub.__dict__[SLOTS][attr]
+
+    def replaces(self, original: nn.Parameter) -> None:
+        """`original` is what the user's model held: emptied, marked, pointing here (its values are in the shards)."""
+        self.original = original
+        set_owner(original, self)
+        setattr(original, REPLACED, True)
+        original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+
+    def adopt(self) -> None:
+        """Take as the shard whatever the modules hold now (`to_empty`, `_apply` may have put a new parameter there)."""
+        sub, attr = self.slots[0]
+        now = sub._parameters.get(attr)
+        if now is self.full:
+            return
+        if now is not self.sharded:
+            if not isinstance(now, DTensor) or now.shape != self.shape:
+                raise TypeError(f"{self.name}: fully_shard expected its shard (a DTensor of shape {tuple(self.shape)}) "
+                                f"in the module, found {type(now).__name__}: replace a sharded parameter with "
+                                "one of the same kind (to_empty, load_state_dict) or shard the module after")
+            if not isinstance(now, nn.Parameter):
+                now = nn.Parameter(now, requires_grad=self.requires_grad)
+            self.sharded = now
+            set_owner(now, self)
+            self.put(now)
+        self.dtype, self.device = self.sharded.dtype, self.sharded.device  # `model.double()` changes them in place
+
+    def add_grad(self, grad: torch.Tensor, mesh) -> None:
+        """Add `grad` (this rank's rows of the summed gradient) to the shard's `.grad`, a DTensor made at first."""
+        own = self.sharded
+        if own.grad is None:
+            own.grad = _as_shard(grad, mesh, self.shape)
+        else:
+            own.grad.to_local().add_(grad)
+
+    def forget_gradients(self) -> None:
+        """Drop the full form's gradient and what gradient sync off kept."""
+        if self.full is not None:
+            self.full.grad = None
+        self.accumulated = None
+
+
+def _as_shard(local: torch.Tensor, mesh, shape: torch.Size) -> DTensor:
+    """`local` (this rank's rows) as a DTensor of global `shape`, placed `Shard(0)` on `mesh`."""
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+
+_watching = False
+
+
+def watch_optimizers() -> None:
+    """Once: make any optimizer step refuse a parameter that fully_shard replaced by its shard (built too early)."""
+    global _watching
+    if not _watching:
+        register_optimizer_step_pre_hook(_refuse_replaced)
+        _watching = True
+
+
+def _refuse_replaced(optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if getattr(p, REPLACED, False):
+                raise ValueError(f"{type(optimizer).__name__} holds a parameter that fully_shard replaced by its "
+                                 f"shard (shape {tuple(p.shape)}, emptied): build the optimizer after fully_shard, "
+                                 "from model.parameters()")
