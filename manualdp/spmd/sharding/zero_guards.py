@@ -1,7 +1,7 @@
 """The guards of `ZeroRedundancyOptimizer` (`zero.py`): the ranks agree, and what changed under it is caught.
 
-Every rank must build the optimizer alike; the ranks compare how at construction and at
-`add_param_group` (`_agree_on_setup`), and all raise, naming the field.
+Every rank must build the optimizer alike; the ranks compare what each built, at construction
+and at `add_param_group` (`_agree_on_setup`), and all raise, naming the field.
 
 Parameters changed under it between steps end as torch's SGD would end, or every rank raises
 in one line; nothing is stepped silently wrong:
