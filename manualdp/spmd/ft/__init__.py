@@ -16,11 +16,12 @@ every piece is a short file, in reading order:
 - `commit.py`: every member votes; the first outcome written to the store is everyone's;
 - `recovery.py`: who sends the state to whom, and the state through the store, checksummed;
 - `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;
+- `average.py`: how each wrapper's step ends: flatten, average over the quorum, vote, unflatten;
 - `ddp.py`: `FaultTolerantDDP`: `start_step()`, backward, `step()` returns whether it committed;
 - `local_sgd.py`: `LocalSGD` and `DiLoCo`: H steps alone, then the replicas meet.
 
-This room stands on `transport/` (deadlines, `PeerError`), the collectives and the ladder's
-flat buffers; nothing else in the engine imports it.
+This room stands on `transport/` (deadlines, `PeerError`), the collectives and the book's
+flat buffers (`buckets.py`); nothing else in the engine imports it.
 """
 from .coordinator import Coordinator
 from .quorum import Member, Quorum
