@@ -104,7 +104,7 @@ def test_the_install_and_test_commands_are_the_ones_ci_runs():
     installed = [word for line in ci.splitlines() if "pip install" in line for word in shlex.split(line)]
     for requirement in shlex.split(pip)[2:]:
         assert requirement in installed, f"README installs {requirement!r}; .ci/run does not"
-    assert ci.strip().splitlines()[-1] == "python -m pytest -q"
+    assert ci.strip().splitlines()[-2:] == ["python -m pytest -q", "bash bench/soak_tests.sh"]
     assert train == "manualdp train"
 
 
@@ -167,3 +167,18 @@ def test_the_links_of_a_page_lead_somewhere(page):
     for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", path.read_text()):
         if not target.startswith(("http://", "https://")):
             assert (path.parent / target).exists(), f"{page} links to {target}, which does not exist"
+
+
+# ---------------------------------------------------------------- bench/'s tests, and what CI runs
+
+def test_bench_readme_names_every_test_file_of_bench_and_the_soak_runs_each_but_the_gpus():
+    tests = sorted(p.name for p in (ROOT / "bench").glob("test_*.py"))
+    text = (ROOT / "bench" / "README.md").read_text()
+    part = text[text.index("## Which files are tests"):]
+    part = part[:part.index("\n## ")]
+    assert sorted(re.findall(r"^\| `(test_\w+\.py)` \|", part, re.M)) == tests, (
+        "bench/README.md's table of test files and bench/test_*.py differ")
+    soak = (ROOT / "bench" / "soak_tests.sh").read_text()
+    run = set(re.findall(r"bench/(test_\w+\.py)", soak))
+    assert run == set(tests) - {"test_gpu.py"}, "bench/soak_tests.sh must run every test file of bench/ but test_gpu.py"
+    assert re.search(r"^python -m pytest -q -m soak tests/", soak, re.M), "the soak runs the soak-marked tests of tests/"
