@@ -251,6 +251,18 @@ def test_the_map_checker_sees_a_disagreement():
         check_maps(docstring, moved_up)
 
 
+def test_every_python_file_keeps_to_the_line_length():
+    # ruff's line-length in pyproject.toml, for the package, its tests, the benchmarks and the book's scripts alike
+    limit = int(re.search(r"^line-length = (\d+)", (ROOT.parent / "pyproject.toml").read_text(), re.M).group(1))
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT.parent, capture_output=True, text=True, timeout=60)
+    files = listed.stdout.split() if listed.returncode == 0 else [str(p.relative_to(ROOT.parent)) for p in (
+        ROOT.parent).rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT.parent).parts)]
+    assert files and any(name.startswith("tests/") for name in files)
+    long = [f"{name}:{n}" for name in files if (ROOT.parent / name).exists()
+            for n, line in enumerate((ROOT.parent / name).read_text().splitlines(), 1) if len(line) > limit]
+    assert not long, f"lines over {limit} characters: {long}"
+
+
 @pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
 def test_no_private_name_is_imported_across_modules(name, path):
     for target, names in imports(name, path):
@@ -336,7 +348,8 @@ def test_the_rest_of_the_package_loads_when_first_used():
     assert {"runners.loop", "support.history", "distributed", "spmd.ddp"} <= set(loaded)
 
 
-@pytest.mark.parametrize("argv", [["faults.py", "--help"], ["scaling.py", "--help"], ["allreduce.py", "--spmd", "--help"]],
+@pytest.mark.parametrize("argv", [["faults.py", "--help"], ["scaling.py", "--help"],
+                                  ["allreduce.py", "--spmd", "--help"]],
                          ids=lambda argv: argv[0])
 def test_a_benchmark_runs_as_one_command_from_anywhere(argv, tmp_path):
     # `python bench/NAME.py` from another folder: the script finds bench.common and its siblings (scaling
@@ -354,7 +367,8 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules():
         edges = set()
         for target, taken in imports(name, path):
-            edges |= {m for m in [target or "__init__", *(f"{target}.{t}" if target else t for t in taken)] if m in names}
+            named = [target or "__init__", *(f"{target}.{t}" if target else t for t in taken)]
+            edges |= {m for m in named if m in names}
         graph[name] = edges - {name}
     return graph
 

@@ -100,7 +100,8 @@ def test_the_install_and_test_commands_are_the_ones_ci_runs():
     ci = (ROOT / ".ci" / "run").read_text()
     venv, activate, pip, train = INSTALL.split(" && ")
     assert venv.startswith("python3 -m venv ") and "python3 -m venv" in ci
-    assert activate.startswith(". ") and activate.endswith("/bin/activate") and re.search(r"^\. \S+/bin/activate$", ci, re.M)
+    assert activate.startswith(". ") and activate.endswith("/bin/activate")
+    assert re.search(r"^\. \S+/bin/activate$", ci, re.M)
     installed = [word for line in ci.splitlines() if "pip install" in line for word in shlex.split(line)]
     for requirement in shlex.split(pip)[2:]:
         assert requirement in installed, f"README installs {requirement!r}; .ci/run does not"
@@ -181,4 +182,5 @@ def test_bench_readme_names_every_test_file_of_bench_and_the_soak_runs_each_but_
     soak = (ROOT / "bench" / "soak_tests.sh").read_text()
     run = set(re.findall(r"bench/(test_\w+\.py)", soak))
     assert run == set(tests) - {"test_gpu.py"}, "bench/soak_tests.sh must run every test file of bench/ but test_gpu.py"
-    assert re.search(r"^python -m pytest -q -m soak tests/", soak, re.M), "the soak runs the soak-marked tests of tests/"
+    assert re.search(r"^python -m pytest -q -m soak tests/", soak, re.M), (
+        "the soak runs the soak-marked tests of tests/")

@@ -59,7 +59,8 @@ class DDP(nn.Module):  # sums the gradients but forgets to divide by the number 
     # the exercises of chapters 3, 5, 6 and 7: one wrong answer each of tests/answers/ (all of them: bench/)
     "cost": (ANSWERS / "cost_sent_only.py",
              r"cost\(schedule, nbytes=\d+, .*\): expected \S+ s \(manualdp.cost.cost\), got \S+ s\. Yours counts bytes "
-             r"sent only: a device's beta term is beta times the larger of the bytes it sends and the bytes it receives"),
+             r"sent only: a device's beta term is beta times the larger of the bytes it sends and the bytes it "
+             r"receives"),
     "hook": (ANSWERS / "hook_sum_then_divide.py",
              r"fp16_compress_hook on 2 ranks, step 1 \(the step with the loss scaled by 8192\), rank \d: the gradients "
              r"when backward returned differ from those with torch's fp16_compress_hook: 2\.bias, element \d, is inf "

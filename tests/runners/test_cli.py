@@ -160,7 +160,8 @@ def test_outputs_naming_one_file_are_refused_before_training(tmp_path, monkeypat
 def test_distinct_outputs_and_dev_null_twice_are_accepted(tmp_path):
     from manualdp.runners.cli import build_parser, check_train_args
 
-    distinct = build_parser().parse_args(["train", "--json", str(tmp_path / "a.json"), "--trace", str(tmp_path / "b.json")])
+    distinct = build_parser().parse_args(
+        ["train", "--json", str(tmp_path / "a.json"), "--trace", str(tmp_path / "b.json")])
     assert check_train_args(distinct) is None
     null = build_parser().parse_args(["train", "--json", os.devnull, "--trace", os.devnull])
     assert check_train_args(null) is None

@@ -124,10 +124,12 @@ def _run_ranks(tmp, config, world_size=2, limit=60.0, hung=()):
     port = _free_port()
     procs = []
     for r in range(world_size):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world_size),
+                   LOCAL_WORLD_SIZE=str(world_size),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
         err = open(os.path.join(tmp, f"stderr{r}"), "w+")
-        procs.append((subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err), err))
+        proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        procs.append((proc, err))
     ended = [None] * world_size
     deadline = time.monotonic() + limit
     try:
@@ -144,7 +146,8 @@ def _run_ranks(tmp, config, world_size=2, limit=60.0, hung=()):
     results = []
     for r, (p, err) in enumerate(procs):
         err.seek(0)
-        results.append({"code": p.returncode if ended[r] is not None else None, "ended": ended[r], "stderr": err.read()})
+        status = p.returncode if ended[r] is not None else None
+        results.append({"code": status, "ended": ended[r], "stderr": err.read()})
         err.close()
     return results
 
@@ -278,7 +281,8 @@ def _nonfinite_job(tmp):
     def run(nonfinite, epochs=EPOCHS, **kw):
         net = _net()
         logs = []
-        train_spmd(net, *_loaders(), epochs, 0.2, loss_fn=FaultyLoss(kw.pop("fault", "nan"), 2, 5, os.path.join(tmp, "t")),
+        faulty = FaultyLoss(kw.pop("fault", "nan"), 2, 5, os.path.join(tmp, "t"))
+        train_spmd(net, *_loaders(), epochs, 0.2, loss_fn=faulty,
                    nonfinite=nonfinite, progress=False, log=logs.append, timeout=20, bucket_cap_mb=0.0002, **kw)
         return {"params": [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                            for p in net.parameters()], "logs": logs,
@@ -357,7 +361,8 @@ def test_resume_refuses_when_one_rank_has_no_checkpoint(nonfinite):
 
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"nonfinite": "ignore"}, ValueError, "nonfinite must be one of"),
-    ({"checkpoint_every": 0, "checkpoint_dir": "x"}, ValueError, "checkpoint_every must be a positive int or None, got 0"),
+    ({"checkpoint_every": 0, "checkpoint_dir": "x"}, ValueError,
+     "checkpoint_every must be a positive int or None, got 0"),
     ({"checkpoint_every": 2}, ValueError, "need checkpoint_dir"),
     ({"resume": True}, ValueError, "need checkpoint_dir"),
     ({"resume": "yes", "checkpoint_dir": "x"}, TypeError, "resume must be a bool, got 'yes'"),
@@ -388,7 +393,8 @@ def test_peer_error_names_rank_step_and_peer_and_survives_pickling():
 
     from manualdp.spmd.transport.peers import PeerError
     silent = PeerError(0, 1, True, 10.0, "Timed out waiting 10000ms").at("step 12")
-    assert str(silent) == "rank 0: step 12: no answer from rank 1 within 10 s (it may have died or hung) [Timed out waiting 10000ms]"
+    assert str(silent) == ("rank 0: step 12: no answer from rank 1 within 10 s (it may have died or hung) "
+                           "[Timed out waiting 10000ms]")
     gone = PeerError(2, None, False, 10.0)
     assert str(gone) == "rank 2: no answer from the other ranks: the connection was closed (it may have died)"
     assert str(pickle.loads(pickle.dumps(silent))) == str(silent)
@@ -461,5 +467,6 @@ def test_a_rank_whose_peers_never_come_gives_up_after_timeout_with_one_line(tmp_
     out = subprocess.run([sys.executable, "-m", "manualdp", "train", *CLI[:-1], "2", "--epochs", "1"],
                          capture_output=True, text=True, timeout=60, env=env, cwd=ROOT)
     assert out.returncode == 1
-    assert out.stderr.startswith("manualdp train: error: could not join the other ranks") and "Traceback" not in out.stderr
+    assert out.stderr.startswith("manualdp train: error: could not join the other ranks")
+    assert "Traceback" not in out.stderr
     assert time.monotonic() - start < 2 + 15

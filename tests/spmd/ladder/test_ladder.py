@@ -50,7 +50,8 @@ def test_rung_equals_torch_ddp_after_every_step(n, rung):
 
 
 def test_the_comparison_sees_a_rank_that_kept_its_own_weights():
-    results = [{k: {"start": dict(v["start"]), "steps": v["steps"]} for k, v in r["results"].items()} for r in _results(2)]
+    results = [{k: {"start": dict(v["start"]), "steps": v["steps"]} for k, v in r["results"].items()}
+               for r in _results(2)]
     name = next(iter(results[1]["naive"]["start"]))
     results[1]["naive"]["start"][name] = results[1]["naive"]["start"][name] + 1
     with pytest.raises(AssertionError, match=f"naive on 2 ranks: right after construction, rank 1's .*{name}"):

@@ -224,7 +224,8 @@ def _checkpoint_job():
     resumed_opt.load_state_dict(state["opt"])
     for X, y in batches[2:]:
         _step(resumed, resumed_opt, X, y, rank, n)
-    return {"keys": list(state["model"]), "straight": _local(model.state_dict()), "resumed": _local(resumed.state_dict()),
+    return {"keys": list(state["model"]), "straight": _local(model.state_dict()),
+            "resumed": _local(resumed.state_dict()),
             "full": (full_state_dict(model), full_state_dict(resumed)),
             "opt": tuple({k: _local(s) for k, s in o.state_dict()["state"].items()} for o in (opt, resumed_opt))}
 
@@ -355,7 +356,8 @@ def test_sgd_with_two_backward_passes_a_step_equals_one_process():
                 torch.testing.assert_close(ours[key], single[key], rtol=0, atol=1e-10,
                                            msg=f"rank {r} step {step} {key}")
     first, start = _sgd_results()[0]["steps"][-1][1], _frozen_net().state_dict()
-    assert not torch.equal(first["0.weight"], start["0.weight"]) and torch.equal(first["2.0.weight"], start["2.0.weight"])
+    assert not torch.equal(first["0.weight"], start["0.weight"])
+    assert torch.equal(first["2.0.weight"], start["2.0.weight"])
 
 
 def test_a_trace_puts_the_all_gathers_and_reduce_scatters_on_the_comm_track():

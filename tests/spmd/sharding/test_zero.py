@@ -93,7 +93,8 @@ def test_zero_equals_torch_zero_ddp_and_one_process_after_every_step(n, name):
                 torch.testing.assert_close(got[stage], got["plain"], rtol=0, atol=1e-10, msg=f"{stage} vs plain DDP")
                 torch.testing.assert_close(got[stage], got["single"], rtol=0, atol=1e-10, msg=f"{stage} vs one process")
                 assert torch.equal(got[stage], results[0]["steps"][step][stage]), "ranks differ after the all-gather"
-    assert not torch.equal(results[0]["steps"][0]["stage1"], _flat(seeded_mlp())), "training did not move the parameters"
+    assert not torch.equal(results[0]["steps"][0]["stage1"], _flat(seeded_mlp())), (
+        "training did not move the parameters")
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -121,7 +122,8 @@ def _train_spmd_job():
                    optimizer=torch.optim.Adam, zero=zero, progress=False, log=None)
         out[zero] = _flat(net) if zero != 3 else torch.cat([v.reshape(-1) for k, v in full_state_dict(net).items()])
     try:
-        train_spmd(seeded_mlp(), DataLoader(data, batch_size=13), DataLoader(data), 1, 1e-2, zero=2, nonfinite="raise", log=None)
+        train_spmd(seeded_mlp(), DataLoader(data, batch_size=13), DataLoader(data), 1, 1e-2, zero=2, nonfinite="raise",
+                   log=None)
     except ValueError as e:
         out["refused"] = str(e)
     return out
@@ -304,7 +306,8 @@ def _fixed_loss(model):
 
 
 def _zero_grad_job():
-    """Stage 2: the gradient bytes held after zero_grad(), which drops the shards, and zero_grad(False), which keeps them."""
+    """Stage 2: the gradient bytes held after zero_grad(), which drops the shards, and zero_grad(False), which keeps
+    them."""
     model = DistributedDataParallel(small_mlp())
     opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, stage=2, lr=0.1)
     held = {}

@@ -453,7 +453,8 @@ def _case_frozen(out, rank, n, batches, everything):
     frozen_only = ZeroRedundancyOptimizer([torch.zeros(4)], torch.optim.SGD, lr=0.1)
     frozen_only.step()
     out["frozen group"] = (_flat(nets["ours"]), _flat(nets["torch"]), len(opts["ours"].param_groups),
-                           [len(g["params"]) for g in opts["ours"].optim.param_groups], frozen_only.param_groups[0]["lr"])
+                           [len(g["params"]) for g in opts["ours"].optim.param_groups],
+                           frozen_only.param_groups[0]["lr"])
 
 
 def _case_format(out, rank, n, batches, everything):
