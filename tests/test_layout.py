@@ -251,6 +251,27 @@ def test_the_map_checker_sees_a_disagreement():
         check_maps(docstring, moved_up)
 
 
+@pytest.mark.parametrize("name, path", ENGINE, ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_engine_files_and_functions_stay_small(name, path):
+    # a contributor fixing one corner has somewhere small to stand (issue 41): a file a role, a function a screen or two
+    source = path.read_text()
+    assert source.count("\n") <= 400, f"manualdp/{name.replace('.', '/')}.py has {source.count(chr(10))} lines (> 400)"
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1
+            assert length <= 80, f"{name}.{node.name} is {length} lines long (> 80)"
+
+
+def test_the_size_check_sees_a_long_file_and_a_long_function(tmp_path):
+    big = tmp_path / "big.py"
+    big.write_text("x = 1\n" * 401)
+    with pytest.raises(AssertionError, match="401 lines"):
+        test_engine_files_and_functions_stay_small("spmd.big", big)
+    big.write_text("def f():\n" + "    x = 1\n" * 81)
+    with pytest.raises(AssertionError, match="spmd.big.f is 82 lines long"):
+        test_engine_files_and_functions_stay_small("spmd.big", big)
+
+
 def test_every_python_file_keeps_to_the_line_length():
     # ruff's line-length in pyproject.toml, for the package, its tests, the benchmarks and the book's scripts alike
     limit = int(re.search(r"^line-length = (\d+)", (ROOT.parent / "pyproject.toml").read_text(), re.M).group(1))
