@@ -1,5 +1,5 @@
-"""The grader of chapter 8's exercise (`manualdp.runners.check_ft`, run by `check.check_diloco`): the solution passes,
-a wrong one fails."""
+"""The grader of chapter 8's exercise (`manualdp.runners.grader.properties.diloco`, run by `check.check_diloco`): the
+solution passes, a wrong one fails."""
 import argparse
 import pathlib
 import time
