@@ -272,18 +272,6 @@ def test_the_size_check_sees_a_long_file_and_a_long_function(tmp_path):
         test_engine_files_and_functions_stay_small("spmd.big", big)
 
 
-def test_every_python_file_keeps_to_the_line_length():
-    # ruff's line-length in pyproject.toml, for the package, its tests, the benchmarks and the book's scripts alike
-    limit = int(re.search(r"^line-length = (\d+)", (ROOT.parent / "pyproject.toml").read_text(), re.M).group(1))
-    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT.parent, capture_output=True, text=True, timeout=60)
-    files = listed.stdout.split() if listed.returncode == 0 else [str(p.relative_to(ROOT.parent)) for p in (
-        ROOT.parent).rglob("*.py") if not any(part.startswith(".") for part in p.relative_to(ROOT.parent).parts)]
-    assert files and any(name.startswith("tests/") for name in files)
-    long = [f"{name}:{n}" for name in files if (ROOT.parent / name).exists()
-            for n, line in enumerate((ROOT.parent / name).read_text().splitlines(), 1) if len(line) > limit]
-    assert not long, f"lines over {limit} characters: {long}"
-
-
 @pytest.mark.parametrize("name, path", list(modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
 def test_no_private_name_is_imported_across_modules(name, path):
     for target, names in imports(name, path):

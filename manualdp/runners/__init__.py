@@ -1,1 +1,1 @@
-"""Runners: the full training loops, the command line, `explain`, and the grader (`grader/`). They may use every layer."""
+"""Runners: the full training loops, the command line, `explain` and the grader (`grader/`); they may use any layer."""
