@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["Param", "owner_of", "set_owner", "watch_optimizers", "SLOTS", "REPLACED"]
+__all__ = ["Param", "owner_of", "watch_optimizers", "SLOTS"]
 
 OWNER = "_manualdp_fsdp_owner"  # attribute of a shard, or of an original a shard replaced: its `_Owner`
 SLOTS = "_manualdp_fsdp_slots"  # in a submodule's __dict__: its sharded parameter names -> the unit holding each

@@ -71,7 +71,8 @@ class Step:
         self._next_order()
 
     def end(self, after_backward: bool = False) -> None:
-        """Every unit lets go of its full parameters; the next forward follows this order."""
+        """Every unit lets go of its full parameters (after backward, those that reshard after it); the next forward
+        follows this order."""
         for u in self.root.tree():
             if u.reshard_after_backward or not after_backward:
                 u.free()

@@ -15,8 +15,8 @@ parameter while gathered (`fsdp_param.py`). A step, for one unit:
    its segment, divided by the number of ranks: the shards' gradients, as DTensors;
 4. the optimizer steps the shards.
 
-All the collectives of a process group run in order on its worker thread (`group_worker`), so the
-all-gather of the next unit (prefetch) runs while this one computes. What spans the units of a tree
+The hooks that call a unit's gather and free around forward and backward, and prefetch the next
+unit's all-gather while this one computes, are in `fsdp_hooks.py`. What spans the units of a tree
 (the order of their forwards, the end of backward, the first failure) is the outermost unit's `Step`
 (`fsdp_step.py`).
 """

@@ -52,8 +52,7 @@ from ...buckets import DEFAULT_BUCKET_CAP_MB
 from ...validate import boolean, factory, non_negative_number, one_of, positive_number, timeout_seconds
 from ...shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ...zero import make_optimizer, state_bytes
-from ..collectives import all_gather
-from ..collectives import allreduce
+from ..collectives import all_gather, allreduce
 from ..transport.peers import group_ranks
 from .zero_grad_shards import GradientShards, holders_of, plan_buckets, real_grad
 from .zero_guards import ZeroGuards, refuse_sparse

@@ -33,7 +33,7 @@ class ZeroLayout:
         return [p for g in self.param_groups for p in g["params"]]
 
     def _find_pieces(self) -> list[tuple[int, torch.Tensor]]:
-        """This rank's pieces: (parameter, lo, hi, tensor), in the order the inner optimizer numbers them.
+        """Find this rank's pieces, (parameter, lo, hi, tensor), in the order the inner optimizer numbers them.
 
         The tensor is the parameter itself where this rank's chunk holds all of it (as torch's
         inner optimizer holds whole parameters: `optim.state[p]`), else a slice of its flat buffer.

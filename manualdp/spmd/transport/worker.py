@@ -62,7 +62,7 @@ class SerialWorker:
 
 
 class InlineWorker:
-    """A `SerialWorker` without a thread, for a group of one rank: each call runs at once, in the caller's thread.
+    """`SerialWorker.submit` without a thread, for a group of one rank: each call runs at once, in the caller's thread.
 
     Nothing is sent at world size 1, so a thread would only add a hand-off per call. As on
     the thread, after a call fails every later one fails with the same error (unless every rank
