@@ -8,6 +8,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from manualdp.spmd import launch
 from manualdp.spmd.sharding.fsdp import fully_shard
+from manualdp.spmd.sharding.fsdp_collectives import UnitMismatch
 
 
 class Pair(nn.Module):
@@ -68,6 +69,31 @@ def test_ranks_that_run_other_units_all_raise_naming_the_unit(job, args):
     for rank, message in enumerate(got):
         assert message is not None, f"rank {rank} returned normally"
         assert f"rank {rank}" in message and ("unit" in message or "differ" in message), message
+
+
+def _forward_more_job():
+    """Rank 1 runs one forward more before backward: its second all-gather is for forward, rank 0's for backward."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 4), reshard_after_forward=True)
+    X = torch.randn(3, 4)
+    try:
+        if rank == 1:
+            model(X)
+        model(X).sum().backward()
+    except UnitMismatch as e:
+        return str(e)
+    return None
+
+
+def test_a_forward_more_on_one_rank_is_named_by_the_all_gathers_tails_as_backward_against_forward():
+    """The same unit, the same count: only the tail's backward bit differs, and the tails check (not the collectives'
+    call check, one collective later) names it."""
+    for rank, message in enumerate(launch(_forward_more_job, 2, timeout=120.0)):
+        assert message is not None, f"rank {rank} raised no UnitMismatch"
+        assert message.startswith(f"rank {rank}: fully_shard's all-gather of unit 1 (FSDPLinear) met other units or "
+                                  "counts on other ranks (rank 0: unit 1, all-gather 2 (backward); rank 1: unit 1, "
+                                  "all-gather 2 mod 64)"), message
 
 
 class Unused(nn.Module):

@@ -260,7 +260,8 @@ def _options(rank, n):
         "deepcopy": _refusal(lambda: copy.deepcopy(model)),
         "0-dim": _refusal(lambda: fully_shard(_Scalar())),
         "2-D mesh keyword": _refusal(lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None)),
-        "reshard 5": _refusal(lambda: fully_shard(nn.Linear(2, 2), reshard_after_forward=5)),
+        **{f"reshard {k}": _refusal(lambda k=k: fully_shard(nn.Linear(2, 2), reshard_after_forward=k))
+           for k in (5, 0, -1, -2)},  # torch's int is a size to reshard to: it must divide the group size
         "custom all-gather": _refusal(lambda: model.set_custom_all_gather(None)),
         "divide by 0": _refusal(lambda: model.set_gradient_divide_factor(0)),
         "mp policy": _refusal(lambda: fully_shard(nn.Linear(2, 2), mp_policy="bf16")),
@@ -413,7 +414,10 @@ def test_torchs_other_keywords_and_methods_give_the_same_gradients_or_refuse_in_
         refused = b["refused"]
         assert all(refused.values()), refused
         assert "deep-copied" in refused["deepcopy"] and "0-dim" in refused["0-dim"]
-        assert "shard_placement_fn" in refused["2-D mesh keyword"] and "5" in refused["reshard 5"]
+        assert "shard_placement_fn" in refused["2-D mesh keyword"]
+        for k in (5, 0, -1, -2):
+            message = refused[f"reshard {k}"]
+            assert message.startswith("ValueError: reshard_after_forward") and message.endswith(f"got {k}"), message
         assert "set_custom_all_gather" in refused["custom all-gather"] and "factor" in refused["divide by 0"]
         assert "MixedPrecisionPolicy" in refused["mp policy"]
 
