@@ -15,6 +15,8 @@ and no message is added for them. A parameter no rank reached keeps its `.grad` 
 """
 from __future__ import annotations
 
+import concurrent.futures
+
 import torch
 
 from ...buckets import DEFAULT_BUCKET_CAP_MB, assign_buckets
@@ -53,6 +55,12 @@ class BucketedDDP(OverlappedDDP):
         if bucket is self.buckets[-1]:  # every other bucket has started: this rank's flags are final
             self.flags.copy_(torch.tensor(self.reached))
         bucket.future = self.submit(bucket.flat)
+
+    def forget_backward(self) -> None:
+        super().forget_backward()
+        concurrent.futures.wait([bucket.future for bucket in self.buckets if bucket.future is not None])
+        for bucket in self.buckets:
+            bucket.reset()
 
     def sync_gradients(self) -> None:
         for bucket in self.buckets[self.next:]:  # a parameter unused in this step sends its .grad, or zeros

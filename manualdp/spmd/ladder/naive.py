@@ -10,7 +10,9 @@ device. It is used exactly as torch's DDP is:
 How "when backward returns" is arranged is the one new idea of this rung: a hook on every
 parameter fires once its gradient is accumulated; the first one to fire queues a callback
 that autograd runs after the whole backward pass (torch's DDP and picotron do the same).
-The rungs above change only what the hooks and that callback do.
+The rungs above change only what the hooks and that callback do. A backward pass that raised
+part-way never reaches that callback: the next forward pass with grad forgets it
+(`forget_backward`, which each rung extends with its own state) and raises, as rung 5 does.
 
 What every rung keeps besides (`rules.Rung`, this rung's base): the ranks agree on the model
 and the settings at construction and on the step before its first allreduce, rank 0's buffers
@@ -42,6 +44,21 @@ class NaiveDDP(Rung):
         self._queued = False  # whether this backward pass has queued `_end_of_backward`
         # The hooks hold the rung weakly: once it is gone, its module is a plain module again.
         self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self)) for p in self.params]
+
+    def forward(self, *args, **kwargs):
+        if self._queued and torch.is_grad_enabled():
+            # The last backward's callback never ran: it raised part-way, some gradients unaveraged (rungs 3-4: some
+            # sent). Forget it, and count no step, so that ranks that all failed alike stay in step.
+            self.forget_backward()
+            raise RuntimeError(f"rank {self.rank}: {type(self).__name__}: the previous backward pass failed part-way, "
+                               "before its gradients were averaged; the rung has forgotten it and can go on if it "
+                               "failed on every rank: run the step again")
+        return super().forward(*args, **kwargs)
+
+    def forget_backward(self) -> None:
+        """Forget a backward pass that stopped part-way: nothing is queued, no hook has fired."""
+        self._queued = False
+        self.take_reached()
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Autograd calls this once `p.grad` holds this backward pass's gradient."""

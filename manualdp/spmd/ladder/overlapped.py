@@ -88,6 +88,11 @@ class OverlappedDDP(FlatDDP):
             checked.result()  # done (the worker runs in order); raises if the check refused: nothing is sent
             allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)
 
+    def forget_backward(self) -> None:
+        super().forget_backward()
+        concurrent.futures.wait([future for _, _, future in self.running])  # their errors belong to the pass forgotten
+        self.running, self.ready, self.next, self.checked = [], [False] * len(self.order), 0, None
+
     def sync_gradients(self) -> None:
         for p in self.order[self.next:]:  # unused in this step on this rank: a copy of its .grad, or zeros
             self.start(p, torch.zeros_like(p) if p.grad is None else p.grad.clone())
