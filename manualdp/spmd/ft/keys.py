@@ -9,16 +9,21 @@ else uses the same store. Who writes each:
   replica holds: "STEP SINCE", or "" for none);
 - `commit.py`: `round/R/vote/ID` ("1" or "0") and `round/R/outcome` ("commit" or "discard");
 - `recovery.py`: `state/R/SOURCE` (the state's `torch.save` bytes) and `state/R/SOURCE/sha256`;
-- `quorum_group.py`: `group/N`, below which gloo's rendezvous of the quorum's group N meets.
+- `quorum_group.py`: `group/N`, below which gloo's rendezvous of the quorum's group N meets;
+- `admission.py`: `settings/ID` (a replica's settings, JSON), `settings` (the run's: its first quorum's) and
+  `refused` (one line per joiner refused, that the running replicas log).
 """
 from __future__ import annotations
 
 __all__ = ["PREFIX", "REPLICAS", "LATEST", "heartbeat", "held", "asks", "quorum", "vote", "outcome", "state",
-           "state_sha256", "group"]
+           "state_sha256", "group",
+           "SETTINGS", "REFUSED", "settings_of"]
 
 PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it
 REPLICAS = "replicas"
 LATEST = "latest"
+SETTINGS = "settings"
+REFUSED = "refused"
 
 
 def heartbeat(replica_id: str) -> str:
@@ -55,3 +60,8 @@ def state_sha256(round_: int, source: str) -> str:
 
 def group(number: int) -> str:
     return f"group/{number}"
+
+
+
+def settings_of(replica_id: str) -> str:
+    return f"settings/{replica_id}"
