@@ -11,19 +11,23 @@ else uses the same store. Who writes each:
 - `recovery.py`: `state/R/SOURCE` (the state's `torch.save` bytes) and `state/R/SOURCE/sha256`;
 - `quorum_group.py`: `group/N`, below which gloo's rendezvous of the quorum's group N meets;
 - `admission.py`: `settings/ID` (a replica's settings, JSON), `settings` (the run's: its first quorum's) and
-  `refused` (one line per joiner refused, that the running replicas log).
+  `refused` (one line per joiner refused, that the running replicas log);
+- `durable.py`: `committed` (the run's highest committed step count that a replica holds, never lowered) and
+  `finished` (the step count at which the run ended).
 """
 from __future__ import annotations
 
 __all__ = ["PREFIX", "REPLICAS", "LATEST", "heartbeat", "held", "asks", "quorum", "vote", "outcome", "state",
            "state_sha256", "group",
-           "SETTINGS", "REFUSED", "settings_of"]
+           "SETTINGS", "REFUSED", "settings_of", "COMMITTED", "FINISHED"]
 
 PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it
 REPLICAS = "replicas"
 LATEST = "latest"
 SETTINGS = "settings"
 REFUSED = "refused"
+COMMITTED = "committed"
+FINISHED = "finished"
 
 
 def heartbeat(replica_id: str) -> str:
