@@ -1,6 +1,8 @@
 """Allreduce across a list of per-device tensors, in one process (the single controller)."""
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 
 from .cost import check_schedule
@@ -71,22 +73,35 @@ def execute(schedule: Schedule, tensors: list[torch.Tensor]) -> None:
     # Slice once per device and chunk: slicing in every transfer costs as much as adding a small chunk.
     chunks = [[flat[lo:hi] for lo, hi in bounds] for flat in flats]
     for rnd in schedule.rounds:
-        # A round's transfers are simultaneous: every device sends what it held when the round
-        # began. A chunk that a device both sends and receives in one round (recursive doubling's
-        # partners swap their buffers; check_schedule allows it for additions only) is copied
-        # before anything is written. Then applying the transfers in order is safe.
-        sent = {(src, chunk): chunks[src][chunk].clone() for src, chunk in _sent_and_written(rnd)}
+        # A round's transfers are simultaneous: every device sends what it held when the round began.
+        # Partners that swap a chunk and both add (recursive doubling) hold the same sum after, as IEEE
+        # addition is commutative: the first transfer adds, the second copies the sum back.
+        swaps, added = _swaps(rnd), set()
+        # Any other chunk that a device both sends and receives in the round (check_schedule allows it for
+        # additions only) is copied before anything is written. Then applying the transfers in order is safe.
+        sent = {(src, chunk): chunks[src][chunk].clone()
+                for src, chunk in _sent_and_written(rnd) - {(src, chunk) for src, _, chunk in swaps}}
         for src, dst, chunk, reduce in rnd:
             if bounds[chunk][0] == bounds[chunk][1]:
                 continue
             incoming = sent.get((src, chunk), chunks[src][chunk]).to(flats[dst].device)
-            if reduce:
+            if (src, dst, chunk) in swaps and (dst, src, chunk) in added:
+                chunks[dst][chunk].copy_(incoming)  # the partner holds the sum already
+            elif reduce:
                 chunks[dst][chunk].add_(incoming)
+                added.add((src, dst, chunk))
             else:
                 chunks[dst][chunk].copy_(incoming)
     for t, flat in zip(tensors, flats):
         if not t.is_contiguous():
             t.copy_(flat.view_as(t))
+
+
+def _swaps(rnd) -> set:
+    """The (src, dst, chunk) of round `rnd` whose partner adds the same chunk back, each device's only use of it."""
+    uses = Counter((t.src, t.chunk) for t in rnd) + Counter((t.dst, t.chunk) for t in rnd)
+    adds = {(t.src, t.dst, t.chunk) for t in rnd if t.reduce}
+    return {(s, d, c) for s, d, c in adds if (d, s, c) in adds and uses[(s, c)] == uses[(d, c)] == 2}
 
 
 def _sent_and_written(rnd) -> set:

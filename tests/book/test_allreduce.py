@@ -156,3 +156,33 @@ def test_execute_refuses_another_number_of_tensors_than_its_schedule_has_devices
     with pytest.raises(ValueError, match=rf"schedule 'recursive_doubling' is for 4 devices, got {given} tensors"):
         execute(recursive_doubling(4), tensors)
     assert all(torch.equal(t, torch.full((4,), float(i))) for i, t in enumerate(tensors))
+
+
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_recursive_doubling_allocates_no_copy_of_the_buffer(n):
+    """Each round cloned every device's whole buffer (4x its cost model at 64 MiB); a swap adds, then copies back."""
+    from torch.profiler import ProfilerActivity, profile
+    tensors = [torch.randn(1 << 14, generator=torch.Generator().manual_seed(i)) for i in range(n)]
+    expected = functools.reduce(torch.add, tensors)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        allreduce(tensors, "recursive_doubling")
+    allocated = sum(max(e.cpu_memory_usage, 0) for e in prof.events())
+    assert allocated < tensors[0].nbytes, f"{allocated} bytes allocated for buffers of {tensors[0].nbytes}"
+    assert all(torch.equal(t, tensors[0]) for t in tensors)
+    torch.testing.assert_close(tensors[0], expected)
+
+
+def test_a_chunk_sent_to_two_devices_and_added_into_is_sent_as_it_was_when_the_round_began():
+    from manualdp.transfers import Schedule, Transfer
+
+    # Devices 0 and 1 swap and add, and device 0 also sends its chunk to device 2: not a plain swap, so
+    # device 2 must get 1 (what device 0 held when the round began), not the sum 3.
+    mixed = Schedule("mixed", 3, 1, ((Transfer(0, 1, 0, True), Transfer(1, 0, 0, True), Transfer(0, 2, 0, False)),),
+                     ("x",))
+    tensors = [torch.ones(3), torch.full((3,), 2.0), torch.zeros(3)]
+    run_schedule(mixed, tensors)
+    assert [t.tolist() for t in tensors] == [[3.0] * 3, [3.0] * 3, [1.0] * 3]
+    cycle = Schedule("cycle", 3, 1, (tuple(Transfer(i, (i + 1) % 3, 0, True) for i in range(3)),), ("x",))
+    tensors = [torch.full((2,), float(1 << i)) for i in range(3)]
+    run_schedule(cycle, tensors)
+    assert [t.tolist() for t in tensors] == [[5.0] * 2, [3.0] * 2, [6.0] * 2]
