@@ -23,15 +23,20 @@ import torch
 from ...validate import a_callable, one_of, positive_int, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
 from ..transport.agree import agree
-from . import keys
+from . import admission, keys
 from .commit import commit_or_discard
 from .coordinator import connect
+from .durable import Checkpoints, Floor, RunFinished, mark_finished, record_committed
 from .heartbeat import Heartbeat, Liveness, register
 from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import drop_group, form_group
 from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
 
-__all__ = ["Manager"]
+__all__ = ["Manager", "CoordinatorLost"]
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator's store stopped answering: this replica saved what it holds and leaves."""
 
 
 class Manager:
@@ -54,11 +59,14 @@ class Manager:
             taken: a second live replica under it is refused.
         algorithm: the book's allreduce schedule for `average` (not "auto", which would
             measure the link again for every new group).
+        checkpoint_dir: the run's folder on disk (`durable.py`): this replica keeps its newest
+            committed state in `checkpoint_dir/replica_id/`, and a replica started again (or a
+            run whose replicas or coordinator all died) goes on from the newest one there.
     """
 
     def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int = 1, timeout: float = 60.0,
                  quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0,
-                 algorithm: str = "ring") -> None:
+                 algorithm: str = "ring", checkpoint_dir: str | None = None) -> None:
         if not isinstance(replica_id, str) or not replica_id or any(c.isspace() or c == "/" for c in replica_id):
             raise ValueError(f"replica_id must be a non-empty name without spaces or '/', got {replica_id!r}")
         positive_int("min_replicas", min_replicas)
@@ -70,6 +78,8 @@ class Manager:
             raise ValueError(f"heartbeat_timeout must be longer than heartbeat_interval ({heartbeat_interval!r} s), "
                              f"else every replica looks dead between two beats; got {heartbeat_timeout!r}")
         one_of("algorithm", algorithm, [a for a in ENGINE_ALGORITHMS if a != "auto"])
+        self._disk = Checkpoints(checkpoint_dir, replica_id) if checkpoint_dir is not None else None
+        self._where = f"{host}:{port}"
         self.id, self.min_replicas, self.algorithm = replica_id, min_replicas, algorithm
         self.timeout, self.quorum_timeout = float(timeout), float(quorum_timeout)
         self.store = connect(host, port, timeout)
@@ -90,7 +100,14 @@ class Manager:
         self._sent: int | None = None  # the round whose state this replica wrote to the store
         self._since = 0            # the round of the last quorum it stepped in holding the agreed state (quorum.py)
         self._settings: dict = {}  # name -> value: what every member must share (`require_same`)
+        self.capacity = 0          # the most members this replica can train with (its smallest batch); 0: any
         self._starting = threading.Lock()  # held while start_step() runs
+        self._floor = Floor(self.store, replica_id, self.timeout)  # no quorum below the run's committed step
+        self._durable = 0          # steps this replica has made durable: saved (with a checkpoint_dir), then marked
+        self._pending: list[dict] = []  # the steps committed since: their records, logged once durable
+        self._looked_on_disk = False
+        self.resumed: dict | None = None  # the checkpoint this replica started from: path, step
+        self._closed = False
 
     # ------------------------------------------------------------ the state a joiner receives
 
@@ -147,8 +164,12 @@ class Manager:
         if self._sent is not None:  # the receivers of that round have read it, or given up
             forget_state(self.store, self._sent, self.id)
             self._sent = None
+        settings = admission.canonical(self._settings)
+        if self._round == 0:  # before its first ask, a misfit is refused (admission.py)
+            admission.check(self.store, self.id, settings)
         while True:
-            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas, self._since)
+            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas, self._since,
+                        admission.digest(settings), self.capacity)
             try:
                 quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout,
                                          self.timeout, started)
@@ -168,6 +189,7 @@ class Manager:
                     self._group = (quorum.group, len(quorum.members))
                     agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
                           hint="every replica must be started with the same settings")
+                    admission.publish(self.store, self.id, settings)  # the first quorum's are the run's
             except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
                 if getattr(e, "final", False):  # a state that cannot be loaded: no fault to ride out
                     raise

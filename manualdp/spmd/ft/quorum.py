@@ -48,6 +48,7 @@ import time
 import torch.distributed as dist
 
 from . import keys
+from .admission import admissible, fit, left_out, run_digest
 from .heartbeat import Liveness, registered
 
 __all__ = ["Member", "Quorum", "decide", "agreed", "group_for", "wait_for_quorum", "publish_mark", "POLL", "PATIENCE"]
@@ -65,6 +66,8 @@ class Member:
     group: tuple[int, int] | None      # the process group it holds and that group's size; None: none
     min_replicas: int                  # the fewest replicas it will train with
     since: int = 0                     # the round of the last quorum it stepped in holding the agreed state
+    settings: str = ""                 # the digest of its settings (admission.py); "": not compared
+    capacity: int = 0                  # the most members it can train with (its smallest global batch); 0: any
 
     @property
     def mark(self) -> tuple[int, int] | None:
@@ -111,16 +114,18 @@ class Quorum:
 
 def _member(raw: dict) -> Member:
     group = tuple(raw["group"]) if raw["group"] is not None else None
-    return Member(raw["id"], raw["step"], raw["synced"], group, raw["min_replicas"], raw.get("since", 0))
+    return Member(raw["id"], raw["step"], raw["synced"], group, raw["min_replicas"], raw.get("since", 0),
+                  raw.get("settings", ""), raw.get("capacity", 0))
 
 
-def decide(asks: dict[str, Member], live: set[str], waited_enough: bool) -> list[Member] | None:
+def decide(asks: dict[str, Member], live: set[str], waited_enough: bool, run: str | None = None) -> list[Member] | None:
     """The members of a round from its askers, or None while it must wait.
 
     `live`: the registered replicas that are alive; `waited_enough`: this replica has waited
-    its `quorum_timeout` for live replicas that have not asked.
+    its `quorum_timeout` for live replicas that have not asked; `run`: the run's settings digest
+    (only askers with it are in) and the batch's room (`admission.py`).
     """
-    members = [m for _, m in sorted(asks.items()) if m.id in live]
+    members = fit(admissible([m for _, m in sorted(asks.items()) if m.id in live], run))
     need = max((m.min_replicas for m in members), default=1)
     if len(members) < need:
         return None
@@ -203,13 +208,15 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         if quorum is not None:
             if me.id in quorum.ids:
                 return quorum
+            left_out(store, me, quorum)  # a misfit is refused here; one merely late asks again
             round_ = _first_open_round(store, round_)  # left out: ask in the next round
             store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
             asked = time.monotonic()
             continue
         asks = _asks(store, round_)
         live = liveness.live(registered(store)) | {me.id}
-        members = decide(asks, live, time.monotonic() - asked >= quorum_timeout)
+        run = run_digest(store, [m for m in asks.values() if m.id in live])
+        members = decide(asks, live, time.monotonic() - asked >= quorum_timeout, run)
         if members is not None:
             proposal = Quorum(round_, tuple(members), group_for(members, round_),
                               agreed(members, _held(store, live, round_)))

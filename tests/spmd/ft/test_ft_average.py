@@ -6,7 +6,7 @@ test_ft_local_sgd.py, test_ft_cli_rejoin.py).
 import torch
 from torch import nn
 
-from manualdp.spmd.ft import DiLoCo, FaultTolerantDDP, Manager
+from manualdp.spmd.ft import Coordinator, DiLoCo, FaultTolerantDDP, Manager
 from manualdp.spmd.ft.average import average_and_vote
 
 
@@ -56,7 +56,8 @@ def test_on_a_quorum_of_one_fault_tolerant_ddp_steps_as_sgd_and_diloco_as_its_fo
             sgd.step()
         assert all(torch.equal(a, b) for a, b in zip(net.parameters(), plain.parameters()))
         assert manager.step == 2 and all(p.grad is None for p in net.parameters())
-    with Manager("two", "127.0.0.1", coordinator.port, timeout=10) as manager:
+    # another run (another method): another coordinator, whose store holds no settings of a run yet (admission.py)
+    with Coordinator(0) as other, Manager("two", "127.0.0.1", other.port, timeout=10) as manager:
         ft = DiLoCo(net, torch.optim.SGD(net.parameters(), lr=0.1), manager, 2, outer_lr=0.7, outer_momentum=0.9)
         theta, b = [p.detach().clone() for p in net.parameters()], None
         for _ in range(2):  # two blocks of H = 2 steps alone
