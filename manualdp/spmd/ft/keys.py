@@ -17,13 +17,15 @@ else uses the same store. Who writes each:
 """
 from __future__ import annotations
 
-__all__ = ["PREFIX", "REPLICAS", "LATEST", "heartbeat", "held", "asks", "quorum", "vote", "outcome", "state",
-           "state_sha256", "group",
+__all__ = ["PREFIX", "REPLICAS", "LATEST", "MODE", "HELLO", "heartbeat", "held", "asks", "quorum", "vote",
+           "outcome", "state", "state_sha256", "group",
            "SETTINGS", "REFUSED", "settings_of", "COMMITTED", "FINISHED"]
 
 PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it
 REPLICAS = "replicas"
 LATEST = "latest"
+MODE = "mode"
+HELLO = "hello"
 SETTINGS = "settings"
 REFUSED = "refused"
 COMMITTED = "committed"
