@@ -3,7 +3,7 @@
 All of them live below `PREFIX` (`coordinator.connect` opens the store so), beside whatever
 else uses the same store. Who writes each:
 
-- `heartbeat.py`: `replicas` (every id that registered, one a line) and `heartbeat/ID` (its counter);
+- `heartbeat.py`: `replicas` (every id that registered, one a line) and `heartbeat/ID` ("NONCE COUNTER");
 - `quorum.py`: `round/R/asks` (the askers, one JSON a line), `round/R/quorum` (the first proposal
   written), `latest` (a hint: the rounds up to it are decided), `held/ID` (the agreed state a
   replica holds: "STEP SINCE", or "" for none);
@@ -13,7 +13,11 @@ else uses the same store. Who writes each:
 - `admission.py`: `settings/ID` (a replica's settings, JSON), `settings` (the run's: its first quorum's) and
   `refused` (one line per joiner refused, that the running replicas log);
 - `durable.py`: `committed` (the run's highest committed step count that a replica holds, never lowered) and
-  `finished` (the step count at which the run ended).
+  `finished` (the step count at which the run ended);
+- `coordinator.py`: `mode` ("signed" or "open": for a replica's one-line error only) and, with a secret,
+  `hello` (signed: a replica with another secret finds that it does not verify).
+
+With a secret every name is signed too (`signed_store.py`): the store holds HMAC(secret, name).
 """
 from __future__ import annotations
 
