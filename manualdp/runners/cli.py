@@ -550,6 +550,7 @@ def run_replica(args) -> int:
     import torch
 
     from ..spmd.ft import Manager
+    from ..spmd.ft.admission import Misfit
     from .ft_train import train_replica
 
     torch.set_num_threads(cpu_threads(args.threads, 1))
@@ -576,6 +577,9 @@ def run_replica(args) -> int:
                                 sync=sync, sync_every=args.local_sgd or args.diloco or 1, **outer,
                                 settings=run_config(args),
                                 **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
+    except Misfit as e:  # refused by the run (other settings, no room in the batch): the run goes on
+        _error(_one_line(e))
+        return 2
     except (TimeoutError, ValueError) as e:  # too few replicas for too long; replicas started with other settings
         _error(_one_line(e))
         return 1

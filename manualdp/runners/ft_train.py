@@ -33,6 +33,7 @@ from torch import nn
 from ..loss import count_correct, logits_of, summed_loss
 from ..cost import SYNC_METHODS
 from ..spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
+from ..spmd.ft.admission import refusals
 from ..spmd.launch import shard
 from ..support.checkpoint import loader_generator
 from ..support.history import History
@@ -114,6 +115,9 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     manager.require_same(**{"num_epochs": num_epochs, "batch_size": getattr(train_iter, "batch_size", None),
                             **(settings or {})})
     manager.register_state("loop", run.state_dict, run.load_state_dict)
+    size, n = train_iter.batch_size or 0, len(getattr(train_iter, "dataset", ()))
+    manager.capacity = size if train_iter.drop_last or not n % max(size, 1) else n % size  # a member needs an example
+    _, seen = refusals(manager.store, 0)  # the refusals before this replica came are not news
     bar = _progress(run.total, progress, manager.id)
     members = None
     try:
@@ -123,6 +127,9 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
                 _write(bar, log, f"replica {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
             members = quorum.ids
+            notes, seen = refusals(manager.store, seen)
+            for note in notes if log else ():
+                _write(bar, log, note)  # e.g. "replica c refused: lr 0.2 != 0.1": the run goes on
             record = run.step(ft, quorum) if run.sync_every is None else run.block(ft, quorum)
             if record["committed"] and manager.step % run.per_epoch == 0:
                 run.end_epoch(net, test_iter, manager.step // run.per_epoch, bar, log)
