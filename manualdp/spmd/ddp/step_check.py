@@ -24,6 +24,7 @@ from .graph import refuse_in_backward_optimizers
 from .comm_hook import check_same_hook
 from .init_sync import kept_named
 from .feature import Feature
+from ..ladder.identity import naming_wrappers, stamped
 
 __all__ = ["CallCheck", "Desync"]
 
@@ -37,8 +38,9 @@ class CallCheck(Feature):
     also compare their comm hooks, and in-backward optimizers are refused.
     """
 
-    def __init__(self, reducer, module, ignored: set[str], world_size: int, debug: bool) -> None:
+    def __init__(self, reducer, module, ignored: set[str], world_size: int, debug: bool, number: int) -> None:
         self.reducer, self.module, self.ignored = reducer, module, ignored
+        self.number = number  # which wrapper of its group it is (`ladder.identity`): compared with the step
         self.world_size, self.debug = world_size, debug
         # off only to measure what the check costs (bench/faults.py): a mismatch then aborts in gloo
         self.enabled = True
@@ -76,7 +78,7 @@ class CallCheck(Feature):
             return None
         first, total = r.buckets[0].flat, sum(b.flat.numel() for b in r.buckets)
         recorder, call = r.recorder, (first, r.algorithms[0], r.segment_bytes, r.group, r.timeout)
-        comm_hook, step = self.comm_hook, self.steps
+        comm_hook, step = self.comm_hook, stamped(self.number, self.steps)
 
         def run() -> None:
             if hooks:
@@ -84,7 +86,8 @@ class CallCheck(Feature):
             if calls:
                 with (recorder.span("step check", "comm", cat="comm") if recorder is not None
                       else contextlib.nullcontext()):
-                    check_same_call(*call, numel=total, step=step)
+                    with naming_wrappers():
+                        check_same_call(*call, numel=total, step=step)
         return r.submit(run)
 
 

@@ -29,8 +29,10 @@ from .private import ErrorLog, PrivateAPI
 from .init_sync import NOT_COPIED, KeptModule, check_same_layout, comm_layout, kept_named, state_tensors
 from ..transport.agree import broadcast_from_rank0, check_same_model
 from ..transport.p2p import DEFAULT_SEGMENT_BYTES
+from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from .reducer import Reducer
+from ..ladder.identity import take_number
 from ..auto.tune import ENGINE_ALGORITHMS
 
 __all__ = ["DistributedDataParallel", "NoParametersError"]
@@ -152,12 +154,14 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         if rebuild_buckets and not bucket_cap_mb_list and bucket_cap_mb == DEFAULT_BUCKET_CAP_MB:
             caps = [FIRST_BUCKET_CAP_MB, DEFAULT_BUCKET_CAP_MB]  # DDP's small first bucket
         layout = assign_buckets(params, caps)
+        number = take_number(group_state(process_group))  # which wrapper of the group: compared at every step
         if init_sync:
             check_same_model(KeptModule(module, ignored) if ignored else module, process_group,
                              what="DistributedDataParallel's model", timeout=self.timeout)
             # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
             check_same_layout(comm_layout(self, [[params[i] for i in b] for b in layout], caps, rebuild_buckets)
-                              | {"buffers copied at construction": init_buffers}, process_group, self.world_size)
+                              | {"buffers copied at construction": init_buffers, "wrapper number": number},
+                              process_group, self.world_size)
             broadcast_from_rank0(state_tensors(module, ignored, params=True, buffers=init_buffers), process_group,
                                  self.timeout)
         self.reducer = Reducer(params, module, layout, caps, group=self.process_group, rank=self.rank, peers=peers,
@@ -168,7 +172,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             check_same_layout({"bucket algorithms": self.reducer.algorithms}, process_group, self.world_size)
         self.errors = ErrorLog()
         self.graph = GraphChecks(self.reducer, self.rank, static_graph, find_unused_parameters, self.errors)
-        self.calls = CallCheck(self.reducer, module, ignored, self.world_size, self.debug)
+        self.calls = CallCheck(self.reducer, module, ignored, self.world_size, self.debug, number)
         self.buffer_sync = BufferSync(module, ignored, self.reducer)
         self.uneven = UnevenInputs(self.reducer, module, ignored)
         self._wire()
@@ -205,6 +209,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         for bucket in r.buckets:
             bucket.reset()
         r.start(self.module, rebuild=False)  # a copy keeps the buckets it was made with
+        self.calls.number = take_number(group_state(None))  # a wrapper of its own: every rank copies alike
         self._wire()
 
     # ---------------------------------------------------------------- what torch's wrapper has

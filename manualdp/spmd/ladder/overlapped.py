@@ -33,6 +33,7 @@ import concurrent.futures
 import torch
 
 from .flat import FlatDDP
+from .identity import naming_wrappers
 from ..collectives import allreduce
 from ..transport.group import group_worker  # the one thread per process group that runs collectives in order
 
@@ -75,15 +76,17 @@ class OverlappedDDP(FlatDDP):
 
     def submit(self, tensor: torch.Tensor) -> concurrent.futures.Future:
         """Queue the allreduce of `tensor` on the worker; the step's first carries the step's check."""
-        future = self.worker.submit(self.reduce, tensor, self.checked, self.steps)
+        future = self.worker.submit(self.reduce, tensor, self.checked, self.stamp)
         if self.checked is None:
             self.checked = future
         return future
 
     def reduce(self, tensor: torch.Tensor, checked: concurrent.futures.Future | None, step: int) -> None:
-        """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps."""
+        """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps (`step`: the
+        wrapper's number and its step count, `Rung.stamp`)."""
         if checked is None:  # the step's first: every rank raises if the ranks are at different steps
-            allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step)
+            with naming_wrappers():
+                allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step)
         else:
             checked.result()  # done (the worker runs in order); raises if the check refused: nothing is sent
             allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)

@@ -45,6 +45,7 @@ from ..transport.call_check import same_call
 from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
+from .identity import naming_wrappers, stamped, take_number
 
 __all__ = ["Rung", "weak_hook"]
 
@@ -104,6 +105,7 @@ class Rung(nn.Module):
             raise ValueError("module has no parameter that requires grad: nothing to average "
                              f"({type(module).__name__})")
         self._refuse_wrapped(module)
+        self.number = take_number(self.state)  # which wrapper of this group it is: compared with every step
         # the same model and settings on every rank, from rank 0's state: else the messages below would pair up wrong
         check_same_model(module, group, what=f"{type(self).__name__}'s model", timeout=self.timeout)
         agree(f"{type(self).__name__}'s settings", self.settings(), group, timeout=self.timeout,
@@ -119,7 +121,8 @@ class Rung(nn.Module):
 
     def settings(self) -> dict:
         """What every rank's rung must agree on at construction, besides the model: the rung and its arguments."""
-        return {"rung": type(self).__name__, "algorithm": self.algorithm, "broadcast_buffers": self.broadcast_buffers}
+        return {"rung": type(self).__name__, "wrapper number": self.number, "algorithm": self.algorithm,
+                "broadcast_buffers": self.broadcast_buffers}
 
     def _refuse_wrapped(self, module: nn.Module) -> None:
         """Refuse a module whose parameters another live rung already averages: each would average them again."""
@@ -161,8 +164,14 @@ class Rung(nn.Module):
         if self.world_size == 1:
             return flag
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
-        return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
-                         numel=sum(p.numel() for p in self.params), step=self.steps, flag=flag)
+        with naming_wrappers():
+            return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
+                             numel=sum(p.numel() for p in self.params), step=self.stamp, flag=flag)
+
+    @property
+    def stamp(self) -> int:
+        """What the step checks compare: this wrapper's number and its count of steps (`identity.stamped`)."""
+        return stamped(self.number, self.steps)
 
     def copy_buffers(self) -> None:
         """Before a forward pass with grad: rank 0's buffers to every rank, with the step compared on the way.
@@ -186,7 +195,8 @@ class Rung(nn.Module):
                 flat = torch.empty(end, dtype=torch.uint8, device=device)
                 for b, at in zip(same, places):
                     flat[at:at + b.numel() * b.element_size()].copy_(b.reshape(-1).view(torch.uint8))
-                broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.steps)
+                with naming_wrappers():
+                    broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.stamp)
                 for b, at in zip(same, places):  # .data: autograd may have saved them (two forwards, one backward)
                     b.data.copy_(flat[at:at + b.numel() * b.element_size()].view(b.dtype).view(b.shape))
 
