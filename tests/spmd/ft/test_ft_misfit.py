@@ -1,0 +1,137 @@
+"""A joiner that does not fit the run (other settings, no room in the global batch) is refused alone (`admission.py`).
+
+In this process: the gates as pure functions, the quorum through a store with threads standing for
+replicas, and a `Manager` refused before it asks while the run's manager steps on. The same by the
+command line, replica processes: soak (the end of this file).
+"""
+import concurrent.futures
+import dataclasses
+import time
+
+import pytest
+import torch
+
+from manualdp.spmd.ft import Coordinator, Manager
+from manualdp.spmd.ft.coordinator import connect
+from manualdp.spmd.ft.admission import Misfit, canonical, check, differences, digest, publish, refusals
+from manualdp.spmd.ft.heartbeat import Liveness
+from manualdp.spmd.ft.quorum import decide, wait_for_quorum
+from tests.spmd.ft.harness import member
+from tests.spmd.ft.test_ft_quorum import registered_with_heartbeat
+
+@pytest.fixture
+def store():
+    """New connections to a coordinator of this test's own: a run's settings, once published, are for good."""
+    with Coordinator(0) as c:
+        yield lambda: connect("127.0.0.1", c.port, 10)
+
+
+RUN = {"lr": 0.1, "seed": 0, "batch_size": 32, "optimizer": "SGD"}
+
+
+def signed(rid, settings=RUN, capacity=0, **kw):
+    """`rid`'s ask, carrying the digest of `settings` and its capacity."""
+    return dataclasses.replace(member(rid, **kw), settings=digest(canonical(settings)), capacity=capacity)
+
+
+def test_differences_name_each_field_with_this_replicas_value_first():
+    assert differences({**RUN, "lr": 0.2}, RUN) == "lr 0.2 != 0.1"
+    assert differences({**RUN, "seed": 3, "model": "mlp"}, {**RUN, "model": "lenet"}) == \
+        "model mlp != lenet, seed 3 != 0"
+    assert differences({"lr": 0.1, "epochs": 2}, {"lr": 0.1}) == "epochs 2 != (none)"
+    assert differences(RUN, dict(RUN)) == ""
+
+
+def test_a_quorum_takes_only_the_askers_with_the_run_settings():
+    run = digest(canonical(RUN))
+    asks = {"a": signed("a", step=4), "b": signed("b", step=4), "c": signed("c", {**RUN, "lr": 0.2}, synced=False)}
+    assert [m.id for m in decide(asks, {"a", "b", "c"}, False, run)] == ["a", "b"]
+    assert decide({"c": asks["c"]}, {"c"}, True, run) is None  # the misfit alone forms nothing
+    assert [m.id for m in decide(asks, {"a", "b", "c"}, False, None)] == ["a", "b", "c"]  # nothing to compare yet
+
+
+def test_a_quorum_holds_at_most_its_smallest_batch_keeping_those_that_hold_the_run():
+    asks = {"a": signed("a", capacity=2, step=5), "b": signed("b", capacity=2, step=5),
+            "c": signed("c", capacity=2, step=0, synced=False)}
+    assert [m.id for m in decide(asks, {"a", "b", "c"}, False)] == ["a", "b"]
+    asks["c"] = signed("c", capacity=3, step=0, synced=False)
+    assert [m.id for m in decide(asks, {"a", "b", "c"}, False)] == ["a", "b"]  # a's and b's batch has room for 2
+    assert [m.id for m in decide({"a": asks["a"]}, {"a"}, False)] == ["a"]
+
+
+def ask_as(connect_, me, after=0):
+    s = connect_()
+    return wait_for_quorum(s, me, Liveness(s, 1.0), after, 5.0, 10.0, time.monotonic())
+
+
+def test_a_misfit_asking_with_the_run_is_refused_alone_naming_the_field(store):
+    beats = registered_with_heartbeat(store, "abc")
+    s = store()
+    for rid, settings in (("a", RUN), ("b", RUN), ("c", {**RUN, "lr": 0.2})):
+        check(s, rid, canonical(settings))  # each writes its own; the run's are not published yet: none refused
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            mine = {"a": signed("a", step=2), "b": signed("b", step=2), "c": signed("c", {**RUN, "lr": 0.2},
+                                                                                 synced=False)}
+            futures = {rid: pool.submit(ask_as, store, m) for rid, m in mine.items()}
+            with pytest.raises(Misfit, match=r"^replica 'c' refused by the run: lr 0\.2 != 0\.1: start it with"):
+                futures["c"].result(timeout=20)
+            assert futures["a"].result(timeout=20).ids == futures["b"].result(timeout=20).ids == ["a", "b"]
+    finally:
+        for b in beats:
+            b.stop(leave=True)
+    assert refusals(s, 0) == (["replica c refused: lr 0.2 != 0.1"], 1)
+
+
+def test_a_joiner_with_no_room_in_the_batch_is_refused_alone(store):
+    beats = registered_with_heartbeat(store, "abc")
+    try:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            mine = {"a": signed("a", capacity=2, step=2), "b": signed("b", capacity=2, step=2),
+                    "c": signed("c", capacity=2, synced=False)}
+            futures = {rid: pool.submit(ask_as, store, m) for rid, m in mine.items()}
+            with pytest.raises(Misfit, match=r"replica 'c' refused by the run: the run's quorum is full: 2 members "
+                                             r"already split a global batch of 2"):
+                futures["c"].result(timeout=20)
+            assert futures["a"].result(timeout=20).ids == ["a", "b"]
+            assert futures["b"].result(timeout=20).ids == ["a", "b"]
+    finally:
+        for b in beats:
+            b.stop(leave=True)
+
+
+def test_the_first_settings_published_are_the_runs(store):
+    s = store()
+    publish(s, "a", canonical(RUN))
+    publish(s, "b", canonical(RUN))  # the same again: nothing to refuse
+    with pytest.raises(Misfit, match=r"replica 'c' refused by the run: optimizer Adam != SGD"):
+        publish(s, "c", canonical({**RUN, "optimizer": "Adam"}))
+
+
+@pytest.mark.parametrize("field, value", [("lr", 0.2), ("seed", 1), ("batch_size", 16), ("optimizer", "Adam"),
+                                          ("model", "lenet"), ("num_train", 128), ("num_epochs", 3),
+                                          ("sync_every", 4), ("num_test", 32)])
+def test_a_manager_with_another_setting_is_refused_before_it_asks_and_the_run_steps_on(field, value):
+    run = {**RUN, "model": "mlp", "num_train": 256, "num_epochs": 2, "sync_every": 1, "num_test": 64}
+    with Coordinator(0) as c, Manager("a", "127.0.0.1", c.port, timeout=10, heartbeat_timeout=1.0) as a:
+        a.require_same(**run)
+        a.start_step()
+        assert a.should_commit(True)
+        with Manager("c", "127.0.0.1", c.port, timeout=10, heartbeat_timeout=1.0) as joiner:
+            joiner.require_same(**{**run, field: value})
+            with pytest.raises(Misfit, match=rf"^replica 'c' refused by the run: {field} {value} != {run[field]}: "):
+                joiner.start_step()
+            assert b'"id": "c"' not in (a.store.get("round/2/asks") if a.store.check(["round/2/asks"]) else b"")
+        quorum = a.start_step()
+        assert quorum.ids == ["a"] and a.should_commit(True) and a.step == 2
+        assert refusals(a.store, 0)[0] == [f"replica c refused: {field} {value} != {run[field]}"]
+
+
+def test_a_manager_with_the_run_settings_is_not_refused():
+    with Coordinator(0) as c, Manager("a", "127.0.0.1", c.port, timeout=10) as a:
+        a.require_same(**RUN)
+        a.start_step()
+        assert a.should_commit(True)
+        a.start_step()
+        assert a.should_commit(torch.ones(1).item() == 1.0) and a.step == 2
+        assert refusals(a.store, 0) == ([], 0)
