@@ -6,9 +6,11 @@
 
 For every model and world size it runs `python bench/compare_ddp.py` (both wrappers in the same
 ranks, blocks of steps in turns) and reports what torch's DDP benchmark reports: samples/s
-and p50/p75/p90/p95 step times, for each wrapper; the ratio manualdp/DDP; and the speedup
-of each wrapper over its own run with one process (the same cores, shared among the ranks,
-so on a machine with few cores the ideal is not the world size).
+and p50/p75/p90/p95 step times, for each wrapper; the ratio manualdp/DDP, with the min,
+median and max of the per-round ratios; and the speedup of each wrapper over its own run with
+one process (the same cores, shared among the ranks, so on a machine with few cores the ideal
+is not the world size). Below the table: the load average during the run; `--load` runs one
+busy process per core meanwhile (`bench/spread.py`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
 
 from bench.common import BACKENDS, check_backend, check_output_paths, save_outputs
 from bench.compare_ddp import DEFAULT_BATCH, NAMES, run
+from bench.spread import add_load_option, format_load, format_spread, measured_load, spread
 from manualdp.runners.cli import positive
 from manualdp.schedule import ALGORITHMS
 from manualdp.support.models import MODELS
@@ -39,11 +42,14 @@ def sweep(models: list[str], world_sizes: list[int], base: dict, progress: bool 
                       batch_size=base.get("batch_size") or DEFAULT_BATCH[model],
                       threads=base["threads"] or max(1, (os.cpu_count() or 1) // world_size))
         result = run(config)
-        row = {"model": model, "world_size": world_size, "ratio": result["ratio"],
+        rounds = [ours / theirs for ours, theirs in zip(result["results"]["manualdp"]["rounds_samples_per_s"],
+                                                        result["results"]["torch DDP"]["rounds_samples_per_s"])]
+        row = {"model": model, "world_size": world_size, "ratio": result["ratio"], "ratio_rounds": spread(rounds),
                "max_param_diff": result["max_param_diff"], "num_buckets": result["num_buckets"]}
         for name in NAMES:
             s = result["results"][name]
-            row[name] = {k: s[k] for k in ("samples_per_s", "p50_ms", "p75_ms", "p90_ms", "p95_ms")}
+            row[name] = {k: s[k] for k in ("samples_per_s", "p50_ms", "p75_ms", "p90_ms", "p95_ms",
+                                           "rounds_samples_per_s")}
         rows.append(row)
     for row in rows:  # speedup over the same model's one-process run, when the sweep has one
         one = next((r for r in rows if r["model"] == row["model"] and r["world_size"] == 1), None)
@@ -54,19 +60,23 @@ def sweep(models: list[str], world_sizes: list[int], base: dict, progress: bool 
 
 def format_table(result: dict) -> str:
     """The table as text: one line per model and world size."""
-    head = "{:<9} {:>5} | {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>6}"
-    lines = [head.format("", "", "torch DDP", "", "", "", "", "", "manualdp", "", "", "", "", "", ""),
+    head = ("{:<9} {:>5} | {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} | {:>6} "
+            "{:>17}")
+    lines = [head.format("", "", "torch DDP", "", "", "", "", "", "manualdp", "", "", "", "", "", "", "rounds"),
              head.format("model", "world", "samples/s", "p50", "p75", "p90", "p95", "speedup",
-                         "samples/s", "p50", "p75", "p90", "p95", "speedup", "ratio")]
+                         "samples/s", "p50", "p75", "p90", "p95", "speedup", "ratio", "median (min-max)")]
     for r in result["rows"]:
         cells = []
         for name in NAMES:
             s = r[name]
             cells += [f"{s['samples_per_s']:.1f}"] + [f"{s[f'p{q}_ms']:.1f}" for q in (50, 75, 90, 95)]
             cells.append(f"{s['speedup']:.2f}" if s["speedup"] is not None else "-")
-        lines.append(head.format(r["model"], r["world_size"], *cells, f"{r['ratio']:.3f}"))
+        lines.append(head.format(r["model"], r["world_size"], *cells, f"{r['ratio']:.3f}",
+                                 format_spread(r["ratio_rounds"])))
     lines.append("step times in ms (rank 0); speedup: samples/s over the same wrapper's run with 1 process; "
-                 "ratio: manualdp/DDP samples/s")
+                 "ratio: manualdp/DDP samples/s (rounds: the ratio of each round's blocks)")
+    if "load" in result:
+        lines.append(format_load(result["load"]))
     return "\n".join(lines)
 
 
@@ -109,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=BACKENDS, default="gloo",
                         help="gloo (CPUs, default) or nccl (a GPU per rank)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_load_option(parser)
     parser.add_argument("--json", metavar="PATH", help="write the table as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot samples/s against world size to a PNG")
     args = parser.parse_args(argv)
@@ -117,7 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     base = {"batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
             "algorithm": args.algorithm, "bucket_mb": args.bucket_mb, "segment_bytes": 1 << 20, "lr": 0.01, "seed": 0,
             "timeout": args.timeout, "threads": args.threads, "backend": args.backend}
-    result = sweep(args.models, sorted(set(args.world_sizes)), base, progress=not args.no_progress)
+    with measured_load(args.load) as load:
+        result = sweep(args.models, sorted(set(args.world_sizes)), base, progress=not args.no_progress)
+    result["load"] = load
     print(format_table(result))
     save_outputs(result, args.json, args.plot, plot)
     return 0

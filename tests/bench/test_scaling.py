@@ -1,5 +1,6 @@
 """The scaling table: both wrappers at each world size, their ratio and speedups, JSON and PNG."""
 import json
+import statistics
 
 from bench.scaling import format_table, main
 
@@ -24,3 +25,10 @@ def test_scaling_table_compares_both_wrappers_at_every_world_size(tmp_path, caps
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert format_table(result) in printed
+    for r in rows:  # each round's ratio, from the samples/s of both wrappers' blocks in that round
+        rounds = [o / t for o, t in zip(r["manualdp"]["rounds_samples_per_s"], r["torch DDP"]["rounds_samples_per_s"])]
+        assert len(rounds) == 2
+        assert r["ratio_rounds"] == {"min": min(rounds), "median": statistics.median(rounds), "max": max(rounds)}
+    load = result["load"]
+    assert load["busy_processes"] == 0 and load["loadavg_1min"]["max"] >= load["loadavg_1min"]["start"]
+    assert "load average (1 min) during the run" in printed
