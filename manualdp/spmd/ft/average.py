@@ -3,7 +3,8 @@
 `FaultTolerantDDP` (`ddp.py`) averages the gradients so, `LocalSGD` the parameters and `DiLoCo`
 their change (`local_sgd.py`); `manualdp train --fault-tolerant` (`runners/ft_train.py`) hands
 its step's loss totals along (`also`), so that they are averaged with the step and counted only
-if it is applied.
+if it is applied. First the manager's guard (`manager.guard`, `guard.py`; None: none) compares the
+members' norms: a contribution that is non-finite or far out of line discards the step on every member.
 """
 from __future__ import annotations
 
@@ -19,11 +20,14 @@ def average_and_vote(manager: Manager, tensors: list[torch.Tensor], also: tuple[
     """Average `tensors` over `manager`'s quorum and vote; True, and the averages written back, if every member commits.
 
     `tensors` go as one flat buffer per dtype (rung 2 of the ladder), each tensor of `also` as a
-    buffer of its own, first. On False (a member failed) every tensor is left as it was.
+    buffer of its own, first. On False (a member failed, or the guard found a contribution out of
+    line: then no buffer is sent) every tensor is left as it was.
     """
     groups = [[t] for t in also] + by_dtype(tensors)
     flats = [flatten(group) for group in groups]
-    ok = all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
+    guard = getattr(manager, "guard", None)
+    ok = guard is None or guard.passes(manager, flats[len(also):], flats[:len(also)])  # the same answer on all
+    ok = ok and all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
     if not manager.should_commit(ok):
         return False
     for flat, group in zip(flats, groups):

@@ -27,6 +27,7 @@ from . import admission, keys
 from .commit import commit_or_discard
 from .coordinator import connect
 from .durable import Checkpoints, Floor, RunFinished, mark_finished, record_committed
+from .guard import ContributionGuard
 from .heartbeat import Heartbeat, Liveness, register
 from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import drop_group, form_group
@@ -101,6 +102,7 @@ class Manager:
         self._since = 0            # the round of the last quorum it stepped in holding the agreed state (quorum.py)
         self._settings: dict = {}  # name -> value: what every member must share (`require_same`)
         self.capacity = 0          # the most members this replica can train with (its smallest batch); 0: any
+        self.guard: ContributionGuard | None = ContributionGuard()  # judges each contribution (guard.py); None: off
         self._starting = threading.Lock()  # held while start_step() runs
         self._floor = Floor(self.store, replica_id, self.timeout)  # no quorum below the run's committed step
         self._durable = 0          # steps this replica has made durable: saved (with a checkpoint_dir), then marked

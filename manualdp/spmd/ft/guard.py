@@ -1,0 +1,95 @@
+"""The sanity guard on every contribution: a member whose buffers are non-finite or far out of line discards the step.
+
+Before the average, the members all-gather one number each, the norm of what they contribute
+(one float64 per member: each writes its own slot of a vector of zeros, and the vector is
+averaged), so every member judges the same numbers and decides alike (`offenders`):
+- a non-finite contribution (NaN or Inf anywhere, the loss totals included) is out of line;
+- with 3 or more members, a norm above `FACTOR` times the median of the other members' norms;
+- with 2 members there is no majority to tell which one is wrong by a little: only a norm above
+  `PAIR_FACTOR` times the other's is out of line (the larger one).
+Then nobody sends the buffers: every member votes "discard", the step is taken again, and each
+logs the member and its norm. A member out of line `STRIKES` steps in a row is removed: it is
+told in one line (`Removed`, after its vote) and leaves, and the others' next quorum is without it.
+Counts start again on a replica that joins: it has not seen the offences before it.
+
+Honest members' norms differ by a few times at most (their shards of one global batch); a
+poisoned one (its contribution times 1000, a bit flip in an exponent) by far more.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+
+import torch
+
+from .admission import Misfit
+
+__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "Removed", "offenders", "ContributionGuard"]
+
+FACTOR = 10.0        # 3+ members: out of line above this many times the median of the others' norms
+PAIR_FACTOR = 100.0  # 2 members: out of line above this many times the other's norm
+STRIKES = 3          # offences in a row that remove a member from the quorum
+
+_log = logging.getLogger("manualdp.spmd.ft")
+
+
+class Removed(Misfit):
+    """This replica's contributions were out of line `STRIKES` steps in a row: the run goes on without it."""
+
+
+def offenders(norms: list[float], factor: float = FACTOR, pair_factor: float = PAIR_FACTOR) -> dict[int, str]:
+    """The members (by index) whose norm is out of line, each with why, in a few words."""
+    bad = {i: "non-finite (NaN or Inf)" for i, x in enumerate(norms) if not math.isfinite(x)}
+    finite = [(i, x) for i, x in enumerate(norms) if math.isfinite(x)]
+    if len(norms) >= 3:
+        for i, x in finite:
+            median = statistics.median([y for j, y in finite if j != i] or [math.inf])
+            if 0 < median < math.inf and x > factor * median:
+                bad[i] = f"norm {x:.3g}, over {factor:g} times the median of the others' ({median:.3g})"
+    elif len(finite) == 2:
+        (i, x), (j, y) = finite if finite[0][1] >= finite[1][1] else finite[::-1]
+        if x > pair_factor * y > 0:
+            bad[i] = f"norm {x:.3g}, over {pair_factor:g} times the other member's ({y:.3g})"
+    return dict(sorted(bad.items()))
+
+
+class ContributionGuard:
+    """One per manager: judges each step's contributions, and counts each member's offences in a row.
+
+    Args:
+        factor, pair_factor, strikes: `FACTOR`, `PAIR_FACTOR` and `STRIKES` (module docstring).
+    """
+
+    def __init__(self, factor: float = FACTOR, pair_factor: float = PAIR_FACTOR, strikes: int = STRIKES) -> None:
+        self.factor, self.pair_factor, self.strikes = factor, pair_factor, strikes
+        self.offences: dict[str, int] = {}  # member id -> its offences in a row, as far as this replica saw
+
+    def passes(self, manager, contribution: list[torch.Tensor], also: list[torch.Tensor] = ()) -> bool:
+        """Gather every member's norm of `contribution`; False (nobody averages, all vote discard) if one is out of line.
+
+        Raises `Removed` on the member out of line `strikes` times in a row, after its vote.
+        """
+        quorum = manager.quorum
+        ids = quorum.ids
+        norms = torch.zeros(len(ids), dtype=torch.float64)
+        finite = all(bool(torch.isfinite(t).all()) for t in [*contribution, *also])
+        mine = math.sqrt(sum(float(t.double().pow(2).sum()) for t in contribution)) if finite else math.nan
+        norms[quorum.rank(manager.id)] = mine
+        if not manager.average(norms):
+            return False  # a member failed: the step cannot commit anyway
+        bad = offenders((norms * len(ids)).tolist(), self.factor, self.pair_factor)
+        for i, rid in enumerate(ids):
+            self.offences[rid] = self.offences.get(rid, 0) + 1 if i in bad else 0
+        if not bad:
+            return True
+        removed = [ids[i] for i in bad if self.offences[ids[i]] >= self.strikes]
+        for i, why in bad.items():
+            _log.warning(f"replica {manager.id}: step {manager.step} discarded: replica {ids[i]}'s contribution is "
+                         f"out of line: {why}" + (f"; removed after {self.strikes} in a row" if ids[i] in removed
+                                                  else f" ({self.offences[ids[i]]} in a row)"))
+        if manager.id in removed:
+            manager.should_commit(False)
+            raise Removed(f"replica {manager.id!r} removed from the run: its contribution was out of line "
+                          f"{self.strikes} steps in a row ({bad[ids.index(manager.id)]})")
+        return False
