@@ -179,7 +179,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
     t.add_argument("--plot", metavar="PATH", help="plot the training curves to a PNG")
     t.add_argument("--nonfinite", choices=["raise", "skip", "off"], default=None,
                    help="on a NaN/Inf gradient after the allreduce: stop (default), skip the step, or do not check "
-                        "(default off with --zero 2 or 3 under torchrun, where each rank holds only its shard)")
+                        "(default off with --zero 2 or 3 under torchrun, where each rank holds only its shard; with "
+                        "--fault-tolerant, unless off, a non-finite or far out of line contribution discards the step "
+                        "and three in a row remove its replica)")
     t.add_argument("--checkpoint-dir", metavar="DIR", help="save a checkpoint here after every epoch")
     t.add_argument("--checkpoint-every", type=positive(int), metavar="STEPS",
                    help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
@@ -346,9 +348,7 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
                ("--bucket-mb", args.bucket_mb is not None, "the gradients go in one flat buffer per dtype"),
                ("--checkpoint-dir", args.checkpoint_dir is not None, "a replica that comes back receives the state "
                                                                      "from the others"),
-               ("--trace", args.trace is not None, "no timeline yet"),
-               ("--nonfinite", args.nonfinite not in (None, "off"), "no guard yet: pass --nonfinite off or leave "
-                                                                   "it out")]
+               ("--trace", args.trace is not None, "no timeline yet")]
     for option, bad, why in refused:
         if bad:
             return f"{option} with --fault-tolerant: {why}"
@@ -569,6 +569,8 @@ def run_replica(args) -> int:
     except ValueError as e:  # another live replica goes by this id
         _error(_one_line(e))
         return 1
+    if args.nonfinite == "off":  # else every contribution is judged before the average (spmd/ft/guard.py)
+        manager.guard = None
     try:
         sync = "local_sgd" if args.local_sgd else "diloco" if args.diloco else "ddp"
         outer = {k: v for k, v in (("outer_lr", args.outer_lr), ("outer_momentum", args.outer_momentum))

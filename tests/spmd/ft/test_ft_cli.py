@@ -32,7 +32,6 @@ FT = ["train", "--fault-tolerant", "127.0.0.1:29510", "--replica-id", "a"]
     ([*FT, "--algorithm", "auto"], ["--algorithm auto with --fault-tolerant"]),
     ([*FT, "--checkpoint-dir", "c"], ["--checkpoint-dir with --fault-tolerant"]),
     ([*FT, "--bucket-mb", "1"], ["--bucket-mb with --fault-tolerant"]),
-    ([*FT, "--nonfinite", "skip"], ["--nonfinite with --fault-tolerant"]),
     ([*FT, "--local-sgd", "0"], ["--local-sgd", "must be > 0", "0"]),
     ([*FT, "--diloco", "x"], ["--diloco", "'x'"]),
     ([*FT, "--local-sgd", "2", "--diloco", "2"], ["--diloco", "not allowed with", "--local-sgd"]),
