@@ -42,7 +42,8 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
     # trainers that recover from failure re-create the same names"; an init_process_group that failed (a member gone
     # during the rendezvous) leaves it one up, and the next group's members would wait on different keys
     distributed_c10d._world.group_count = 0
-    meeting = dist.PrefixStore(keys.group(group), store.clone())
+    name = keys.group(group)  # a `SignedStore` meets below a secret-derived prefix, that a stranger cannot compute
+    meeting = store.meeting(name) if hasattr(store, "meeting") else dist.PrefixStore(name, store.clone())
     dist.init_process_group("gloo", store=meeting, rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
 

@@ -1,6 +1,5 @@
 """The fixtures of the fault-tolerance tests that run in this process: a coordinator, and connections to it."""
 import pytest
-import torch
 
 from manualdp.spmd.ft import Coordinator
 from manualdp.spmd.ft.coordinator import connect
@@ -17,4 +16,4 @@ def coordinator():
 @pytest.fixture
 def store(coordinator, request):
     """New connections to the coordinator, in a namespace of this test's own."""
-    return lambda: torch.distributed.PrefixStore(request.node.name, connect("127.0.0.1", coordinator.port, 10))
+    return lambda: connect("127.0.0.1", coordinator.port, 10, namespace=request.node.name)

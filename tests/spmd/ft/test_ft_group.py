@@ -55,7 +55,7 @@ def test_a_group_forms_after_a_failed_rendezvous_in_one_member():
 
 
 def test_a_group_forms_after_a_failed_rendezvous_under_the_names_a_new_process_gives_it(coordinator):
-    store = dist.PrefixStore("failed-rendezvous", connect("127.0.0.1", coordinator.port, 10))
+    store = connect("127.0.0.1", coordinator.port, 10, namespace="failed-rendezvous")
     with pytest.raises(RuntimeError):
         form_group(store, 1, 0, 2, timeout=0.5)  # a group of 2 whose other member never comes
     assert not dist.is_initialized()

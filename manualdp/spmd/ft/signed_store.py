@@ -1,0 +1,195 @@
+"""The coordinator's store as the replicas see it: every key and value signed with the run's shared secret.
+
+The coordinator's `TCPStore` lets anyone who reaches its port read, write and delete any key.
+With a secret (`--token-file`, or `MANUALDP_FT_TOKEN`) every replica reads and writes through a
+`SignedStore`, so that a process without the secret cannot steer the run:
+
+- each key's name in the store is HMAC-SHA256(secret, name): a stranger cannot compute the name
+  of a decision not yet taken (a "discard" for a later round, a forged vote);
+- each value carries an HMAC-SHA256 over (name, value): a value that does not verify is treated
+  as absent, logged once per key, never fatal. A first-writer-wins `compare_set` that finds such a
+  value in place replaces it, so a forged decision cannot block the honest one either;
+- an appended value (`append`: the registered ids, the asks of a round) is signed chunk by chunk,
+  and a chunk that does not verify is dropped alone.
+
+What the secret does not protect: it encrypts nothing (torch's store can list its keys, so a
+process that reaches the port can still read every value, the model's state included); it cannot
+stop a stranger from deleting or overwriting keys, or from holding connections, which stalls the
+run (the replicas then wait, and give up after their timeouts); the quorum's gloo connections
+(`quorum_group.py`) are torch's, unauthenticated. Replay is bounded: a signature binds the key's
+name, so a value copied to another key does not verify, and a heartbeat copied back in time does
+not move (`heartbeat.py`).
+
+Without a secret the store is open, as torch's: names and values are the plain ones, and only the
+readers' own checks (a malformed value is ignored and logged) stand between a stranger and the run.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import logging
+import time
+
+import torch.distributed as dist
+
+__all__ = ["SignedStore", "ignore", "LOG"]
+
+LOG = logging.getLogger("manualdp.spmd.ft")
+_SET, _APPEND = b"S", b"A"  # a value set whole; a chunk of an appended value (one line of its own)
+_MAC = 32  # bytes of an HMAC-SHA256
+_POLL = 0.005  # seconds between two looks at a key whose value does not verify
+
+
+class SignedStore:
+    """The replicas' view of the coordinator's store: the methods of `torch.distributed.Store` the room uses.
+
+    Args:
+        client: a connection to the coordinator's `TCPStore`.
+        secret: the run's shared secret; None: the open mode, names and values as they are.
+        prefix: the namespace of the keys (every key is `prefix/name` before it is signed).
+    """
+
+    def __init__(self, client: dist.Store, secret: bytes | None, prefix: str) -> None:
+        self._client, self._secret, self._prefix = client, secret, prefix
+        self._ignored: set[str] = set()  # the keys whose bad value was logged already: once each
+
+    @property
+    def signed(self) -> bool:
+        return self._secret is not None
+
+    def clone(self) -> "SignedStore":
+        """A new connection to the same store, with the same secret and namespace (one per thread)."""
+        return SignedStore(self._client.clone(), self._secret, self._prefix)
+
+    def namespace(self, name: str) -> "SignedStore":
+        """The keys below `name`, on a new connection (tests give each case its own)."""
+        return SignedStore(self._client.clone(), self._secret, f"{self._prefix}/{name}")
+
+    def meeting(self, name: str) -> dist.Store:
+        """A plain store below a secret-derived prefix, on a new connection: where gloo's rendezvous meets."""
+        return dist.PrefixStore(self._name(name), self._client.clone())
+
+    def set_timeout(self, seconds: float) -> None:
+        self._client.set_timeout(datetime.timedelta(seconds=seconds))
+
+    # ------------------------------------------------------------ names and seals
+
+    def _name(self, key: str) -> str:
+        full = f"{self._prefix}/{key}"
+        if self._secret is None:
+            return full
+        return "manualdp-ft-signed/" + hmac.new(self._secret, b"name\0" + full.encode(), hashlib.sha256).hexdigest()
+
+    def _mac(self, key: str, kind: bytes, value: bytes) -> bytes:
+        mac = hmac.new(self._secret, b"%d:%s%s" % (len(key), key.encode(), kind), hashlib.sha256)
+        mac.update(value)
+        return mac.digest()
+
+    def _seal(self, key: str, value) -> bytes:
+        value = _bytes(value)
+        return value if self._secret is None else _SET + self._mac(key, _SET, value) + value
+
+    def _open(self, key: str, raw: bytes) -> bytes | None:
+        """The value `raw` holds for `key` if it verifies (appended chunks: those that do), else None (logged)."""
+        if self._secret is None:
+            return raw
+        if raw[:1] == _SET and len(raw) > _MAC and hmac.compare_digest(raw[1:1 + _MAC],
+                                                                      self._mac(key, _SET, raw[1 + _MAC:])):
+            return raw[1 + _MAC:]
+        lines = [line for line in raw.split(b"\n") if line]
+        chunks = [c for c in (self._chunk(key, line) for line in lines) if c is not None]
+        if len(chunks) < len(lines):
+            self.ignore(key, "it does not carry this run's secret (a stranger's write, or a replica with another "
+                             "secret)")
+        return b"".join(chunks) if chunks else None
+
+    def _chunk(self, key: str, line: bytes) -> bytes | None:
+        kind, _, rest = line.partition(b" ")
+        mac, _, payload = rest.partition(b" ")
+        if kind != _APPEND:
+            return None
+        try:
+            value = bytes.fromhex(payload.decode())
+            ok = hmac.compare_digest(bytes.fromhex(mac.decode()), self._mac(key, _APPEND, value))
+        except ValueError:
+            return None
+        return value if ok else None
+
+    def ignore(self, key: str, why: str) -> None:
+        """Log, once per key, that the value of `key` was ignored, and why."""
+        if key not in self._ignored:
+            self._ignored.add(key)
+            LOG.warning("manualdp fault tolerance: ignored the value of %r in the coordinator's store: %s", key, why)
+
+    # ------------------------------------------------------------ torch.distributed.Store's methods
+
+    def set(self, key: str, value) -> None:
+        self._client.set(self._name(key), self._seal(key, value))
+
+    def append(self, key: str, value) -> None:
+        """Add `value` at the end of `key`'s value: signed on its own, so a stranger's chunk drops alone."""
+        value = _bytes(value)
+        if self._secret is not None:
+            value = b"\n%s %s %s\n" % (_APPEND, self._mac(key, _APPEND, value).hex().encode(), value.hex().encode())
+        self._client.append(self._name(key), value)
+
+    def check(self, keys: list[str]) -> bool:
+        """Whether every key of `keys` holds a value that verifies."""
+        names = [self._name(k) for k in keys]
+        if not self._client.check(names):
+            return False
+        return self._secret is None or all(self._open(k, self._client.get(n)) is not None for k, n in zip(keys, names))
+
+    def get(self, key: str) -> bytes:
+        """`key`'s value, once it holds one that verifies (waiting, as torch's `get`, up to the store's timeout)."""
+        name = self._name(key)
+        deadline = time.monotonic() + self._client.timeout.total_seconds()
+        while True:
+            value = self._open(key, self._client.get(name))
+            if value is not None:
+                return value
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"key {key!r} of the coordinator's store holds no value signed with this run's "
+                                   f"secret within {self._client.timeout.total_seconds():g} s")
+            time.sleep(_POLL)
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        """The values of `keys` (which must all exist); None for each one that does not verify."""
+        raws = self._client.multi_get([self._name(k) for k in keys])
+        return [self._open(k, raw) for k, raw in zip(keys, raws)]
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        """Write `desired` if `key` holds `expected` ("" : nothing yet); return the value it holds after, verified.
+
+        A value in place that does not verify counts as nothing: it is replaced by `desired`
+        when `expected` is "" (first writer wins among those who hold the secret).
+        """
+        name, sealed = self._name(key), self._seal(key, desired)
+        want = expected = self._seal(key, expected) if _bytes(expected) else b""
+        for _ in range(100):  # a stranger racing the replacement can only delay it
+            raw = self._client.compare_set(name, want, sealed)
+            if raw == sealed:
+                return _bytes(desired)
+            value = self._open(key, raw) if raw else None
+            if value is not None or expected:
+                return value if value is not None else b""
+            # a forged or malformed value in place: replace it, unless someone replaces it first (torch answers
+            # a compare_set on a missing key with the expected value: then the key was deleted meanwhile)
+            want = b"" if raw == want else raw
+        return b""
+
+    def delete_key(self, key: str) -> bool:
+        return self._client.delete_key(self._name(key))
+
+
+def ignore(store, key: str, why: str) -> None:
+    """Log that the value of `key` was ignored: once per key on a `SignedStore`, else every time."""
+    if isinstance(store, SignedStore):
+        store.ignore(key, why)
+    else:
+        LOG.warning("manualdp fault tolerance: ignored the value of %r in the coordinator's store: %s", key, why)
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
