@@ -26,7 +26,7 @@ from ..transport.agree import agree
 from . import admission, keys
 from .commit import commit_or_discard
 from .coordinator import connect
-from .durable import Checkpoints, Floor, RunFinished, mark_finished, record_committed
+from .durable import Checkpoints, Floor, RunFinished, lost_line, mark_finished, record_committed, store_gone
 from .guard import ContributionGuard
 from .heartbeat import Heartbeat, Liveness, register
 from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
@@ -50,10 +50,6 @@ class Manager:
         min_replicas: train only in a quorum of at least this many; fewer, and
             `start_step` waits, and raises TimeoutError once fewer than that many replicas
             have been alive for `timeout` seconds (or after `PATIENCE` timeouts in all).
-            None (the default): at least one, and more than half of the last agreed quorum's
-            members that did not leave (the split-brain guard, `trust.py`).
-        token: the run's shared secret, the coordinator's (`Coordinator`): every key and value
-            this replica writes is signed with it, and what is not is ignored. None: the open mode.
         timeout: seconds that any one wait may last: for a peer in the allreduce, for the
             votes, for the state of a recovery, for enough live replicas.
         quorum_timeout: seconds a quorum waits for a live replica that has not asked to be
@@ -69,15 +65,12 @@ class Manager:
             run whose replicas or coordinator all died) goes on from the newest one there.
     """
 
-    def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int | None = None,
-                 timeout: float = 60.0, quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1,
-                 heartbeat_timeout: float = 2.0,
-                 algorithm: str = "ring", checkpoint_dir: str | None = None,
-                 token: str | None = None) -> None:
+    def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int = 1, timeout: float = 60.0,
+                 quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0,
+                 algorithm: str = "ring", checkpoint_dir: str | None = None) -> None:
         if not isinstance(replica_id, str) or not replica_id or any(c.isspace() or c == "/" for c in replica_id):
             raise ValueError(f"replica_id must be a non-empty name without spaces or '/', got {replica_id!r}")
-        if min_replicas is not None:
-            positive_int("min_replicas", min_replicas)
+        positive_int("min_replicas", min_replicas)
         for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout),
                             ("heartbeat_interval", heartbeat_interval), ("heartbeat_timeout", heartbeat_timeout)):
             if timeout_seconds(name, value) is None:
@@ -90,7 +83,7 @@ class Manager:
         self._where = f"{host}:{port}"
         self.id, self.min_replicas, self.algorithm = replica_id, min_replicas, algorithm
         self.timeout, self.quorum_timeout = float(timeout), float(quorum_timeout)
-        self.store = connect(host, port, timeout, token)
+        self.store = connect(host, port, timeout)
         _refuse_a_live_twin(self.store, replica_id, heartbeat_timeout)
         register(self.store, replica_id)
         self._heartbeat = Heartbeat(self.store, replica_id, heartbeat_interval)
@@ -157,13 +150,17 @@ class Manager:
         In a provisional quorum (a live replica outside it holds more of the run: `quorum.py`)
         this replica trains, but its state stops being the agreed one until it receives it.
         """
+        self._check_open("start_step")
         if self._in_step or not self._starting.acquire(blocking=False):
             raise RuntimeError(f"replica {self.id!r}: start_step() called again before the step of round "
                                f"{self._round} was voted on: call step() (or should_commit()) first")
         try:
+            self._make_durable()
             return self._start_step()
-        except BaseException:
+        except BaseException as e:
             self._in_step = False  # it never began: a later start_step() may ask again
+            if isinstance(e, RuntimeError) and not isinstance(e, CoordinatorLost) and store_gone(self.store):
+                raise self._lost(e) from None
             raise
         finally:
             self._starting.release()
@@ -177,11 +174,11 @@ class Manager:
         if self._round == 0:  # before its first ask, a misfit is refused (admission.py)
             admission.check(self.store, self.id, settings)
         while True:
-            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas or 0, self._since,
+            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas, self._since,
                         admission.digest(settings), self.capacity)
             try:
                 quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout,
-                                         self.timeout, started)
+                                         self.timeout, started, self._floor)
             except TimeoutError as e:
                 if failure is None:
                     raise
@@ -249,6 +246,7 @@ class Manager:
         died took its shard of the batch with it, and the step's gradient is the mean of the others'.
         Afterwards the members hold bitwise identical tensors (on False: anything).
         """
+        self._check_open("average")
         if self.quorum is None:
             raise RuntimeError("average() before start_step(): there is no quorum to average over")
         if not self._ok:
@@ -270,12 +268,20 @@ class Manager:
         replica leaves the group (a failed group is not reused) and the caller must leave its
         model as it was before the step.
         """
+        self._check_open("should_commit")
         if not self._in_step:
             raise RuntimeError("should_commit() without a step under way: call start_step() first")
         self._in_step = False
-        committed = commit_or_discard(self.store, self.quorum, self.id, ok and self._ok, self._liveness, self.timeout)
+        try:
+            committed = commit_or_discard(self.store, self.quorum, self.id, ok and self._ok, self._liveness,
+                                          self.timeout)
+        except RuntimeError as e:
+            if store_gone(self.store):
+                raise self._lost(e) from None
+            raise
         self._ok = False
         if committed:
+            self._pending.append({"step": self.step, "round": self.quorum.round, "members": self.quorum.ids})
             self.step += 1
             if self.synced:
                 publish_mark(self.store, self.id, (self.step, self._since))
@@ -287,10 +293,67 @@ class Manager:
         self._group = None
         drop_group()
 
+    # ------------------------------------------------------------ what outlives the process (durable.py)
+
+    def _make_durable(self) -> None:
+        """Resume from disk (first call); save the steps committed since the last call, mark them in the store, log."""
+        self._floor.allows(self.step, None)  # RunFinished if the run has ended
+        if self._disk is not None and not self._looked_on_disk:
+            self._looked_on_disk = True
+            self._resume_from_disk()
+        if self.synced and self.step > self._durable:  # a provisional quorum's steps are not the run's
+            if self._disk is not None:
+                self._disk.save(self.step, self._settings, self.state_dict())
+            record_committed(self.store, self.step)  # only now: the mark never names a step nobody holds
+            self._durable = self.step
+            for record in self._pending if self._disk is not None else ():
+                self._disk.log_step(record)
+        self._pending.clear()
+
+    def _resume_from_disk(self) -> None:
+        end = self._disk.finished_at(self._settings)
+        if end is not None:
+            mark_finished(self.store, end)  # a coordinator started again learns it too
+            raise RunFinished(f"replica {self.id!r}: the run ended at step {end} ({self._disk.directory} says so): "
+                              f"nothing left to train")
+        saved = self._disk.newest(self._settings)
+        if saved is None or saved["step"] <= self.step:
+            return
+        self.load_state_dict(saved["state"])
+        self.synced, self._since, self._durable = True, 0, self.step
+        publish_mark(self.store, self.id, (self.step, self._since))
+        record_committed(self.store, self.step)
+        self.resumed = {"path": saved["path"], "step": self.step}
+
+    def _lost(self, error: BaseException) -> CoordinatorLost:
+        """Save what this replica holds (the store cannot be told), and say so in one line."""
+        if self._disk is not None and self.synced and self.step > self._durable:
+            self._disk.save(self.step, self._settings, self.state_dict())
+            self._durable = self.step
+        return CoordinatorLost(lost_line(self.id, self._where, error, self._disk, self._durable))
+
+    def _check_open(self, call: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"replica {self.id!r}: {call}() on a Manager that has closed (the run ended, or it "
+                               f"left): make a new Manager to train again")
+
     # ------------------------------------------------------------ the end
+
+    def finish(self) -> None:
+        """The run took its last step: make it durable, mark the run finished (store and disk), and leave."""
+        self._check_open("finish")
+        try:
+            if self.synced:
+                self._make_durable()
+                mark_finished(self.store, self.step)
+                if self._disk is not None:
+                    self._disk.mark_finished(self.step, self._settings)
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Leave: stop beating (the others stop waiting for this replica at once) and leave the group."""
+        self._closed = True
         self._heartbeat.stop(leave=True)
         self._leave_group()
 
@@ -311,7 +374,7 @@ def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> Non
     if not store.check([key]):
         return
     first, deadline = store.get(key), time.monotonic() + heartbeat_timeout
-    while first.split()[-1:] != [b"-1"] and time.monotonic() < deadline:
+    while first != b"-1" and time.monotonic() < deadline:
         time.sleep(4 * POLL)
         if store.get(key) != first:
             raise ValueError(f"replica_id {replica_id!r} is already taken by a live replica (its heartbeat moves): "

@@ -1,0 +1,164 @@
+"""Durable commits in one process: the store's committed step, each replica's checkpoint, the run's end (durable.py).
+
+Each test hosts its own coordinator (a fresh store: a coordinator started again is one), and
+its replicas are `Manager`s of this process, one at a time, on a quorum of one.
+"""
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager
+from manualdp.spmd.ft.durable import Checkpoints, RunFinished, committed_step, record_committed
+from manualdp.spmd.ft.keys import COMMITTED
+from manualdp.spmd.ft.manager import CoordinatorLost
+
+FAST = {"timeout": 3, "quorum_timeout": 1, "heartbeat_interval": 0.05, "heartbeat_timeout": 0.5}
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(8, 3, generator=g), torch.randn(8, 1, generator=g)
+
+
+def replica(rid: str, port: int, **kw) -> tuple[Manager, FaultTolerantDDP]:
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    return (m := Manager(rid, "127.0.0.1", port, **FAST, **kw)), FaultTolerantDDP(
+        net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), m)
+
+
+def train(manager: Manager, ft: FaultTolerantDDP, steps: int) -> None:
+    while manager.step < steps:
+        ft.start_step()
+        X, y = batch(manager.step)
+        ((ft(X) - y) ** 2).sum().backward()
+        ft.step()
+
+
+def die(manager: Manager) -> None:
+    """As a SIGKILL looks to the others: the heartbeat stops where it was, nothing more is written."""
+    manager._heartbeat.stop(leave=False)
+    manager._leave_group()
+
+
+def parameters(ft: FaultTolerantDDP) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in ft.module.parameters()]
+
+
+def test_newcomers_never_start_the_run_again_below_its_committed_step():
+    """The 413-for-320 bug: every holder dead, a newcomer formed a quorum at step 0 and the run began again."""
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port)
+        train(a, ft, 3)  # steps 0, 1 and 2 committed; 0 and 1 marked durable at the starts of 1 and 2
+        die(a)
+        b, ft_b = replica("b", c.port)
+        try:
+            with pytest.raises(TimeoutError, match=r"^replica 'b': step 1 was committed but no live replica or "
+                                                   r"checkpoint holds it \(a quorum of b would start at step 0"):
+                ft_b.start_step()
+            assert b.step == 0 and committed_step(b.store) == 2
+        finally:
+            b.close()
+
+
+def test_a_run_whose_replicas_and_coordinator_all_died_goes_on_from_disk_bitwise(tmp_path):
+    with Coordinator(0) as c:
+        whole, ft = replica("a", c.port)
+        train(whole, ft, 5)
+        expected = parameters(ft)
+        whole.close()
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        train(a, ft, 3)
+        die(a)
+    with Coordinator(0) as c:  # a coordinator started again: an empty store, the disk holds the run
+        b, ft_b = replica("b", c.port, checkpoint_dir=str(tmp_path))
+        ft_b.start_step()
+        assert b.resumed == {"path": str(tmp_path / "a" / "ckpt-00000002.pt"), "step": 2}
+        assert committed_step(b.store) == 2  # the store learns the disk's step
+        X, y = batch(b.step)
+        ((ft_b(X) - y) ** 2).sum().backward()
+        ft_b.step()
+        train(b, ft_b, 5)
+        b.finish()
+    for got, want in zip(parameters(ft_b), expected):
+        assert torch.equal(got, want)
+    logged = [json.loads(line) for rid in "ab" for line in (tmp_path / rid / "steps.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in logged) == [0, 1, 2, 3, 4]  # every step once: step 2 (a's, never durable) no more
+
+
+def test_a_replica_started_after_the_run_ended_is_told_so_by_the_store_and_by_the_disk(tmp_path):
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        train(a, ft, 2)
+        a.finish()
+        late, ft_late = replica("late", c.port)
+        with pytest.raises(RunFinished, match=r"^replica 'late': the run ended at step 2: nothing left to train$"):
+            ft_late.start_step()
+        late.close()
+    assert json.loads((tmp_path / "a" / "finished.json").read_text())["step"] == 2
+    with Coordinator(0) as c:
+        again, ft_again = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        with pytest.raises(RunFinished, match=r"the run ended at step 2 \(.* says so\): nothing left to train"):
+            ft_again.start_step()
+        again.close()
+
+
+def test_a_closed_manager_refuses_every_call_in_one_line():
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port)
+        train(a, ft, 1)
+        a.close()
+        for call, args in (("start_step", ()), ("average", (torch.zeros(2),)), ("should_commit", (True,))):
+            with pytest.raises(RuntimeError, match=rf"^replica 'a': {call}\(\) on a Manager that has closed"):
+                getattr(a, call)(*args)
+
+
+def test_a_lost_coordinator_is_named_in_one_line_after_the_state_is_saved(tmp_path):
+    c = Coordinator(0)
+    a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+    try:
+        train(a, ft, 2)  # step 1 committed, not yet saved
+        c.close()
+        with pytest.raises(CoordinatorLost, match=rf"^replica 'a': lost the coordinator at 127\.0\.0\.1:{c.port} "
+                                                  r"\(.*\); start it again, then this replica with the same "
+                                                  r"command: it goes on from step 2 in "):
+            ft.start_step()
+        assert os.path.exists(tmp_path / "a" / "ckpt-00000002.pt")
+    finally:
+        a.close()
+
+
+def test_the_committed_mark_only_rises_and_a_malformed_value_counts_as_none():
+    with Coordinator(0) as c:
+        store = torch.distributed.PrefixStore("t", torch.distributed.TCPStore("127.0.0.1", c.port, is_master=False))
+        assert committed_step(store) == 0
+        record_committed(store, 3)
+        record_committed(store, 2)
+        assert committed_step(store) == 3
+        store.set(COMMITTED, "x")
+        assert committed_step(store) == 0
+        record_committed(store, 1)
+        assert committed_step(store) == 1
+
+
+def test_checkpoints_newest_intact_of_any_replica_and_of_this_run_only(tmp_path):
+    a, b = Checkpoints(str(tmp_path), "a"), Checkpoints(str(tmp_path), "b")
+    run = {"lr": 0.1}
+    assert a.newest(run) is None
+    a.save(1, run, {"w": torch.ones(1)})
+    b.save(3, run, {"w": torch.full((1,), 3.0)})
+    a.save(2, run, {"w": torch.full((1,), 2.0)})
+    (tmp_path / "b" / "ckpt-00000009.pt.x.tmp").write_bytes(b"half")  # a write killed half-way
+    assert a.newest(run)["step"] == 3 and torch.equal(a.newest(run)["state"]["w"], torch.full((1,), 3.0))
+    (tmp_path / "b" / "ckpt-00000003.pt").write_bytes(b"damaged")
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert a.newest(run)["step"] == 2
+    with pytest.raises(ValueError, match=r"checkpoint .*ckpt-00000002\.pt belongs to another run "
+                                         r"\(lr 0\.1 here 0\.2\)"), pytest.warns(UserWarning):
+        a.newest({"lr": 0.2})
+    with pytest.raises(ValueError, match=r"checkpoint_dir .* exists and is not a folder"):
+        Checkpoints(str(tmp_path / "a" / "ckpt-00000002.pt"), "a")
