@@ -132,7 +132,8 @@ def run(config: dict) -> dict:
                      timeout=config["timeout"], init=False)[0]
     rates = raw["steps_per_s"]
     rounds = [f / d for f, d in zip(rates[NAMES[1]], rates[NAMES[0]])]
-    return {"model": config["model"], "batch_size": config["batch_size"], "steps_per_s": {n: statistics.median(rates[n]) for n in NAMES},
+    return {"model": config["model"], "batch_size": config["batch_size"],
+            "steps_per_s": {n: statistics.median(rates[n]) for n in NAMES},
             "rounds_steps_per_s": rates, "ratio": spread(rounds), "quorum_share": spread(raw["quorum_share"]),
             "vote_share": spread(raw["vote_share"]), "committed": raw["committed"]}
 
@@ -146,11 +147,12 @@ def format_table(result: dict) -> str:
              fmt("", "steps/s", "", "ratio FT/DDP", "share of an FT step", ""),
              fmt("model", NAMES[0], "FT", "median (min-max)", "quorum", "vote")]
     for r in result["rows"]:
-        lines.append(fmt(f"{r['model']}/{r['batch_size']}", f"{r['steps_per_s'][NAMES[0]]:.1f}", f"{r['steps_per_s'][NAMES[1]]:.1f}",
-                         format_spread(r["ratio"]), format_spread(r["quorum_share"]),
-                         format_spread(r["vote_share"])))
+        rates = [f"{r['steps_per_s'][name]:.1f}" for name in NAMES]
+        lines.append(fmt(f"{r['model']}/{r['batch_size']}", *rates, format_spread(r["ratio"]),
+                         format_spread(r["quorum_share"]), format_spread(r["vote_share"])))
     worst = min(r["ratio"]["min"] for r in result["rows"])
-    lines.append(f"target FT/DDP >= {TARGET} in every round: worst {worst:.2f} -> {'met' if worst >= TARGET else 'NOT met'}")
+    met = "met" if worst >= TARGET else "NOT met"
+    lines.append(f"target FT/DDP >= {TARGET} in every round: worst {worst:.2f} -> {met}")
     lines.append(format_load(result["load"]))
     return "\n".join(lines)
 
