@@ -346,8 +346,8 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
                ("--algorithm auto", args.algorithm == "auto", "each new quorum would measure the link again; "
                                                               "pass naive, ring, tree, ..."),
                ("--bucket-mb", args.bucket_mb is not None, "the gradients go in one flat buffer per dtype"),
-               ("--checkpoint-dir", args.checkpoint_dir is not None, "a replica that comes back receives the state "
-                                                                     "from the others"),
+               ("--checkpoint-every", args.checkpoint_every is not None, "every committed step is kept"),
+               ("--resume", args.resume, "a replica resumes from --checkpoint-dir by itself"),
                ("--trace", args.trace is not None, "no timeline yet")]
     for option, bad, why in refused:
         if bad:
@@ -550,6 +550,8 @@ def run_replica(args) -> int:
     import torch
 
     from ..spmd.ft import Manager
+    from ..spmd.ft.durable import RunFinished
+    from ..spmd.ft.manager import CoordinatorLost
     from ..spmd.ft.admission import Misfit
     from .ft_train import train_replica
 
@@ -561,7 +563,8 @@ def run_replica(args) -> int:
     host, port = args.fault_tolerant
     timeout = args.timeout if args.timeout is not None else 60.0
     try:
-        manager = Manager(args.replica_id, host, port, min_replicas=args.min_replicas or 1, timeout=timeout,
+        manager = Manager(args.replica_id, host, port, checkpoint_dir=args.checkpoint_dir,
+                          min_replicas=args.min_replicas or 1, timeout=timeout,
                           quorum_timeout=min(10.0, timeout), algorithm=args.algorithm or "ring")
     except (RuntimeError, OSError) as e:  # nobody listens there, or not within the timeout
         _error(f"replica {args.replica_id!r}: cannot reach the coordinator at {host}:{port}: {_one_line(e)}")
@@ -579,6 +582,12 @@ def run_replica(args) -> int:
                                 sync=sync, sync_every=args.local_sgd or args.diloco or 1, **outer,
                                 settings=run_config(args),
                                 **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
+    except RunFinished as e:  # started after its run ended: nothing to do, nothing wrong
+        print(_one_line(e), flush=True)
+        return 0
+    except CoordinatorLost as e:  # its line names the replica, the coordinator and where the run goes on from
+        _error(_one_line(e))
+        return 1
     except Misfit as e:  # refused by the run (other settings, no room in the batch): the run goes on
         _error(_one_line(e))
         return 2

@@ -21,6 +21,11 @@ A replica that joins (a new one, or a killed one started again with the same com
 the model, the optimizer and this loop's state (the epoch's running sums and the history so
 far) from a member at the highest step, checked by SHA-256, so that every replica's `--json`
 ends the same.
+
+With `--checkpoint-dir DIR` each replica also keeps the newest committed state in `DIR/ID/`, and
+one JSON line per committed step in `DIR/ID/steps.jsonl` (`spmd/ft/durable.py`): a run whose
+replicas all died, or whose coordinator died, started again by the same commands goes on from
+there, as if nothing had happened; a replica started after the run ended says so and exits 0.
 """
 from __future__ import annotations
 
@@ -123,6 +128,11 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     try:
         while manager.step < run.total:
             quorum = ft.start_step()
+            if members is None and manager.resumed and log:
+                _write(bar, log, f"replica {manager.id}: resumed from {manager.resumed['path']} at step {manager.step}")
+            if manager.step >= run.total:  # resumed from a checkpoint of the run's last step: nothing to take
+                manager.should_commit(False)
+                break
             if quorum.ids != members and log:
                 _write(bar, log, f"replica {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
@@ -138,6 +148,8 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
                 bar.set_postfix(quorum=len(quorum.ids), loss=f"{record['loss']:.3f}" if record["committed"] else "-",
                                 refresh=False)
                 bar.refresh()
+        if manager.step >= run.total:
+            manager.finish()  # a replica started later is told that the run has ended (spmd/ft/durable.py)
     finally:
         if bar is not None:
             bar.close()
