@@ -13,6 +13,7 @@ Device 0 starts with the values `a`, device 1 with `b`, and so on; `a0+b0` is ch
 from __future__ import annotations
 
 import argparse
+import math
 import string
 from collections import Counter
 
@@ -246,25 +247,58 @@ def explain_sync(num_devices: int, size_bytes: int, sync_every: int, algorithm: 
     positive_int("num_devices", num_devices)
     positive_int("sync_every", sync_every)
     non_negative_int("size_bytes", size_bytes)
-    schedule = get_schedule(algorithm, num_devices)
-    seconds = cost(schedule, size_bytes, alpha, beta, gamma, element_size)
+    try:  # Python's ints never overflow, but the floats of the table do
+        ddp = max_sent(algorithm, num_devices, size_bytes, element_size)
+        seconds = (cost(get_schedule(algorithm, num_devices), size_bytes, alpha, beta, gamma, element_size)
+                   if num_devices <= MAX_DEVICES else  # the loads without the schedule (loads.py)
+                   predict(algorithm, num_devices, size_bytes, Link(alpha, beta, gamma), element_size, None))
+        textbook = _textbook(algorithm, num_devices, size_bytes, 0)
+        if not all(math.isfinite(x) for x in (float(ddp), seconds)):
+            raise OverflowError
+    except OverflowError:
+        raise ValueError(f"--devices {num_devices} and --size {size_bytes}: the bytes or the time per step overflow "
+                         f"a float (about 1.8e308): give fewer devices or a smaller size") from None
     what = {"ddp": "the gradients", "local_sgd": "the parameters", "diloco": "their change (outer gradient)"}
-    row = "  {:<11}{:<32}{:>8}{:>18}{:>14}{:>10}".format
+    row = "  {:<11}{:<32}{:>8}{:>18} {:>14}{:>10}".format  # the space: a time of a trillion devices is wide
     out = [f"bytes per training step for a model of S = {size_bytes} bytes on {num_devices} replicas, "
            f"{algorithm} allreduce, H = {sync_every}",
            "", row("method", "allreduce of", "every", "max sent/device", "est. time", "of DDP")]
-    ddp = max(bytes_per_step("ddp", size_bytes, num_devices, 1, algorithm, element_size))
     for method in SYNC_METHODS:
         h = 1 if method == "ddp" else sync_every
-        sent = max(bytes_per_step(method, size_bytes, num_devices, h, algorithm, element_size))
+        sent = ddp / h  # DDP's allreduce every step; local SGD's and DiLoCo's every H (cost.bytes_per_step)
         share = "1" if method == "ddp" else f"1/{h}"
         out.append(row(method, what[method], f"{h} step{'s' * (h != 1)}", f"{sent:.1f}", _us(seconds / h),
                        share if ddp else "-"))
     out += ["", f"  each allreduce moves S = {size_bytes} bytes: DDP's every step, local SGD's and DiLoCo's once "
                 "every H steps, so 1/H of DDP's bytes per step",
-            f"  {_textbook(algorithm, num_devices, size_bytes, 0)}",
+            f"  {textbook}",
             "  the time per step is the model's (manualdp.cost.cost) for one allreduce, over H"]
     return "\n".join(out)
+
+
+def max_sent(algorithm: str, n: int, nbytes: int, element_size: int = 4) -> int:
+    """The most bytes any device sends in one allreduce: `max(cost.traffic(...)["sent"])`, in closed form.
+
+    For any `n` with naive, ring, tree and recursive_doubling; halving_doubling's uneven halves
+    are counted on its schedule, up to `MAX_DEVICES`.
+    """
+    if n == 1:
+        return 0
+    if algorithm == "naive":  # dev0 sends the sum back to every other device
+        return (n - 1) * nbytes
+    if algorithm == "ring":  # every chunk twice but the two after its own: the smallest two that neighbour
+        base, extra = divmod(nbytes // element_size, n)
+        small = base * element_size
+        return 2 * nbytes - (2 * small if n - extra >= 2 else 2 * small + element_size)
+    if algorithm == "tree":  # dev0 sends the whole buffer once per level of the broadcast
+        return (n - 1).bit_length() * nbytes
+    if algorithm == "recursive_doubling":  # log2 p swaps, and one more for the partner of an extra device
+        p = 1 << (n.bit_length() - 1)
+        return (p.bit_length() - 1 + (n > p)) * nbytes
+    if n > MAX_DEVICES:
+        raise ValueError(f"explain diloco --schedule {algorithm} counts its bytes on its schedule, on at most "
+                         f"{MAX_DEVICES} devices, got {n}: naive, ring, tree and recursive_doubling take any number")
+    return int(max(bytes_per_step("ddp", nbytes, n, 1, algorithm, element_size)))
 
 
 def plot(algorithm: str, num_devices: int, path: str, root: int = 0):
