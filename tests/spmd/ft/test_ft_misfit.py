@@ -6,6 +6,8 @@ command line, replica processes: soak (the end of this file).
 """
 import concurrent.futures
 import dataclasses
+import os
+import signal
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from manualdp.spmd.ft.coordinator import connect
 from manualdp.spmd.ft.admission import Misfit, canonical, check, differences, digest, publish, refusals
 from manualdp.spmd.ft.heartbeat import Liveness
 from manualdp.spmd.ft.quorum import decide, wait_for_quorum
+from tests.spmd.ft.cli_harness import check_against_reference, committed, reference, run
 from tests.spmd.ft.harness import member
 from tests.spmd.ft.test_ft_quorum import registered_with_heartbeat
 
@@ -135,3 +138,32 @@ def test_a_manager_with_the_run_settings_is_not_refused():
         a.start_step()
         assert a.should_commit(torch.ones(1).item() == 1.0) and a.step == 2
         assert refusals(a.store, 0) == ([], 0)
+
+
+# ---------------------------------------------------------------- by the command line (soak)
+
+@pytest.mark.soak
+def test_by_the_command_line_a_joiner_with_another_lr_exits_2_in_one_line_and_the_run_ends_as_one_process(tmp_path):
+    epochs = 3
+    with run(tmp_path, epochs=epochs) as r:
+        for rid in "ab":
+            r.start(rid)
+        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
+        for p in (r.replicas["a"][0], r.replicas["b"][0]):  # held, so that c comes before the run ends
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            r.options[r.options.index("--lr") + 1] = "0.2"
+            c = r.start("c")
+            assert c.wait(timeout=60) == 2
+        finally:
+            for p in (r.replicas["a"][0], r.replicas["b"][0]):
+                os.kill(p.pid, signal.SIGCONT)
+        r.replicas.pop("c")
+        results = r.finish()
+        ref = reference(tmp_path, epochs)
+    err = (tmp_path / "c-0.log").read_text()
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        "manualdp train: error: replica 'c' refused by the run: lr 0.2 != 0.1: start it with the run's settings"), err
+    assert all("replica c refused: lr 0.2 != 0.1" in (tmp_path / f"{rid}-0.log").read_text() for rid in "ab")
+    assert sorted(committed(results)) == list(range(8 * epochs))
+    check_against_reference(results, ref)
