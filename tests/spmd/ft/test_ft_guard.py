@@ -6,6 +6,10 @@ line, with one replica's contributions multiplied by 1000: soak (the end of this
 """
 import logging
 import math
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +17,7 @@ import torch
 from manualdp.spmd.ft import Quorum
 from manualdp.spmd.ft.average import average_and_vote
 from manualdp.spmd.ft.guard import FACTOR, PAIR_FACTOR, STRIKES, ContributionGuard, Removed, offenders
+from tests.spmd.ft.cli_harness import ROOT, check_against_reference, committed, reference, run
 from tests.spmd.ft.harness import member
 
 
@@ -106,3 +111,47 @@ def test_without_a_guard_nothing_is_judged():
     m = Member("a", {"b": 3.0})
     m.guard = None
     assert m.step_with([torch.full((9,), 1000.0)]) and m.sent == [9]
+
+
+# ---------------------------------------------------------------- by the command line (soak)
+
+POISON = ("import sys; from manualdp.spmd.ft import manager as m; average = m.Manager.average; "
+          "m.Manager.average = lambda self, t: average(self, t.mul_(1000)); "  # every contribution 1000 times
+          "from manualdp.runners.cli import main; sys.exit(main(sys.argv[1:]))")
+
+
+@pytest.mark.soak
+def test_by_the_command_line_a_replica_poisoning_its_contribution_is_removed_and_the_run_ends_as_one_process(
+        tmp_path):
+    epochs = 3
+    with run(tmp_path, epochs=epochs) as r:
+        for rid in "ab":
+            r.start(rid)
+        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
+        for p in (r.replicas["a"][0], r.replicas["b"][0]):  # held, so that c comes before the run ends
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with open(tmp_path / "c-0.log", "w") as log:
+                c = subprocess.Popen([sys.executable, "-c", POISON, *r.command("c")], cwd=ROOT, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+            r.procs.append(c)
+            r.wait("c registered", lambda: r.registrations() == 3)
+        finally:
+            for p in (r.replicas["a"][0], r.replicas["b"][0]):
+                os.kill(p.pid, signal.SIGCONT)
+        assert c.wait(timeout=120) == 2
+        results = r.finish()
+        ref = reference(tmp_path, epochs)
+    err = (tmp_path / "c-0.log").read_text()
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(
+        f"manualdp train: error: replica 'c' removed from the run: its contribution was out of line {STRIKES} steps "
+        f"in a row (norm "), err
+    for rid in "ab":
+        log = (tmp_path / f"{rid}-0.log").read_text()
+        assert "replica c's contribution is out of line" in log and f"removed after {STRIKES} in a row" in log
+        tried = [s for s in results[rid]["config"]["fault_tolerant"]["steps"] if "c" in s["members"]]
+        assert len(tried) == STRIKES and not any(s["committed"] for s in tried)  # each discarded, then c was out
+    assert all(m == ["a", "b"] for m in committed(results).values())
+    assert sorted(committed(results)) == list(range(8 * epochs))
+    check_against_reference(results, ref)
