@@ -66,7 +66,7 @@ class ContributionGuard:
         self.offences: dict[str, int] = {}  # member id -> its offences in a row, as far as this replica saw
 
     def passes(self, manager, contribution: list[torch.Tensor], also: list[torch.Tensor] = ()) -> bool:
-        """Gather every member's norm of `contribution`; False (nobody averages, all vote discard) if one is off.
+        """Gather each member's norm of `contribution`; False (nobody averages, all vote discard) if one is out of line.
 
         Raises `Removed` on the member out of line `strikes` times in a row, after its vote.
         """
