@@ -295,9 +295,10 @@ class Manager:
 
     # ------------------------------------------------------------ what outlives the process (durable.py)
 
-    def _make_durable(self) -> None:
+    def _make_durable(self, finishing: bool = False) -> None:
         """Resume from disk (first call); save the steps committed since the last call, mark them in the store, log."""
-        self._floor.allows(self.step, None)  # RunFinished if the run has ended
+        if not finishing:  # a member of the last quorum may find the run marked finished by another: it still saves
+            self._floor.allows(self.step, None)  # RunFinished if the run has ended
         if self._disk is not None and not self._looked_on_disk:
             self._looked_on_disk = True
             self._resume_from_disk()
@@ -344,7 +345,7 @@ class Manager:
         self._check_open("finish")
         try:
             if self.synced:
-                self._make_durable()
+                self._make_durable(finishing=True)
                 mark_finished(self.store, self.step)
                 if self._disk is not None:
                     self._disk.mark_finished(self.step, self._settings)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager
-from manualdp.spmd.ft.durable import Checkpoints, RunFinished, committed_step, record_committed
+from manualdp.spmd.ft.durable import Checkpoints, RunFinished, committed_step, mark_finished, record_committed
 from manualdp.spmd.ft.keys import COMMITTED
 from manualdp.spmd.ft.manager import CoordinatorLost
 
@@ -105,6 +105,16 @@ def test_a_replica_started_after_the_run_ended_is_told_so_by_the_store_and_by_th
         with pytest.raises(RunFinished, match=r"the run ended at step 2 \(.* says so\): nothing left to train"):
             ft_again.start_step()
         again.close()
+
+
+def test_a_member_of_the_last_quorum_saves_its_end_though_another_marked_the_run_finished(tmp_path):
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        train(a, ft, 2)
+        mark_finished(a.store, 2)  # the last quorum's other member was quicker
+        a.finish()
+    assert (tmp_path / "a" / "ckpt-00000002.pt").exists() and (tmp_path / "a" / "finished.json").exists()
+    assert [json.loads(line)["step"] for line in (tmp_path / "a" / "steps.jsonl").read_text().splitlines()] == [0, 1]
 
 
 def test_a_closed_manager_refuses_every_call_in_one_line():

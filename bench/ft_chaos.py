@@ -1,0 +1,304 @@
+"""Chaos for a fault-tolerant run: replicas killed (SIGKILL) at random while they train, the coordinator once.
+
+    python bench/ft_chaos.py                 # about 100 kills
+    python bench/ft_chaos.py --quick         # about 10 kills, under 2 minutes
+    python bench/ft_chaos.py --kills 40 --epochs 30 --json chaos.json
+
+Starts `manualdp coordinator` and 3 replicas (`manualdp train --fault-tolerant ... --checkpoint-dir`)
+as processes, then kills a random replica every 0.3-2.5 s (two at once one time in five) and
+starts it again at once with the same command; half-way it kills the coordinator, starts it
+again on the same port, and starts again the replicas that left when they lost it. The kills
+stop when `--kills` are done or the run has ended; then every replica runs to its end.
+
+Checked at the end (a line each, and the exit status 1 if one fails):
+- every step of the run was committed exactly once: the replicas' histories (`DIR/ID/steps.jsonl`,
+  one JSON line per committed step) hold each step, and for each step the same round and members;
+- the last process of every replica ended with 0, and each earlier one was killed or left naming
+  the lost coordinator (or that it could not reach it while it was down);
+- the replicas' final parameters are bitwise equal, and their losses equal the one-process run on
+  the same batches (`manualdp train --devices 1`; the split among members rounds differently).
+
+Reported: kills, rounds committed and discarded (read from the store before each coordinator
+goes), recovery time (from a kill to the first step the replica's new process commits) p50 and
+p99, and the bytes a recovery moves (a committed state's size).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+__all__ = ["main", "chaos", "check"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPLICAS = ("a", "b", "c")
+# 64 global batches an epoch of a small float32 MLP; short deadlines, so that a fault costs seconds
+RUN = ["--model", "mlp", "--num-train", "2048", "--num-test", "256", "--batch-size", "32", "--lr", "0.05",
+       "--no-progress", "--min-replicas", "1", "--timeout", "20"]
+STEPS_PER_EPOCH = 64
+
+
+def _manualdp(args: list[str], log: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    with open(log, "ab") as f:
+        return subprocess.Popen([sys.executable, "-m", "manualdp", *args], cwd=ROOT, env=env, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lines(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.endswith("\n")]  # a line being written is not whole yet
+    except FileNotFoundError:
+        return []
+
+
+class Chaos:
+    """The coordinator and replica processes of one run, their kills and restarts, and what the store said."""
+
+    def __init__(self, workdir: str, epochs: int, rng: random.Random) -> None:
+        self.dir, self.rng, self.port = workdir, rng, _free_port()
+        os.makedirs(workdir, exist_ok=True)
+        self.ckpt = os.path.join(workdir, "ckpt")
+        self.options = [*RUN, "--epochs", str(epochs), "--checkpoint-dir", self.ckpt]
+        self.procs: dict[str, list[subprocess.Popen]] = {r: [] for r in REPLICAS}
+        self.coordinators: list[subprocess.Popen] = []
+        self.kills, self.rounds = 0, {"commit": 0, "discard": 0}
+        self.pending: list[tuple[str, float, int]] = []  # (replica, killed at, its history's length then)
+        self.recoveries: list[float] = []
+        self.start_coordinator()
+        for rid in REPLICAS:
+            self.start(rid)
+
+    def start_coordinator(self) -> None:
+        log = os.path.join(self.dir, "coordinator.log")
+        self.coordinators.append(_manualdp(["coordinator", "--port", str(self.port)], log))
+        deadline = time.monotonic() + 60
+        while "listening" not in open(log).read().split("coordinator stopped")[-1]:
+            if time.monotonic() > deadline or self.coordinators[-1].poll() is not None:
+                raise RuntimeError(f"the coordinator did not start: {open(log).read()[-2000:]}")
+            time.sleep(0.05)
+
+    def start(self, rid: str) -> None:
+        n = len(self.procs[rid])
+        args = ["train", "--fault-tolerant", f"127.0.0.1:{self.port}", "--replica-id", rid, *self.options,
+                "--json", os.path.join(self.dir, f"{rid}.json")]
+        self.procs[rid].append(_manualdp(args, os.path.join(self.dir, f"{rid}-{n}.log")))
+
+    def history(self, rid: str) -> list[dict]:
+        return _lines(os.path.join(self.ckpt, rid, "steps.jsonl"))
+
+    def kill(self, rid: str) -> None:
+        proc = self.procs[rid][-1]
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            self.kills += 1
+            self.pending.append((rid, time.monotonic(), len(self.history(rid))))
+            self.start(rid)
+
+    def tally(self) -> None:
+        """Count the rounds the store decided (before its coordinator goes: a new one starts empty)."""
+        store = torch.distributed.PrefixStore("manualdp-ft", torch.distributed.TCPStore(
+            "127.0.0.1", self.port, is_master=False, timeout=datetime.timedelta(seconds=10)))
+        latest = int(store.get("latest")) if store.check(["latest"]) else 0
+        for r in range(1, latest + 1):
+            key = f"round/{r}/outcome"
+            if store.check([key]):
+                outcome = "commit" if b"commit" in store.get(key) else "discard"
+                self.rounds[outcome] += 1
+
+    def kill_coordinator(self) -> None:
+        self.tally()
+        coordinator = self.coordinators[-1]
+        os.killpg(coordinator.pid, signal.SIGKILL)
+        coordinator.wait()
+        for rid in REPLICAS:  # those that lost it leave, naming it; started again, they go on from the disk
+            try:
+                self.procs[rid][-1].wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.kill(rid)
+        self.start_coordinator()
+        for rid in REPLICAS:
+            if self.procs[rid][-1].poll() is not None and self.procs[rid][-1].returncode != 0:
+                self.start(rid)
+
+    def watch(self) -> None:
+        """Note recoveries; start again a replica that left with an error (a lost coordinator, a failed join)."""
+        for rid, killed, before in list(self.pending):
+            if len(self.history(rid)) > before:
+                self.recoveries.append(time.monotonic() - killed)
+                self.pending.remove((rid, killed, before))
+        for rid in REPLICAS:
+            code = self.procs[rid][-1].poll()
+            if code not in (None, 0):
+                self.start(rid)
+
+    def ended(self) -> bool:
+        return any(os.path.exists(os.path.join(self.ckpt, r, "finished.json")) for r in REPLICAS)
+
+    def finish(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(self.procs[r][-1].poll() is None for r in REPLICAS) and time.monotonic() < deadline:
+            self.watch()
+            time.sleep(0.1)
+        self.watch()
+
+    def close(self) -> None:
+        for proc in [p for ps in self.procs.values() for p in ps] + self.coordinators:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def chaos(workdir: str, kills: int, epochs: int, seed: int = 0, progress: bool = True,
+          coordinator: bool = True, timeout: float = 600) -> dict:
+    """Run the chaos in `workdir`; a summary: counts, recovery times, and what `check` needs."""
+    from tqdm.auto import tqdm
+
+    rng, started = random.Random(seed), time.monotonic()
+    c = Chaos(workdir, epochs, rng)
+    try:
+        bar = tqdm(total=kills, desc="kills", disable=not progress, dynamic_ncols=True)
+        time.sleep(rng.uniform(2.0, 4.0))  # let the first quorum form
+        while c.kills < kills and not c.ended() and time.monotonic() - started < timeout:
+            time.sleep(rng.uniform(0.3, 2.5))
+            c.watch()
+            if coordinator and c.kills >= kills // 2 and len(c.coordinators) == 1:
+                c.kill_coordinator()
+                continue
+            for rid in rng.sample(REPLICAS, 2 if rng.random() < 0.2 else 1):
+                c.kill(rid)
+            bar.n = min(c.kills, kills)
+            bar.refresh()
+        bar.close()
+        c.finish(max(60.0, timeout - (time.monotonic() - started)))
+        c.tally()
+    finally:
+        c.close()
+    return {"kills": c.kills, "coordinator_kills": len(c.coordinators) - 1, "rounds": c.rounds,
+            "recoveries": sorted(c.recoveries), "seconds": time.monotonic() - started,
+            "procs": {r: [p.returncode for p in ps] for r, ps in c.procs.items()},
+            "histories": {r: c.history(r) for r in REPLICAS}, "dir": workdir,
+            "state_bytes": max((os.path.getsize(os.path.join(c.ckpt, r, f)) for r in REPLICAS
+                                for f in os.listdir(os.path.join(c.ckpt, r)) if f.endswith(".pt")), default=0)}
+
+
+def check(summary: dict, epochs: int, reference: dict | None = None) -> list[str]:
+    """What is wrong with the run `summary` describes (an empty list: nothing)."""
+    problems, total, workdir = [], epochs * STEPS_PER_EPOCH, summary["dir"]
+    taken: dict[int, tuple] = {}
+    for rid, lines in summary["histories"].items():
+        for line in lines:
+            first = taken.setdefault(line["step"], (line["round"], line["members"]))
+            if first != (line["round"], line["members"]):
+                problems.append(f"step {line['step']} was committed twice: round {first[0]} by {first[1]}, "
+                                f"round {line['round']} by {line['members']} ({rid}'s history)")
+    missing = sorted(set(range(total)) - set(taken))
+    if missing or max(taken, default=-1) >= total:
+        problems.append(f"steps missing from every history: {missing[:10]}{'...' if len(missing) > 10 else ''}")
+    for rid, codes in summary["procs"].items():
+        if codes[-1] != 0:
+            problems.append(f"replica {rid}'s last process ended with {codes[-1]}")
+        for n, code in enumerate(codes[:-1]):
+            log = open(os.path.join(workdir, f"{rid}-{n}.log")).read()
+            if code != -signal.SIGKILL and not any(w in log for w in ("lost the coordinator",
+                                                                       "cannot reach the coordinator")):
+                problems.append(f"replica {rid}'s process {n} ended with {code}: {log.strip().splitlines()[-1:]}")
+    finals = {}
+    for rid in REPLICAS:
+        path = os.path.join(workdir, f"{rid}.json")
+        if not os.path.exists(path):
+            problems.append(f"replica {rid} wrote no --json: its last process did not train to the end")
+            continue
+        with open(path) as f:
+            finals[rid] = json.load(f)
+    shas = {rid: h["config"]["fault_tolerant"]["parameters_sha256"] for rid, h in finals.items()}
+    if len(set(shas.values())) != 1:
+        problems.append(f"the replicas' final parameters differ: {shas}")
+    if reference is not None and finals:
+        first = next(iter(finals.values()))
+        got, want = torch.tensor(first["train_loss"]), torch.tensor(reference["train_loss"])
+        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=0):
+            problems.append(f"the losses differ from the one-process run: {first['train_loss']} != "
+                            f"{reference['train_loss']}")
+        elif first["test_acc"] != reference["test_acc"]:
+            problems.append(f"test accuracy differs from the one-process run: {first['test_acc']} != "
+                            f"{reference['test_acc']}")
+    return problems
+
+
+def reference_run(workdir: str, epochs: int) -> dict:
+    """The same run in one process on one device: its --json."""
+    out = os.path.join(workdir, "reference.json")
+    run = [a for a in RUN if a not in ("--min-replicas", "1", "--timeout", "20")]
+    subprocess.run([sys.executable, "-m", "manualdp", "train", "--devices", "1", "--cpu", *run, "--epochs",
+                    str(epochs), "--json", out], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), check=True,
+                   stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        return json.load(f)
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else values[0]
+
+
+def report(summary: dict) -> str:
+    r, rec = summary["rounds"], summary["recoveries"]
+    return (f"kills {summary['kills']} (+ coordinator {summary['coordinator_kills']}), rounds committed "
+            f"{r.get('commit', 0)} and discarded {r.get('discard', 0)}, {len(rec)} recoveries: p50 "
+            f"{_percentile(rec, 50):.2f} s, p99 {_percentile(rec, 99):.2f} s, {summary['state_bytes']} bytes per "
+            f"recovery (the state), {summary['seconds']:.0f} s in all")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kills", type=int, default=100, help="replica kills (default 100)")
+    p.add_argument("--epochs", type=int, default=None, help=f"epochs of {STEPS_PER_EPOCH} steps (default: by kills)")
+    p.add_argument("--quick", action="store_true", help="about 10 kills, under 2 minutes")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=None, help="seconds for the whole run (default: by kills)")
+    p.add_argument("--workdir", default=None, help="where the logs and checkpoints go (default: a new temp folder)")
+    p.add_argument("--json", default=None, help="write the summary here")
+    p.add_argument("--no-progress", action="store_true")
+    args = p.parse_args(argv)
+    kills = 10 if args.quick else args.kills
+    if kills < 0:
+        p.error(f"--kills must be >= 0, got {kills}")
+    epochs = args.epochs or max(2, kills // 4)  # a kill every 1.4 s on average; a quiet epoch takes about 2 s
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ft-chaos-")
+    summary = chaos(workdir, kills, epochs, args.seed, progress=not args.no_progress,
+                    timeout=args.timeout or 60 + 6 * kills + 4 * epochs)
+    problems = check(summary, epochs, reference_run(workdir, epochs))
+    print(report(summary))
+    for line in problems:
+        print(f"FAILED: {line}")
+    print("every committed step once, replicas equal to each other and to the one-process run, rc 0 everywhere"
+          if not problems else f"{len(problems)} problem(s); logs in {workdir}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({k: v for k, v in summary.items() if k != "histories"} | {"problems": problems}, f, indent=1)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
