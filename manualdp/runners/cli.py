@@ -76,9 +76,25 @@ def _non_negative_int(at_most: int | None = None):
 def _address(text: str) -> tuple[str, int]:
     from .ft_train import parse_address
     try:
-        return parse_address(text)
+        host, port = parse_address(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    return _host(host), port
+
+
+def _host(text: str) -> str:
+    """`text` if it is an address, or a name that resolves: checked before anything starts."""
+    import socket
+
+    from ..spmd.ft.coordinator import check_host
+    try:
+        check_host(text)
+        socket.getaddrinfo(text, None, type=socket.SOCK_STREAM)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    except (OSError, UnicodeError) as e:
+        raise argparse.ArgumentTypeError(f"host {text!r} does not resolve to an address: {e}") from None
+    return text
 
 
 def _replica_id(text: str) -> str:
@@ -205,7 +221,11 @@ def _fault_tolerance_options(t: argparse.ArgumentParser) -> None:
     f.add_argument("--replica-id", type=_replica_id, metavar="NAME",
                    help="this replica's name, unique among the live ones (with --fault-tolerant)")
     f.add_argument("--min-replicas", type=_min_replicas, default=None, metavar="N",
-                   help="train only in a quorum of at least N replicas; fewer, and wait (default: 1)")
+                   help="train only in a quorum of at least N replicas; fewer, and wait (default: more than half of "
+                        "the last quorum's replicas that did not leave, so that a run cut in two never trains twice)")
+    f.add_argument("--token-file", metavar="PATH",
+                   help="a file holding the run's shared secret (one line, at least 16 characters; default: "
+                        "$MANUALDP_FT_TOKEN), the coordinator's: every key and value in its store is signed with it")
     every = f.add_mutually_exclusive_group()
     every.add_argument("--local-sgd", type=positive(int, 10**6), default=None, metavar="H",
                        help="local SGD: H steps alone, then average the parameters (torchft's LocalSGD, sync_every=H; "
@@ -223,12 +243,21 @@ def _coordinator_parser(sub) -> None:
     """`manualdp coordinator`: the store fault-tolerant replicas meet in."""
     co = sub.add_parser("coordinator", help="host the store fault-tolerant replicas meet in, until stopped",
                         description="Host the membership store of `manualdp train --fault-tolerant` until Ctrl-C "
-                                    "or SIGTERM.")
+                                    "or SIGTERM. Its server (torch's TCPStore) accepts any number of connections, "
+                                    "from any address that reaches the port: it has no limit to set, so a process "
+                                    "that holds thousands keeps replicas from joining; keep the port on a trusted "
+                                    "network.")
     co.add_argument("--port", type=_port(allow_zero=True), required=True,
                     help="TCP port to listen on (0: a free one, printed)")
-    co.add_argument("--host", default="127.0.0.1",
-                    help="the address printed for the replicas (the store listens on every interface; "
-                         "default 127.0.0.1)")
+    co.add_argument("--host", type=_host, default="127.0.0.1",
+                    help="the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: every interface, "
+                         "with a warning)")
+    co.add_argument("--token-file", metavar="PATH",
+                    help="a file holding the run's shared secret (one line, at least 16 characters; default: "
+                         "$MANUALDP_FT_TOKEN): every key and value is signed with it, and a process without it cannot "
+                         "forge a decision, vote, heartbeat or state. It encrypts nothing, and cannot stop a process "
+                         "that reaches the port from deleting keys. Without it the store is open to anyone who "
+                         "reaches the port")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "coordinator":
-        return run_coordinator(args.port, args.host)
+        return run_coordinator(args.port, args.host, args.token_file)
     problem = check_train_args(args)
     if problem:
         parser.exit(2, f"manualdp train: error: {problem}\n")
@@ -256,16 +285,20 @@ def main(argv: list[str] | None = None) -> int:
     return run_train(args)
 
 
-def run_coordinator(port: int, host: str = "127.0.0.1") -> int:
+def run_coordinator(port: int, host: str = "127.0.0.1", token_file: str | None = None) -> int:
     """`manualdp coordinator`: host the store until SIGINT or SIGTERM; 0 when stopped so, 1 if it cannot listen."""
     import signal
 
     from ..spmd.ft import Coordinator
+    from ..spmd.ft.coordinator import load_token
 
     try:
-        coordinator = Coordinator(port, host)
+        coordinator = Coordinator(port, host, load_token(token_file))
+    except ValueError as e:  # the secret cannot be read, or is too short
+        sys.stderr.write(f"manualdp coordinator: error: {_one_line(e)}\n")
+        return 2
     except (RuntimeError, OSError) as e:  # the port is taken, or not ours to take
-        sys.stderr.write(f"manualdp coordinator: error: cannot listen on port {port}: {_one_line(e)}\n")
+        sys.stderr.write(f"manualdp coordinator: error: cannot listen on {host}:{port}: {_one_line(e)}\n")
         return 1
 
     def stop(signum, frame):
@@ -329,6 +362,7 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
     """What does not go with `--fault-tolerant` (or needs it), in one line; None if nothing."""
     if not args.fault_tolerant:
         given = [o for o, v in (("--replica-id", args.replica_id), ("--min-replicas", args.min_replicas),
+                                ("--token-file", args.token_file),
                                 ("--local-sgd", args.local_sgd), ("--diloco", args.diloco),
                                 ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum))
                  if v is not None]
@@ -553,8 +587,14 @@ def run_replica(args) -> int:
     from ..spmd.ft.durable import RunFinished
     from ..spmd.ft.manager import CoordinatorLost
     from ..spmd.ft.admission import Misfit
+    from ..spmd.ft.coordinator import load_token
     from .ft_train import train_replica
 
+    try:
+        token = load_token(args.token_file)
+    except ValueError as e:  # before anything starts
+        _error(_one_line(e))
+        return 2
     torch.set_num_threads(cpu_threads(args.threads, 1))
     loaded = _load(args)
     if loaded is None:
@@ -564,9 +604,12 @@ def run_replica(args) -> int:
     timeout = args.timeout if args.timeout is not None else 60.0
     try:
         manager = Manager(args.replica_id, host, port, checkpoint_dir=args.checkpoint_dir,
-                          min_replicas=args.min_replicas or 1, timeout=timeout,
-                          quorum_timeout=min(10.0, timeout), algorithm=args.algorithm or "ring")
-    except (RuntimeError, OSError) as e:  # nobody listens there, or not within the timeout
+                          min_replicas=args.min_replicas, timeout=timeout,
+                          quorum_timeout=min(10.0, timeout), algorithm=args.algorithm or "ring", token=token)
+    except ConnectionError as e:  # nobody answers there within the timeout: connect says so in one line
+        _error(f"replica {args.replica_id!r}: {_one_line(e)}")
+        return 1
+    except (RuntimeError, OSError) as e:
         _error(f"replica {args.replica_id!r}: cannot reach the coordinator at {host}:{port}: {_one_line(e)}")
         return 1
     except ValueError as e:  # another live replica goes by this id
