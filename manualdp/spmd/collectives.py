@@ -15,11 +15,11 @@ from ..collectives import chunk
 from ..schedule import get_collective
 from ..validate import boolean, check_summable, int_between, one_of, positive_int, timeout_seconds
 from .transport.group import after_wrappers, group_state
-from .transport.call_check import HeaderCheck, same_call
+from .transport.call_check import make_check, same_call
 from .transport.p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule
 from .transport.peers import group_timeout
 from .auto.pick import choose
-from .auto.tune import ENGINE_ALGORITHMS, agreed, measure_again, note
+from .auto.tune import DRIFT_EVERY, ENGINE_ALGORITHMS, agreed, drift_flag, measure_again, note
 
 __all__ = ["ENGINE_ALGORITHMS", "allreduce", "reduce_scatter", "all_gather", "reduce", "broadcast"]
 
@@ -34,21 +34,24 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     silent for `timeout` seconds (default: the group's timeout), or gone, raises `PeerError`.
 
     `check` (default True): compare the calls (`manualdp.spmd.transport.call_check`): every rank's
-    fingerprint (size, dtype, algorithm, segment size, call number) goes to every rank in
-    fixed-size headers, so that ranks called differently all raise instead of pairing wrong
-    messages. On gloo the headers travel beside the first round of data, which is posted on a
-    tag only an identical call's messages carry; the check alone, first, costs a round trip
-    more, and runs only where there is no data to carry it (an empty tensor, the first "auto"
-    call, which must agree before it measures the link, NCCL). Pass False only where the calls
-    are known to match, as `DistributedDataParallel` does for its buckets after checking each
-    step once (every rank's buckets were compared at construction).
+    fingerprint (size, dtype, algorithm, segment size, call number) decides the tag its data
+    travels on, so that only identical calls' messages pair, and ranks called differently all
+    raise, naming who had what. At two ranks on gloo that is all that travels while the calls
+    agree; only a first round that is late makes the ranks compare fingerprints (through the
+    store). With more ranks, or NCCL, fixed-size headers go to every rank beside the first round
+    (or alone, first, on NCCL). The check alone, a round trip, runs only where there is no data
+    to carry it (an empty tensor, the first "auto" call, which must agree before it measures the
+    link, one "auto" call in `DRIFT_EVERY`). Pass False only where the calls are known to match,
+    as `DistributedDataParallel` does for its buckets after checking each step once (every
+    rank's buckets were compared at construction).
 
     `step` (default -1: none): a wrapper's count of its steps, compared by the check too (the
     ladder's rungs 3 and 4 carry their step check on a step's first allreduce this way).
 
     With "auto" and the check, each rank times its calls against the cost model's prediction;
-    when one of them sees those times drift (`manualdp.spmd.auto.tune.drifted`), the check tells
-    every rank, and they measure the link again together.
+    one call in `DRIFT_EVERY` carries whether this rank saw those times drift at two such looks
+    in a row (`manualdp.spmd.auto.tune.drift_flag`), and then every rank measures the link again
+    together: a moment's load on the host does not make a steady loop measure.
     """
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
@@ -64,25 +67,27 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     timeout = timeout if timeout is not None else group_timeout(group)
     after_wrappers(state)
     auto, requested = algorithm == "auto", algorithm
-    carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None)
-    # Alone, first: "auto" may measure the link, a collective that every rank must reach; all do when one saw it drift.
+    # Every DRIFT_EVERY-th checked call of "auto" runs its check alone, carrying this rank's drift: all measure
+    # again together when one saw the link change for two looks in a row (`tune.drift_flag`). The count is the
+    # call number every rank compares, so every rank looks at the same call.
+    look = auto and check and state.link is not None and (state.calls + 1) % DRIFT_EVERY == 0
+    carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None) and not look
+    # Alone, first: "auto" may measure the link, a collective that every rank must reach.
     if check and not carried and same_call(state, tensor, algorithm, segment_bytes, timeout,
-                                           flag=auto and state.drifted, step=step):
+                                           flag=look and drift_flag(state), step=step):
         measure_again(state, timeout)
     if tensor.numel() == 0:
         return
     nbytes = tensor.numel() * tensor.element_size()
     if auto:  # the cost model's pick
         algorithm = choose(len(state.peers), nbytes, agreed(state, timeout), tensor.element_size(), segment_bytes)
-    header = HeaderCheck(state, tensor, requested, segment_bytes, timeout, flag=auto and state.drifted,
-                         schedule=algorithm, step=step) if carried else None
+    header = make_check(state, tensor, requested, segment_bytes, timeout, schedule=algorithm,
+                        step=step) if carried else None
     start = time.perf_counter()
     run_allreduce(tensor, algorithm, state, segment_bytes, timeout, check=header)
     if auto and check and tensor.device.type == "cpu":  # on a GPU the call returns before the work is done
         note(state, algorithm, tensor.numel() * tensor.element_size(), tensor.element_size(), segment_bytes,
              time.perf_counter() - start)
-    if header is not None and header.flagged:  # every rank saw the same flags: all measure again, now
-        measure_again(state, timeout)
 
 
 def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool,
@@ -114,8 +119,8 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     if check and not carried:
         same_call(state, tensor, algorithm, segment_bytes, timeout, collective=collective, root=root, step=step)
     if tensor.numel():
-        header = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, schedule=algorithm,
-                             collective=collective, root=root, step=step) if carried else None
+        header = make_check(state, tensor, algorithm, segment_bytes, timeout, schedule=algorithm,
+                            collective=collective, root=root, step=step) if carried else None
         run_schedule(tensor, schedule, state, segment_bytes, timeout, check=header)
     return state.rank
 

@@ -14,7 +14,8 @@ group's state (`GroupState.link`).
 
 Constants go stale: a cache older than `MAX_CACHE_AGE` is measured again, and so is a link
 whose measured allreduce times drift from the predictions (`note`, `drifted`, `recalibrate`:
-the drift rides in allreduce's call check, so that all ranks measure again together).
+one "auto" call in `DRIFT_EVERY` carries the drift in its call check, and the ranks measure
+again together only when a rank saw it at `DRIFT_LOOKS` looks in a row, `drift_flag`).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from .pick import Link, choose, predict
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 
 # Link, predict and choose (`pick`), and the cache's names, are used here and kept importable from here too.
-__all__ = ["ENGINE_ALGORITHMS", "resolve", "link_for", "agreed", "recalibrate", "measure_again", "calibrate",
+__all__ = ["ENGINE_ALGORITHMS", "DRIFT_EVERY", "drift_flag", "resolve", "link_for", "agreed", "recalibrate", "measure_again", "calibrate",
            "fit_duplex", "duplex_of", "note", "drifted", "moved", "Link", "predict", "choose", "host_parallel",
            "known_link", "cache_path", "CALIBRATION", "MAX_CACHE_AGE", "DEFAULT_SEGMENT_BYTES"]
 
@@ -81,6 +82,8 @@ def measure_again(state: GroupState, timeout: float | None) -> Link:
     state.link = _agree(state, timeout, again=True)
     state.times.clear()
     state.drifted = False
+    state.drift_looks = 0
+    state.remeasures += 1
     return state.link[0]
 
 
@@ -290,6 +293,22 @@ def note(state: GroupState, algorithm: str, nbytes: int, element_size: int, segm
 @functools.lru_cache(maxsize=1024)
 def _predicted(*args) -> float:
     return predict(*args)
+
+
+DRIFT_EVERY = 64  # "auto" looks at its drift on one checked call in this many (the same call on every rank)
+DRIFT_LOOKS = 2   # looks in a row that must each have seen a drift before the ranks measure again
+
+
+def drift_flag(state: GroupState) -> bool:
+    """At a look (one call in `DRIFT_EVERY`): whether this rank asks to measure again.
+
+    Only when its times drifted (`moved`) before this look and before the `DRIFT_LOOKS - 1`
+    looks before it: a host busy for a moment moves one window of times, not several in a row.
+    Each look starts the evidence afresh.
+    """
+    state.drift_looks = state.drift_looks + 1 if state.drifted else 0
+    state.drifted = False
+    return state.drift_looks >= DRIFT_LOOKS
 
 
 def drifted(group=None) -> bool:

@@ -1,24 +1,25 @@
 """The call check: ranks that call a collective differently all raise, naming who had what.
 
 Every rank's fingerprint of its call (size, dtype, algorithm, segment size, call number, the
-schedule it runs, which collective and its root, the caller's step) goes to every rank in
-fixed-size header messages (`everyone_hears_everyone`: at two ranks one each way at once).
-Headers of fixed size pair safely whatever the calls: a receive posted for another size than its
-send makes gloo abort, so only they may be exchanged before the ranks know they agree. Then every
-rank compares the same table and raises, or not, alike.
+schedule it runs, which collective and its root, the caller's step and identity) decides the
+tag its data travels on (`_tag`): only messages of identical calls pair, so nothing pairs with
+a wrong message, and a receive posted for another size than its send (which makes gloo abort)
+never meets it. What differs is how the ranks learn that their calls differ:
 
-Two ways to run it:
-- alone, before any data moves (`same_call`): one round trip more per call. Used where there
-  is no data to overlap it with (DDP's one check per step, queued while forward computes; an
-  empty tensor; the first "auto" call, which must agree before measuring the link; NCCL);
-- carried with the data (`HeaderCheck`, on gloo): the first round of data is posted at once,
-  on a tag derived from the fingerprint, and the headers travel beside it; the check completes
-  before that round's data is used. Ranks that agree lose nothing to a round trip. Ranks that
-  differ posted data on different tags, so no message pairs with a wrong one; each rank knows
-  from the table what every other rank posted toward it, receives those messages into
-  throwaway space and sends the ones its peers wait for, so nothing stays queued to meet a
-  later call, and then raises. Its tensor is unchanged: the first round's receives of every
-  allreduce schedule are reductions, which land in scratch space.
+- two ranks on gloo (`TagCheck`): nothing more travels while the calls agree. The whole first
+  round is waited for before anything of it is used; a first round that is late makes the
+  ranks compare fingerprints through the store (`late.py`), and when they differ each
+  completes what the other posted toward it, and both raise;
+- more ranks, or NCCL (`HeaderCheck`): the fingerprints go to every rank in fixed-size header
+  messages (`everyone_hears_everyone`), beside the first round of data on gloo, alone first on
+  NCCL. Then every rank compares the same table. A rank that knows only its partners in the
+  first round cannot know a third rank called otherwise before it adds what arrived, so the
+  headers stay. On a mismatch each rank completes what every peer posted toward it, then raises.
+
+Either way a refused call leaves the tensor unchanged: the first round's receives all land in
+scratch space until the check has passed. The check alone, with no data to carry it
+(`same_call`: DDP's one check per step, an empty tensor, the first "auto" call), costs one
+round trip and carries a flag every rank sees (`allreduce`: measure the link again).
 """
 from __future__ import annotations
 
@@ -32,14 +33,18 @@ import torch.distributed as dist
 
 from ...schedule import ALGORITHMS, COLLECTIVES, Schedule, Transfer, get_collective
 from .group import GroupState, group_state
+from .late import LateWatch
 from .p2p import exchange, plan, schedule_of
 from .peers import peer_error, refused_alike
 
-__all__ = ["HEADER_TAG", "check_same_call", "same_call", "HeaderCheck", "everyone_hears_everyone", "differs"]
+__all__ = ["HEADER_TAG", "check_same_call", "same_call", "make_check", "HeaderCheck", "TagCheck",
+           "everyone_hears_everyone", "differs"]
 
 HEADER_TAG = 2 ** 31 - 1  # the headers' tag; unchecked data goes on tag 0, checked data on `HeaderCheck.tag`
 # compared, named in the error; "step" is a wrapper's count of its steps (-1: a call on its own)
-_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule", "collective", "root", "step")
+# "wrapper": an identity a wrapper passes for itself (`identity`, 0: none), so that two wrappers' calls never pair
+_FIELDS = ("elements", "dtype", "algorithm", "segment_bytes", "call", "schedule", "collective", "root", "step",
+           "wrapper")
 _SIZE, _FLAG = len(_FIELDS), len(_FIELDS) + 1  # then the element size (compared), and the flag (not compared)
 # every dtype torch has, each its own number (two unlisted 1-byte types, bool and float8, once looked alike)
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -65,7 +70,7 @@ def everyone_hears_everyone(n: int) -> Schedule:
 
 
 def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, group, timeout: float | None, *,
-                    numel: int | None = None, flag: bool = False, step: int = -1) -> bool:
+                    numel: int | None = None, flag: bool = False, step: int = -1, identity: int = 0) -> bool:
     """Raise on every rank unless all called allreduce alike: same size, dtype, algorithm, segment size, call number.
 
     The check alone, before any data moves. Returns whether any rank raised `flag`, a bit that
@@ -78,19 +83,109 @@ def check_same_call(tensor: torch.Tensor, algorithm: str, segment_bytes: int, gr
     an error the others did not see, is found even when the sizes happen to agree. `step`: the
     caller's own count of its steps (a ladder rung's forward passes), compared too: a rank that
     skipped a backward pass, or ran one more, meets its peers' check of another step.
+    `identity` (0: none): a number that stands for the caller (a wrapper's own), compared too.
     """
-    return same_call(group_state(group), tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag, step=step)
+    return same_call(group_state(group), tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag, step=step,
+                     identity=identity)
 
 
 def same_call(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, timeout: float | None, *,
               numel: int | None = None, flag: bool = False, collective: str = "allreduce", root: int = 0,
-              step: int = -1) -> bool:
+              step: int = -1, identity: int = 0) -> bool:
     """`check_same_call` on the group whose state is `state` (of `collective`, rooted at group rank `root`)."""
-    check = HeaderCheck(state, tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag,
-                        collective=collective, root=root, step=step)
+    check = make_check(state, tensor, algorithm, segment_bytes, timeout, numel=numel, flag=flag,
+                       collective=collective, root=root, step=step, identity=identity)
+    if isinstance(check, TagCheck):
+        return check.alone()
     check.start()
     check()
     return check.flagged
+
+
+def make_check(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, timeout: float | None,
+               **fields) -> "HeaderCheck | TagCheck":
+    """The call check for this group: `TagCheck` for two ranks on gloo (nothing sent when the calls agree), else
+    `HeaderCheck`.
+
+    `fields`: `numel`, `flag`, `schedule`, `collective`, `root`, `step`, `identity`, as `HeaderCheck` takes them.
+    """
+    kind = TagCheck if state.early and len(state.peers) == 2 else HeaderCheck
+    return kind(state, tensor, algorithm, segment_bytes, timeout, **fields)
+
+
+def _fingerprint(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, *, numel: int | None,
+                 flag: bool, schedule: str | None, collective: str, root: int, step: int, identity: int) -> list[int]:
+    """This call's row: the compared fields (`_FIELDS`), the element size, the flag; counts the call."""
+    state.calls += 1
+    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+    return [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes,
+            state.calls, -1 if schedule is None else _NAMES.index(schedule), _COLLECTIVES.index(collective),
+            root, step, identity, tensor.element_size(), int(flag)]
+
+
+def _refused(collective: str, rows: list[list[int]]) -> ValueError:
+    """The one error of a refused call, the same on every rank (`peers.refused_alike`)."""
+    return refused_alike(ValueError(f"rank {dist.get_rank()}: {collective} called differently across ranks: "
+                                    f"{_differences(rows)}; the ranks are out of step (one ran out of batches "
+                                    "or skipped a step) or were given other arguments"))
+
+
+class TagCheck:
+    """Two ranks on gloo: the call's fingerprint is its data's tag, and nothing else travels while the calls agree.
+
+    The executor posts the first round on `self.tag`, calls `start()` (which arms the group's
+    `late.LateWatch`), waits for the whole first round, then `landed()`: messages of another
+    call carry another tag and never pair, so a completed first round means the peer called
+    alike. If the round is late the watch compares fingerprints through the store and, when they
+    differ, settles the peer's first round (`settle`) so that every wait ends; `landed()` then
+    raises on both ranks, naming what each had. The round's receives all land in scratch space,
+    so a refused call leaves the tensor unchanged. `alone()` is the check without data (a round
+    trip: the rows themselves, on their tag), which carries the flag.
+    """
+
+    def __init__(self, state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int,
+                 timeout: float | None, *, numel: int | None = None, flag: bool = False, schedule: str | None = None,
+                 collective: str = "allreduce", root: int = 0, step: int = -1, identity: int = 0) -> None:
+        self.row = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag, schedule=schedule,
+                                collective=collective, root=root, step=step, identity=identity)
+        self.compared = self.row[:_FLAG]
+        self.state, self.timeout, self.collective = state, timeout, collective
+        self.tag = _tag(self.row)
+        self.flagged = False
+
+    def start(self) -> None:
+        """Watch the first round (its receives are posted)."""
+        if self.state.late is None:
+            self.state.late = LateWatch(self.state.rank, self.state.pg())
+        self.state.late.arm(self)
+
+    def __call__(self) -> None:
+        """Nothing to exchange: the tag did it."""
+
+    def landed(self) -> None:
+        """The first round has ended: raise on a mismatch (the round was settled, not paired)."""
+        other = self.state.late.landed(self.timeout)
+        if other is not None:
+            me = self.state.rank
+            rows = [self.compared + [0] if r == me else list(other) + [0] for r in range(2)]
+            raise _refused(self.collective, rows)
+
+    def abandon(self) -> None:
+        """The first round failed (a peer gone): stop watching."""
+        self.state.late.abandon()
+
+    def alone(self) -> bool:
+        """The check without data: the two rows swapped on the call's tag; returns whether either raised the flag."""
+        table = torch.zeros(2, len(self.row), dtype=torch.int64)
+        table[self.state.rank] = torch.tensor(self.row)
+        exchange(table.view(-1), _header_rounds(2, self.state.rank, len(self.row)), self.state, self.timeout,
+                 self.tag, check=self)
+        self.flagged = bool(table[:, _FLAG].any())
+        return self.flagged
+
+    def settle(self, other: list[int]) -> None:
+        """Complete what the peer, whose compared fields are `other`, posted toward this rank in its first round."""
+        _settle(self.state, [other if p != self.state.rank else None for p in range(2)], self.timeout)
 
 
 class HeaderCheck:
@@ -100,7 +195,7 @@ class HeaderCheck:
     (`manualdp.spmd.transport.p2p.run_schedule`'s `check`) posts its first round on `self.tag`, between
     `start()` and `check()`. Afterwards `flagged` says whether any rank raised `flag`.
     `collective` and `root` say which of `manualdp.schedule.COLLECTIVES` it is; `step` is the
-    caller's step count (-1: none), all compared.
+    caller's step count (-1: none), `identity` a number standing for the caller (0: none), all compared.
 
     On gloo the receives of the next call's headers are posted as soon as this call's have
     arrived (they are of fixed size, on a tag of their own), and kept in the group's state:
@@ -110,17 +205,21 @@ class HeaderCheck:
 
     def __init__(self, state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int,
                  timeout: float | None, *, numel: int | None = None, flag: bool = False,
-                 schedule: str | None = None, collective: str = "allreduce", root: int = 0, step: int = -1) -> None:
-        state.calls += 1
-        dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-        self.row = [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes,
-                    state.calls, -1 if schedule is None else _NAMES.index(schedule), _COLLECTIVES.index(collective),
-                    root, step, tensor.element_size(), int(flag)]
+                 schedule: str | None = None, collective: str = "allreduce", root: int = 0, step: int = -1,
+                 identity: int = 0) -> None:
+        self.row = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag, schedule=schedule,
+                                collective=collective, root=root, step=step, identity=identity)
         self.collective = collective
         self.state, self.timeout, self.device = state, timeout, tensor.device
         self.deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
         self.tag = _tag(self.row)
         self.flagged = False
+
+    def landed(self) -> None:
+        """The first round has ended: nothing more to know (`__call__` compared the headers before)."""
+
+    def abandon(self) -> None:
+        """Nothing to stop."""
 
     def start(self) -> None:
         """Send this rank's row (gloo; on NCCL the whole exchange happens in `check()`)."""
@@ -168,41 +267,55 @@ class HeaderCheck:
         if all(row[:_FLAG] == self.row[:_FLAG] for row in rows):
             self.flagged = any(row[_FLAG] for row in rows)
             return
-        self._settle(rows)  # then nothing of this call is in flight: every rank raises alike (`peers.refused_alike`)
-        raise refused_alike(ValueError(f"rank {dist.get_rank()}: {self.collective} called differently across ranks: "
-                                       f"{_differences(rows)}; the ranks are out of step (one ran out of batches "
-                                       "or skipped a step) or were given other arguments"))
+        mine = self.row[:_FLAG]
+        # then nothing of this call is in flight: every rank raises alike (`peers.refused_alike`)
+        _settle(state, [None if row[:_FLAG] == mine or row[5] < 0 else row for row in rows], self.timeout)
+        raise _refused(self.collective, rows)
 
     def _wait(self, work) -> None:
         work.wait() if self.deadline is None else work.wait(self.deadline)
 
-    def _settle(self, rows: list[list[int]]) -> None:
-        """Complete what every peer that called otherwise posted toward this rank: receive its sends,
-        answer its receives.
 
-        A peer with this rank's fingerprint posted on this rank's tag, and its messages pair
-        with this rank's own. The others' first rounds follow from their rows.
-        """
-        state, me, pg = self.state, self.state.rank, self.state.pg()
-        works = []
-        for p, row in enumerate(rows):
-            if p == me or row[:_FLAG] == self.row[:_FLAG] or row[5] < 0:
-                continue
-            numel, segment_bytes, element_size, tag = row[0], row[3], row[_SIZE], _tag(row)
-            first = plan(_schedule(row, len(rows)), p, numel, max(1, segment_bytes // element_size))[0]
-            for m in first.sends:
-                if m.peer == me:
-                    works.append((state.peers[p],
-                                  pg.recv([torch.empty((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
-            for m in first.recvs:
-                if m.peer == me:
-                    works.append((state.peers[p],
-                                  pg.send([torch.zeros((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
-        for peer, work in works:
-            try:
-                self._wait(work)
-            except RuntimeError as e:
-                raise peer_error(e, peer, self.timeout) from e
+def _settle(state: GroupState, rows: list[list[int] | None], timeout: float | None) -> None:
+    """Complete what every peer whose row is given posted toward this rank in its first round: receive its sends,
+    answer its receives.
+
+    `rows`: per group rank, the fingerprint of a peer that called otherwise, or None (this
+    rank, a peer whose messages pair with this rank's own, or one whose headers were completed).
+    """
+    me, pg, n = state.rank, state.pg(), len(rows)
+    works = []
+    for p, row in enumerate(rows):
+        if row is None or p == me:
+            continue
+        first, element_size = _first_round(row, p, n)
+        tag = _tag(row)
+        for m in first.sends:
+            if m.peer == me:
+                works.append((state.peers[p],
+                              pg.recv([torch.empty((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
+        for m in first.recvs:
+            if m.peer == me:
+                works.append((state.peers[p],
+                              pg.send([torch.zeros((m.hi - m.lo) * element_size, dtype=torch.uint8)], p, tag)))
+    deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
+    for peer, work in works:
+        try:
+            work.wait() if deadline is None else work.wait(deadline)
+        except RuntimeError as e:
+            raise peer_error(e, peer, timeout) from e
+
+
+def _first_round(row: list[int], rank: int, n: int):
+    """The first round that group rank `rank`, whose fingerprint is `row`, posted, and its element size.
+
+    A row without a schedule is a check alone (`TagCheck.alone`): the rows themselves, swapped.
+    """
+    if row[5] < 0:
+        width = _FLAG + 1
+        return plan(everyone_hears_everyone(n), rank, n * width, n * width)[0], 8
+    numel, segment_bytes, element_size = row[0], row[3], row[_SIZE]
+    return plan(_schedule(row, n), rank, numel, max(1, segment_bytes // element_size))[0], element_size
 
 
 def _schedule(row: list[int], n: int) -> Schedule:

@@ -93,12 +93,12 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
     `talking_to` around every message cost 30 to 50 us per message on a 2-core machine,
     which is what a small allreduce costs in all.
 
-    `check` (a `manualdp.spmd.transport.call_check.HeaderCheck`, or None) posts its headers once the
-    first round's receives are posted, and is called once its sends are, before anything of
-    it is used or the next round is posted: when it raises ValueError (the ranks called
-    differently), the first round is waited for (the peers complete it) and the error raised.
-    Meanwhile that round's receives all land in scratch space, overwrites too (an all-gather's,
-    a broadcast's), so a refused call leaves the tensor unchanged.
+    `check` (a call check of `manualdp.spmd.transport.call_check`, or None) starts once the first
+    round's receives are posted, and is called once its sends are; then the whole first round is
+    waited for before anything of it is used or the next round is posted, and `check.landed()`
+    says whether the calls agreed (`_checked_first_round`). Meanwhile that round's receives all
+    land in scratch space, overwrites too (an all-gather's, a broadcast's), so a refused call
+    leaves the tensor unchanged.
     """
     pg, peers = state.pg(), state.peers
     deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
@@ -130,23 +130,21 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
                 peer = peers[m.peer]
                 sends.append((peer, pg.send([flat[m.lo:m.hi]], m.peer, tag)))
             if i == 0 and check is not None:
-                try:
-                    check()
-                except ValueError:
-                    for work in [w for *_, w in pending] + [w for _, w in sends]:
-                        wait_for(work)
-                    raise
+                _checked_first_round(check, pending, sends, wait_for)
             ahead = i + 1 < len(rounds) and rounds[i + 1].early
             following = post(i + 1) if ahead else None
-            gone = 0  # sends waited for: a gloo work is waited for once (a second wait waits for another message)
+            held = i == 0 and check is not None  # all of the round waited for already
+            # sends waited for: a gloo work is waited for once (a second wait waits for another message)
+            gone = len(sends) if held else 0
             for k, (m, buf, work) in enumerate(pending):
                 while rnd.sends_before and gone < rnd.sends_before[k]:  # partners swap: what this rank adds
                     peer = sends[gone][0]                                # into must have gone out first
                     wait_for(sends[gone][1])
                     gone += 1
                 peer = peers[m.peer]
-                wait_for(work)
-                _add(flat, m, buf, held=i == 0 and check is not None)
+                if not held:
+                    wait_for(work)
+                _add(flat, m, buf, held=held)
             for peer, work in sends[gone:]:
                 wait_for(work)
             spent += [w for *_, w in pending] + [w for _, w in sends]
@@ -158,10 +156,42 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
     _keep_until_next_call(state, spent)
 
 
+def _checked_first_round(check, pending: list, sends: list, wait_for) -> None:
+    """Wait for the whole first round, then let `check` say whether the ranks called alike (raise if not).
+
+    A `HeaderCheck` has compared the headers already (`check()`); a `TagCheck` knows once the
+    round has ended: on another call's tag it ends only when the ranks, having compared through
+    the store, settle it. Either way every message of the round is completed before raising,
+    so nothing stays queued to meet a later call.
+    """
+    works = [w for *_, w in pending] + [w for _, w in sends]
+    try:
+        check()
+    except ValueError:
+        for work in works:
+            wait_for(work)
+        raise
+    try:
+        for work in works:
+            wait_for(work)
+    except BaseException:
+        check.abandon()
+        raise
+    check.landed()
+
+
 def exchange(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState, timeout: float | None,
-             tag: int = 0) -> None:
-    """Run `rounds` of overwrites (no reductions, no scratch space) on `flat`, on `tag`: the call check's headers."""
-    (_run_early if state.early else _run_grouped)(flat, rounds, state, (flat[:0], flat[:0]), timeout, tag)
+             tag: int = 0, check=None) -> None:
+    """Run `rounds` of overwrites (no reductions) on `flat`, on `tag`: the call check's headers (not counted as
+    traffic).
+
+    `check` (gloo): a `call_check.TagCheck` that the first round carries; it lands in scratch space until then.
+    """
+    if check is not None:
+        space = flat.new_empty(flat.numel())
+        _run_early(flat, rounds, state, (space, space), timeout, tag, check)
+    else:
+        (_run_early if state.early else _run_grouped)(flat, rounds, state, (flat[:0], flat[:0]), timeout, tag)
 
 
 # ---------------------------------------------------------------- NCCL and others: one group per round

@@ -120,7 +120,8 @@ def test_calls_stalled_on_a_busy_host_are_no_drift_however_many_of_them_a_window
     assert not moved([float("inf")] * DRIFT_CALLS, [float("inf")] * DRIFT_CALLS)
 
 
-def _drift(cache: str, given: bool):
+def _drift(cache: str, given: bool, windows: int):
+    """Rank 1 sees its times drift (planted) before `windows` looks in a row (one call in `DRIFT_EVERY`), then none."""
     from manualdp.spmd import allreduce
     from manualdp.spmd.auto import tune
     from manualdp.spmd.transport.group import group_state
@@ -133,9 +134,9 @@ def _drift(cache: str, given: bool):
     # A busy host moves real timings 2-fold now and then (the planted drift below is 100-fold):
     # only the planted drift must count here.
     tune.DRIFT_FACTOR = 20.0
-    calibrations = []
+    calibrations, state = [], group_state()
     measure = tune.calibrate
-    tune.calibrate = lambda *a, **k: calibrations.append(1) or measure(*a, **k)
+    tune.calibrate = lambda *a, **k: calibrations.append(state.calls) or measure(*a, **k)
     x = torch.ones(1000)
     allreduce(x)  # agrees on the constants: rank 0 measures them with rank 1
     for _ in range(2 * DRIFT_CALLS):
@@ -145,17 +146,30 @@ def _drift(cache: str, given: bool):
         first, latest = group_state().times[x.numel() * 4]
         latest.extend([100 * r for r in first])
         assert tune.moved(first, latest)
-        group_state().drifted = True
-    x = torch.full((1000,), float(dist.get_rank() + 1))
-    allreduce(x)  # the call check's headers carry rank 1's word: both measure again after this call
-    return before, len(calibrations), tune.drifted(), tune.link_for(), x[0].item()
+    totals, planted = [], 0
+    for _ in range(4 * tune.DRIFT_EVERY):
+        look = (state.calls + 1) % tune.DRIFT_EVERY == 0
+        if dist.get_rank() == 1 and not given and look and planted < windows:
+            state.drifted, planted = True, planted + 1  # as `note` finds it in the calls before a look
+        x = torch.full((1000,), float(dist.get_rank() + 1))
+        allreduce(x)
+        totals.append(x[0].item())
+    return before, calibrations[before[0]:], state.remeasures, tune.link_for(), set(totals)
 
 
 @pytest.mark.parametrize("given", [False, True])
 def test_when_one_rank_sees_the_times_drift_every_rank_measures_the_link_again_together(tmp_path, given):
-    results = launch(_drift, 2, (str(tmp_path), given), timeout=120)
-    for rank, (before, calibrations, drifted, link, total) in enumerate(results):
+    results = launch(_drift, 2, (str(tmp_path), given, 3), timeout=120)
+    for rank, (before, calibrations, remeasures, link, totals) in enumerate(results):
         assert before == ((0 if given else 1), False), (rank, before)  # no drift while nothing changed
-        assert calibrations == (0 if given else 2), (rank, calibrations)  # MANUALDP_LINK's constants are kept
-        assert not drifted and total == 3.0
+        # once, though it lasted 3 looks; never for MANUALDP_LINK's constants (`note` ignores them)
+        assert remeasures == (0 if given else 1) and totals == {3.0}, (rank, remeasures, totals)
+        assert len(calibrations) == (0 if given else 1), (rank, calibrations)  # MANUALDP_LINK's constants are kept
+    assert results[0][1] == results[1][1]  # at the same call on both ranks
     assert results[0][3] == results[1][3]  # the same new constants on both ranks
+
+
+def test_a_drift_seen_at_one_look_only_measures_nothing(tmp_path):
+    for rank, (_, calibrations, remeasures, _, totals) in enumerate(launch(_drift, 2, (str(tmp_path), False, 1),
+                                                                           timeout=120)):
+        assert remeasures == 0 and calibrations == [] and totals == {3.0}, (rank, remeasures, calibrations)

@@ -97,15 +97,15 @@ def test_ranks_that_call_differently_all_raise_naming_each_ranks_value(world_siz
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 1 << 40), min_size=11, max_size=11), st.integers(0, 9), st.integers(1, 1 << 40))
+@given(st.lists(st.integers(0, 1 << 40), min_size=12, max_size=12), st.integers(0, 10), st.integers(1, 1 << 40))
 def test_a_calls_data_tag_is_above_the_tags_people_pick_and_changes_with_every_compared_field(row, field, delta):
     from manualdp.spmd.transport.call_check import _FLAG, HEADER_TAG, _tag
-    assert _FLAG == 10  # nine compared fields, the element size, then the flag
+    assert _FLAG == 11  # ten compared fields, the element size, then the flag
     other = list(row)
     other[field] += delta
     for r in (row, other):
         assert 2 ** 30 <= _tag(r) < HEADER_TAG < 2 ** 31  # a C int, above 0 (unchecked data) and below the headers'
-    flagged = row[:10] + [1 - row[10] % 2]
+    flagged = row[:11] + [1 - row[11] % 2]
     assert _tag(flagged) == _tag(row)  # the flag rides along uncompared
     assert _tag(other) != _tag(row)  # distinct calls share a tag with odds 2**-30
 
@@ -120,3 +120,79 @@ def test_every_allreduces_first_round_lands_in_scratch_so_a_refused_call_leaves_
             for rank in range(n):
                 for segment in (1, 3, 1000):
                     assert overlaps(plan(schedule_of(algorithm, n), rank, numel, segment)), (algorithm, numel, rank)
+
+
+def _one_call_ahead(differs: int):
+    """Group rank `differs` is one checked call ahead (as after one allreduce more): same size, only the number."""
+    from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.transport.group import group_state
+    rank = torch.distributed.get_rank()
+    allreduce(torch.ones(6), timeout=20)  # the link agreed: "auto" carries its check with the data
+    out = {"call": group_state().calls + 1}  # the number of the next call on a rank in step
+    for algorithm in ("auto", "ring"):
+        if rank == differs:
+            group_state().calls += 1
+        t = torch.arange(6.0) + rank
+        try:
+            allreduce(t, algorithm, timeout=20)
+            out[algorithm] = None
+        except ValueError as e:
+            out[algorithm] = str(e)
+        out[algorithm + " unchanged"] = t.tolist() == (torch.arange(6.0) + rank).tolist()
+        if rank == differs:
+            group_state().calls -= 1
+    t = torch.ones(3) * (rank + 1)
+    allreduce(t, timeout=20)  # back in step: the next call agrees
+    out["sum"] = t.tolist()
+    return out
+
+
+@pytest.mark.parametrize("world_size, differs", [(2, 1), (2, 0), (3, 1)])
+def test_a_rank_one_call_ahead_with_the_same_size_raises_on_every_rank_naming_the_call_numbers(world_size, differs):
+    results = launch(_one_call_ahead, world_size, (differs,), timeout=90)
+    first = results[0]["call"]
+    for rank, out in enumerate(results):
+        for k, algorithm in enumerate(("auto", "ring")):
+            error = out[algorithm]
+            assert error is not None, (rank, algorithm)  # every rank raised, those in step with each other too
+            assert error.startswith(f"rank {rank}: allreduce called differently across ranks: call "), error
+            assert "elements" not in error and "dtype" not in error and "algorithm" not in error, error
+            numbers = ", ".join(str(first + k + (r == differs)) for r in range(world_size))
+            assert f"(per rank: {numbers})" in error, error
+            assert out[algorithm + " unchanged"], (rank, algorithm)
+        assert out["sum"] == [sum(range(1, world_size + 1))] * 3
+
+
+def _counted_messages(calls: int):
+    """Agreeing checked calls at two ranks: every message this rank posts, counted, and its plan's count."""
+    from manualdp.spmd import collectives
+    from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.transport.group import group_state
+    from manualdp.spmd.transport.p2p import plan, schedule_of
+    state = group_state()
+    allreduce(torch.ones(6), timeout=20)  # agree the link first (a check alone, then the calibration)
+    pg, counts = state.pg(), {"send": 0, "recv": 0}
+
+    class Counting:  # the process group, every send and receive counted
+        def send(self, *a):
+            counts["send"] += 1
+            return pg.send(*a)
+
+        def recv(self, *a):
+            counts["recv"] += 1
+            return pg.recv(*a)
+
+    state.pg, collectives.group_state = (lambda: Counting()), (lambda group=None: state)  # the group seen anew
+    x = torch.ones(50_000)
+    for _ in range(calls):
+        allreduce(x, "ring", timeout=20)
+    state.pg = lambda: pg
+    assert x.tolist() == [2.0 ** calls] * x.numel()
+    rounds = plan(schedule_of("ring", 2), state.rank, x.numel(), (1 << 20) // 4)
+    return counts, {"send": calls * sum(len(r.sends) for r in rounds),
+                    "recv": calls * sum(len(r.recvs) for r in rounds)}
+
+
+def test_at_two_ranks_calls_that_agree_send_nothing_but_their_data():
+    for counted, planned in launch(_counted_messages, 2, (10,), timeout=90):
+        assert counted == planned

@@ -1,0 +1,141 @@
+"""Two ranks on gloo: what happens when a checked call's first round of data is late.
+
+The call's fingerprint is the tag its data travels on (`call_check.TagCheck`), so ranks that
+call alike pair at once and send nothing more. Ranks that call differently post on different
+tags, nothing pairs, and each waits for its first round. A `LateWatch` (one thread per group)
+notices a call still waiting after `LATE` seconds and only then talks to the peer, through
+the group's store, never by a message that could pair with data:
+
+1. it writes this rank's fingerprint under its key ("late");
+2. it reads the peer's: a peer late in another call, which is neither this call nor the one
+   this rank finished last (a stale entry), is acknowledged ("ack": the peer's fingerprint);
+3. once both have acknowledged each other, each settles what the other posted toward it
+   (`call_check.settle`): the waits end, every rank knows what the other had, and both raise.
+
+A peer that is only slow writes nothing, or finishes its first round before acknowledging: its
+data then pairs and the call goes on. A rank that acknowledged never completes its first round
+with data (the peer is stuck in another call), so it waits for the verdict.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import torch.distributed as dist
+
+__all__ = ["LATE", "LateWatch"]
+
+LATE = 0.05   # seconds a first round may take before the ranks compare fingerprints through the store
+POLL = 0.002  # seconds between looks at the peer's entry, once late
+IDLE = 1.0    # seconds without a call after which the thread sleeps until the next one
+
+
+def _store(pg):
+    """The store the process group `pg` was made with (a prefix of the default store for a new group)."""
+    return dist.distributed_c10d._world.pg_map[pg][1]
+
+
+class LateWatch:
+    """One group of two ranks on gloo: a thread that notices a late first round and settles a refused call."""
+
+    def __init__(self, rank: int, pg) -> None:
+        self.store = _store(pg)
+        self.key, self.peer_key = f"manualdp/late/{rank}", f"manualdp/late/{1 - rank}"
+        self._cv = threading.Condition()
+        self._call = None       # the armed check (`call_check.TagCheck`), until its first round ends
+        self._since = 0.0       # when it was armed
+        self._last_arm = 0.0
+        self._landed = False    # its first round has ended on this rank (data or settled)
+        self._acked = None      # the peer's fingerprint this rank acknowledged during the call
+        self._slow = None       # set once the store's side of a late call has ended; None: not late
+        self._verdict = None    # the peer's fingerprint when the call was refused
+        self._stop = False      # the call failed (a peer gone): the thread gives up on it
+        self._idle = True
+        self._thread = None
+        self.last = None        # the fingerprint of the last call whose first round ended
+        self.late_calls = 0     # calls that were late (each cost a few store round trips, off the caller's thread)
+
+    def arm(self, check) -> None:
+        """Watch `check`'s first round from now on (after its receives are posted)."""
+        slow = self._slow
+        if slow is not None:  # the previous late call's entry must say "done" before this call's data goes out
+            slow.wait()
+        with self._cv:
+            self._call, self._since, self._landed, self._acked = check, time.monotonic(), False, None
+            self._slow, self._verdict, self._stop, self._last_arm = None, None, False, self._since
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="manualdp-late", daemon=True)
+                self._thread.start()
+            elif self._idle:
+                self._cv.notify()
+
+    def landed(self, timeout: float | None) -> list[int] | None:
+        """The first round has ended here: None if the call agreed, else the peer's fingerprint (refused)."""
+        with self._cv:
+            self._landed = True
+            slow, acked, row = self._slow, self._acked, self._call.compared
+            if slow is None or acked is None:  # not late, or late without acknowledging: the peer's data paired
+                self.last = row
+                return None
+        if not slow.wait(timeout):
+            raise TimeoutError("the peer never acknowledged the mismatch")  # not reached: the settle needs it
+        self.last = row
+        return self._verdict
+
+    def abandon(self) -> None:
+        """The call failed before its first round ended: stop watching it."""
+        with self._cv:
+            self._stop = True
+            self._landed = True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                call, since = self._call, self._since
+                if call is None or self._landed or self._slow is not None:
+                    self._idle = time.monotonic() - self._last_arm > IDLE
+                    self._cv.wait(None if self._idle else LATE)
+                    continue
+                left = since + LATE - time.monotonic()
+                if left > 0:
+                    self._cv.wait(left)
+                    continue
+                self._slow = slow = threading.Event()
+                self.late_calls += 1
+            try:
+                self._verdict = self._compare(call)
+            finally:
+                slow.set()
+
+    def _entry(self) -> dict | None:
+        if not self.store.check([self.peer_key]):
+            return None
+        return json.loads(self.store.get(self.peer_key))
+
+    def _compare(self, call) -> list[int] | None:
+        """The store's side of one late call: the peer's fingerprint if both found the call refused, else None."""
+        me = call.compared
+        self.store.set(self.key, json.dumps({"row": me, "ack": None}))
+        deadline = time.monotonic() + (call.timeout or 1800.0)
+        acked = None
+        while time.monotonic() < deadline:
+            with self._cv:
+                if self._stop or (self._landed and acked is None):
+                    break  # the data paired (or the call failed): not a mismatch
+                last = self.last
+            peer = self._entry()
+            row = peer and peer["row"]
+            if row is not None and acked is None and not peer.get("refused") and row not in (me, last):
+                with self._cv:
+                    if self._landed:
+                        break
+                    self._acked = acked = row
+                self.store.set(self.key, json.dumps({"row": me, "ack": acked}))
+            if acked is not None and row == acked and peer["ack"] == me:
+                self.store.set(self.key, json.dumps({"row": me, "ack": acked, "refused": True}))
+                call.settle(acked)
+                return acked
+            time.sleep(POLL)
+        self.store.set(self.key, json.dumps({"row": None, "ack": None}))  # done: never read as late again
+        return None
