@@ -41,14 +41,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from ...validate import boolean, nn_module
 from ..transport.agree import broadcast_from_rank0
-from .fsdp_hooks import install_hooks
+from .fsdp_hooks import ForwardHooks, install_hooks
 from .fsdp_init import Checked, checked_arguments
 from .fsdp_param import Param, watch_optimizers
+from .fsdp_state_dict import install_state_dict_hooks
 from .fsdp_unit import UNIT, Unit
 
 __all__ = ["fully_shard", "full_state_dict", "FSDPModule", "UnshardHandle"]
@@ -64,12 +66,16 @@ class UnshardHandle:
         self._unit.gather("unshard")
 
 
-class FSDPModule:
-    """The class a module sharded by `fully_shard` joins (as torch's `FSDPModule`): `isinstance(m, FSDPModule)`.
+class FSDPModule(TorchFSDPModule):
+    """The class a module sharded by `fully_shard` joins: `isinstance(m, FSDPModule)`, and torch's `FSDPModule` too.
 
     `fully_shard(module)` changes `module`'s class to `FSDP<Class>`, a subclass of this and of the
-    module's own class, so that these methods (torch's names, torch's meaning) are the module's.
+    module's own class, so that these methods (torch's names, torch's meaning) are the module's. It derives
+    from torch's `FSDPModule` so that the checks users' code makes (torchtitan's gradient division, pytorch/
+    examples' `inspect_model`) find it; every method of torch's is defined here again, on our units.
     """
+
+    _orig_cls_mro_index = 3  # torch's `__new__` (slicing a sharded Sequential): [FSDP<Cls>, ours, torch's, Cls]
 
     def _unit(self) -> Unit:
         return self.__dict__[UNIT]
@@ -126,11 +132,11 @@ class FSDPModule:
         self._unit().is_last_backward = is_last_backward
 
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide the summed gradients by `factor` instead of the number of ranks (1.0: sums)."""
+        """Divide this module's own summed gradients by `factor` instead of the number of ranks (1.0: sums); the
+        units inside it keep theirs (as torch's)."""
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0 or factor == float("inf"):
             raise ValueError(f"factor must be a positive finite number, got {factor!r}")
-        for m in self._fsdp_modules(True):
-            m._unit().divide_factor = float(factor)
+        self._unit().divide_factor = float(factor)
 
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """torch's older name for `set_gradient_divide_factor`."""
@@ -149,12 +155,20 @@ class FSDPModule:
     def set_post_optim_event(self, event) -> None:
         """A GPU event the next all-gathers wait for; the collectives run on one ordered worker, so nothing to do."""
 
+    def _set_unshard_async_op(self, async_op: bool) -> None:
+        """Whether forward's all-gathers are asynchronous; they run on the group's worker already, so nothing."""
+        boolean("async_op", async_op)
+
+    def _get_fsdp_state(self) -> ForwardHooks:
+        """What torch's `register_fsdp_forward_method` calls around another method: this unit's forward hooks."""
+        return ForwardHooks(self._unit())
+
     def reset_iter_state(self) -> None:
         """After forward or backward raised: free every unit's full parameters and forget the step."""
         self._unit().step.end()
 
     def _apply(self, fn, recurse: bool = True):  # to_empty, to, float...: take the new tensors as the shards
-        out = super()._apply(fn, recurse)
+        out = super(TorchFSDPModule, self)._apply(fn, recurse)  # the module's own, not torch's FSDP state
         self.__dict__[UNIT].adopt()
         return out
 
@@ -222,6 +236,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
         param.replaces(original)  # what the user's model held: emptied, its values are in the shards
     unit.name_tree(call.nested)
     install_hooks(unit)
+    install_state_dict_hooks(unit)
     module.__dict__[UNIT] = unit
     module.__class__ = _fsdp_class(type(module))
     watch_optimizers()

@@ -15,13 +15,14 @@ before in this forward (or those of `set_modules_to_backward_prefetch`).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
 
 from .fsdp_step import inside_backward
 
-__all__ = ["install_hooks"]
+__all__ = ["install_hooks", "ForwardHooks"]
 
 
 def install_hooks(unit) -> None:
@@ -30,9 +31,27 @@ def install_hooks(unit) -> None:
     unit.module.register_forward_hook(functools.partial(_after_forward, unit), always_call=True)
 
 
+class ForwardHooks:
+    """A unit's forward hooks under the names torch's `register_fsdp_forward_method` calls (`_get_fsdp_state()`)."""
+
+    def __init__(self, unit) -> None:
+        self.unit = unit
+
+    def _pre_forward(self, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return _before_forward(self.unit, module, args, kwargs) or (args, kwargs)
+
+    def _post_forward(self, module, args, output):
+        cast = _after_forward(self.unit, module, args, output)
+        return output if cast is None else cast
+
+
 def _before_forward(unit, module, args, kwargs):
     step = unit.step
-    if step.depth == 0 and not (step.in_backward and inside_backward()):  # a new step, not a recomputation
+    if _recomputing(unit):  # activation checkpointing runs the forward again in backward: gather, nothing more
+        step.depth, unit.entered = step.depth + 1, unit.entered + 1
+        unit.gather("backward")
+        return _cast_inputs(unit, args, kwargs)
+    if step.depth == 0:  # a new step
         step.in_backward = False  # a backward that raised never reached `end_backward`
         step.end()                # a forward never followed by backward is dropped
     step.depth, unit.entered = step.depth + 1, unit.entered + 1
@@ -46,6 +65,15 @@ def _before_forward(unit, module, args, kwargs):
         if k + 1 < len(step.last_order) and step.last_order[k] is unit:
             step.last_order[k + 1].gather("prefetch", wait=False)
     unit.gather("forward")
+    return _cast_inputs(unit, args, kwargs)
+
+
+def _recomputing(unit) -> bool:
+    """Whether this forward is a recomputation in backward (activation checkpointing)."""
+    return unit.step.in_backward and inside_backward()
+
+
+def _cast_inputs(unit, args, kwargs):
     if unit.cast_forward_inputs and unit.param_dtype is not None:
         return _cast(args, unit.param_dtype), _cast(kwargs, unit.param_dtype)
     return None
@@ -56,6 +84,8 @@ def _after_forward(unit, module, args, output):
         return None
     step = unit.step
     step.depth, unit.entered = step.depth - 1, unit.entered - 1
+    if _recomputing(unit):  # backward still needs the full parameters; the gradients' hook frees them
+        return _cast(output, unit.output_dtype) if unit.output_dtype is not None else None
     grad = torch.is_grad_enabled()
     if grad:
         for t in _tensors(output):
@@ -86,9 +116,12 @@ def _before_backward(unit, grad: torch.Tensor) -> None:
 
 
 def _cast(obj, dtype: torch.dtype):
-    """`obj` (tensors, or tuples, lists and dicts of them) with floating-point tensors cast to `dtype`."""
+    """`obj` with its floating-point tensors cast to `dtype`, in the containers torch's FSDP2 follows (`_tensors`)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _cast(getattr(obj, f.name), dtype)
+                                           for f in dataclasses.fields(obj) if f.init})
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
         return type(obj)(*(_cast(x, dtype) for x in obj))
     if isinstance(obj, (list, tuple)):
@@ -99,9 +132,13 @@ def _cast(obj, dtype: torch.dtype):
 
 
 def _tensors(obj):
-    """The tensors in a module's output: a tensor, or tuples, lists and dicts of them."""
+    """The tensors in a module's output, in the containers torch's FSDP2 follows: tuples (named ones too), lists,
+    dicts and dataclasses."""
     if isinstance(obj, torch.Tensor):
         yield obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name))
     elif isinstance(obj, (list, tuple)):
         for x in obj:
             yield from _tensors(x)

@@ -64,11 +64,24 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
     mesh, group = _mesh_and_group(mesh, group, device_type)
     reshard = _reshard_after_forward(reshard_after_forward, mesh.size())
     for p, _, name in taken.values():
-        if not isinstance(p, Param) and p.dim() == 0:
-            raise ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
-                             "ignored_params, or make it shape (1,)")
+        if not isinstance(p, Param):
+            _shardable(p, name)
     _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored)
     return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta)
+
+
+def _shardable(p: nn.Parameter, name: str) -> None:
+    """Refuse a parameter fully_shard cannot cut into rows: 0-dim, a tensor subclass, not contiguous."""
+    if type(p) not in (nn.Parameter, torch.Tensor):
+        raise NotImplementedError(f"{name} is a {type(p).__name__} (a tensor subclass): manualdp's fully_shard "
+                                  "shards plain tensors")
+    if p.dim() == 0:
+        raise ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
+                         "ignored_params, or make it shape (1,)")
+    if not p.is_contiguous():
+        raise ValueError(f"{name} is not contiguous (stride {p.stride()}, e.g. channels_last): fully_shard, as "
+                         "torch's, shards contiguous parameters; call module.to(memory_format="
+                         "torch.contiguous_format) first")
 
 
 def _one_module(module) -> None:

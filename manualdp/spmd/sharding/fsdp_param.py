@@ -32,6 +32,7 @@ __all__ = ["Param", "owner_of", "watch_optimizers", "SLOTS"]
 OWNER = "_manualdp_fsdp_owner"  # attribute of a shard, or of an original a shard replaced: its `_Owner`
 SLOTS = "_manualdp_fsdp_slots"  # in a submodule's __dict__: its sharded parameter names -> the unit holding each
 REPLACED = "_manualdp_fsdp_replaced"  # attribute of an original parameter that fully_shard replaced by a shard
+FULL = "_manualdp_fsdp_full"  # attribute of a full form: what the modules hold while a unit is gathered
 
 
 class _Owner:
@@ -95,9 +96,15 @@ class Param:
             self.full = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device),
                                      requires_grad=self.requires_grad)
             self.full.untyped_storage().resize_(0)
+            setattr(self.full, FULL, True)
             if self.requires_grad:
                 self.full.register_post_accumulate_grad_hook(on_grad)
         return self.full
+
+    def set_trainable(self, requires_grad: bool) -> None:
+        """Train this parameter or not from the next gather on: the full form is made again (it holds no memory now),
+        with the gradient hook only if it trains."""
+        self.requires_grad, self.full = requires_grad, None
 
     def put(self, t: torch.Tensor) -> None:
         """Put `t` (the shard or the full form) in every module slot this parameter has."""
@@ -175,6 +182,11 @@ def watch_optimizers() -> None:
 def _refuse_replaced(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if getattr(p, FULL, False):
+                raise ValueError(f"{type(optimizer).__name__} holds a gathered full parameter of fully_shard (shape "
+                                 f"{tuple(p.shape)}), not its shard: it was built between a forward and its "
+                                 "backward; build it from model.parameters() before the first forward or after "
+                                 "a backward")
             if getattr(p, REPLACED, False):
                 raise ValueError(f"{type(optimizer).__name__} holds a parameter that fully_shard replaced by its "
                                  f"shard (shape {tuple(p.shape)}, emptied): build the optimizer after fully_shard, "

@@ -141,6 +141,15 @@ class Unit:
             p.adopt()
         self._group()
 
+    def follow_requires_grad(self) -> None:
+        """Take each shard's `requires_grad` as it is now: a user may freeze or unfreeze a parameter after
+        `fully_shard`, and the next forward follows it (as torch's FSDP2 does at each all-gather)."""
+        changed = [p for p in self.params if p.sharded.requires_grad != p.requires_grad]
+        for p in changed:
+            p.set_trainable(p.sharded.requires_grad)
+        if changed:
+            self._group()
+
     def use(self, full: bool) -> None:
         """Put the full parameters (`full`) or the shards in the modules' places."""
         for p in self.params:
@@ -153,6 +162,8 @@ class Unit:
         if not self.params:  # a unit without parameters of its own
             return
         if not self.gathered:
+            if not (inside_backward() or self.step.in_backward):
+                self.follow_requires_grad()
             meta = [p.name for p in self.params if p.sharded.device.type == "meta"]
             if meta:
                 raise RuntimeError(f"{meta[0]} is on the meta device: after fully_shard, call "

@@ -205,7 +205,9 @@ def _between_steps():
     except ValueError as e:
         out["container"] = str(e)
     summed = _shard(Net(), fully_shard)
-    summed.set_gradient_divide_factor(1.0)
+    for m in summed.modules():  # each module's own parameters (as torch's): every unit
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)
     X, y = shard(*_batches()[0][0], rank, n)
     nn.functional.cross_entropy(summed(X).reshape(-1, VOCAB), y.reshape(-1)).backward()
     out["summed grad"] = _local_grad_norm(summed)

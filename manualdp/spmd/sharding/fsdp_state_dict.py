@@ -1,0 +1,72 @@
+"""A sharded module's `state_dict()` and `load_state_dict()`: always the shards, and one line for a wrong state dict.
+
+Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2 registers its own:
+- before its `state_dict()`: the shards take the full parameters' places (between a forward and its backward,
+  or with `set_reshard_after_backward(False)`, the full ones sit there); after it, the full ones come back.
+  So the state dict holds the DTensor shards, which the optimizer steps in place, never a gathered copy that
+  goes stale;
+- before its `load_state_dict()`: a full tensor where the model holds a shard (a one-process state dict),
+  or a shard cut for another world size, is refused in one line that says what loads it.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .fsdp_param import SLOTS
+
+__all__ = ["install_state_dict_hooks"]
+
+HOOKED = "_manualdp_fsdp_state_dict_hooks"  # in a submodule's __dict__: its hooks are registered
+
+
+def install_state_dict_hooks(unit) -> None:
+    """Hook the `state_dict` and `load_state_dict` of every submodule that holds one of `unit`'s parameters, once."""
+    for p in unit.params:
+        for sub, _ in p.slots:
+            if not sub.__dict__.get(HOOKED):
+                sub.__dict__[HOOKED] = True
+                sub.register_state_dict_pre_hook(_shards_in)
+                sub.register_state_dict_post_hook(_fulls_back)
+                sub.register_load_state_dict_pre_hook(_check_loaded)
+
+
+def _held(sub: nn.Module):
+    """(attribute, its `Param`) for each sharded parameter `sub` holds."""
+    for attr, unit in sub.__dict__.get(SLOTS, {}).items():
+        yield attr, next(p for p in unit.params if any(s is sub and a == attr for s, a in p.slots))
+
+
+def _shards_in(sub: nn.Module, prefix: str, keep_vars: bool) -> None:
+    swapped = []
+    for attr, p in _held(sub):
+        if p.full is not None and sub._parameters.get(attr) is p.full:
+            sub._parameters[attr] = p.sharded
+            swapped.append((attr, p.full))
+    sub.__dict__["_manualdp_fsdp_swapped"] = swapped
+
+
+def _fulls_back(sub: nn.Module, state_dict, prefix: str, local_metadata) -> None:
+    for attr, full in sub.__dict__.pop("_manualdp_fsdp_swapped", []):
+        sub._parameters[attr] = full
+
+
+def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    for attr, p in _held(sub):
+        key = prefix + attr
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if not isinstance(value, DTensor):
+            raise ValueError(f"load_state_dict: {key} is a full tensor of shape {tuple(value.shape)}, and the model "
+                             "holds this rank's shard of it: load a full state dict with torch.distributed.checkpoint."
+                             "state_dict.set_model_state_dict(model, state, options=StateDictOptions("
+                             "full_state_dict=True))")
+        mine, theirs = p.sharded.to_local().shape, value.to_local().shape
+        if value.device_mesh.size() != p.sharded.device_mesh.size() or theirs != mine:
+            raise ValueError(f"load_state_dict: {key} is a shard cut for another world size (here {tuple(theirs)} "
+                             f"on a mesh of {value.device_mesh.size()}; this rank's is {tuple(mine)} on "
+                             f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
+                             "torch.distributed.checkpoint (dcp.save, then dcp.load into model.state_dict()), "
+                             "which reshards")
