@@ -12,8 +12,11 @@ logs the member and its norm. A member out of line `STRIKES` steps in a row is r
 told in one line (`Removed`, after its vote) and leaves, and the others' next quorum is without it.
 Counts start again on a replica that joins: it has not seen the offences before it.
 
-Honest members' norms differ by a few times at most (their shards of one global batch); a
-poisoned one (its contribution times 1000, a bit flip in an exponent) by far more.
+Honest members' norms differ by a few times (their shards of one global batch: at most 4.4 times
+the median of the others' over 10 epochs of `manualdp train --model mlp --batch-size 32` on 3
+replicas, 2.1 between 2); a poisoned one (its contribution times 1000, a bit flip in an
+exponent) by far more. Shards of one or two examples can differ by 100 times honestly, and the
+same step is taken again on the same batch: give each member a few examples, or `guard = None`.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from .admission import Misfit
 
 __all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "Removed", "offenders", "ContributionGuard"]
 
-FACTOR = 10.0        # 3+ members: out of line above this many times the median of the others' norms
+FACTOR = 100.0       # 3+ members: out of line above this many times the median of the others' norms
 PAIR_FACTOR = 100.0  # 2 members: out of line above this many times the other's norm
 STRIKES = 3          # offences in a row that remove a member from the quorum
 
