@@ -15,6 +15,8 @@ every piece is a short file, in reading order:
 - `quorum_group.py`: the quorum's gloo process group, re-formed when the members change;
 - `commit.py`: every member votes; the first outcome written to the store is everyone's;
 - `recovery.py`: who sends the state to whom, and the state through the store, checksummed;
+- `durable.py`: what outlives the processes: the run's committed step in the store (no quorum
+  below it), each replica's newest committed state on disk (`checkpoint_dir`), the run's end;
 - `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;
 - `average.py`: how each wrapper's step ends: flatten, average over the quorum, vote, unflatten;
 - `ddp.py`: `FaultTolerantDDP`: `start_step()`, backward, `step()` returns whether it committed;
@@ -26,9 +28,10 @@ flat buffers (`buckets.py`); nothing else in the engine imports it.
 from .coordinator import Coordinator
 from .quorum import Member, Quorum
 from .recovery import RecoveryError, plan_recovery
+from .durable import RunFinished
 from .manager import Manager
 from .ddp import FaultTolerantDDP
 from .local_sgd import DiLoCo, LocalSGD
 
-__all__ = ["Coordinator", "Manager", "Member", "Quorum", "RecoveryError", "plan_recovery",
+__all__ = ["Coordinator", "Manager", "Member", "Quorum", "RecoveryError", "RunFinished", "plan_recovery",
            "FaultTolerantDDP", "LocalSGD", "DiLoCo"]
