@@ -20,6 +20,7 @@ import torch.distributed as dist
 from . import keys
 from .heartbeat import Liveness
 from .quorum import POLL, Quorum
+from .signed_store import ignore
 
 __all__ = ["outcome_of", "commit_or_discard"]
 
@@ -43,12 +44,23 @@ def commit_or_discard(store: dist.Store, quorum: Quorum, replica_id: str, ok: bo
     store.set(keys.vote(round_, replica_id), "1" if ok else "0")
     deadline = time.monotonic() + timeout
     while True:
-        if store.check([decided]):
-            return store.get(decided) == b"commit"
-        votes = {m: (store.get(keys.vote(round_, m)) == b"1" if store.check([keys.vote(round_, m)]) else None)
-                 for m in quorum.ids}
+        outcome = store.get(decided) if store.check([decided]) else b""
+        if outcome in (b"commit", b"discard"):
+            return outcome == b"commit"
+        if outcome:
+            ignore(store, decided, f"{outcome[:40]!r} is neither 'commit' nor 'discard'")
+        votes = {m: _vote(store, keys.vote(round_, m)) for m in quorum.ids}
         proposal = outcome_of(votes, liveness.live(quorum.ids), time.monotonic() > deadline)
         if proposal is not None:
-            store.compare_set(decided, "", proposal)  # the first proposal written is the outcome
-            continue
+            store.compare_set(decided, outcome, proposal)  # the first proposal written is the outcome (or a malformed
+            continue                                       # one in place, replaced)
         time.sleep(POLL)
+
+
+def _vote(store: dist.Store, key: str) -> bool | None:
+    """A member's vote: True ("1"), False ("0"), or None while not cast; a malformed one is ignored (logged)."""
+    value = store.get(key) if store.check([key]) else None
+    if value is not None and value not in (b"1", b"0"):
+        ignore(store, key, f"{value[:40]!r} is not a vote")
+        value = None
+    return None if value is None else value == b"1"

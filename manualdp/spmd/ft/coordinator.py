@@ -147,7 +147,7 @@ def load_token(path: str | None) -> str | None:
             with open(path, encoding="utf-8") as file:
                 token = file.read(4096).strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--token-file: cannot read {path}: {e}") from None
+            raise ValueError(f"--token-file {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
         where = f"--token-file {path}"
     try:
         check_token(token)

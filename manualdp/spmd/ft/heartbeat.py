@@ -113,7 +113,10 @@ class Liveness:
         if self._looked is not None and now - self._looked > self._timeout:
             self._moved = {r: (nonce, now) for r, (nonce, _) in self._moved.items()}
         self._looked = now
-        ids = [r for r in ids if r in self._moved or self._store.check([keys.heartbeat(r)])]  # a stranger's id: none
+        known = [r for r in ids if r in self._moved or self._store.check([keys.heartbeat(r)])]
+        if len(known) < len(ids):  # `register` writes the heartbeat before the id: an id without one is forged
+            ignore(self._store, keys.REPLICAS, f"ids without a heartbeat (or one that verifies): {sorted(set(ids) - set(known))[:3]}")
+        ids = known
         if not ids:
             return set()
         for replica, value in zip(ids, self._store.multi_get([keys.heartbeat(r) for r in ids])):
