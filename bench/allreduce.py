@@ -2,6 +2,7 @@
 
     python bench/allreduce.py --devices 4 --json allreduce.json --plot allreduce.png
     python bench/allreduce.py --devices 4
+    python bench/allreduce.py --devices 4 --load    # with one busy process per core, started and stopped here
 
 For every size S (bytes per device) and every algorithm, one row with the columns nccl-tests
 prints: size, count, type, time (median, us), algbw = S / time, busbw = algbw * 2(n-1)/n, and
@@ -44,6 +45,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import check_output_paths, save_outputs
+from bench.load import LoadAverage, busy, spread
 from manualdp.allreduce import allreduce
 from manualdp.schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
 
@@ -156,6 +158,7 @@ def sweep(
     from tqdm import tqdm
 
     element_size = torch.empty((), dtype=dtype).element_size()
+    load = LoadAverage()
     for algorithm in algorithms:  # first calls pay one-time costs (code paths, allocator); keep them out of row 1
         timer(algorithm, sizes[0] // element_size, dtype, num_devices, 1, warmup)
     rows = []
@@ -172,7 +175,11 @@ def sweep(
             "effbw": memory_bytes(schedule, size, element_size) / t / 1e9,
             "memcpy": 2 * num_devices * size / statistics.median(m.copy_times) / 1e9,
             "features": list(features(schedule, size, element_size)), "times_us": [x * 1e6 for x in m.times],
+            # run by run: the allreduce's effective bandwidth over the memcpy that reset its inputs just before
+            "eff_ratio_runs": spread([memory_bytes(schedule, size, element_size) * c / (2 * num_devices * size * t)
+                                      for t, c in zip(m.times, m.copy_times)]),
         })
+        load.sample()
     seconds = np.array([r["time_us"] for r in rows]) / 1e6
     textbook = np.array([r["features"] for r in rows], dtype=float)
     # The link of a simulated device is memory, whose speed falls several times once the working set
@@ -196,6 +203,7 @@ def sweep(
             "gamma_s_per_byte": float(fits["constant"][2])},
         "rows": rows,
         "targets": _targets(rows),
+        "load": load.summary(),
     }
 
 
@@ -213,8 +221,8 @@ def format_table(result: dict) -> str:
     """The result as text: one block per algorithm, one row per size."""
     c, m, k = result["config"], result["model"], result["constant_model"]
     head = ("size", "count", "type", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong",
-            "effbw(GB/s)", "memcpy(GB/s)", "eff/memcpy", "model(us)", "err", "const(us)", "err")
-    fmt = "{:>9} {:>9} {:>7} {:>9} {:>11} {:>11} {:>6} {:>11} {:>12} {:>10} {:>9} {:>5} {:>9} {:>5}".format
+            "effbw(GB/s)", "memcpy(GB/s)", "eff/memcpy(min-max)", "model(us)", "err", "const(us)", "err")
+    fmt = "{:>9} {:>9} {:>7} {:>9} {:>11} {:>11} {:>6} {:>11} {:>12} {:>17} {:>9} {:>5} {:>9} {:>5}".format
     out = [
         f"allreduce on {c['devices']} simulated devices, {c['dtype']}, median of {c['iters']} runs "
         f"after {c['warmup']} warm-up, {c['threads']} thread(s), torch {c['torch']}",
@@ -233,11 +241,15 @@ def format_table(result: dict) -> str:
         for r in (r for r in result["rows"] if r["algorithm"] == algorithm):
             out.append(fmt(
                 r["size"], r["count"], r["type"], f"{r['time_us']:.1f}", f"{r['algbw']:.2f}", f"{r['busbw']:.2f}",
-                r["wrong"], f"{r['effbw']:.2f}", f"{r['memcpy']:.2f}", f"{r['eff_ratio']:.2f}", f"{r['model_us']:.1f}",
+                r["wrong"], f"{r['effbw']:.2f}", f"{r['memcpy']:.2f}",
+                f"{r['eff_ratio']:.2f} ({r['eff_ratio_runs']['min']:.2f}-{r['eff_ratio_runs']['max']:.2f})",
+                f"{r['model_us']:.1f}",
                 f"{r['model_err']:+.0%}", f"{r['constant_model_us']:.1f}", f"{r['constant_model_err']:+.0%}",
             ))
     t = result["targets"]
-    out.append("")
+    busy_note = f", with {c['busy']} busy processes of --load" if c.get("busy") else ""
+    out += ["", "eff/memcpy: of the medians, then (min-max) of the same ratio run by run",
+            LoadAverage.format(result["load"]) + busy_note]
     if t["effbw_over_memcpy_min_16MiB"] is not None:
         worst = t["effbw_over_memcpy_min_16MiB"]
         out.append(f"target effbw >= 0.7 x memcpy for sizes >= 16 MiB: worst {worst:.2f} -> {_met(worst >= 0.7)}")
@@ -301,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw and effective bandwidth against size to a PNG")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--load", action="store_true",
+                        help="run one busy process per core (while True: pass) for the whole run, stopped after")
     parser.add_argument("--spmd", action="store_true",
                         help="across processes over torch.distributed instead, against gloo's all_reduce "
                              "(options: python bench/allreduce.py --spmd --help)")
@@ -326,11 +340,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    spinners = (os.cpu_count() or 1) if args.load else 0
     try:
-        result = sweep(_sizes(args.min_bytes, args.max_bytes, args.factor), args.algorithms, args.devices,
-                       DTYPES[args.dtype], args.iters, args.warmup, progress=not args.no_progress)
+        with busy(spinners):
+            result = sweep(_sizes(args.min_bytes, args.max_bytes, args.factor), args.algorithms, args.devices,
+                           DTYPES[args.dtype], args.iters, args.warmup, progress=not args.no_progress)
     finally:
         torch.set_num_threads(threads)
+    result["config"]["busy"] = spinners
     print(format_table(result))
     save_outputs(result, args.json, args.plot, plot)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0

@@ -3,6 +3,7 @@
     python bench/allreduce_spmd.py --world-size 4 --json spmd.json --plot spmd.png
     python bench/allreduce.py --spmd --world-size 2
     python bench/allreduce.py --spmd --world-size 2 --backend nccl    # a GPU per rank, against NCCL's all_reduce
+    python bench/allreduce.py --spmd --load    # the same with one busy process per core, started and stopped here
 
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
@@ -11,8 +12,11 @@ headers travel beside the first round of data, `manualdp.spmd.transport.call_che
 for `torch.distributed.all_reduce`, with the columns nccl-tests prints: time (median over
 runs of the slowest rank's time), algbw = S / time, busbw = algbw * 2(n-1)/n, #wrong (inputs
 are small integers, so every order of summation is exact and #wrong must be 0), and busbw /
-gloo's busbw at the same size. The implementations run in turns, run by run, after a barrier
-each, so that machine noise hits all of them alike.
+gloo's busbw at the same size, then (min-max) of that ratio taken round by round. The
+implementations run in turns, run by run, after a barrier each, so that machine noise hits all
+of them alike. Below the table: the load average during the run, how many times "auto" measured
+the link again, and how many checked calls were late enough that the ranks compared their
+fingerprints through the store (`manualdp.spmd.transport.late`).
 With `--backend nccl` the same on GPUs, against NCCL's all_reduce, timed by CUDA events
 (`bench.common.Stopwatch`); the columns keep their names ("gloo" is then NCCL).
 """
@@ -30,6 +34,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import BACKENDS, Stopwatch, check_backend, check_output_paths, save_outputs
+from bench.load import busy, spread
 from manualdp.schedule import ALGORITHMS, get_schedule
 
 __all__ = ["main", "run", "format_table", "plot"]
@@ -49,6 +54,7 @@ def _rank_main(config: dict) -> dict:
     """One rank: time every implementation at every size; return per-run times and wrong counts."""
     from manualdp.spmd import allreduce, rank_device
     from manualdp.spmd.auto.tune import link_for, resolve
+    from manualdp.spmd.transport.group import group_state
 
     rank, n = dist.get_rank(), dist.get_world_size()
     device = rank_device()
@@ -61,7 +67,7 @@ def _rank_main(config: dict) -> dict:
     impls[_peer(config)] = dist.all_reduce
     link = link_for()  # the agreed constants (calibrated, cached or MANUALDP_LINK) before any timing
     names = list(impls)
-    out = {}
+    out, loads = {}, [os.getloadavg()[0]]
     for size in config["sizes"]:
         numel = size // element_size
         pristine = _input(rank, numel, dtype).to(device)
@@ -84,7 +90,12 @@ def _rank_main(config: dict) -> dict:
                     wrong[name] = max(wrong[name], int((work != expected).sum()))
         out[size] = {"times": times, "wrong": wrong, "pick": resolve("auto", numel, element_size,
                                                                              segment_bytes=config["segment_bytes"])}
+        loads.append(os.getloadavg()[0])
+    state = group_state()
     out["link"] = vars(link)
+    out["remeasures"] = state.remeasures  # "auto" measured the link again (drift) during the run
+    out["late"] = state.late.late_calls if state.late is not None else 0  # checked calls compared through the store
+    out["loads"] = loads
     return out
 
 
@@ -117,9 +128,11 @@ def run(config: dict) -> dict:
                           "time_us": t * 1e6, "algbw": algbw, "busbw": algbw * 2 * (n - 1) / n,
                           "wrong": sum(r[size]["wrong"][name] for r in per_rank),
                           "times_us": [x * 1e6 for x in slowest]})
-        gloo = next(r for r in block if r["algorithm"] == _peer(config))["busbw"]
+        peer = next(r for r in block if r["algorithm"] == _peer(config))
         for r in block:
-            r["vs_gloo"] = r["busbw"] / gloo
+            r["vs_gloo"] = r["busbw"] / peer["busbw"]
+            # round by round (the implementations ran in turns within a round): the peer's time over ours
+            r["vs_gloo_rounds"] = spread([p / t for p, t in zip(peer["times_us"], r["times_us"])])
         auto = next(r for r in block if r["algorithm"] == "auto")
         explicit = [r for r in block if r["algorithm"] in config["algorithms"]]
         auto["pick"] = per_rank[0][size]["pick"]
@@ -137,8 +150,14 @@ def run(config: dict) -> dict:
     in_range = [r["vs_gloo"] for r in autos if 64 * 1024 <= r["size"] <= 64 * MiB]
     checked = [r["vs_gloo"] for r in rows if r["algorithm"] == CHECKED and 64 * 1024 <= r["size"] <= 64 * MiB]
     return {"config": dict(config, torch=torch.__version__), "rows": rows, "link": vars(link),
+            "remeasures": [r["remeasures"] for r in per_rank], "late_calls": [r["late"] for r in per_rank],
+            "load": {"min": min(per_rank[0]["loads"]), "max": max(per_rank[0]["loads"]), "cores": os.cpu_count() or 1,
+                     "busy": config.get("load", 0)},
             "target": {"auto_vs_gloo_min": min(in_range) if in_range else None,
                        "checked_vs_gloo_min": min(checked) if checked else None,
+                       "checked_vs_gloo_round_min": min((r["vs_gloo_rounds"]["min"] for r in rows
+                                                         if r["algorithm"] == CHECKED and
+                                                         64 * 1024 <= r["size"] <= 64 * MiB), default=None),
                        "auto_picks_fastest": sum(r["pick_is_fastest"] for r in autos), "sizes": len(autos),
                        "auto_picks_within_5pct": sum(r["pick_within_5pct"] for r in autos),
                        # What a wrong pick costs: its time over the fastest's, at the worst size it missed.
@@ -150,23 +169,31 @@ def run(config: dict) -> dict:
 def format_table(result: dict) -> str:
     """The rows as text, one block per size."""
     c = result["config"]
-    fmt = "{:>10} {:>9} {:>7} {:>16} {:>10} {:>11} {:>11} {:>6} {:>10}".format
+    fmt = "{:>10} {:>9} {:>7} {:>16} {:>10} {:>11} {:>11} {:>6} {:>22}".format
     backend = c.get("backend", "gloo")
     lines = [f"allreduce across {c['world_size']} processes ({backend}, 127.0.0.1, {c['threads']} thread(s) each), "
              f"{c['dtype']}, median of {c['iters']} runs after {c['warmup']} warm-up, "
              f"segments of {c['segment_bytes']} B, torch {c['torch']}",
              fmt("size", "count", "type", "algorithm", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong",
-                 f"busbw/{backend}")]
+                 f"busbw/{backend} med (min-max)")]
     for r in result["rows"]:
         name = f"auto={r['pick']}" if r["algorithm"] == "auto" else r["algorithm"]
         line = fmt(r["size"], r["count"], r["type"], name, f"{r['time_us']:.1f}", f"{r['algbw']:.3f}",
-                   f"{r['busbw']:.3f}", r["wrong"], f"{r['vs_gloo']:.2f}")
+                   f"{r['busbw']:.3f}", r["wrong"],
+                   f"{r['vs_gloo']:.2f} ({r['vs_gloo_rounds']['min']:.2f}-{r['vs_gloo_rounds']['max']:.2f})")
         if r["algorithm"] == "auto":
             line += f"  predicted {r['predicted_us']:.1f} us; fastest measured: {r['fastest']}"
             if r.get("pick_vs_fastest") and not r["pick_is_fastest"]:
                 line += f" ({r['pick']} took {r['pick_vs_fastest']:.2f}x its time)"
         lines.append(line)
-    link, t = result["link"], result["target"]
+    link, t, load = result["link"], result["target"], result["load"]
+    lines.append(f"ratios: of medians, then (min-max) of the same ratio round by round over {c['iters']} rounds")
+    lines.append(f"load average during the run (1 min, sampled per size on rank 0): {load['min']:.2f} to "
+                 f"{load['max']:.2f} on {load['cores']} cores"
+                 + (f", with {load['busy']} busy processes of --load" if load["busy"] else ""))
+    lines.append(f"auto measured the link again {max(result['remeasures'])} time(s) during the run; "
+                 f"checked calls late enough to compare through the store, per rank: "
+                 f"{', '.join(map(str, result['late_calls']))}")
     lines.append(f"link: alpha {link['alpha'] * 1e6:.2f} us, beta {link['beta'] * 1e9:.3f} ns/B, "
                  f"gamma {link['gamma'] * 1e9:.3f} ns/B, duplex {link.get('duplex', 0.0):.2f}"
                  f" +- {link.get('duplex_spread', 0.0):.2f}")
@@ -176,7 +203,8 @@ def format_table(result: dict) -> str:
                      f"{'met' if t['auto_vs_gloo_min'] >= 1.0 else 'NOT met'}")
     if t.get("checked_vs_gloo_min") is not None:
         lines.append("  with the per-call check (allreduce's default): "
-                     f"worst {t['checked_vs_gloo_min']:.2f} x {backend}")
+                     f"worst {t['checked_vs_gloo_min']:.2f} x {backend} "
+                     f"(worst single round {t['checked_vs_gloo_round_min']:.2f})")
     share = t["auto_picks_within_5pct"] / t["sizes"]
     lines.append(f"target auto picks the measured-fastest algorithm, or one within 5% of its time, at >= 90% of "
                  f"sizes: {t['auto_picks_within_5pct']}/{t['sizes']} -> {'met' if share >= 0.9 else 'NOT met'} "
@@ -222,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     parser.add_argument("--backend", choices=BACKENDS, default="gloo",
                         help="gloo (CPUs, default) or nccl (a GPU per rank)")
+    parser.add_argument("--load", action="store_true",
+                        help="run one busy process per core (while True: pass) for the whole run, stopped after")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw against size to a PNG")
     args = parser.parse_args(argv)
@@ -249,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(sizes[-1] * args.factor)
     config = {"world_size": args.world_size, "sizes": sizes, "dtype": args.dtype, "algorithms": args.algorithms,
               "iters": args.iters, "warmup": args.warmup, "segment_bytes": args.segment_bytes, "timeout": args.timeout,
-              "backend": args.backend,
+              "backend": args.backend, "load": (os.cpu_count() or 1) if args.load else 0,
               "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size)}
-    result = run(config)
+    with busy(config["load"]):
+        result = run(config)
     print(format_table(result))
     save_outputs(result, args.json, args.plot, plot)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0
