@@ -115,7 +115,8 @@ class Liveness:
         self._looked = now
         known = [r for r in ids if r in self._moved or self._store.check([keys.heartbeat(r)])]
         if len(known) < len(ids):  # `register` writes the heartbeat before the id: an id without one is forged
-            ignore(self._store, keys.REPLICAS, f"ids without a heartbeat (or one that verifies): {sorted(set(ids) - set(known))[:3]}")
+            missing = sorted(set(ids) - set(known))[:3]
+            ignore(self._store, keys.REPLICAS, f"ids without a heartbeat (or one that verifies): {missing}")
         ids = known
         if not ids:
             return set()

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from . import keys
 from .signed_store import LOG, ignore
 
-__all__ = ["well_formed", "json_lines", "count_value", "mark_value", "majority_need", "checked_claims", "committed_record"]
+__all__ = ["well_formed", "json_lines", "count_value", "mark_value", "majority_need", "checked_claims",
+           "committed_record"]
 
 
 def well_formed(member) -> bool:

@@ -125,59 +125,44 @@ def test_a_token_file_is_read_and_a_bad_one_named(tmp_path, monkeypatch):
 # ------------------------------------------------------------ the attacks, with the secret
 
 
-def vote_both(store_of, quorum, oks, liveness_of):
-    """Both members vote in threads; their outcomes, in member order."""
-    results = {}
-
-    def one(rid, ok):
-        results[rid] = commit_or_discard(store_of(rid), quorum, rid, ok, liveness_of(rid), timeout=5)
-    threads = [threading.Thread(target=one, args=(rid, ok)) for rid, ok in zip(quorum.ids, oks)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    return [results.get(rid) for rid in quorum.ids]
-
-
-def registered_pair(coordinator, name):
-    """Replicas a and b registered and beating in namespace `name`; (their stores, their heartbeats)."""
+def vote_after_forgery(coordinator, name, round_, forged: dict, oks, caplog):
+    """a and b vote `oks` on round `round_`'s step after a stranger set `forged` (key -> value); their outcomes."""
     stores = {rid: honest(coordinator, name) for rid in "ab"}
     beats = []
     for rid, store in stores.items():
         register(store, rid)
         beats.append(Heartbeat(store, rid, 0.05))
-    return stores, beats
+    quorum = Quorum(round_, (member("a"), member("b")), round_)
+    s = stranger(coordinator)
+    for key, value in forged.items():
+        s.set(real_name(stores["a"], key), value)
+    results = {}
 
-
-def test_a_forged_commit_is_ignored_and_the_votes_decide(signed, caplog):
-    stores, beats = registered_pair(signed, "forged-commit")
-    quorum = Quorum(1, (member("a"), member("b")), 1)
-    s = stranger(signed)
-    s.set(real_name(stores["a"], keys.outcome(1)), "commit")  # found by listing; unsigned
-    s.set("manualdp-ft/forged-commit/" + keys.outcome(1), "commit")  # the plain name: not the run's
+    def one(rid, ok):
+        results[rid] = commit_or_discard(stores[rid], quorum, rid, ok, Liveness(stores[rid], 2.0), timeout=5)
     try:
         with caplog.at_level(logging.WARNING, "manualdp.spmd.ft"):
-            outcome = vote_both(lambda r: stores[r], quorum, [False, True], lambda r: Liveness(stores[r], 2.0))
+            threads = [threading.Thread(target=one, args=(rid, ok)) for rid, ok in zip("ab", oks)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
     finally:
         for b in beats:
             b.stop(leave=True)
+    return [results.get(rid) for rid in "ab"]
+
+
+def test_a_forged_commit_is_ignored_and_the_votes_decide(signed, caplog):
+    stranger(signed).set("manualdp-ft/forged-commit/" + keys.outcome(1), "commit")  # the plain name: not the run's
+    outcome = vote_after_forgery(signed, "forged-commit", 1, {keys.outcome(1): "commit"}, [False, True], caplog)
     assert outcome == [False, False]  # a's allreduce failed: nobody applies the step
     assert ignored(caplog, "round/1/outcome")
 
 
 def test_a_discard_written_ahead_does_not_stall_the_step(signed, caplog):
-    stores, beats = registered_pair(signed, "discard-ahead")
-    quorum = Quorum(7, (member("a"), member("b")), 7)
-    s = stranger(signed)
-    s.set(real_name(stores["a"], keys.outcome(7)), "discard")
-    forged = stores["a"]._seal(keys.outcome(6), "discard")  # a signed value of another key, copied over
-    s.set(real_name(stores["a"], keys.outcome(7)), forged)
-    try:
-        with caplog.at_level(logging.WARNING, "manualdp.spmd.ft"):
-            outcome = vote_both(lambda r: stores[r], quorum, [True, True], lambda r: Liveness(stores[r], 2.0))
-    finally:
-        for b in beats:
-            b.stop(leave=True)
+    copied = honest(signed, "discard-ahead")._seal(keys.outcome(6), "discard")  # another key's signed value
+    outcome = vote_after_forgery(signed, "discard-ahead", 7, {keys.outcome(7): copied}, [True, True], caplog)
     assert outcome == [True, True]
     assert ignored(caplog, "round/7/outcome")
 
