@@ -3,7 +3,8 @@
 After each synchronised backward (`GraphChecks`, on the reducer's summed "ready" flags):
 - `static_graph`: the parameters used must stay those of the first iteration;
 - otherwise, without `find_unused_parameters`: every rank's backward must reach every parameter;
-- at construction: the module's devices against `device_ids`, the mesh, and no in-backward optimizers.
+- at construction: the module's devices against `device_ids`, the mesh, and no in-backward optimizers; and
+  inputs moved to the module's device (`to_device`).
 What the ranks compare during a step (calls, comm hooks, debug mode) is in `step_check.py`.
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ import torch.distributed as dist
 
 from .feature import Feature
 
-__all__ = ["GraphChecks", "unfinished_message", "mesh_group", "module_device", "refuse_in_backward_optimizers"]
+__all__ = ["GraphChecks", "unfinished_message", "mesh_group", "module_device", "to_device",
+           "refuse_in_backward_optimizers"]
 
 
 class GraphChecks(Feature):
@@ -176,3 +178,14 @@ def refuse_in_backward_optimizers(named_params) -> None:
                          "(torch.distributed.optim._apply_optimizer_in_backward), which manualdp's "
                          "DistributedDataParallel does not support: each rank would step on its own gradient, "
                          "before the average. Step a plain optimizer after backward() instead.")
+
+
+def to_device(obj, device: torch.device):
+    """`obj` with every tensor inside (lists, tuples, dicts) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj

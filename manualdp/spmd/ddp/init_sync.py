@@ -12,14 +12,27 @@ import torch
 from torch import nn
 
 from ...validate import positive_int
-from ..transport.agree import agree
+from ..transport.agree import agree, broadcast_from_rank0, check_same_model
 
-__all__ = ["check_same_layout", "comm_layout", "kept_named", "state_tensors", "KeptModule"]
+__all__ = ["compare_and_copy", "check_same_layout", "comm_layout", "kept_named", "state_tensors", "KeptModule"]
 
 
 # torch's words when a wrapper on another group than the default one is copied (the copy would use the default group)
 NOT_COPIED = ("DDP Pickling/Unpickling are only supported when using DDP with the default process group. That is, "
               "when you have called init_process_group and have not passed process_group argument to DDP constructor")
+
+
+def compare_and_copy(ddp, module: nn.Module, ignored: set[str], buckets: list[list[torch.Tensor]], caps,
+                     rebuild_buckets: bool, more: dict) -> None:
+    """torch's `init_sync`: the same model and layout (`comm_layout`, and `more`) on every rank, then rank 0's
+    parameters and buffers (those `more` says are copied) everywhere."""
+    group = ddp.process_group
+    check_same_model(KeptModule(module, ignored) if ignored else module, group,
+                     what="DistributedDataParallel's model", timeout=ddp.timeout)
+    # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
+    check_same_layout(comm_layout(ddp, buckets, caps, rebuild_buckets) | more, group, ddp.world_size)
+    copied = state_tensors(module, ignored, params=True, buffers=more["buffers copied at construction"])
+    broadcast_from_rank0(copied, group, ddp.timeout)
 
 
 def check_same_layout(layout: dict, group, world_size: int) -> None:
@@ -45,7 +58,8 @@ def comm_layout(ddp, buckets: list[list[torch.Tensor]], caps, rebuild_buckets: b
             "bucket_cap_mb": ddp.bucket_cap_mb, "bucket caps (MiB)": caps, "algorithm": ddp.algorithm,
             "segment_bytes": ddp.segment_bytes, "rebuild_buckets": rebuild_buckets,
             "broadcast_buffers": ddp.forward_sync_buffers, "gradient_as_bucket_view": ddp.gradient_as_bucket_view,
-            "static_graph": ddp.static_graph, "find_unused_parameters": ddp.find_unused_parameters, "debug": ddp.debug}
+            "static_graph": ddp.static_graph, "find_unused_parameters": ddp.find_unused_parameters, "debug": ddp.debug,
+            "drift_check_every": ddp.drift.every}
 
 
 def kept_named(named, ignored: set[str]) -> list:

@@ -21,17 +21,17 @@ from ...buckets import DEFAULT_BUCKET_CAP_MB, FIRST_BUCKET_CAP_MB, assign_bucket
 from ...validate import (boolean, initialized, nn_module, non_negative_int, one_of,
                         positive_int, positive_number, timeout_seconds)
 from .buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
-from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers
+from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers, to_device
 from .step_check import CallCheck, Desync
 from .comm_hook import CommHook
 from .join import JoinableWrapper, UnevenInputs
 from .private import ErrorLog, PrivateAPI
-from .init_sync import NOT_COPIED, KeptModule, check_same_layout, comm_layout, kept_named, state_tensors
-from ..transport.agree import broadcast_from_rank0, check_same_model
+from .init_sync import NOT_COPIED, check_same_layout, compare_and_copy, kept_named
 from ..transport.p2p import DEFAULT_SEGMENT_BYTES
 from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from .reducer import Reducer
+from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
 from ..ladder.identity import take_number
 from ..auto.tune import ENGINE_ALGORITHMS
 
@@ -87,6 +87,9 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             variable `MANUALDP_DEBUG` (or `TORCH_DISTRIBUTED_DEBUG=DETAIL`) is set.
         timeout: seconds to wait for a silent peer before raising `PeerError` (default: the
             process group's timeout).
+        drift_check_every: compare the replicas' parameters (a digest each) at the first synchronised
+            forward pass and every this many after; every rank raises naming the first that differs
+            (`manualdp.spmd.ladder.drift`); 0 turns the check off. Not under an enabled `Join`.
 
     Sparse gradients are densified for the allreduce and written back sparse. With
     `find_unused_parameters`, a parameter that no rank used keeps its `.grad` untouched (None
@@ -100,8 +103,10 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  *, device_mesh=None, bucket_cap_mb_list: list[float] | None = None, algorithm: str = "auto",
                  segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, debug: bool | None = None,
-                 rebuild_buckets: bool = True, forward_sync_buffers: bool | None = None) -> None:
+                 rebuild_buckets: bool = True, forward_sync_buffers: bool | None = None,
+                 drift_check_every: int = DRIFT_CHECK_EVERY) -> None:
         super().__init__()
+        self.drift = DriftCheck(drift_check_every)  # checked first
         JoinableWrapper.__init__(self)
         initialized("module", nn_module("module", module))  # as torch: run a forward pass before wrapping
         non_negative_int("dim", dim)
@@ -156,14 +161,8 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         layout = assign_buckets(params, caps)
         number = take_number(group_state(process_group))  # which wrapper of the group: compared at every step
         if init_sync:
-            check_same_model(KeptModule(module, ignored) if ignored else module, process_group,
-                             what="DistributedDataParallel's model", timeout=self.timeout)
-            # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
-            check_same_layout(comm_layout(self, [[params[i] for i in b] for b in layout], caps, rebuild_buckets)
-                              | {"buffers copied at construction": init_buffers, "wrapper number": number},
-                              process_group, self.world_size)
-            broadcast_from_rank0(state_tensors(module, ignored, params=True, buffers=init_buffers), process_group,
-                                 self.timeout)
+            compare_and_copy(self, module, ignored, [[params[i] for i in b] for b in layout], caps, rebuild_buckets,
+                             {"buffers copied at construction": init_buffers, "wrapper number": number})
         self.reducer = Reducer(params, module, layout, caps, group=self.process_group, rank=self.rank, peers=peers,
                                device=self.device, algorithm=algorithm, segment_bytes=segment_bytes,
                                timeout=self.timeout, gradient_as_bucket_view=gradient_as_bucket_view,
@@ -242,6 +241,10 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             raise self.errors(RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after "
                                            "some gradient buckets were sent; the ranks are out of step, so training "
                                            "cannot go on"))
+        if torch.is_grad_enabled() and self.require_backward_grad_sync and not self._join_config.enable:
+            self.drift.tick(lambda: kept_named(self.module.named_parameters(), self.parameters_to_ignore),
+                            self.process_group, who="DistributedDataParallel", timeout=self.timeout,
+                            number=self.calls.number)
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         due = self.require_forward_param_sync and self.forward_sync_buffers
         self.buffer_sync.sync(PRE_FORWARD, due)
@@ -249,7 +252,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             # Joined ranks must know whether this step syncs, and how many ranks still train.
             self.uneven.training_step(self.require_backward_grad_sync)
         if self.move_inputs:
-            inputs, kwargs = _to_device((inputs, kwargs), self.device)
+            inputs, kwargs = to_device((inputs, kwargs), self.device)
         self.reducer.syncing = self.require_backward_grad_sync
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.calls.queue()  # runs on the worker while this forward and backward compute
@@ -292,13 +295,3 @@ def _outside_join(wrapper: DistributedDataParallel):
     ref = weakref.ref(wrapper)
     return lambda: (live := ref()) is None or not live._join_config.enable
 
-
-def _to_device(obj, device: torch.device):
-    """`obj` with every tensor inside (lists, tuples, dicts) moved to `device`."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj

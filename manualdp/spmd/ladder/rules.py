@@ -27,6 +27,11 @@ Two more rules:
   a forward pass with no grad copies nothing: one rank may evaluate alone (torch's DDP would
   wait for the others forever).
 
+Each rung also has a number, the order in which it was built among the wrappers of its group
+(`identity.py`), compared with each step: two rungs called in another order on one rank raise,
+naming both. And at its first forward pass with grad and every `drift_check_every` after, the
+ranks compare a digest of every parameter (`drift.py`): replicas that drifted apart raise.
+
 A rung lives while someone holds it or the graph of its forward pass awaits backward
 (`_keep_alive`); its hooks hold it weakly (`weak_hook`), so that once it is gone its module is
 a plain module again.
@@ -45,6 +50,7 @@ from ..transport.call_check import same_call
 from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
+from .drift import DRIFT_CHECK_EVERY, DriftCheck
 from .identity import naming_wrappers, stamped, take_number
 
 __all__ = ["Rung", "weak_hook"]
@@ -88,11 +94,14 @@ class Rung(nn.Module):
         group: the process group (default: all ranks); timeout: seconds to wait for a peer.
         broadcast_buffers: copy rank 0's buffers to every rank before each forward pass with grad
             enabled, as torch's DDP (default True); they are copied at construction either way.
+        drift_check_every: compare the replicas' parameters (a digest each) at the first forward pass with grad
+            and every this many after; every rank raises naming the first that differs (`drift.py`); 0: never.
     """
 
     def __init__(self, module: nn.Module, *, algorithm: str = "ring", group=None, timeout: float | None = None,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, drift_check_every: int = DRIFT_CHECK_EVERY):
         super().__init__()
+        self.drift = DriftCheck(drift_check_every)
         self.module = nn_module("module", module)
         self.algorithm = one_of("algorithm", algorithm, ENGINE_ALGORITHMS)
         self.group, self.timeout = group, timeout_seconds("timeout", timeout)
@@ -122,7 +131,7 @@ class Rung(nn.Module):
     def settings(self) -> dict:
         """What every rank's rung must agree on at construction, besides the model: the rung and its arguments."""
         return {"rung": type(self).__name__, "wrapper number": self.number, "algorithm": self.algorithm,
-                "broadcast_buffers": self.broadcast_buffers}
+                "broadcast_buffers": self.broadcast_buffers, "drift_check_every": self.drift.every}
 
     def _refuse_wrapped(self, module: nn.Module) -> None:
         """Refuse a module whose parameters another live rung already averages: each would average them again."""
@@ -146,6 +155,8 @@ class Rung(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        self.drift.tick(self.module.named_parameters, self.group, who=type(self).__name__, timeout=self.timeout,
+                        number=self.number)
         self.steps += 1
         if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
             self.copy_buffers()

@@ -53,6 +53,7 @@ from ...validate import boolean, factory, non_negative_number, one_of, positive_
 from ...shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ...zero import make_optimizer, state_bytes
 from ..collectives import all_gather, allreduce
+from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
 from ..transport.peers import group_ranks
 from .zero_grad_shards import GradientShards, holders_of, plan_buckets, real_grad
 from .zero_guards import ZeroGuards, refuse_sparse
@@ -78,6 +79,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
             False (torch's default, where each `param.data` stays its own tensor) changes nothing.
         overlap_with_ddp: True is refused: torch's needs a DDP comm hook that steps the
             optimizer bucket by bucket; call `step()` after backward instead.
+        drift_check_every: compare the replicas' parameters (a digest each) at the first step and every
+            this many after; every rank raises naming the first that differs (`ladder/drift.py`); 0: never.
 
     Every rank must build it alike: the same stage, algorithm, optimizer class and defaults, and
     the same parameter groups (shapes, dtypes, frozen or not, options such as `lr`). The ranks
@@ -89,7 +92,9 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
 
     def __init__(self, params, optimizer_class, *, stage: int = 1, algorithm: str = "ring", group=None,
                  process_group=None, parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
-                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, timeout: float | None = None, **defaults) -> None:
+                 bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, timeout: float | None = None,
+                 drift_check_every: int = DRIFT_CHECK_EVERY, **defaults) -> None:
+        self._drift = DriftCheck(drift_check_every)  # the replicas compared at the first step and every N after
         # frozen ones too: torch's indices count them, and it takes a group of frozen tensors only
         groups = param_groups_of(params, keep_frozen=True, require_trainable=False)
         refuse_sparse(groups)
@@ -171,6 +176,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
                 self.grad_shards.reduce_zeros()  # the training ranks reduce-scatter their buckets now
         # the guards: every rank brings the same to this step, or all raise (`zero_guards.py`)
         used, training = self._agree_on_step(own_gradients, self._adopt_rebound())
+        self._drift.tick(lambda: [(str(k), p) for k, p in enumerate(self._all_params)], self.group,
+                         who="ZeroRedundancyOptimizer", timeout=self.timeout)
         # 1. reduce-scatter (by DDP's allreduce at stage 1, in backward at stage 2): this rank's chunk of the gradient
         lent = self._lend_gradients(used, training)
         # 2. step this rank's chunk

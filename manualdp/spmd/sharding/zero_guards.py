@@ -51,7 +51,8 @@ class ZeroGuards:
         """
         cls, defaults = self._make
         fields = {"stage": self.stage, "algorithm": self.algorithm, "optimizer_class": _name_of(cls),
-                  "defaults": _options_text(defaults), "parameter groups": len(groups)}
+                  "defaults": _options_text(defaults), "parameter groups": len(groups),
+                  "drift_check_every": self._drift.every}
         for g, group in enumerate(groups):
             fields[f"group {g} tensors"] = " ".join(
                 f"{tuple(p.shape)}:{str(p.dtype).replace('torch.', '')}{'' if p.requires_grad else ':frozen'}"

@@ -1,0 +1,84 @@
+"""Replicas that drift apart: a digest of every parameter, compared across the ranks every N steps.
+
+Torch's DDP compares the replicas' weights once, at construction; after that nothing tells a user
+whose replicas have parted: a rank that loaded other weights between steps, a parameter unfrozen
+after wrapping (the wrapper never averages it), a ZeRO optimizer over ranks that built their models
+from other seeds. Each rank trains on, and the run ends with as many models as ranks.
+
+So every wrapper (the rungs, the drop-in, ZeRO; `fully_shard` may call `check_replicas` on its
+shards) counts its steps and, at its first step and every `every` steps after, compares the
+parameters across the ranks (`DriftCheck.tick`): one 64-bit digest per parameter, the sum of its
+bit patterns read as integers (a pass over the parameters' memory, no copy), then the ranks'
+agreement (`transport.agree.agree`: a round trip of 8 bytes per rank that compares the calls,
+and one that compares the digests). Replicas are bitwise equal after every step (the collectives
+leave every rank the same bits, and the optimizers step alike), so any difference is drift: every
+rank raises, naming the first parameter that differs. `every=0` turns the check off.
+
+Its cost, a sum over the parameters and two small round trips every `every` steps, is in
+`bench/drift_cost.py`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ...validate import non_negative_int
+from ..transport.agree import agree
+
+__all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests"]
+
+DRIFT_CHECK_EVERY = 100  # steps between two checks by default: about 1% of a small model's step (bench/drift_cost.py)
+# a view of each element size as integers, whose sum is the digest (complex dtypes as their real pairs)
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def digests(named_tensors) -> dict[str, int]:
+    """name -> a 64-bit digest of the tensor's bits (their sum, read as integers), for each (name, tensor)."""
+    names, sums = [], []
+    for name, t in named_tensors:
+        flat = t.detach().reshape(-1)
+        if flat.is_complex():
+            flat = torch.view_as_real(flat).reshape(-1)
+        names.append(name)
+        sums.append(flat.view(_INTS[flat.element_size()]).sum(dtype=torch.int64) if flat.numel() else
+                    torch.zeros((), dtype=torch.int64, device=flat.device))
+    values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []  # one copy to the host
+    return dict(zip(names, values))
+
+
+def check_replicas(named_tensors, group=None, *, who: str, step: int, timeout: float | None = None,
+                   number: int | None = None) -> None:
+    """Raise RuntimeError on every rank of `group` unless every rank holds bitwise the same tensors.
+
+    `named_tensors`: (name, tensor) pairs, the same names in the same order on every rank; `who`
+    (the wrapper) and `step` name the check in the error, which names the first tensor that differs.
+    `number`: the wrapper's number (`identity.take_number`), compared first: ranks that called two
+    different wrappers here are named as such, not as replicas that drifted.
+    Every rank must call it at the same point of the program.
+    """
+    if dist.get_world_size(group) == 1:
+        return
+    fields = {} if number is None else {"wrapper": f"#{number}"}
+    fields |= {f"parameter {name}": value for name, value in digests(named_tensors).items()}
+    agree(f"{who}'s replica at step {step}", fields, group, error=RuntimeError, timeout=timeout, check=True,
+          hint="the replicas no longer hold the same parameters (the per-rank values are digests of their bits): "
+               "a rank loaded other weights or changed a parameter by hand, a parameter was unfrozen after "
+               "wrapping (build the wrapper after unfreezing it), or the ranks built their models from other "
+               "seeds; every rank must hold the same model (drift_check_every=0 turns this check off). Where the "
+               "wrappers differ, the ranks called different wrappers here, as a(b(x)) on one rank and b(a(x)) on "
+               "another does")
+
+
+class DriftCheck:
+    """A wrapper's drift check: `tick` once per step; it compares the replicas at step 0 and every `every` steps."""
+
+    def __init__(self, every: int) -> None:
+        self.every = non_negative_int("drift_check_every", every)
+        self.steps = 0  # steps begun so far
+
+    def tick(self, named_tensors, group, *, who: str, timeout: float | None = None, number: int | None = None) -> None:
+        """A step begins: compare the replicas if it is due (`named_tensors` is read only then)."""
+        step, self.steps = self.steps, self.steps + 1
+        if self.every and step % self.every == 0:
+            check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
+                           step=step, timeout=timeout, number=number)

@@ -1,0 +1,115 @@
+"""Replicas that drift apart raise on every rank naming the first parameter that differs (torch's DDP and ZeRO go
+on silently): one rank loads other weights between steps; a parameter unfrozen after wrapping is never averaged;
+ZeRO over ranks that built their models from other seeds. `drift_check_every=0` turns the check off.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from manualdp.distributed import DistributedDataParallel, ZeroRedundancyOptimizer
+from manualdp.spmd import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP, launch
+from manualdp.spmd.ladder.drift import DRIFT_CHECK_EVERY, DriftCheck, digests
+
+WRAPPERS = {"NaiveDDP": NaiveDDP, "FlatDDP": FlatDDP, "OverlappedDDP": OverlappedDDP, "BucketedDDP": BucketedDDP,
+            "DistributedDataParallel": functools.partial(DistributedDataParallel, algorithm="ring")}
+
+
+def _net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+
+
+def _train(model, x, steps, between=None):
+    """`steps` steps of SGD on `model`; `between(step)` runs before each step's forward; returns the error or None."""
+    opt = torch.optim.SGD([p for p in model.parameters()], lr=0.1)
+    try:
+        for step in range(steps):
+            if between is not None:
+                between(step)
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _job():
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name, make in WRAPPERS.items():
+        model = make(_net(), timeout=20, drift_check_every=1)
+        other = _net(seed=7).state_dict()
+
+        def load(step, model=model, other=other):
+            if step == 2 and rank == 1:  # between steps 1 and 2, rank 1 alone loads other weights
+                model.module.load_state_dict(other)
+        out[name, "loaded"] = _train(model, x, 4, load)
+        net = _net()
+        net[0].weight.requires_grad_(False)
+        model = make(net, timeout=20, drift_check_every=2)
+        net[0].weight.requires_grad_(True)  # unfrozen after wrapping: no wrapper averages it
+        out[name, "unfrozen"] = _train(model, x, 4)
+        del model
+        model = make(_net(), timeout=20, drift_check_every=0)
+        out[name, "off"] = _train(model, x, 4, functools.partial(load, model=model))
+    for every in (None, 0):  # ZeRO over models built from other seeds: the default checks at the first step
+        net = _net(seed=rank)
+        kwargs = {} if every is None else {"drift_check_every": every}
+        opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1, timeout=20, **kwargs)
+        try:
+            net(x).pow(2).sum().backward()
+            opt.step()
+            out["zero", every] = None
+        except Exception as e:  # noqa: BLE001
+            out["zero", every] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _raised(message, rank, who, step, name):
+    assert message is not None, (who, rank)
+    head = f"RuntimeError: rank {rank}: {who}'s replica at step {step} differs across ranks: parameter {name} "
+    assert message.startswith(head), (head, message)
+    assert "drift_check_every=0 turns this check off" in message, message
+
+
+def test_replicas_that_drift_apart_raise_on_every_rank_naming_the_first_parameter_that_differs():
+    results = launch(_job, 2, timeout=240)
+    for rank, out in enumerate(results):
+        for who in WRAPPERS:
+            _raised(out[who, "loaded"], rank, who, 2, "0.weight")  # checked at every step: the step after the load
+            _raised(out[who, "unfrozen"], rank, who, 2, "0.weight")  # every 2 steps: 0, then 2
+            assert out[who, "off"] is None, (who, rank, out[who, "off"])
+        _raised(out["zero", None], rank, "ZeroRedundancyOptimizer", 0, "0")
+        assert out["zero", 0] is None, (rank, out["zero", 0])
+
+
+def test_a_digest_changes_with_one_bit_of_any_dtype_or_layout():
+    tensors = {"f32": torch.randn(3, 4), "f16": torch.randn(5).half(), "f64": torch.randn(2, 3).double().t(),
+               "c64": torch.randn(3, dtype=torch.complex64), "empty": torch.zeros(0), "int": torch.arange(6)}
+    before = digests(tensors.items())
+    assert before == digests((k, v.clone()) for k, v in tensors.items())  # equal values, equal digests
+    for name, t in tensors.items():
+        if t.numel() == 0:
+            continue
+        changed = t.clone()
+        flat = changed.view(-1) if changed.is_contiguous() else changed.t().reshape(-1)
+        if changed.is_complex():
+            flat = torch.view_as_real(changed).view(-1)
+        flat[0] = torch.nextafter(flat[0], flat[0] + 1) if flat.is_floating_point() else flat[0] + 1
+        if not changed.is_contiguous():
+            changed = flat.view(changed.t().shape).t()
+        assert digests([(name, changed)])[name] != before[name], name
+
+
+def test_the_check_is_on_by_default_and_refuses_a_bad_interval():
+    assert DRIFT_CHECK_EVERY > 0
+    assert DriftCheck(DRIFT_CHECK_EVERY).every == DRIFT_CHECK_EVERY
+    for bad in (-1, 1.5, "10", None):
+        with pytest.raises(ValueError, match="drift_check_every must be a non-negative int, got"):
+            DriftCheck(bad)
