@@ -49,6 +49,7 @@ from ...validate import boolean, nn_module
 from ..transport.agree import broadcast_from_rank0
 from .fsdp_hooks import ForwardHooks, install_hooks
 from .fsdp_init import Checked, checked_arguments
+from .fsdp_norm import register_empty_shard_norms
 from .fsdp_param import Param, watch_optimizers
 from .fsdp_state_dict import install_state_dict_hooks
 from .fsdp_unit import UNIT, Unit
@@ -240,6 +241,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     module.__dict__[UNIT] = unit
     module.__class__ = _fsdp_class(type(module))
     watch_optimizers()
+    register_empty_shard_norms()
     return module
 
 

@@ -9,6 +9,7 @@ The assertions run here, in the parent.
 """
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import pytest
@@ -379,3 +380,33 @@ def test_refused_in_one_line(results):
         assert "not contiguous" in refusals["channels_last"]["ours"]
         assert all("\n" not in m for m in (got["gathered optimizer"], foreign["full"], refusals["two tensor"]))
 
+
+
+def _clip_job():
+    """At 3 ranks a 2-row layer leaves rank 2 empty shards: the +-inf norms over all gradients, clipped and not."""
+    out = []
+    for norm_type, foreach in ((math.inf, None), (math.inf, False), (-math.inf, None)):
+        model = _two_rows()
+        fully_shard(model)
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type, foreach=foreach)
+        out.append((float(norm.full_tensor()), {k: _full(p.grad) for k, p in model.named_parameters()}))
+    return {"norms": out, "empty": [p.to_local().numel() == 0 for p in model.parameters()]}
+
+
+def _two_rows():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 5))
+
+
+def test_clip_grad_norm_inf_with_an_empty_shard_equals_one_process():
+    results = launch(_clip_job, 3, timeout=120.0)
+    for i, norm_type in enumerate((math.inf, math.inf, -math.inf)):
+        model = _two_rows()
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum().backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type)
+        for r, got in enumerate(results):
+            got_norm, got_grads = got["norms"][i]
+            assert got_norm == pytest.approx(float(norm), rel=1e-6), (r, norm_type)
+            _same(got_grads, {k: p.grad for k, p in model.named_parameters()}, f"rank {r} clipped, {norm_type}")
+    assert results[2]["empty"] == [True, True, False, False], "rank 2's shards of the 2-row layer are empty"
