@@ -15,8 +15,11 @@ Counts start again on a replica that joins: it has not seen the offences before 
 Honest members' norms differ by a few times (their shards of one global batch: at most 4.4 times
 the median of the others' over 10 epochs of `manualdp train --model mlp --batch-size 32` on 3
 replicas, 2.1 between 2); a poisoned one (its contribution times 1000, a bit flip in an
-exponent) by far more. Shards of one or two examples can differ by 100 times honestly, and the
-same step is taken again on the same batch: give each member a few examples, or `guard = None`.
+exponent) by far more. But shards of one or two examples differ by thousands of times honestly
+(one example misclassified, the other fitted), and a discarded step is taken again on the same
+batch, so an honest member would be removed: the norms are compared only while every member
+trains on at least `MIN_EXAMPLES` examples of a global batch (`Manager.capacity`: its smallest;
+0, unknown, compares always); below, only a non-finite contribution is out of line.
 """
 from __future__ import annotations
 
@@ -28,11 +31,12 @@ import torch
 
 from .admission import Misfit
 
-__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "Removed", "offenders", "ContributionGuard"]
+__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "MIN_EXAMPLES", "Removed", "offenders", "ContributionGuard"]
 
 FACTOR = 100.0       # 3+ members: out of line above this many times the median of the others' norms
 PAIR_FACTOR = 100.0  # 2 members: out of line above this many times the other's norm
 STRIKES = 3          # offences in a row that remove a member from the quorum
+MIN_EXAMPLES = 8     # the fewest examples per member at which the norms are compared
 
 _log = logging.getLogger("manualdp.spmd.ft")
 
@@ -61,11 +65,13 @@ class ContributionGuard:
     """One per manager: judges each step's contributions, and counts each member's offences in a row.
 
     Args:
-        factor, pair_factor, strikes: `FACTOR`, `PAIR_FACTOR` and `STRIKES` (module docstring).
+        factor, pair_factor, strikes, min_examples: `FACTOR`, `PAIR_FACTOR`, `STRIKES` and
+            `MIN_EXAMPLES` (module docstring).
     """
 
-    def __init__(self, factor: float = FACTOR, pair_factor: float = PAIR_FACTOR, strikes: int = STRIKES) -> None:
-        self.factor, self.pair_factor, self.strikes = factor, pair_factor, strikes
+    def __init__(self, factor: float = FACTOR, pair_factor: float = PAIR_FACTOR, strikes: int = STRIKES,
+                 min_examples: int = MIN_EXAMPLES) -> None:
+        self.factor, self.pair_factor, self.strikes, self.min_examples = factor, pair_factor, strikes, min_examples
         self.offences: dict[str, int] = {}  # member id -> its offences in a row, as far as this replica saw
 
     def passes(self, manager, contribution: list[torch.Tensor], also: list[torch.Tensor] = ()) -> bool:
@@ -81,7 +87,9 @@ class ContributionGuard:
         norms[quorum.rank(manager.id)] = mine
         if not manager.average(norms):
             return False  # a member failed: the step cannot commit anyway
-        bad = offenders((norms * len(ids)).tolist(), self.factor, self.pair_factor)
+        batch = getattr(manager, "capacity", 0)
+        compare = not batch or batch // len(ids) >= self.min_examples  # else honest shards differ too much
+        bad = offenders((norms * len(ids)).tolist(), *((self.factor, self.pair_factor) if compare else (math.inf,) * 2))
         for i, rid in enumerate(ids):
             self.offences[rid] = self.offences.get(rid, 0) + 1 if i in bad else 0
         if not bad:

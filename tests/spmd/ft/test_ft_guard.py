@@ -16,7 +16,7 @@ import torch
 
 from manualdp.spmd.ft import Quorum
 from manualdp.spmd.ft.average import average_and_vote
-from manualdp.spmd.ft.guard import FACTOR, PAIR_FACTOR, STRIKES, ContributionGuard, Removed, offenders
+from manualdp.spmd.ft.guard import FACTOR, MIN_EXAMPLES, PAIR_FACTOR, STRIKES, ContributionGuard, Removed, offenders
 from tests.spmd.ft.cli_harness import ROOT, check_against_reference, committed, reference, run
 from tests.spmd.ft.harness import member
 
@@ -43,7 +43,7 @@ class Member:
     """A manager for member `me` of a quorum whose other members' contributions have the given norms."""
 
     def __init__(self, me: str, others: dict[str, float]) -> None:
-        self.id, self.others, self.step = me, others, 7
+        self.id, self.others, self.step, self.capacity = me, others, 7, 0
         self.quorum = Quorum(1, tuple(member(r) for r in sorted([me, *others])), 1)
         self.guard = ContributionGuard()
         self.sent, self.votes = [], []
@@ -105,6 +105,17 @@ def test_strikes_in_a_row_remove_the_offender_which_votes_first_and_a_clean_step
     assert f"replica c's contribution is out of line: norm 3e+03, over 100 times the median of the others' (3.05); " \
            f"removed after {STRIKES} in a row" in caplog.text
     assert poisoned.guard.offences == {"a": 0, "b": 0, "c": STRIKES}
+
+
+def test_on_shards_of_a_few_examples_only_a_non_finite_contribution_is_out_of_line():
+    tiny = Member("a", {"b": 3.0, "c": 3000.0})  # one example misclassified, the others fitted: honest
+    tiny.capacity = 3 * MIN_EXAMPLES - 1  # a global batch of 23: 7 examples per member
+    assert tiny.step_with([torch.ones(9)]) and tiny.guard.offences == {"a": 0, "b": 0, "c": 0}
+    tiny.others["c"] = math.nan
+    assert not tiny.step_with([torch.ones(9)]) and tiny.guard.offences["c"] == 1
+    enough = Member("a", {"b": 3.0, "c": 3000.0})
+    enough.capacity = 3 * MIN_EXAMPLES
+    assert not enough.step_with([torch.ones(9)]) and enough.guard.offences["c"] == 1
 
 
 def test_without_a_guard_nothing_is_judged():
