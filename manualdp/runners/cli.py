@@ -293,7 +293,7 @@ def run_coordinator(port: int, host: str = "127.0.0.1", token_file: str | None =
     from ..spmd.ft.coordinator import load_token
 
     try:
-        coordinator = Coordinator(port, host, load_token(token_file))
+        coordinator = Coordinator(port, host, load_token(token_file), log_warnings=False)
     except ValueError as e:  # the secret cannot be read, or is too short
         sys.stderr.write(f"manualdp coordinator: error: {_one_line(e)}\n")
         return 2
@@ -307,6 +307,8 @@ def run_coordinator(port: int, host: str = "127.0.0.1", token_file: str | None =
     signal.signal(signal.SIGTERM, stop)
     print(f"coordinator listening on {host}:{coordinator.port}; replicas: manualdp train --fault-tolerant "
           f"{host}:{coordinator.port} --replica-id NAME", flush=True)
+    for warning in coordinator.warnings:  # after the first line, which scripts read for the port
+        sys.stderr.write(f"manualdp coordinator: warning: {warning}\n")
     coordinator.serve()  # returns on KeyboardInterrupt, and closes the store
     print("coordinator stopped", flush=True)
     return 0

@@ -60,23 +60,27 @@ class Coordinator:
             address (or "0.0.0.0", every interface) only for replicas on other machines.
         token: the run's shared secret (at least 16 characters), which every replica must be
             given too; None: the open mode.
+        log_warnings: log `warnings` (what an open store, or another address, allows) once started;
+            False: the caller tells them (`manualdp coordinator` prints them after its first line).
     """
 
-    def __init__(self, port: int = 0, host: str = "127.0.0.1", token: str | None = None) -> None:
+    def __init__(self, port: int = 0, host: str = "127.0.0.1", token: str | None = None, *,
+                 log_warnings: bool = True) -> None:
         int_between("port", port, 0, 65535)
         self.host = check_host(host)
         secret = check_token(token)
         listener = _listen(host, port)
-        if not ipaddress.ip_address(listener.getsockname()[0]).is_loopback:
-            LOG.warning(WIDE, listener.getsockname()[0])
-        if secret is None:
-            LOG.warning(OPEN)
+        address = listener.getsockname()[0]
+        wide = not ipaddress.ip_address(address.split("%")[0]).is_loopback
+        self.warnings = [WIDE % address] * wide + [OPEN] * (secret is None)  # what the port allows, in words
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30), master_listen_fd=listener.detach())
         self.port = self.store.port  # the store's own object: the server lives as long as this reference
         self.store.set(f"{PREFIX}/{MODE}", "signed" if secret else "open")  # for a replica's one-line error only
         if secret is not None:  # a replica checks that it holds the same secret (`connect`)
             SignedStore(self.store, secret, PREFIX).set(HELLO, "manualdp")
+        for warning in self.warnings if log_warnings else ():
+            LOG.warning("%s", warning)
 
     def serve(self, poll: float = 1.0) -> None:
         """Run until interrupted (Ctrl-C): what `manualdp coordinator` does."""
