@@ -19,11 +19,24 @@ One role a file, as FSDP2's `torch/distributed/fsdp/_fully_shard/`: this page is
 `fsdp_init.py` checks a call; `fsdp_param.py` holds one parameter's two forms (shard and full);
 `fsdp_unit.py` gathers and frees a unit's parameters, and starts their reduce-scatter;
 `fsdp_collectives.py` moves their bytes (the book's schedules); `fsdp_hooks.py` hooks a unit's
-forward and backward; `fsdp_step.py` is the step under way of a tree of units.
+forward and backward; `fsdp_step.py` is the step under way of a tree of units; `fsdp_state_dict.py`
+keeps `state_dict()` to the shards; `fsdp_norm.py` gives an empty shard its infinity norm;
+`fsdp_meta.py` initialises a meta-device model as one process would (`init_full`).
+
+As torch's: a sharded module is torch's `FSDPModule` too (`isinstance`, `register_fsdp_forward_method`);
+`requires_grad_` after sharding takes effect at the next forward; the hook that gathers a unit again for
+backward follows its outputs through tuples, lists, dicts and dataclasses; composable activation
+checkpointing recomputes a unit without resharding it; `set_gradient_divide_factor` sets one module's.
 
 Where it differs from torch's FSDP2:
 - every rank starts from rank 0's parameters and buffers (a broadcast, as `DistributedDataParallel`
-  does); a model built on the meta device is not broadcast: initialise it after `to_empty`;
+  does); a model built on the meta device is not broadcast: initialise it after `to_empty`, with
+  `init_full(model, init)` to start where one process would (torch's draws every rank's shard alike);
+- `clip_grad_norm_(..., norm_type=inf)` where a rank's shard is empty (fewer rows than ranks) gives the
+  norm (torch's raises there, and the other ranks wait);
+- an optimizer built from the gathered parameters (after a forward, before its backward), a full state
+  dict given to `load_state_dict`, or one cut for another world size, are refused in one line that says
+  what to do instead;
 - a weight tied across two units moves to the unit that encloses both (torch's cannot gather it);
 - `reshard_after_forward` as an int smaller than the group (torch's: keep a copy sharded over fewer
   ranks) reshards over all of them: the same numbers, less memory, one more all-gather's latency;
@@ -49,12 +62,13 @@ from ...validate import boolean, nn_module
 from ..transport.agree import broadcast_from_rank0
 from .fsdp_hooks import ForwardHooks, install_hooks
 from .fsdp_init import Checked, checked_arguments
+from .fsdp_meta import init_full
 from .fsdp_norm import register_empty_shard_norms
 from .fsdp_param import Param, watch_optimizers
 from .fsdp_state_dict import install_state_dict_hooks
 from .fsdp_unit import UNIT, Unit
 
-__all__ = ["fully_shard", "full_state_dict", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "full_state_dict", "init_full", "FSDPModule", "UnshardHandle"]
 
 
 class UnshardHandle:

@@ -73,7 +73,7 @@ class Param:
         self.rows = value.shape[0]
         self.row_numel = math.prod(value.shape[1:])
         self.chunk_rows = -(-self.rows // world_size)  # ceil: torch.chunk's rows per rank (rank 0's, the padded size)
-        start = min(rank * self.chunk_rows, self.rows)
+        self.start = start = min(rank * self.chunk_rows, self.rows)  # this rank's first row
         self.local_rows = min(self.chunk_rows, self.rows - start)
         self.padded = self.chunk_rows * self.row_numel  # this parameter's elements in every rank's segment
         with torch.no_grad():

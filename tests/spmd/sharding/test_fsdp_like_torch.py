@@ -23,7 +23,7 @@ from torch.distributed.fsdp import register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from manualdp.spmd import launch, shard
-from manualdp.spmd.sharding.fsdp import FSDPModule, fully_shard
+from manualdp.spmd.sharding.fsdp import FSDPModule, full_state_dict, fully_shard, init_full
 
 SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
 
@@ -276,6 +276,37 @@ def _classes():
             "ours": [isinstance(m, FSDPModule) for m in (model, model.layers[0], model.head)]}
 
 
+def _reset(model):
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+def _meta_init(use_init_full):
+    """pytorch/examples' order: build on the meta device, shard, to_empty, seed, initialise."""
+    with torch.device("meta"):
+        model = Stack()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(11)
+    if use_init_full:
+        init_full(model, _reset)
+    else:
+        _reset(model)
+    return full_state_dict(model)
+
+
+def _one_process_meta_init():
+    with torch.device("meta"):
+        model = Stack()
+    model.to_empty(device="cpu")
+    torch.manual_seed(11)
+    _reset(model)
+    return model.state_dict()
+
+
 def _case(fn, *args):
     """`fn(*args)`, or what it raised: one case that crashes leaves the others their answers."""
     try:
@@ -297,6 +328,7 @@ def _job():
     out["foreign"] = _case(_foreign_state_dicts, rank, n, mesh)
     out["refusals"] = _case(_refusals, rank, n)
     out["classes"] = _case(_classes)
+    out["meta"] = {"init_full": _case(_meta_init, True), "reset": _case(_meta_init, False)}
     return out
 
 
@@ -391,7 +423,8 @@ def _clip_job():
         model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum().backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type, foreach=foreach)
         out.append((float(norm.full_tensor()), {k: _full(p.grad) for k, p in model.named_parameters()}))
-    return {"norms": out, "empty": [p.to_local().numel() == 0 for p in model.parameters()]}
+    return {"norms": out, "empty": [p.to_local().numel() == 0 for p in model.parameters()],
+            "meta": _meta_init(True)}
 
 
 def _two_rows():
@@ -410,3 +443,20 @@ def test_clip_grad_norm_inf_with_an_empty_shard_equals_one_process():
             assert got_norm == pytest.approx(float(norm), rel=1e-6), (r, norm_type)
             _same(got_grads, {k: p.grad for k, p in model.named_parameters()}, f"rank {r} clipped, {norm_type}")
     assert results[2]["empty"] == [True, True, False, False], "rank 2's shards of the 2-row layer are empty"
+    for r, got in enumerate(results):
+        _same(got["meta"], _one_process_meta_init(), f"rank {r}: init_full at 3 ranks")
+
+
+def test_init_full_starts_a_meta_model_where_one_process_starts(results):
+    single = _one_process_meta_init()
+    for r, got in enumerate(results):
+        _same(got["meta"]["init_full"], single, f"rank {r}: init_full at 2 ranks")
+        assert not torch.equal(got["meta"]["reset"]["layers.0.weight"], single["layers.0.weight"]), \
+            "reset_parameters on the shards draws each rank's rows from the same seed"
+
+
+def test_init_full_checks_its_arguments():
+    with pytest.raises(ValueError, match=r"module \(Linear\) is not sharded by fully_shard"):
+        init_full(nn.Linear(2, 2), _reset)
+    with pytest.raises(TypeError, match="init must be callable, got 3"):
+        init_full(nn.Linear(2, 2), 3)
