@@ -62,7 +62,9 @@ class NaiveDDP(Rung):
 
     def _on_grad(self, p: torch.Tensor) -> None:
         """Autograd calls this once `p.grad` holds this backward pass's gradient."""
-        self.reached[self.position[id(p)]] = True  # for the rule on unused parameters (`Rung.unused_everywhere`)
+        # for the rule on unused parameters (`Rung.unused_everywhere`); a hook that fired with no gradient (a custom
+        # autograd.Function that returned None for it) is an unused parameter, as in torch's DDP
+        self.reached[self.position[id(p)]] = p.grad is not None
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

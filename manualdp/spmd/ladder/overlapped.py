@@ -64,6 +64,8 @@ class OverlappedDDP(FlatDDP):
     def start(self, p: torch.Tensor, sent: torch.Tensor | None = None) -> None:
         """Send `p.grad` (or `sent` for it) now; autograd will not touch it again in this backward pass."""
         sent = p.grad if sent is None else sent
+        if sent is None:  # its hook fired with no gradient (an autograd.Function returned None): unused here
+            sent = torch.zeros_like(p)
         if p is not self.order[-1]:
             self.running.append((p, sent, self.submit(sent)))
             return

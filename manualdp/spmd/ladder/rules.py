@@ -122,6 +122,7 @@ class Rung(nn.Module):
         broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)
         # copied from rank 0 before each forward pass (torch's DDP also lists them once, at construction)
         self.synced_buffers = list(module.buffers()) if broadcast_buffers else []
+        self.built_with = list(module.parameters())  # a parameter replaced after wrapping is refused (`forward`)
         self.position = {id(p): k for k, p in enumerate(self.params)}  # where each parameter sits in `params`
         self.reached = [False] * len(self.params)  # whose hook this backward pass fired on this rank
         self.steps = 0  # forward passes with grad enabled so far: compared at every backward (`check_step`)
@@ -155,6 +156,7 @@ class Rung(nn.Module):
     def forward(self, *args, **kwargs):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
+        self._refuse_replaced()
         self.drift.tick(self.module.named_parameters, self.group, who=type(self).__name__, timeout=self.timeout,
                         number=self.number)
         self.steps += 1
@@ -163,6 +165,21 @@ class Rung(nn.Module):
         out = self.module(*args, **kwargs)
         _keep_alive(out, self)
         return out
+
+    def _refuse_replaced(self) -> None:
+        """Raise if a parameter of the module is no longer the one the rung was built with: it would never be averaged.
+
+        torch's DDP (and the drop-in) find the old parameter unused and raise at the next forward pass.
+        """
+        now = list(self.module.named_parameters())
+        if len(now) == len(self.built_with) and all(p is q for (_, p), q in zip(now, self.built_with)):
+            return
+        name = next((n for (n, p), q in zip(now, self.built_with) if p is not q), "(a parameter added or removed)")
+        raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. "
+                           f"rank {self.rank}: {type(self).__name__}: parameter {name} is not the one the rung was "
+                           "built with (replaced after wrapping, e.g. module.weight = nn.Parameter(...)): the rung "
+                           "averages the parameters it was built with, and would never average this one; replace "
+                           "parameters before wrapping, or assign to .data to keep the parameter itself")
 
     def check_step(self, flag: bool = False) -> bool:
         """Before a backward pass's first allreduce: every rank is at the same step, or every rank raises.
