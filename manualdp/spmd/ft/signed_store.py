@@ -87,16 +87,21 @@ class SignedStore:
         return mac.digest()
 
     def _seal(self, key: str, value) -> bytes:
+        """S, the length (8 bytes), the MAC, the value: bytes a stranger appends after it change nothing."""
         value = _bytes(value)
-        return value if self._secret is None else _SET + self._mac(key, _SET, value) + value
+        if self._secret is None:
+            return value
+        return _SET + len(value).to_bytes(8, "big") + self._mac(key, _SET, value) + value
 
     def _open(self, key: str, raw: bytes) -> bytes | None:
         """The value `raw` holds for `key` if it verifies (appended chunks: those that do), else None (logged)."""
         if self._secret is None:
             return raw
-        if raw[:1] == _SET and len(raw) > _MAC and hmac.compare_digest(raw[1:1 + _MAC],
-                                                                      self._mac(key, _SET, raw[1 + _MAC:])):
-            return raw[1 + _MAC:]
+        head = 9 + _MAC
+        if raw[:1] == _SET and len(raw) >= head:
+            value = raw[head:head + int.from_bytes(raw[1:9], "big")]
+            if hmac.compare_digest(raw[9:head], self._mac(key, _SET, value)):
+                return value
         lines = [line for line in raw.split(b"\n") if line]
         chunks = [c for c in (self._chunk(key, line) for line in lines) if c is not None]
         if len(chunks) < len(lines):
@@ -165,18 +170,23 @@ class SignedStore:
         A value in place that does not verify counts as nothing: it is replaced by `desired`
         when `expected` is "" (first writer wins among those who hold the secret).
         """
-        name, sealed = self._name(key), self._seal(key, desired)
-        want = expected = self._seal(key, expected) if _bytes(expected) else b""
+        name, sealed, expected = self._name(key), self._seal(key, desired), _bytes(expected)
+        want = self._seal(key, expected) if expected else b""
         for _ in range(100):  # a stranger racing the replacement can only delay it
             raw = self._client.compare_set(name, want, sealed)
             if raw == sealed:
                 return _bytes(desired)
-            value = self._open(key, raw) if raw else None
-            if value is not None or expected:
-                return value if value is not None else b""
-            # a forged or malformed value in place: replace it, unless someone replaces it first (torch answers
-            # a compare_set on a missing key with the expected value: then the key was deleted meanwhile)
-            want = b"" if raw == want else raw
+            # torch answers a compare_set on a missing key with the expected value: the key is gone
+            gone = bool(want) and raw == want
+            value = self._open(key, raw) if raw and not gone else None
+            if value is None and expected:
+                return b""  # what the caller expected is not there
+            if value is None:
+                want = b"" if gone else raw  # a forged or malformed value in place: replace it
+            elif value != expected:
+                return value  # another writer's value, verified
+            else:
+                want = raw  # the expected value, in other bytes (a stranger appended to them): swap those
         return b""
 
     def delete_key(self, key: str) -> bool:

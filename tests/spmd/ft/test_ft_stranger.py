@@ -326,3 +326,62 @@ def test_replicas_that_left_on_purpose_do_not_count_for_the_guard(open_):
         register(store, rid)
         Heartbeat(store, rid, 0.05).stop(leave=True)
     assert ask_alone(store, "a", min_replicas=0).ids == ["a"]
+
+
+def test_a_signed_value_survives_bytes_appended_and_compare_set_swaps_it(signed):
+    store, s = honest(signed, "junk"), stranger(signed)
+    store.set("k", "3")
+    s.append(real_name(store, "k"), "junk")
+    assert store.get("k") == b"3"
+    assert store.compare_set("k", "3", "4") == b"4" and store.get("k") == b"4"  # as durable.record_committed does
+    s.set(real_name(store, "k"), "forged")
+    assert not store.check(["k"])
+    assert store.compare_set("k", "", "5") == b"5" and store.get("k") == b"5"  # first writer among the honest
+    assert store.compare_set("k", "", "6") == b"5"
+
+
+# ------------------------------------------------------------ the command line, with a stranger writing all along
+
+
+@pytest.mark.soak
+def test_two_replicas_with_a_token_file_train_alike_while_a_stranger_forges(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("MANUALDP_FT_TOKEN", None)
+    run = [sys.executable, "-m", "manualdp"]
+    co = subprocess.Popen([*run, "coordinator", "--port", "0", "--token-file", str(tmp_path / "token")],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    procs = [co]
+    try:
+        port = int(co.stdout.readline().split("127.0.0.1:")[1].split(";")[0])
+        options = ["--fault-tolerant", f"127.0.0.1:{port}", "--token-file", str(tmp_path / "token"),
+                   "--min-replicas", "2", "--model", "mlp", "--num-train", "256", "--num-test", "64",
+                   "--batch-size", "32", "--lr", "0.1", "--epochs", "1", "--timeout", "30", "--no-progress"]
+        for rid in "ab":
+            procs.append(subprocess.Popen([*run, "train", *options, "--replica-id", rid, "--json",
+                                           str(tmp_path / f"{rid}.json")], stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, env=env))
+        s = stranger(type("C", (), {"port": port}))
+        while any(p.poll() is None for p in procs[1:]):  # forge decisions, votes, beats and asks under plain names
+            for r in range(1, 12):
+                for key, value in ((f"round/{r}/outcome", "discard"), (f"round/{r}/vote/a", "0"),
+                                   ("heartbeat/b", "ffff -1"), ("latest", "x")):
+                    s.set(f"manualdp-ft/{key}", value)
+            for name in s.list_keys():  # and append junk to every key it can find
+                if name.startswith("manualdp-ft-signed/"):
+                    s.append(name, "\n{junk}\n")
+            time.sleep(0.05)
+        outputs = [p.communicate(timeout=120)[0] for p in procs[1:]]
+        assert [p.returncode for p in procs[1:]] == [0, 0], outputs
+        sums = [json.loads((tmp_path / f"{rid}.json").read_text())["config"]["fault_tolerant"]["parameters_sha256"]
+                for rid in "ab"]
+        assert sums[0] == sums[1]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
