@@ -52,8 +52,9 @@ class Stack(nn.Module):
         return self.head(x)
 
 
-def _stack(shard_fn, **kwargs):
-    model = Stack()
+def _stack(shard_fn, model=None, **kwargs):
+    """`model` (a fresh `Stack` by default) with each layer a unit, then the root."""
+    model = Stack() if model is None else model
     for layer in model.layers:
         shard_fn(layer, **kwargs)
     return shard_fn(model, **kwargs)
@@ -286,10 +287,7 @@ def _meta_init(use_init_full):
     """pytorch/examples' order: build on the meta device, shard, to_empty, seed, initialise."""
     with torch.device("meta"):
         model = Stack()
-    for layer in model.layers:
-        fully_shard(layer)
-    fully_shard(model)
-    model.to_empty(device="cpu")
+    _stack(fully_shard, model).to_empty(device="cpu")
     torch.manual_seed(11)
     if use_init_full:
         init_full(model, _reset)
