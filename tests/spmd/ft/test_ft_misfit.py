@@ -167,3 +167,31 @@ def test_by_the_command_line_a_joiner_with_another_lr_exits_2_in_one_line_and_th
     assert all("replica c refused: lr 0.2 != 0.1" in (tmp_path / f"{rid}-0.log").read_text() for rid in "ab")
     assert sorted(committed(results)) == list(range(8 * epochs))
     check_against_reference(results, ref)
+
+
+@pytest.mark.soak
+def test_by_the_command_line_a_third_replica_with_no_room_in_a_batch_of_2_is_refused_and_the_run_goes_on(tmp_path):
+    with run(tmp_path, epochs=1) as r:
+        r.options[r.options.index("--batch-size") + 1] = "2"  # room for 2 members, not 3
+        for rid in "ab":
+            r.start(rid)
+        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
+        for p in (r.replicas["a"][0], r.replicas["b"][0]):
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            c = r.start("c")
+            r.wait("c registered", lambda: r.registrations() == 3)
+        finally:
+            for p in (r.replicas["a"][0], r.replicas["b"][0]):
+                os.kill(p.pid, signal.SIGCONT)
+        assert c.wait(timeout=60) == 2
+        r.replicas.pop("c")
+        results = r.finish()
+    err = (tmp_path / "c-0.log").read_text()
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "manualdp train: error: replica 'c' refused by the run: the run's quorum is full: 2 members already split a "
+        "global batch of 2: join with a larger batch, or when a member leaves"), err
+    assert all("replica c refused: the run's quorum is full" in (tmp_path / f"{rid}-0.log").read_text() for rid in "ab")
+    assert sorted(committed(results)) == list(range(256 // 2))
+    assert results["a"]["config"]["fault_tolerant"]["parameters_sha256"] == \
+        results["b"]["config"]["fault_tolerant"]["parameters_sha256"]
