@@ -11,6 +11,7 @@ every piece is a short file, in reading order:
 - `coordinator.py`: `Coordinator`, the process that hosts the store (a `TCPStore`); `connect`;
 - `keys.py`: the store's keys, every one the room writes or reads;
 - `heartbeat.py`: who is alive: a counter each replica moves, watched on each observer's clock;
+- `admission.py`: who may join: the run's settings, and room in the global batch; a misfit is refused alone;
 - `quorum.py`: once per step, the live replicas agree on the members, the step and the group;
 - `quorum_group.py`: the quorum's gloo process group, re-formed when the members change;
 - `commit.py`: every member votes; the first outcome written to the store is everyone's;
@@ -18,6 +19,7 @@ every piece is a short file, in reading order:
 - `durable.py`: what outlives the processes: the run's committed step in the store (no quorum
   below it), each replica's newest committed state on disk (`checkpoint_dir`), the run's end;
 - `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;
+- `guard.py`: the members' contribution norms, gathered: one non-finite or far out of line discards the step;
 - `average.py`: how each wrapper's step ends: flatten, average over the quorum, vote, unflatten;
 - `ddp.py`: `FaultTolerantDDP`: `start_step()`, backward, `step()` returns whether it committed;
 - `local_sgd.py`: `LocalSGD` and `DiLoCo`: H steps alone, then the replicas meet.
