@@ -164,7 +164,7 @@ class TagCheck:
 
     def landed(self) -> None:
         """The first round has ended: raise on a mismatch (the round was settled, not paired)."""
-        other = self.state.late.landed(self.timeout)
+        other = self.state.late.landed()
         if other is not None:
             me = self.state.rank
             rows = [self.compared + [0] if r == me else list(other) + [0] for r in range(2)]

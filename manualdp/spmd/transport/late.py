@@ -9,12 +9,15 @@ the group's store, never by a message that could pair with data:
 1. it writes this rank's fingerprint under its key ("late");
 2. it reads the peer's: a peer late in another call, which is neither this call nor the one
    this rank finished last (a stale entry), is acknowledged ("ack": the peer's fingerprint);
-3. once both have acknowledged each other, each settles what the other posted toward it
-   (`call_check.settle`): the waits end, every rank knows what the other had, and both raise.
+3. once both have acknowledged each other, each writes that it refused the other's call (a key
+   of its own per refused call) and settles what the other posted toward it
+   (`call_check.TagCheck.settle`): the waits end, and both raise naming what each had.
 
 A peer that is only slow writes nothing, or finishes its first round before acknowledging: its
-data then pairs and the call goes on. A rank that acknowledged never completes its first round
-with data (the peer is stuck in another call), so it waits for the verdict.
+data then pairs and the call goes on. When the first round ends on a rank that acknowledged,
+the peer's refusal key says whether the peer settled it (written before settling) or the data
+paired. The caller's thread never waits on the store while the calls agree; the
+next call waits, if need be, until this rank's entry says "done".
 """
 from __future__ import annotations
 
@@ -41,7 +44,7 @@ class LateWatch:
 
     def __init__(self, rank: int, pg) -> None:
         self.store = _store(pg)
-        self.key, self.peer_key = f"manualdp/late/{rank}", f"manualdp/late/{1 - rank}"
+        self.rank, self.key, self.peer_key = rank, f"manualdp/late/{rank}", f"manualdp/late/{1 - rank}"
         self._cv = threading.Condition()
         self._call = None       # the armed check (`call_check.TagCheck`), until its first round ends
         self._since = 0.0       # when it was armed
@@ -49,7 +52,7 @@ class LateWatch:
         self._landed = False    # its first round has ended on this rank (data or settled)
         self._acked = None      # the peer's fingerprint this rank acknowledged during the call
         self._slow = None       # set once the store's side of a late call has ended; None: not late
-        self._verdict = None    # the peer's fingerprint when the call was refused
+        self._refused = None    # once the first round has ended: whether the call was refused
         self._stop = False      # the call failed (a peer gone): the thread gives up on it
         self._idle = True
         self._thread = None
@@ -63,25 +66,31 @@ class LateWatch:
             slow.wait()
         with self._cv:
             self._call, self._since, self._landed, self._acked = check, time.monotonic(), False, None
-            self._slow, self._verdict, self._stop, self._last_arm = None, None, False, self._since
+            self._slow, self._refused, self._stop, self._last_arm = None, None, False, self._since
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="manualdp-late", daemon=True)
                 self._thread.start()
             elif self._idle:
                 self._cv.notify()
 
-    def landed(self, timeout: float | None) -> list[int] | None:
-        """The first round has ended here: None if the call agreed, else the peer's fingerprint (refused)."""
+    def landed(self) -> list[int] | None:
+        """The first round has ended here: None if the call agreed, else the peer's fingerprint (refused).
+
+        A rank that acknowledged the peer's entry may have had its round completed by the peer's
+        settling, which the peer does only after writing that it refused this rank's fingerprint
+        (a key of its own, never overwritten): that key, read now, tells. Else the data paired.
+        """
         with self._cv:
             self._landed = True
-            slow, acked, row = self._slow, self._acked, self._call.compared
-            if slow is None or acked is None:  # not late, or late without acknowledging: the peer's data paired
-                self.last = row
-                return None
-        if not slow.wait(timeout):
-            raise TimeoutError("the peer never acknowledged the mismatch")  # not reached: the settle needs it
-        self.last = row
-        return self._verdict
+            acked, row = self._acked, self._call.compared
+        verdict = acked if acked is not None and self._peer_refused(row) else None
+        with self._cv:
+            self._refused = verdict is not None  # the thread settles the peer's round, or says "done"
+            self.last = row
+            slow = self._slow
+        if verdict is not None:  # the peer's round waits for this rank's settling: done before the caller raises
+            slow.wait()
+        return verdict
 
     def abandon(self) -> None:
         """The call failed before its first round ended: stop watching it."""
@@ -104,24 +113,34 @@ class LateWatch:
                 self._slow = slow = threading.Event()
                 self.late_calls += 1
             try:
-                self._verdict = self._compare(call)
+                self._compare(call)
+            except Exception:  # noqa: S110 - a peer gone: the caller's own wait names it (`PeerError`)
+                pass
             finally:
                 slow.set()
+
+    def _refusal(self, rank: int, row: list[int]) -> str:
+        """The key under which group rank `rank` says it refused the call whose fingerprint is `row`."""
+        return f"manualdp/refused/{rank}/{json.dumps(row)}"
+
+    def _peer_refused(self, row: list[int]) -> bool:
+        return self.store.check([self._refusal(1 - self.rank, row)])
 
     def _entry(self) -> dict | None:
         if not self.store.check([self.peer_key]):
             return None
         return json.loads(self.store.get(self.peer_key))
 
-    def _compare(self, call) -> list[int] | None:
-        """The store's side of one late call: the peer's fingerprint if both found the call refused, else None."""
+    def _compare(self, call) -> None:
+        """The store's side of one late call, until the first round has ended here and, if the ranks called
+        differently, the peer's round is settled."""
         me = call.compared
         self.store.set(self.key, json.dumps({"row": me, "ack": None}))
         deadline = time.monotonic() + (call.timeout or 1800.0)
         acked = None
         while time.monotonic() < deadline:
             with self._cv:
-                if self._stop or (self._landed and acked is None):
+                if self._stop or (self._landed and (acked is None or self._refused is False)):
                     break  # the data paired (or the call failed): not a mismatch
                 last = self.last
             peer = self._entry()
@@ -132,10 +151,10 @@ class LateWatch:
                         break
                     self._acked = acked = row
                 self.store.set(self.key, json.dumps({"row": me, "ack": acked}))
-            if acked is not None and row == acked and peer["ack"] == me:
+            if acked is not None and ((row == acked and peer["ack"] == me) or self._peer_refused(me)):
+                self.store.set(self._refusal(self.rank, acked), json.dumps(me))  # before the peer's round ends
                 self.store.set(self.key, json.dumps({"row": me, "ack": acked, "refused": True}))
                 call.settle(acked)
-                return acked
+                return  # the entry stays: the peer may not have read it yet
             time.sleep(POLL)
         self.store.set(self.key, json.dumps({"row": None, "ack": None}))  # done: never read as late again
-        return None

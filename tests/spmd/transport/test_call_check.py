@@ -196,3 +196,37 @@ def _counted_messages(calls: int):
 def test_at_two_ranks_calls_that_agree_send_nothing_but_their_data():
     for counted, planned in launch(_counted_messages, 2, (10,), timeout=90):
         assert counted == planned
+
+
+def _slow_peer(calls: int):
+    """Rank 1 comes late to most calls (longer than `late.LATE`, made 1 ms here): nothing is refused, sums hold."""
+    import time
+
+    from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.transport import late
+    from manualdp.spmd.transport.group import group_state
+    late.LATE = 0.001
+    rank = torch.distributed.get_rank()
+    wrong = 0
+    for i in range(calls):
+        if rank == 1 and i % 3:
+            time.sleep(0.005 * (i % 4))
+        t = torch.arange(float(10 + i % 7)) * (rank + 1)
+        allreduce(t, "ring" if i % 2 else "auto", timeout=30)
+        wrong += t.tolist() != (torch.arange(float(10 + i % 7)) * 3).tolist()
+    if rank == 1:
+        time.sleep(0.02)
+    try:  # then a call that differs still raises on both, also with a late peer
+        allreduce(torch.ones(4 + rank), "ring", timeout=30)
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return wrong, group_state().late.late_calls, refused
+
+
+def test_a_peer_that_is_only_late_is_never_refused_and_a_late_mismatch_still_raises_on_both():
+    results = launch(_slow_peer, 2, (40,), timeout=120)
+    for rank, (wrong, late_calls, refused) in enumerate(results):
+        assert wrong == 0, rank
+        assert refused is not None and "elements 4..5 (per rank: 4, 5)" in refused, refused
+    assert results[0][1] > 0  # rank 0 waited past LATE and compared through the store, then went on
