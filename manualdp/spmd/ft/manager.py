@@ -209,6 +209,7 @@ class Manager:
             if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does
                 state, source, digest = received
                 self.load_state_dict(state)
+                self._pending.clear()  # the steps this replica counted alone are not the run's: the source's are
                 self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})
             if quorum.agreed:
                 self._hold(quorum.round)
@@ -302,14 +303,15 @@ class Manager:
         if self._disk is not None and not self._looked_on_disk:
             self._looked_on_disk = True
             self._resume_from_disk()
-        if self.synced and self.step > self._durable:  # a provisional quorum's steps are not the run's
+        if self.synced and self.step > self._durable:  # a provisional quorum's steps are not (yet) the run's
             if self._disk is not None:
                 self._disk.save(self.step, self._settings, self.state_dict())
             record_committed(self.store, self.step)  # only now: the mark never names a step nobody holds
             self._durable = self.step
             for record in self._pending if self._disk is not None else ():
                 self._disk.log_step(record)
-        self._pending.clear()
+            self._pending.clear()
+        # else a provisional quorum's steps wait: the run's if its state becomes the agreed one (quorum.py)
 
     def _resume_from_disk(self) -> None:
         end = self._disk.finished_at(self._settings)
