@@ -25,10 +25,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import torch.distributed as dist
 
 from . import keys
+
+_log = logging.getLogger("manualdp.spmd.ft")
 
 __all__ = ["Misfit", "canonical", "digest", "differences", "check", "publish", "refusals", "run_digest",
            "admissible", "fit", "left_out"]
@@ -57,6 +60,20 @@ def differences(mine: dict, run: dict) -> str:
     return ", ".join(f"{k} {mine.get(k, missing)} != {run.get(k, missing)}" for k in fields)
 
 
+def _settings(store: dist.Store, key: str) -> str | None:
+    """The settings under `key`, or None if none are written or the value is not settings (logged, then ignored)."""
+    if not store.check([key]):
+        return None
+    text = store.get(key).decode(errors="replace")
+    try:
+        if isinstance(json.loads(text), dict):
+            return text
+    except ValueError:
+        pass
+    _log.warning(f"ignored a malformed value of {key!r} in the coordinator's store: {text[:80]!r}")
+    return None
+
+
 def _refuse(store: dist.Store, replica_id: str, why: str, hint: str) -> Misfit:
     """Leave a note that the running replicas log, and the error that tells this replica so."""
     store.append(keys.REFUSED, f"replica {replica_id} refused: {why}\n")
@@ -71,15 +88,18 @@ def _refuse_settings(store: dist.Store, replica_id: str, mine: str, run: str) ->
 def check(store: dist.Store, replica_id: str, mine: str) -> None:
     """Gate 1: write this replica's settings (`canonical`); `Misfit` naming each field unless they are the run's."""
     store.set(keys.settings_of(replica_id), mine)
-    if store.check([keys.SETTINGS]):
-        run = store.get(keys.SETTINGS).decode()
-        if run != mine:
-            raise _refuse_settings(store, replica_id, mine, run)
+    run = _settings(store, keys.SETTINGS)
+    if run is not None and run != mine:
+        raise _refuse_settings(store, replica_id, mine, run)
 
 
 def publish(store: dist.Store, replica_id: str, mine: str) -> None:
     """Write `mine` as the run's settings unless some are written (the first writer wins); `Misfit` if they differ."""
-    run = store.compare_set(keys.SETTINGS, "", mine).decode()
+    held = store.compare_set(keys.SETTINGS, "", mine)
+    run = _settings(store, keys.SETTINGS)
+    if run is None:  # a malformed value: the run's first quorum writes over it
+        store.compare_set(keys.SETTINGS, held, mine)
+        run = _settings(store, keys.SETTINGS) or mine
     if run != mine:
         raise _refuse_settings(store, replica_id, mine, run)
 
@@ -88,8 +108,9 @@ def refusals(store: dist.Store, seen: int) -> tuple[list[str], int]:
     """The notes of refused replicas after the first `seen`, and how many there are in all."""
     if not store.check([keys.REFUSED]):
         return [], seen
-    lines = store.get(keys.REFUSED).decode().splitlines()
-    return lines[seen:], len(lines)
+    lines = store.get(keys.REFUSED).decode(errors="replace").splitlines()
+    # only notes of our shape, cut short: what a stranger appends there is not echoed at length
+    return [line[:300] for line in lines[seen:] if line.startswith("replica ") and " refused: " in line], len(lines)
 
 
 def _standing(member) -> tuple:
@@ -99,8 +120,9 @@ def _standing(member) -> tuple:
 
 def run_digest(store: dist.Store, asks: list) -> str | None:
     """The run's settings digest: the published one, else that of the asker holding the most of the run."""
-    if store.check([keys.SETTINGS]):
-        return digest(store.get(keys.SETTINGS).decode())
+    run = _settings(store, keys.SETTINGS)
+    if run is not None:
+        return digest(run)
     signed = [m for m in asks if m.settings]
     if not signed:
         return None
@@ -127,10 +149,8 @@ def left_out(store: dist.Store, me, quorum) -> None:
     """`Misfit` if `me` was left out of `quorum` by gate 2 or 3; nothing if it merely asked too late."""
     first = quorum.members[0]
     if me.settings and first.settings and me.settings != first.settings:
-        key = keys.settings_of(first.id)
-        run = store.get(key).decode() if store.check([key]) else None
-        mine = store.get(keys.settings_of(me.id)).decode()
-        if run is None:
+        run, mine = _settings(store, keys.settings_of(first.id)), _settings(store, keys.settings_of(me.id))
+        if run is None or mine is None:
             raise _refuse(store, me.id, "its settings differ from the run's", "start it with the run's settings")
         raise _refuse_settings(store, me.id, mine, run)
     cap = min((m.capacity for m in quorum.members if m.capacity), default=0)

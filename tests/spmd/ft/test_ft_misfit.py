@@ -111,6 +111,22 @@ def test_the_first_settings_published_are_the_runs(store):
         publish(s, "c", canonical({**RUN, "optimizer": "Adam"}))
 
 
+def test_a_malformed_value_of_the_runs_settings_is_logged_and_ignored_never_fatal(store, caplog):
+    s = store()
+    s.set("settings", b"\xff{not json")  # what a stranger on an open port may write
+    with caplog.at_level("WARNING", logger="manualdp.spmd.ft"):
+        check(s, "a", canonical(RUN))  # not refused
+        publish(s, "a", canonical(RUN))  # the first quorum writes over it
+    assert "ignored a malformed value of 'settings'" in caplog.text
+    assert s.get("settings").decode() == canonical(RUN)
+    with pytest.raises(Misfit, match="lr 0.2 != 0.1"):
+        check(s, "c", canonical({**RUN, "lr": 0.2}))
+    s.append("refused", "x" * 5000 + "\nreplica z refused: " + "y" * 5000 + "\n")
+    notes, count = refusals(s, 0)
+    assert count == 3 and notes[0] == "replica c refused: lr 0.2 != 0.1" and len(notes) == 2
+    assert notes[1].startswith("replica z refused: yyy") and len(notes[1]) == 300
+
+
 @pytest.mark.parametrize("field, value", [("lr", 0.2), ("seed", 1), ("batch_size", 16), ("optimizer", "Adam"),
                                           ("model", "lenet"), ("num_train", 128), ("num_epochs", 3),
                                           ("sync_every", 4), ("num_test", 32)])
