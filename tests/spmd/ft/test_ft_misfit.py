@@ -54,11 +54,13 @@ def test_a_quorum_takes_only_the_askers_with_the_run_settings():
 
 
 def test_a_quorum_holds_at_most_its_smallest_batch_keeping_those_that_hold_the_run():
-    asks = {"a": signed("a", capacity=2, step=5), "b": signed("b", capacity=2, step=5),
-            "c": signed("c", capacity=2, step=0, synced=False)}
-    assert [m.id for m in decide(asks, {"a", "b", "c"}, False)] == ["a", "b"]
-    asks["c"] = signed("c", capacity=3, step=0, synced=False)
-    assert [m.id for m in decide(asks, {"a", "b", "c"}, False)] == ["a", "b"]  # a's and b's batch has room for 2
+    asks = {"a": signed("a", capacity=2, step=0, synced=False),  # the newcomer, first by id
+            "m": signed("m", capacity=2, step=5), "n": signed("n", capacity=2, step=5)}
+    assert [m.id for m in decide(asks, {"a", "m", "n"}, False)] == ["m", "n"]
+    asks["a"] = signed("a", capacity=3, step=0, synced=False)
+    assert [m.id for m in decide(asks, {"a", "m", "n"}, False)] == ["m", "n"]  # m's and n's batch has room for 2
+    asks["n"] = signed("n", capacity=2, step=4)
+    assert [m.id for m in decide(asks, {"a", "m", "n"}, False)] == ["m", "n"]  # behind, but holding the agreed state
     assert [m.id for m in decide({"a": asks["a"]}, {"a"}, False)] == ["a"]
 
 
