@@ -281,6 +281,17 @@ def test_the_keys_of_a_signed_run_do_not_name_what_they_hold(signed):
     assert names and not any("state" in n or "names" in n for n in names)
 
 
+def test_a_manager_with_the_secret_steps_and_its_group_meets_under_a_secret_name(signed):
+    from manualdp.spmd.ft import Manager
+    with Manager("solo-signed", "127.0.0.1", signed.port, timeout=10, token=TOKEN) as manager:
+        quorum = manager.start_step()
+        t = torch.ones(3)
+        assert quorum.ids == ["solo-signed"] and manager.average(t) and manager.should_commit(True)
+        assert manager.step == 1 and torch.equal(t, torch.ones(3))
+    names = stranger(signed).list_keys()
+    assert not any("group" in n or "solo" in n or "heartbeat" in n for n in names)
+
+
 # ------------------------------------------------------------ the split-brain guard
 
 
@@ -338,6 +349,32 @@ def test_a_signed_value_survives_bytes_appended_and_compare_set_swaps_it(signed)
     assert not store.check(["k"])
     assert store.compare_set("k", "", "5") == b"5" and store.get("k") == b"5"  # first writer among the honest
     assert store.compare_set("k", "", "6") == b"5"
+
+
+# ------------------------------------------------------------ the command line
+
+
+@pytest.mark.parametrize("argv", [
+    ["coordinator", "--port", "0", "--host", "no-such-host.invalid"],
+    ["coordinator", "--port", "0", "--host", "a b"],
+    ["train", "--fault-tolerant", "no-such-host.invalid:29510", "--replica-id", "a"],
+])
+def test_a_host_is_checked_before_anything_starts(argv, capsys):
+    from manualdp.runners.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and "host" in err[-1] and ("resolve" in err[-1] or "spaces" in err[-1])
+
+
+def test_a_missing_token_file_is_one_line_before_anything_starts(tmp_path, capsys):
+    from manualdp.runners.cli import main
+    code = main(["coordinator", "--port", "0", "--token-file", str(tmp_path / "missing")])
+    assert code == 2 and "--token-file" in capsys.readouterr().err
+    code = main(["train", "--fault-tolerant", "127.0.0.1:1", "--replica-id", "a", "--token-file",
+                 str(tmp_path / "missing")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "cannot read it" in err[0]
 
 
 # ------------------------------------------------------------ the command line, with a stranger writing all along
