@@ -26,6 +26,7 @@ from manualdp.spmd.ft.coordinator import connect, load_token
 from manualdp.spmd.ft.heartbeat import Heartbeat, Liveness, register
 from manualdp.spmd.ft.quorum import Quorum, wait_for_quorum
 from manualdp.spmd.ft.recovery import plan_recovery, receive_state, send_state
+from manualdp.spmd.ft.signed_store import SignedStore
 
 from .harness import member
 
@@ -54,6 +55,13 @@ def honest(coordinator, name, token=TOKEN):
 
 def real_name(store, key: str) -> str:
     return store._name(key)  # what a stranger finds by listing the keys and watching which one changes
+
+
+def forger(store, coordinator) -> SignedStore:
+    """A stranger who knows the format (the source is public) and every name, but guesses the secret."""
+    forged = SignedStore(stranger(coordinator), b"a-guess-at-the-secret-000000", "unused")
+    forged._name = store._name
+    return forged
 
 
 def save(value) -> bytes:
@@ -134,8 +142,9 @@ def vote_after_forgery(coordinator, name, round_, forged: dict, oks, caplog):
         beats.append(Heartbeat(store, rid, 0.05))
     quorum = Quorum(round_, (member("a"), member("b")), round_)
     s = stranger(coordinator)
-    for key, value in forged.items():
-        s.set(real_name(stores["a"], key), value)
+    for key, value in forged.items():  # str: sealed with a guessed secret; bytes: as they are
+        forger(stores["a"], coordinator).set(key, value) if isinstance(value, str) else s.set(
+            real_name(stores["a"], key), value)
     results = {}
 
     def one(rid, ok):
@@ -178,13 +187,13 @@ def test_a_forged_heartbeat_neither_ejects_nor_keeps_a_dead_replica_alive(signed
     try:
         with caplog.at_level(logging.WARNING, "manualdp.spmd.ft"):
             liveness.live(["a", "dead"])
-            s.set(real_name(store, keys.heartbeat("a")), "ffff -1")  # eject a
+            forger(store, signed).set(keys.heartbeat("a"), "ffff -1")  # eject a
             assert liveness.live(["a"]) == {"a"}
             end = time.monotonic() + 1.5
             while time.monotonic() < end:
                 if int(time.monotonic() * 10) % 3 == 0:
                     s.set(real_name(store, keys.heartbeat("a")), store._seal(keys.heartbeat("a"), first_a))
-                s.set(real_name(store, keys.heartbeat("dead")), f"ffff {int(time.monotonic() * 1000)}")  # keep alive
+                forger(store, signed).set(keys.heartbeat("dead"), f"ffff {int(time.monotonic() * 1000)}")
                 live = liveness.live(["a", "dead"])
                 s.set(real_name(store, keys.heartbeat("dead")), store._seal(keys.heartbeat("dead"), old))
                 live = liveness.live(["a", "dead"])
@@ -228,10 +237,12 @@ def test_a_forged_ask_and_a_forged_quorum_are_ignored(signed, caplog):
     store = honest(signed, "forged-ask")
     s = stranger(signed)
     forged = json.dumps({"id": "liar", "step": 10**6, "synced": True, "group": None, "min_replicas": 1}) + "\n"
-    s.append(real_name(store, keys.REPLICAS), "liar\n")
-    s.set(real_name(store, keys.heartbeat("liar")), "ffff 1")
+    f = forger(store, signed)
+    f.append(keys.REPLICAS, "liar\n")
+    f.set(keys.heartbeat("liar"), "ffff 1")
+    f.append(keys.asks(1), forged)
     s.append(real_name(store, keys.asks(1)), forged)
-    s.set(real_name(store, keys.quorum(1)), Quorum(1, (member("liar", step=10**6),), 1).to_json())
+    f.set(keys.quorum(1), Quorum(1, (member("liar", step=10**6),), 1).to_json())
     with caplog.at_level(logging.WARNING, "manualdp.spmd.ft"):
         quorum = ask_alone(store, "a", min_replicas=1)
     assert quorum.ids == ["a"] and quorum.step == 0
@@ -248,8 +259,8 @@ def test_a_poisoned_state_with_its_own_sha256_is_never_loaded(signed, caplog):
     send_state(store, 4, "a", honest_state)
     state, _ = receive_state(honest(signed, "poison"), 4, "a", timeout=2)
     assert state["step"] == 3 and torch.equal(state["model"]["w"], torch.ones(3))
-    s.set(real_name(store, keys.state(4, "a")), poison)  # written after: the receiver waits, then gives up
-    s.set(real_name(store, keys.state_sha256(4, "a")), hashlib.sha256(poison).hexdigest())
+    forger(store, signed).set(keys.state(4, "a"), poison)  # written after: the receiver waits, then gives up
+    forger(store, signed).set(keys.state_sha256(4, "a"), hashlib.sha256(poison).hexdigest())
     with caplog.at_level(logging.WARNING, "manualdp.spmd.ft"), pytest.raises(RecoveryError):
         receive_state(honest(signed, "poison"), 4, "a", timeout=0.5)
     assert ignored(caplog, "state/4/a")
