@@ -2,7 +2,8 @@
 
 Before the average, the members all-gather one number each, the norm of what they contribute
 (one float64 per member: each writes its own slot of a vector of zeros, and the vector is
-averaged), so every member judges the same numbers and decides alike (`offenders`):
+averaged: one more allreduce per step, of 8 bytes a member), so every member judges the same
+numbers and decides alike (`offenders`):
 - a non-finite contribution (NaN or Inf anywhere, the loss totals included) is out of line;
 - with 3 or more members, a norm above `FACTOR` times the median of the other members' norms;
 - with 2 members there is no majority to tell which one is wrong by a little: only a norm above
@@ -10,7 +11,9 @@ averaged), so every member judges the same numbers and decides alike (`offenders
 Then nobody sends the buffers: every member votes "discard", the step is taken again, and each
 logs the member and its norm. A member out of line `STRIKES` steps in a row is removed: it is
 told in one line (`Removed`, after its vote) and leaves, and the others' next quorum is without it.
-Counts start again on a replica that joins: it has not seen the offences before it.
+Counts start again on a replica that joins: it has not seen the offences before it. A member
+that does not leave when told (not this code) keeps every step it is in discarded: its
+offences are logged, step after step.
 
 Honest members' norms differ by a few times (their shards of one global batch: at most 4.4 times
 the median of the others' over 10 epochs of `manualdp train --model mlp --batch-size 32` on 3
