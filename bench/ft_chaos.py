@@ -8,7 +8,9 @@ Starts `manualdp coordinator` and 3 replicas (`manualdp train --fault-tolerant .
 as processes, then kills a random replica every 0.3-2.5 s (two at once one time in five) and
 starts it again at once with the same command; half-way it kills the coordinator, starts it
 again on the same port, and starts again the replicas that left when they lost it. The kills
-stop when `--kills` are done or the run has ended; then every replica runs to its end.
+stop when `--kills` are done or the run has ended; then every replica runs to its end. A kill picks
+among the replicas that have joined the run or have had about the time to (a process still starting
+has nothing to lose), so kills land in steps, votes and recoveries.
 
 Checked at the end (a line each, and the exit status 1 if one fails):
 - every step of the run was committed exactly once: the replicas' histories (`DIR/ID/steps.jsonl`,
@@ -82,6 +84,8 @@ class Chaos:
         self.coordinators: list[subprocess.Popen] = []
         self.kills, self.rounds = 0, {"commit": 0, "discard": 0}
         self.pending: list[tuple[str, float, int]] = []  # (replica, killed at, its history's length then)
+        self.started: dict[str, float] = {}  # when each replica's current process started
+        self.startup = 30.0  # seconds a process takes to join, about: measured from the first one
         self.recoveries: list[float] = []
         self.start_coordinator()
         for rid in REPLICAS:
@@ -101,6 +105,17 @@ class Chaos:
         args = ["train", "--fault-tolerant", f"127.0.0.1:{self.port}", "--replica-id", rid, *self.options,
                 "--json", os.path.join(self.dir, f"{rid}.json")]
         self.procs[rid].append(_manualdp(args, os.path.join(self.dir, f"{rid}-{n}.log")))
+        self.started[rid] = time.monotonic()
+
+    def up(self, rid: str) -> bool:
+        """Whether replica `rid`'s process has joined the run (or has had time to): a kill then hits its work."""
+        log = os.path.join(self.dir, f"{rid}-{len(self.procs[rid]) - 1}.log")
+        with open(log, errors="replace") as f:
+            joined = "quorum of" in f.read()
+        age = time.monotonic() - self.started[rid]
+        if joined:
+            self.startup = min(self.startup, age)
+        return self.procs[rid][-1].poll() is None and (joined or age > self.rng.uniform(0.5, 1.5) * self.startup)
 
     def history(self, rid: str) -> list[dict]:
         return _lines(os.path.join(self.ckpt, rid, "steps.jsonl"))
@@ -177,14 +192,16 @@ def chaos(workdir: str, kills: int, epochs: int, seed: int = 0, progress: bool =
     c = Chaos(workdir, epochs, rng)
     try:
         bar = tqdm(total=kills, desc="kills", disable=not progress, dynamic_ncols=True)
-        time.sleep(rng.uniform(2.0, 4.0))  # let the first quorum form
+        while not any(c.history(r) for r in REPLICAS) and time.monotonic() - started < timeout / 2:
+            time.sleep(0.1)  # the first step committed: the run is under way
         while c.kills < kills and not c.ended() and time.monotonic() - started < timeout:
             time.sleep(rng.uniform(0.3, 2.5))
             c.watch()
             if coordinator and c.kills >= kills // 2 and len(c.coordinators) == 1:
                 c.kill_coordinator()
                 continue
-            for rid in rng.sample(REPLICAS, 2 if rng.random() < 0.2 else 1):
+            up = [r for r in REPLICAS if c.up(r)]  # a process still importing torch has nothing to lose
+            for rid in rng.sample(up, min(len(up), 2 if rng.random() < 0.2 else 1)):
                 c.kill(rid)
             bar.n = min(c.kills, kills)
             bar.refresh()
