@@ -8,8 +8,10 @@ replica that dies costs the others the step it interrupted; one that comes back 
 the state of a member at the highest step and trains on. torchft does this for torch; here
 every piece is a short file, in reading order:
 
-- `coordinator.py`: `Coordinator`, the process that hosts the store (a `TCPStore`); `connect`;
+- `coordinator.py`: `Coordinator`, the process that hosts the store (a `TCPStore`) on the address given; `connect`;
+- `signed_store.py`: the store as the replicas see it: with the run's secret, every name and value signed;
 - `keys.py`: the store's keys, every one the room writes or reads;
+- `trust.py`: what a quorum trusts of what it reads: well-formed values, a majority, claims the history bears out;
 - `heartbeat.py`: who is alive: a counter each replica moves, watched on each observer's clock;
 - `admission.py`: who may join: the run's settings, and room in the global batch; a misfit is refused alone;
 - `quorum.py`: once per step, the live replicas agree on the members, the step and the group;
