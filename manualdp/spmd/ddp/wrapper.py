@@ -254,6 +254,9 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         if self.move_inputs:
             inputs, kwargs = to_device((inputs, kwargs), self.device)
         self.reducer.syncing = self.require_backward_grad_sync
+        r = self.reducer
+        if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32
+            r.set_layout(r.layout), r._locate()  # (torch's DDP goes on in the old dtype, silently off)
         if torch.is_grad_enabled() and self.require_backward_grad_sync:
             self.calls.queue()  # runs on the worker while this forward and backward compute
         out = self.module(*inputs, **kwargs)
