@@ -50,6 +50,10 @@ class Manager:
         min_replicas: train only in a quorum of at least this many; fewer, and
             `start_step` waits, and raises TimeoutError once fewer than that many replicas
             have been alive for `timeout` seconds (or after `PATIENCE` timeouts in all).
+            None (the default): at least one, and more than half of the last agreed quorum's
+            members that did not leave (the split-brain guard, `trust.py`).
+        token: the run's shared secret, the coordinator's (`Coordinator`): every key and value
+            this replica writes is signed with it, and what is not is ignored. None: the open mode.
         timeout: seconds that any one wait may last: for a peer in the allreduce, for the
             votes, for the state of a recovery, for enough live replicas.
         quorum_timeout: seconds a quorum waits for a live replica that has not asked to be
@@ -65,12 +69,15 @@ class Manager:
             run whose replicas or coordinator all died) goes on from the newest one there.
     """
 
-    def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int = 1, timeout: float = 60.0,
-                 quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0,
-                 algorithm: str = "ring", checkpoint_dir: str | None = None) -> None:
+    def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int | None = None,
+                 timeout: float = 60.0, quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1,
+                 heartbeat_timeout: float = 2.0,
+                 algorithm: str = "ring", checkpoint_dir: str | None = None,
+                 token: str | None = None) -> None:
         if not isinstance(replica_id, str) or not replica_id or any(c.isspace() or c == "/" for c in replica_id):
             raise ValueError(f"replica_id must be a non-empty name without spaces or '/', got {replica_id!r}")
-        positive_int("min_replicas", min_replicas)
+        if min_replicas is not None:
+            positive_int("min_replicas", min_replicas)
         for name, value in (("timeout", timeout), ("quorum_timeout", quorum_timeout),
                             ("heartbeat_interval", heartbeat_interval), ("heartbeat_timeout", heartbeat_timeout)):
             if timeout_seconds(name, value) is None:
@@ -83,7 +90,7 @@ class Manager:
         self._where = f"{host}:{port}"
         self.id, self.min_replicas, self.algorithm = replica_id, min_replicas, algorithm
         self.timeout, self.quorum_timeout = float(timeout), float(quorum_timeout)
-        self.store = connect(host, port, timeout)
+        self.store = connect(host, port, timeout, token)
         _refuse_a_live_twin(self.store, replica_id, heartbeat_timeout)
         register(self.store, replica_id)
         self._heartbeat = Heartbeat(self.store, replica_id, heartbeat_interval)
@@ -174,7 +181,7 @@ class Manager:
         if self._round == 0:  # before its first ask, a misfit is refused (admission.py)
             admission.check(self.store, self.id, settings)
         while True:
-            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas, self._since,
+            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas or 0, self._since,
                         admission.digest(settings), self.capacity)
             try:
                 quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout,
@@ -377,7 +384,7 @@ def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> Non
     if not store.check([key]):
         return
     first, deadline = store.get(key), time.monotonic() + heartbeat_timeout
-    while first != b"-1" and time.monotonic() < deadline:
+    while first.split()[-1:] != [b"-1"] and time.monotonic() < deadline:
         time.sleep(4 * POLL)
         if store.get(key) != first:
             raise ValueError(f"replica_id {replica_id!r} is already taken by a live replica (its heartbeat moves): "

@@ -50,6 +50,8 @@ import torch.distributed as dist
 from . import keys
 from .admission import admissible, fit, left_out, run_digest
 from .heartbeat import Liveness, registered
+from .signed_store import ignore
+from .trust import checked_claims, committed_record, count_value, json_lines, majority_need, mark_value, well_formed
 
 __all__ = ["Member", "Quorum", "decide", "agreed", "group_for", "wait_for_quorum", "publish_mark", "POLL", "PATIENCE"]
 
@@ -152,11 +154,11 @@ def publish_mark(store: dist.Store, replica_id: str, mark: tuple[int, int] | Non
 def _held(store: dist.Store, live: set[str], round_: int) -> dict[str, tuple[int, int]]:
     """The marks of the live replicas that hold the agreed state, as published, or as the newest quorum implies."""
     ids = [r for r in sorted(live) if store.check([keys.held(r)])]
-    held = {}
+    held, committed = {}, committed_record(store)
     for rid, value in zip(ids, store.multi_get([keys.held(r) for r in ids]) if ids else []):
-        if value:
-            step, since = value.decode().split()
-            held[rid] = (int(step), int(since))
+        mark = mark_value(store, keys.held(rid), value)
+        if mark is not None and (committed is None or mark[0] <= committed):  # a claim the history bears out
+            held[rid] = mark
     newest = _decided(store, round_ - 1) if round_ > 1 else None
     if newest is not None and newest.agreed:  # its holders at its step may not have published their new mark yet
         for m in newest.members:
@@ -176,18 +178,37 @@ def group_for(members: list[Member], round_: int) -> int:
 
 
 def _asks(store: dist.Store, round_: int) -> dict[str, Member]:
-    lines = store.get(keys.asks(round_)).decode().splitlines()
-    return {m.id: m for m in (_member(json.loads(line)) for line in lines)}  # a replica's last ask counts
+    asks = {}
+    for raw in json_lines(store, keys.asks(round_)):
+        try:
+            member = _member(raw)
+        except (KeyError, TypeError, ValueError):
+            member = None
+        if member is None or not well_formed(member):
+            ignore(store, keys.asks(round_), f"an ask that is not a replica's: {str(raw)[:60]}")
+            continue
+        asks[member.id] = member  # a replica's last ask counts
+    return asks
 
 
 def _decided(store: dist.Store, round_: int) -> Quorum | None:
     key = keys.quorum(round_)
-    return Quorum.from_json(store.get(key)) if store.check([key]) else None
+    if not store.check([key]):
+        return None
+    try:
+        quorum = Quorum.from_json(store.get(key))
+        if all(well_formed(m) for m in quorum.members) and quorum.members:
+            return quorum
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass
+    ignore(store, key, "it is not a quorum")
+    return None
 
 
 def _first_open_round(store: dist.Store, after: int) -> int:
     """The first round after `after` (and after the newest one known to be decided) that has no quorum yet."""
-    round_ = max(after, int(store.get(keys.LATEST)) if store.check([keys.LATEST]) else 0) + 1
+    latest = count_value(store, keys.LATEST, store.get(keys.LATEST)) if store.check([keys.LATEST]) else None
+    round_ = max(after, latest or 0) + 1
     while store.check([keys.quorum(round_)]):
         round_ += 1
     return round_
@@ -214,10 +235,18 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
             store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
             asked = time.monotonic()
             continue
-        asks = _asks(store, round_)
+        asks = checked_claims(store, _asks(store, round_), committed_record(store))
+        if me.id not in asks:  # this replica's ask was overwritten (a stranger?): ask again
+            store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
+            asks[me.id] = me
         live = liveness.live(registered(store)) | {me.id}
         run = run_digest(store, [m for m in asks.values() if m.id in live])
         members = decide(asks, live, time.monotonic() - asked >= quorum_timeout, run)
+        previous = _decided(store, round_ - 1) if round_ > 1 else None
+        guard = majority_need([m.min_replicas for m in asks.values()],
+                              previous.ids if previous is not None and previous.agreed else None, liveness.left)
+        if members is not None and len(members) < guard:
+            members = None  # the split-brain guard (trust.py): not more than half of the last agreed quorum
         top = Quorum(round_, tuple(members), 0).step if members is not None else None
         if members is not None and floor is not None and not floor.allows(top, [m.id for m in members]):
             members = None  # every holder of the committed steps is away: wait for one (durable.py)
@@ -226,10 +255,14 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         if members is not None:
             proposal = Quorum(round_, tuple(members), group_for(members, round_),
                               agreed(members, _held(store, live, round_)))
-            if store.compare_set(keys.quorum(round_), "", proposal.to_json()) == proposal.to_json().encode():
+            text = proposal.to_json()
+            written = store.compare_set(keys.quorum(round_), "", text)
+            if written != text.encode() and _decided(store, round_) is None:  # a malformed value in place: replace it
+                written = store.compare_set(keys.quorum(round_), written, text)
+            if written == text.encode():
                 store.set(keys.LATEST, str(round_))  # a hint for those that join later: rounds up to here are decided
             continue
-        now, need = time.monotonic(), max(m.min_replicas for m in asks.values())
+        now, need = time.monotonic(), max(1, guard, *(m.min_replicas for m in asks.values()))
         short_since = (short_since or now) if len(live) < need else None
         if (short_since is not None and now - short_since > timeout) or now - started > PATIENCE * timeout:
             raise TimeoutError(
