@@ -422,8 +422,9 @@ def _divide(factor):
     """torch's needs PREMUL_SUM, which gloo lacks: compared with one process's mean gradient * n / factor."""
     def case(shard_fn, rank, n):
         model = _shard(MLP(), shard_fn) if shard_fn is not None else MLP()
-        if shard_fn is not None:
-            model.set_gradient_divide_factor(factor)
+        for m in model.modules():  # each module's own parameters, as torch's: every unit (ours are torch's too)
+            if isinstance(m, torch.distributed.fsdp.FSDPModule):
+                m.set_gradient_divide_factor(factor)
         X, y = _data(0)
         _loss(model(_local(X, rank, n)), _local(y, rank, n), 6, n).backward()
         grads = {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
