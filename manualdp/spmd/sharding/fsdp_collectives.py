@@ -27,7 +27,7 @@ from .fsdp_param import Param
 
 __all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "UnitMismatch", "GATHER_TAIL"]
 
-GATHER_TAIL = 2  # each rank's segment of an all-gather ends with (unit number, all-gathers so far)
+GATHER_TAIL = 3  # each rank's segment of an all-gather ends with (unit number, all-gathers so far, trainable code)
 
 
 class UnitMismatch(RuntimeError):
@@ -68,11 +68,13 @@ def all_gather_params(unit, jobs, count: int, why: str) -> None:  # on the worke
             for p, local in zip(members, locals_):  # copy-in: this rank's rows, padded
                 own[at:at + local.numel()].copy_(local.reshape(-1))
                 at += p.padded
-            own[S - 2], own[S - 1] = unit.number, count
+            own[S - 3], own[S - 2], own[S - 1] = unit.number, count, unit.trainable_code
             all_gather(flat, group=unit.group, timeout=unit.timeout)
             segments = flat.view(W, S)
-            tails = segments[:, S - 2:].tolist()
-            _check_tails(unit, [tails[_segment(r, W)] for r in range(W)], "all-gather", count)
+            tails = segments[:, S - 3:].tolist()
+            tails = [tails[_segment(r, W)] for r in range(W)]
+            _check_tails(unit, [t[:2] for t in tails], "all-gather", count)
+            _check_trainable(unit, [int(t[2]) for t in tails])
             at = 0
             for p, full in zip(members, fulls):  # copy-out, through .data: no version bump
                 _copy_out(segments[:, at:at + p.padded], full.data, p)
@@ -122,6 +124,16 @@ def _check_tails(unit, tails: list[list[float]], what: str, count: int) -> None:
             f"rank {unit.rank}: fully_shard's {what} of unit {_label(unit)} met other units "
             f"or counts on other ranks ({per_rank} mod 64): every rank must run the same units in "
             "the same order, the same number of times"))
+
+
+def _check_trainable(unit, codes: list[int]) -> None:
+    """Raise on every rank unless every rank trains the same parameters of the unit (`requires_grad_` after
+    fully_shard on some ranks only): their gradients' reduce-scatter would not pair up."""
+    if any(c != codes[0] for c in codes):
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
+        raise refused_alike(UnitMismatch(
+            f"rank {unit.rank}: fully_shard's unit {_label(unit)} trains other parameters on other ranks (their "
+            f"requires_grad, coded {per_rank}): freeze and unfreeze parameters alike on every rank"))
 
 
 def _label(unit) -> str:

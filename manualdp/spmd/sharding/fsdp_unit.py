@@ -126,6 +126,8 @@ class Unit:
             if p.requires_grad:
                 self.reduce_groups.setdefault(self.reduce_dtype or self.param_dtype or p.dtype, []).append(p)
         self.num_trainable = sum(p.requires_grad for p in self.params)
+        # which parameters train, as a small integer that every dtype holds exactly (the all-gather's tail)
+        self.trainable_code = sum(i + 1 for i, p in enumerate(self.params) if p.requires_grad) % 251
 
     def give_up(self, p: Param) -> tuple[list, torch.Tensor]:
         """Hand `p` (a weight tied outside this unit) to the unit that encloses both: its slots and full value."""

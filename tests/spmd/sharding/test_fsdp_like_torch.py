@@ -305,6 +305,15 @@ def _one_process_meta_init():
     return model.state_dict()
 
 
+def _frozen_on_one_rank(rank, n):
+    """Rank 0 freezes a layer after sharding, rank 1 does not: the next forward's all-gather names it on both."""
+    model = _stack(fully_shard)
+    if rank == 0:
+        model.layers[1].requires_grad_(False)
+    X, y = _data(rank, n)
+    return _refusal(lambda: ((model(X) - y) ** 2).sum().backward())
+
+
 def _case(fn, *args):
     """`fn(*args)`, or what it raised: one case that crashes leaves the others their answers."""
     try:
@@ -327,6 +336,7 @@ def _job():
     out["refusals"] = _case(_refusals, rank, n)
     out["classes"] = _case(_classes)
     out["meta"] = {"init_full": _case(_meta_init, True), "reset": _case(_meta_init, False)}
+    out["frozen on one rank"] = _frozen_on_one_rank(rank, n)  # last: it leaves the ranks' units out of step
     return out
 
 
@@ -443,6 +453,12 @@ def test_clip_grad_norm_inf_with_an_empty_shard_equals_one_process():
     assert results[2]["empty"] == [True, True, False, False], "rank 2's shards of the 2-row layer are empty"
     for r, got in enumerate(results):
         _same(got["meta"], _one_process_meta_init(), f"rank {r}: init_full at 3 ranks")
+
+
+def test_requires_grad_changed_on_one_rank_only_is_named_on_every_rank(results):
+    for r, got in enumerate(results):
+        assert got["frozen on one rank"].startswith(f"UnitMismatch: rank {r}: fully_shard's unit 3 (FSDPLinear "
+                                                    "layers.1) trains other parameters on other ranks"), got
 
 
 def test_init_full_starts_a_meta_model_where_one_process_starts(results):
