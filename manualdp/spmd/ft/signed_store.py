@@ -155,8 +155,8 @@ class SignedStore:
             if value is not None:
                 return value
             if time.monotonic() > deadline:
-                raise TimeoutError(f"key {key!r} of the coordinator's store holds no value signed with this run's "
-                                   f"secret within {self._client.timeout.total_seconds():g} s")
+                raise dist.DistStoreError(f"key {key!r} of the coordinator's store holds no value signed with this "
+                                          f"run's secret within {self._client.timeout.total_seconds():g} s")
             time.sleep(_POLL)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:

@@ -277,6 +277,10 @@ def test_a_poisoned_state_with_its_own_sha256_is_never_loaded(signed, caplog):
     with caplog.at_level(logging.WARNING, "manualdp.spmd.ft"), pytest.raises(RecoveryError):
         receive_state(honest(signed, "poison"), 4, "a", timeout=0.5)
     assert ignored(caplog, "state/4/a")
+    send_state(store, 5, "a", honest_state)
+    forger(store, signed).set(keys.state(5, "a"), poison)  # the state alone, its sum in place: a store error
+    with pytest.raises(RuntimeError, match="holds no value signed"):  # (a RuntimeError: the round fails, not the run)
+        receive_state(connect("127.0.0.1", signed.port, 0.5, token=TOKEN, namespace="poison"), 5, "a", timeout=2)
 
 
 def test_a_claim_above_the_committed_steps_is_no_source(open_, caplog):
