@@ -283,6 +283,14 @@ def test_a_poisoned_state_with_its_own_sha256_is_never_loaded(signed, caplog):
         receive_state(connect("127.0.0.1", signed.port, 0.5, token=TOKEN, namespace="poison"), 5, "a", timeout=2)
 
 
+def test_an_open_store_with_a_sum_that_is_not_text_fails_the_recovery_not_the_run(open_):
+    store = honest(open_, "sum-bytes", token=None)
+    send_state(store, 1, "a", {"step": 0})
+    stranger(open_).set(real_name(store, keys.state_sha256(1, "a")), b"\xff\xfe")
+    with pytest.raises(RecoveryError, match="damaged"):
+        receive_state(store, 1, "a", timeout=2)
+
+
 def test_a_claim_above_the_committed_steps_is_no_source(open_, caplog):
     store = honest(open_, "claim", token=None)
     store.set(keys.COMMITTED, "5")
