@@ -273,8 +273,10 @@ def _refusals(rank, n):
 
 def _classes():
     model = _stack(fully_shard)
+    seq = fully_shard(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)))
     return {"torch's": [isinstance(m, TorchFSDPModule) for m in (model, model.layers[0], model.head)],
-            "ours": [isinstance(m, FSDPModule) for m in (model, model.layers[0], model.head)]}
+            "ours": [isinstance(m, FSDPModule) for m in (model, model.layers[0], model.head)],
+            "slice": type(seq[0:1]).__name__}  # torch's __new__ makes a plain Sequential of the children
 
 
 def _reset(model):
@@ -397,7 +399,7 @@ def test_state_dict_between_forward_and_backward_holds_the_shards(results):
 
 def test_a_sharded_module_is_torchs_fsdp_module(results):
     for got in results:
-        assert got["classes"] == {"torch's": [True, True, False], "ours": [True, True, False]}
+        assert got["classes"] == {"torch's": [True, True, False], "ours": [True, True, False], "slice": "Sequential"}
 
 
 def test_every_method_of_torchs_fsdp_module_is_ours():
@@ -422,14 +424,17 @@ def test_refused_in_one_line(results):
 
 
 
+CLIPS = ((math.inf, None, 1.0), (math.inf, False, 0.01), (-math.inf, None, 1.0))  # 0.01: every |gradient| < 1
+
+
 def _clip_job():
     """At 3 ranks a 2-row layer leaves rank 2 empty shards: the +-inf norms over all gradients, clipped and not."""
     out = []
-    for norm_type, foreach in ((math.inf, None), (math.inf, False), (-math.inf, None)):
+    for norm_type, foreach, scale in CLIPS:
         model = _two_rows()
         fully_shard(model)
-        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum().backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type, foreach=foreach)
+        (model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum() * scale).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), scale, norm_type=norm_type, foreach=foreach)
         out.append((float(norm.full_tensor()), {k: _full(p.grad) for k, p in model.named_parameters()}))
     return {"norms": out, "empty": [p.to_local().numel() == 0 for p in model.parameters()],
             "meta": _meta_init(True)}
@@ -442,10 +447,10 @@ def _two_rows():
 
 def test_clip_grad_norm_inf_with_an_empty_shard_equals_one_process():
     results = launch(_clip_job, 3, timeout=120.0)
-    for i, norm_type in enumerate((math.inf, math.inf, -math.inf)):
+    for i, (norm_type, _, scale) in enumerate(CLIPS):
         model = _two_rows()
-        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum().backward()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=norm_type)
+        (model(torch.randn(3, 4, generator=torch.Generator().manual_seed(5))).sum() * scale).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), scale, norm_type=norm_type)
         for r, got in enumerate(results):
             got_norm, got_grads = got["norms"][i]
             assert got_norm == pytest.approx(float(norm), rel=1e-6), (r, norm_type)
