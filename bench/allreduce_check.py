@@ -5,7 +5,8 @@
 
 Four ways, timed in turns in the same processes, each call after a barrier: `check_same_call`
 alone (the fixed-size exchange of fingerprints, as DDP runs it once a step), `allreduce(check=False)`
-(the data alone), `allreduce()` (the default: the headers beside the first round of data) and
+(the data alone), `allreduce()` (the default: at two ranks the data on its fingerprint's tag, nothing
+more; from three ranks on the headers beside the first round of data) and
 `torch.distributed.all_reduce`. Medians of rank 0's times. The default's excess over "data
 alone" is what the check costs.
 """

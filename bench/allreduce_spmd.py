@@ -7,8 +7,9 @@
 
 Spawns `--world-size` processes on gloo (127.0.0.1). For every size S (bytes per rank) one
 row per algorithm (the schedule alone, `check=False`, as gloo's all_reduce checks nothing
-either), one for `auto` as users call it (`auto+check`: with the call check, whose fixed-size
-headers travel beside the first round of data, `manualdp.spmd.transport.call_check`) and one
+either), one for `auto` as users call it (`auto+check`: with the call check, which at two ranks
+is the data's tag alone and from three ranks on adds fixed-size headers beside the first round of
+data, `manualdp.spmd.transport.call_check`) and one
 for `torch.distributed.all_reduce`, with the columns nccl-tests prints: time (median over
 runs of the slowest rank's time), algbw = S / time, busbw = algbw * 2(n-1)/n, #wrong (inputs
 are small integers, so every order of summation is exact and #wrong must be 0), and busbw /

@@ -26,7 +26,7 @@ __all__ = ["ENGINE_ALGORITHMS", "allreduce", "reduce_scatter", "all_gather", "re
 
 def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True,
-              step: int = -1) -> None:
+              step: int = -1, identity: int = 0) -> None:
     """Sum `tensor` over the ranks of `group` (default: all), in place, with manualdp's schedules.
 
     Every rank must call it with a tensor of the same shape and dtype, as with
@@ -47,6 +47,8 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
 
     `step` (default -1: none): a wrapper's count of its steps, compared by the check too (the
     ladder's rungs 3 and 4 carry their step check on a step's first allreduce this way).
+    `identity` (default 0: none, at most 2**62): a number standing for the caller (a wrapper's
+    own), compared too, so that two wrappers' calls never pair.
 
     With "auto" and the check, each rank times its calls against the cost model's prediction;
     one call in `DRIFT_EVERY` carries whether this rank saw those times drift at two such looks
@@ -61,6 +63,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     timeout = timeout_seconds("timeout", timeout)
     boolean("check", check)
     int_between("step", step, -1, 2 ** 62)
+    int_between("identity", identity, 0, 2 ** 62)
     state = group_state(group)
     if len(state.peers) == 1:
         return
@@ -74,7 +77,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     carried = check and state.early and tensor.numel() > 0 and not (auto and state.link is None) and not look
     # Alone, first: "auto" may measure the link, a collective that every rank must reach.
     if check and not carried and same_call(state, tensor, algorithm, segment_bytes, timeout,
-                                           flag=look and drift_flag(state), step=step):
+                                           flag=look and drift_flag(state), step=step, identity=identity):
         measure_again(state, timeout)
     if tensor.numel() == 0:
         return
@@ -82,7 +85,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     if auto:  # the cost model's pick
         algorithm = choose(len(state.peers), nbytes, agreed(state, timeout), tensor.element_size(), segment_bytes)
     header = make_check(state, tensor, requested, segment_bytes, timeout, schedule=algorithm,
-                        step=step) if carried else None
+                        step=step, identity=identity) if carried else None
     start = time.perf_counter()
     run_allreduce(tensor, algorithm, state, segment_bytes, timeout, check=header)
     if auto and check and tensor.device.type == "cpu":  # on a GPU the call returns before the work is done
@@ -91,7 +94,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
 
 
 def _run(collective: str, tensor, algorithm: str, group, root: int, segment_bytes: int, timeout, sums: bool,
-         check: bool, step: int = -1) -> int:
+         check: bool, step: int = -1, identity: int = 0) -> int:
     """Check, then run `collective` on this rank; returns this rank's index in `group`.
 
     With `check`, the ranks compare their calls (collective, size, dtype, algorithm, root,
@@ -108,6 +111,7 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     timeout = timeout_seconds("timeout", timeout)
     boolean("check", check)
     int_between("step", step, -1, 2 ** 62)
+    int_between("identity", identity, 0, 2 ** 62)
     state = group_state(group)
     int_between("root", root, 0, len(state.peers) - 1)
     schedule = get_collective(collective, algorithm, len(state.peers), root)
@@ -117,10 +121,11 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     after_wrappers(state)
     carried = check and state.early and tensor.numel() > 0
     if check and not carried:
-        same_call(state, tensor, algorithm, segment_bytes, timeout, collective=collective, root=root, step=step)
+        same_call(state, tensor, algorithm, segment_bytes, timeout, collective=collective, root=root, step=step,
+                  identity=identity)
     if tensor.numel():
         header = make_check(state, tensor, algorithm, segment_bytes, timeout, schedule=algorithm,
-                            collective=collective, root=root, step=step) if carried else None
+                            collective=collective, root=root, step=step, identity=identity) if carried else None
         run_schedule(tensor, schedule, state, segment_bytes, timeout, check=header)
     return state.rank
 
@@ -147,9 +152,10 @@ def reduce(tensor: torch.Tensor, dst: int = 0, algorithm: str = "tree", group=No
 
 def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "tree", group=None, *,
               segment_bytes: int = DEFAULT_SEGMENT_BYTES, timeout: float | None = None, check: bool = True,
-              step: int = -1) -> None:
+              step: int = -1, identity: int = 0) -> None:
     """Copy group rank `src`'s `tensor` into every other rank's, in place.
 
     `step` (default -1: none): a wrapper's count of its steps, compared by the check too, as `allreduce`'s (the
-    ladder's rungs copy rank 0's buffers before each forward pass this way)."""
-    _run("broadcast", tensor, algorithm, group, src, segment_bytes, timeout, sums=False, check=check, step=step)
+    ladder's rungs copy rank 0's buffers before each forward pass this way); `identity` as `allreduce`'s."""
+    _run("broadcast", tensor, algorithm, group, src, segment_bytes, timeout, sums=False, check=check, step=step,
+         identity=identity)

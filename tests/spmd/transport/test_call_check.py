@@ -230,3 +230,38 @@ def test_a_peer_that_is_only_late_is_never_refused_and_a_late_mismatch_still_rai
         assert wrong == 0, rank
         assert refused is not None and "elements 4..5 (per rank: 4, 5)" in refused, refused
     assert results[0][1] > 0  # rank 0 waited past LATE and compared through the store, then went on
+
+
+def _identities(differs: int):
+    from manualdp.spmd.collectives import allreduce, broadcast
+    from manualdp.spmd.transport.call_check import check_same_call
+    rank = torch.distributed.get_rank()
+    mine = 9 if rank == differs else 7
+    out = []
+    for call in (lambda t: allreduce(t, "ring", identity=mine, timeout=20),
+                 lambda t: broadcast(t, identity=mine, timeout=20),
+                 lambda t: check_same_call(t, "ring", 1 << 20, None, 20, identity=mine)):  # the check alone
+        t = torch.ones(5) * (rank + 1)
+        try:
+            call(t)
+            out.append(None)
+        except ValueError as e:
+            out.append((str(e), t.tolist() == [rank + 1.0] * 5))
+    try:
+        allreduce(torch.ones(2), identity=-1)
+    except ValueError as e:
+        out.append(str(e))
+    t = torch.ones(2)
+    allreduce(t, identity=3, timeout=20)  # the same identity on every rank: it goes through
+    return out, t.tolist()
+
+
+@pytest.mark.parametrize("world_size, differs", [(2, 0), (3, 2)])
+def test_callers_with_another_identity_all_raise_naming_the_wrapper_field(world_size, differs):
+    per_rank = ", ".join("9" if r == differs else "7" for r in range(world_size))
+    for rank, (out, total) in enumerate(launch(_identities, world_size, (differs,), timeout=90)):
+        for error, unchanged in out[:3]:
+            assert f"rank {rank}: " in error and f"wrapper 7..9 (per rank: {per_rank})" in error, error
+            assert unchanged
+        assert "identity" in out[3] and "-1" in out[3]
+        assert total == [float(world_size)] * 2
