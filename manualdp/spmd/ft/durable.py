@@ -177,6 +177,14 @@ class Checkpoints:
         os.makedirs(self.mine, exist_ok=True)
         write_json_atomic(os.path.join(self.mine, "finished.json"), {"step": step, "identity": identity})
 
+    def refuse_if_finished(self, store: dist.Store, identity: dict) -> None:
+        """RunFinished if a folder here says this run ended; the store learns it too (a coordinator started again)."""
+        end = self.finished_at(identity)
+        if end is not None:
+            mark_finished(store, end)
+            raise RunFinished(f"replica {self.id!r}: the run ended at step {end} ({self.directory} says so): "
+                              f"nothing left to train")
+
     def finished_at(self, identity: dict) -> int | None:
         """The step count at which this run ended, as any replica's folder says, or None."""
         for path in glob.glob(os.path.join(self.directory, "*", "finished.json")):

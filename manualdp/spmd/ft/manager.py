@@ -26,7 +26,7 @@ from ..transport.agree import agree
 from . import admission, keys
 from .commit import commit_or_discard
 from .coordinator import connect
-from .durable import Checkpoints, Floor, RunFinished, lost_line, mark_finished, record_committed, store_gone
+from .durable import Checkpoints, Floor, lost_line, mark_finished, record_committed, store_gone
 from .guard import ContributionGuard
 from .heartbeat import Heartbeat, Liveness, register
 from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
@@ -310,7 +310,8 @@ class Manager:
         if self._disk is not None and not self._looked_on_disk:
             self._looked_on_disk = True
             self._resume_from_disk()
-        if self.synced and self.step > self._durable:  # a provisional quorum's steps are not (yet) the run's
+        # a provisional quorum's steps wait: they are the run's once its state becomes the agreed one (quorum.py)
+        if self.synced and self.step > self._durable:
             if self._disk is not None:
                 self._disk.save(self.step, self._settings, self.state_dict())
             record_committed(self.store, self.step)  # only now: the mark never names a step nobody holds
@@ -318,14 +319,9 @@ class Manager:
             for record in self._pending if self._disk is not None else ():
                 self._disk.log_step(record)
             self._pending.clear()
-        # else a provisional quorum's steps wait: the run's if its state becomes the agreed one (quorum.py)
 
     def _resume_from_disk(self) -> None:
-        end = self._disk.finished_at(self._settings)
-        if end is not None:
-            mark_finished(self.store, end)  # a coordinator started again learns it too
-            raise RunFinished(f"replica {self.id!r}: the run ended at step {end} ({self._disk.directory} says so): "
-                              f"nothing left to train")
+        self._disk.refuse_if_finished(self.store, self._settings)
         saved = self._disk.newest(self._settings)
         if saved is None or saved["step"] <= self.step:
             return
