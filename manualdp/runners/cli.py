@@ -198,8 +198,9 @@ def _train_parser(sub) -> argparse.ArgumentParser:
                         "(default off with --zero 2 or 3 under torchrun, where each rank holds only its shard; with "
                         "--fault-tolerant, unless off, a non-finite or far out of line contribution discards the step "
                         "and three in a row remove its replica)")
-    t.add_argument("--checkpoint-dir", metavar="DIR", help="save a checkpoint here after every epoch (with --fault-tolerant: "
-                   "each committed step, in DIR/ID/, and resume from it)")
+    t.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save a checkpoint here after every epoch (with --fault-tolerant: each committed step, "
+                        "in DIR/ID/, and resume from it)")
     t.add_argument("--checkpoint-every", type=positive(int), metavar="STEPS",
                    help="also save a checkpoint every STEPS steps (needs --checkpoint-dir)")
     t.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --checkpoint-dir")
