@@ -91,8 +91,15 @@ def _requires_grad_after_sharding(shard_fn, rank, n):
             model.head.requires_grad_(False)
             model.layers[1].bias.requires_grad_(False)
 
+    bitfit = Blocks()  # pytorch's per-group test: checkpointed blocks, reshard to 2, biases alone train
+    for block in bitfit.blocks:
+        checkpoint(block)
+        shard_fn(block, reshard_after_forward=2)
+    shard_fn(bitfit, reshard_after_forward=2)
+    for name, p in bitfit.named_parameters():
+        p.requires_grad_("bias" in name)
     return {"frozen": _train(frozen, rank, n), "unfrozen": _train(early, rank, n),
-            "switched": _train(_stack(shard_fn), rank, n, between=switch)}
+            "switched": _train(_stack(shard_fn), rank, n, between=switch), "bitfit": _train(bitfit, rank, n)}
 
 
 @dataclasses.dataclass
@@ -360,7 +367,7 @@ def _same(ours, theirs, what):
 
 def test_requires_grad_changed_after_sharding_is_followed_as_torch_does(results):
     for r, got in enumerate(results):
-        for case in ("frozen", "unfrozen", "switched"):
+        for case in ("frozen", "unfrozen", "switched", "bitfit"):
             ours, theirs = got["ours"]["requires_grad"][case], got["torch"]["requires_grad"][case]
             assert ours["had grad"] == theirs["had grad"], (r, case)
             _same(ours["params"], theirs["params"], f"rank {r} {case}")
