@@ -95,7 +95,7 @@ def _rank_main(config: dict) -> dict:
     state = group_state()
     out["link"] = vars(link)
     out["remeasures"] = state.remeasures  # "auto" measured the link again (drift) during the run
-    out["late"] = state.late.late_calls if state.late is not None else 0  # checked calls compared through the store
+    out["late"] = state.late.late_calls if state.late else 0  # checked calls compared through the store
     out["loads"] = loads
     return out
 

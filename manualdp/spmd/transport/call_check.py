@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ...schedule import ALGORITHMS, COLLECTIVES, Schedule, Transfer, get_collective
 from .group import GroupState, group_state
-from .late import LateWatch
+from .late import LateWatch, group_store
 from .p2p import exchange, plan, schedule_of
 from .peers import peer_error, refused_alike
 
@@ -104,12 +104,15 @@ def same_call(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_b
 
 def make_check(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, timeout: float | None,
                **fields) -> "HeaderCheck | TagCheck":
-    """The call check for this group: `TagCheck` for two ranks on gloo (nothing sent when the calls agree), else
-    `HeaderCheck`.
+    """The call check for this group: `TagCheck` for two ranks on gloo (nothing sent when the calls agree) in a
+    group torch made (its store is known), else `HeaderCheck`.
 
     `fields`: `numel`, `flag`, `schedule`, `collective`, `root`, `step`, `identity`, as `HeaderCheck` takes them.
     """
-    kind = TagCheck if state.early and len(state.peers) == 2 else HeaderCheck
+    if state.late is None and state.early and len(state.peers) == 2:
+        store = group_store(state.pg())
+        state.late = LateWatch(state.rank, store) if store is not None else False
+    kind = TagCheck if state.late else HeaderCheck
     return kind(state, tensor, algorithm, segment_bytes, timeout, **fields)
 
 
@@ -155,8 +158,6 @@ class TagCheck:
 
     def start(self) -> None:
         """Watch the first round (its receives are posted)."""
-        if self.state.late is None:
-            self.state.late = LateWatch(self.state.rank, self.state.pg())
         self.state.late.arm(self)
 
     def __call__(self) -> None:

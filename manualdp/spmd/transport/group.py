@@ -60,7 +60,7 @@ class GroupState:
         self.drift_looks = 0     # looks at the drift in a row that each saw it (`tune.drift_flag`)
         self.calls = 0           # checked calls made so far: the call check's counter
         self.headers = None      # the call check's receives for the next call's headers, posted early (gloo)
-        self.late = None         # two ranks on gloo: the call check's watch for a late first round (`late.LateWatch`)
+        self.late = None         # two ranks on gloo: the call check's `late.LateWatch` (False: none, headers instead)
         self.remeasures = 0      # times "auto" measured the link again after the first agreement (drift)
         self.traffic = Traffic()  # bytes sent by the executor
         self.local = threading.local()  # per thread (the worker's and the caller's): scratch space, kept works
@@ -103,6 +103,8 @@ def group_state(group=None) -> GroupState:
         if state is None or state.pg() is not pg:  # none yet, or a freed group's whose id came back
             if state is not None and state._worker is not None:
                 state._worker.shutdown()
+            if state is not None and state.late:
+                state.late.close()
             state = _STATES[id(pg)] = GroupState(pg)
         return state
 

@@ -27,23 +27,25 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["LATE", "LateWatch"]
+__all__ = ["LATE", "LateWatch", "group_store"]
 
 LATE = 0.05   # seconds a first round may take before the ranks compare fingerprints through the store
 POLL = 0.002  # seconds between looks at the peer's entry, once late
 IDLE = 1.0    # seconds without a call after which the thread sleeps until the next one
 
 
-def _store(pg):
-    """The store the process group `pg` was made with (a prefix of the default store for a new group)."""
-    return dist.distributed_c10d._world.pg_map[pg][1]
+def group_store(pg):
+    """The store the process group `pg` was made with (a prefix of the default store for a new group); None for a
+    group torch did not make (then the ranks exchange headers instead)."""
+    entry = getattr(dist.distributed_c10d._world, "pg_map", {}).get(pg)
+    return entry[1] if entry is not None else None
 
 
 class LateWatch:
     """One group of two ranks on gloo: a thread that notices a late first round and settles a refused call."""
 
-    def __init__(self, rank: int, pg) -> None:
-        self.store = _store(pg)
+    def __init__(self, rank: int, store) -> None:
+        self.store = store
         self.rank, self.key, self.peer_key = rank, f"manualdp/late/{rank}", f"manualdp/late/{1 - rank}"
         self._cv = threading.Condition()
         self._call = None       # the armed check (`call_check.TagCheck`), until its first round ends
@@ -55,6 +57,7 @@ class LateWatch:
         self._refused = None    # once the first round has ended: whether the call was refused
         self._stop = False      # the call failed (a peer gone): the thread gives up on it
         self._idle = True
+        self._closed = False
         self._thread = None
         self.last = None        # the fingerprint of the last call whose first round ended
         self.late_calls = 0     # calls that were late (each cost a few store round trips, off the caller's thread)
@@ -98,9 +101,17 @@ class LateWatch:
             self._stop = True
             self._landed = True
 
+    def close(self) -> None:
+        """The group is gone: the thread ends."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
     def _run(self) -> None:
         while True:
             with self._cv:
+                if self._closed:
+                    return
                 call, since = self._call, self._since
                 if call is None or self._landed or self._slow is not None:
                     self._idle = time.monotonic() - self._last_arm > IDLE

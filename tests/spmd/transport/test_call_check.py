@@ -265,3 +265,42 @@ def test_callers_with_another_identity_all_raise_naming_the_wrapper_field(world_
             assert unchanged
         assert "identity" in out[3] and "-1" in out[3]
         assert total == [float(world_size)] * 2
+
+
+def _without_store():
+    """A group whose store torch does not know: two ranks exchange headers instead, and still refuse alike."""
+    from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.transport import call_check
+    from manualdp.spmd.transport.group import group_state
+    call_check.group_store = lambda pg: None
+    rank = torch.distributed.get_rank()
+    t = torch.ones(3 + rank)
+    try:
+        allreduce(t, "ring", timeout=20)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    t = torch.ones(4)
+    allreduce(t, timeout=20)
+    return error, group_state().late, t.tolist()
+
+
+def test_two_ranks_of_a_group_without_a_known_store_exchange_headers_and_still_refuse_alike():
+    for rank, (error, late, total) in enumerate(launch(_without_store, 2, (), timeout=60)):
+        assert late is False and total == [2.0] * 4
+        assert error is not None and "elements 3..4 (per rank: 3, 4)" in error, error
+
+
+def _closed():
+    from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.transport.group import group_state
+    allreduce(torch.ones(3), "ring", timeout=20)
+    watch = group_state().late
+    thread = watch._thread
+    watch.close()
+    thread.join(timeout=10)
+    return thread.is_alive()
+
+
+def test_a_closed_watch_ends_its_thread():
+    assert launch(_closed, 2, (), timeout=60) == [False, False]
