@@ -323,6 +323,16 @@ def _frozen_on_one_rank(rank, n):
     return _refusal(lambda: ((model(X) - y) ** 2).sum().backward())
 
 
+def _init_seeded_apart(rank):
+    """Each rank seeds `init_full` with its own rank: every rank raises naming a parameter, nothing changes."""
+    model = _stack(fully_shard)
+    before = {k: _full(v) for k, v in model.state_dict().items()}
+    torch.manual_seed(rank)
+    message = _refusal(lambda: init_full(model, _reset))
+    return {"message": message, "unchanged": all(torch.equal(_full(v), before[k])
+                                                 for k, v in model.state_dict().items())}
+
+
 def _case(fn, *args):
     """`fn(*args)`, or what it raised: one case that crashes leaves the others their answers."""
     try:
@@ -345,6 +355,7 @@ def _job():
     out["refusals"] = _case(_refusals, rank, n)
     out["classes"] = _case(_classes)
     out["meta"] = {"init_full": _case(_meta_init, True), "reset": _case(_meta_init, False)}
+    out["init seeded apart"] = _init_seeded_apart(rank)
     out["frozen on one rank"] = _frozen_on_one_rank(rank, n)  # last: it leaves the ranks' units out of step
     return out
 
@@ -479,6 +490,14 @@ def test_init_full_starts_a_meta_model_where_one_process_starts(results):
         _same(got["meta"]["init_full"], single, f"rank {r}: init_full at 2 ranks")
         assert not torch.equal(got["meta"]["reset"]["layers.0.weight"], single["layers.0.weight"]), \
             "reset_parameters on the shards draws each rank's rows from the same seed"
+
+
+def test_init_full_seeded_apart_is_named_on_every_rank_and_changes_nothing(results):
+    for r, got in enumerate(results):
+        message = got["init seeded apart"]["message"]
+        assert message.startswith(f"ValueError: rank {r}: init_full differs across ranks") and "layers.0.weight" in \
+            message and "seed every rank alike" in message, message
+        assert got["init seeded apart"]["unchanged"]
 
 
 def test_init_full_checks_its_arguments():
