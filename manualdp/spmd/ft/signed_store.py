@@ -39,6 +39,7 @@ LOG = logging.getLogger("manualdp.spmd.ft")
 _SET, _APPEND = b"S", b"A"  # a value set whole; a chunk of an appended value (one line of its own)
 _MAC = 32  # bytes of an HMAC-SHA256
 _POLL = 0.005  # seconds between two looks at a key whose value does not verify
+_ABSENT = b"\0manualdp-ft-absent\0"  # what `peek` expects: no value of the room's holds it, so nothing is written
 
 
 class SignedStore:
@@ -158,6 +159,11 @@ class SignedStore:
                 raise dist.DistStoreError(f"key {key!r} of the coordinator's store holds no value signed with this "
                                           f"run's secret within {self._client.timeout.total_seconds():g} s")
             time.sleep(_POLL)
+
+    def peek(self, key: str) -> bytes | None:
+        """`key`'s value if it holds one that verifies, else None: `check` and `get` in one round trip."""
+        raw = self._client.compare_set(self._name(key), _ABSENT, _ABSENT)  # torch answers a missing key with _ABSENT
+        return None if raw == _ABSENT else self._open(key, raw)
 
     def multi_get(self, keys: list[str]) -> list[bytes | None]:
         """The values of `keys` (which must all exist); None for each one that does not verify."""
