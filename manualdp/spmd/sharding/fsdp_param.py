@@ -184,9 +184,9 @@ def _refuse_replaced(optimizer, args, kwargs) -> None:
         for p in group["params"]:
             if getattr(p, FULL, False):
                 raise ValueError(f"{type(optimizer).__name__} holds a gathered full parameter of fully_shard (shape "
-                                 f"{tuple(p.shape)}), not its shard: it was built between a forward and its "
-                                 "backward; build it from model.parameters() before the first forward or after "
-                                 "a backward")
+                                 f"{tuple(p.shape)}), not its shard: it was built while the unit was gathered "
+                                 "(after a forward, before its backward, or after unshard()); build it from "
+                                 "model.parameters() before the first forward or after a backward")
             if getattr(p, REPLACED, False):
                 raise ValueError(f"{type(optimizer).__name__} holds a parameter that fully_shard replaced by its "
                                  f"shard (shape {tuple(p.shape)}, emptied): build the optimizer after fully_shard, "
