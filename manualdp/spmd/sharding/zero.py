@@ -34,8 +34,8 @@ torch's `clip_grad_norm_(model.parameters())` raises instead of returning 0; cli
 `opt.clip_grad_norm_(max_norm)`, which sums the shards' norms over the ranks (at stage 1 too).
 
 Other differences from torch's: `state_dict()` before any `consolidate_state_dict` is this
-rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters
-of several dtypes are taken (a buffer per dtype), where torch's refuses them; `step` calls the
+rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters of
+several dtypes are refused at stage 1, in torch's words, and taken at stage 2 (a buffer per dtype); `step` calls the
 closure itself, before the inner step (the gradients must exist to be cut into pieces), so a
 closure that is not callable is refused where torch's hands it to the inner optimizer.
 """
@@ -56,7 +56,7 @@ from ..collectives import all_gather, allreduce
 from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
 from ..transport.peers import group_ranks
 from .zero_grad_shards import GradientShards, holders_of, plan_buckets, real_grad
-from .zero_guards import ZeroGuards, refuse_sparse
+from .zero_guards import ZeroGuards, refuse_mixed_types, refuse_sparse
 from .zero_layout import ZeroLayout
 from .zero_torch_api import TorchCompat
 
@@ -99,6 +99,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         groups = param_groups_of(params, keep_frozen=True, require_trainable=False)
         refuse_sparse(groups)
         self.stage = one_of("stage", stage, (1, 2))
+        if stage == 1:  # torch's drop-in refuses several dtypes (not in add_param_group); stage 2 takes them
+            refuse_mixed_types([p for g in groups for p in g["params"]])
         factory("optimizer_class", optimizer_class)
         self.parameters_as_bucket_view = boolean("parameters_as_bucket_view", parameters_as_bucket_view)
         self.bucket_cap_mb = positive_number("bucket_cap_mb", bucket_cap_mb)
@@ -214,7 +216,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
             if grads is None:
                 if piece is p or p.grad is None:
                     continue
-                piece.grad = p.grad.reshape(-1)[lo - start:hi - start]
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # nn.Embedding(sparse=True): its rows
+                piece.grad = grad.reshape(-1)[lo - start:hi - start]
             else:
                 piece.grad = grads[b][lo - starts[b]:hi - starts[b]].view_as(piece) if used[j] else None
             lent.append(piece)

@@ -36,7 +36,7 @@ from ...shards import ShardPlan, options_of
 from ..transport.agree import agree
 from .zero_grad_shards import GradientShards, real_grad
 
-__all__ = ["ZeroGuards", "refuse_sparse"]
+__all__ = ["ZeroGuards", "refuse_sparse", "refuse_mixed_types"]
 
 
 class ZeroGuards:
@@ -255,6 +255,15 @@ def refuse_sparse(groups: list[dict], name: str = "params") -> None:
             if p.layout != torch.strided:
                 raise ValueError(f"{name}: group {g} holds a tensor of layout {p.layout}; ZeroRedundancyOptimizer "
                                  "shards dense tensors only (torch's refuses sparse ones too)")
+
+
+def refuse_mixed_types(tensors: list[torch.Tensor], name: str = "params") -> None:
+    """Refuse tensors of several dense types (float32 and float64, or CPU and CUDA), in torch's words."""
+    first = torch.typename(tensors[0]) if tensors else None
+    for t in tensors[1:]:
+        if torch.typename(t) != first:
+            raise ValueError(f"{name}: ZeroRedundancyOptimizer only supports using the same dense type for all "
+                             f"parameters but got both {first} and {torch.typename(t)}")
 
 
 def _name_of(optimizer_class) -> str:

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 
 from ...shards import options_of
 from ...validate import boolean, index
+from ..transport.agree import agree
 
 __all__ = ["TorchCompat"]
 
@@ -39,6 +40,9 @@ class TorchCompat(Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole optimizer state on rank `to` (call it on every rank), for its `state_dict()`."""
         index("to", to, self.world_size, "the ranks of the group")
+        # the same `to` everywhere, or every rank raises: a gather rooted at two ranks would wait out the timeout
+        agree("ZeroRedundancyOptimizer.consolidate_state_dict's call", {"to": to}, self.group, timeout=self.timeout,
+              check=True, hint="every rank must call consolidate_state_dict with the same `to`")
         shard = self.optimizer.state_dict()["state"]
         sizes = [hi - lo for _, lo, hi, _ in self.pieces]
         bad = [f"{name} of piece {i}" for i, values in shard.items() for name, v in values.items()

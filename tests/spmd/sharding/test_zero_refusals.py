@@ -1,0 +1,87 @@
+"""ZeroRedundancyOptimizer off its happy path, at 2 ranks, beside torch's:
+- `consolidate_state_dict(to=rank)`, another `to` on each rank: every rank raises naming `to` (before: each waited
+  out the group's timeout in its gather);
+- stage 1 with a sparse `nn.Embedding` under the drop-in: trains as torch's DDP + ZeroRedundancyOptimizer (before:
+  "reshape is not implemented for sparse tensors");
+- float32 and float64 parameters in one optimizer: refused in torch's words, as pytorch's
+  test_same_dense_param_type asks (before: taken, a buffer per dtype); added later by `add_param_group`, taken, as
+  torch's takes them.
+"""
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from manualdp.distributed import DistributedDataParallel, ZeroRedundancyOptimizer
+from manualdp.spmd import launch
+
+
+class Bag(nn.Module):
+    """A sparse embedding, summed, then a linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.lin(self.emb(ids).sum(1))
+
+
+def _trained(wrap, zero, ids):
+    torch.manual_seed(0)
+    net = Bag().double()
+    model = wrap(net)
+    opt = zero(model.parameters(), torch.optim.SGD, lr=0.3)
+    for _ in range(3):
+        opt.zero_grad()
+        model(ids).pow(2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def _try(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _job():
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    out = {}
+    net = nn.Linear(4, 2)
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.1, timeout=20)
+    net(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    out["to"] = _try(lambda: opt.consolidate_state_dict(to=rank))
+    out["to, then"] = _try(lambda: opt.consolidate_state_dict(to=0))  # the group still works after the refusal
+    ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(rank))
+    out["sparse ours"] = _trained(lambda m: DistributedDataParallel(m, algorithm="ring", timeout=20),
+                                  ZeroRedundancyOptimizer, ids)
+    out["sparse torch"] = _trained(TorchDDP, TorchZero, ids)
+    mixed = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, dtype=torch.float64))]
+    for name, zero in (("ours", ZeroRedundancyOptimizer), ("torch", TorchZero)):
+        out["mixed", name] = _try(lambda: zero(mixed, torch.optim.SGD, lr=0.1))
+        opt = zero(mixed[:1], torch.optim.SGD, lr=0.1)
+        out["added", name] = _try(lambda: opt.add_param_group({"params": [copy.deepcopy(mixed[1])]}))
+    return out
+
+
+def test_zero_refuses_what_torch_refuses_names_a_differing_to_and_trains_a_sparse_embedding():
+    for rank, out in enumerate(launch(_job, 2, timeout=180)):
+        message = out["to"]
+        assert message is not None and message.startswith(f"ValueError: rank {rank}: "), message
+        assert "to 0..1 (per rank: 0, 1)" in message and "same `to`" in message, message
+        assert out["to, then"] is None, out["to, then"]
+        for ours, theirs in zip(out["sparse ours"], out["sparse torch"]):
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        theirs = out["mixed", "torch"]
+        assert theirs is not None and "only supports using the same dense type" in theirs, theirs
+        ours = out["mixed", "ours"]
+        assert ours is not None and theirs.split(": ", 1)[1] in ours, ours
+        assert out["added", "ours"] is None and out["added", "torch"] is None, out
