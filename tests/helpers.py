@@ -183,3 +183,12 @@ def same_rows(rows, atol=1e-12):
             assert torch.allclose(row[0], other, rtol=0, atol=atol), (
                 f"step {step}: max diff {(row[0] - other).abs().max()}")
 
+
+
+def error_of(fn) -> str | None:
+    """"Type: message" of what `fn()` raised, or None: what a rank saw, to be compared in the parent."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from manualdp.distributed import DistributedDataParallel, ZeroRedundancyOptimizer
 from manualdp.spmd import launch
+from tests.helpers import error_of
 
 
 class Bag(nn.Module):
@@ -42,14 +43,6 @@ def _trained(wrap, zero, ids):
     return [p.detach().clone() for p in net.parameters()]
 
 
-def _try(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
-        return f"{type(e).__name__}: {e}"
-    return None
-
-
 def _job():
     torch.set_num_threads(1)
     rank = dist.get_rank()
@@ -58,17 +51,17 @@ def _job():
     opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.1, timeout=20)
     net(torch.randn(3, 4)).sum().backward()
     opt.step()
-    out["to"] = _try(lambda: opt.consolidate_state_dict(to=rank))
-    out["to, then"] = _try(lambda: opt.consolidate_state_dict(to=0))  # the group still works after the refusal
+    out["to"] = error_of(lambda: opt.consolidate_state_dict(to=rank))
+    out["to, then"] = error_of(lambda: opt.consolidate_state_dict(to=0))  # the group still works after the refusal
     ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(rank))
     out["sparse ours"] = _trained(lambda m: DistributedDataParallel(m, algorithm="ring", timeout=20),
                                   ZeroRedundancyOptimizer, ids)
     out["sparse torch"] = _trained(TorchDDP, TorchZero, ids)
     mixed = [nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(2, dtype=torch.float64))]
     for name, zero in (("ours", ZeroRedundancyOptimizer), ("torch", TorchZero)):
-        out["mixed", name] = _try(lambda: zero(mixed, torch.optim.SGD, lr=0.1))
+        out["mixed", name] = error_of(lambda: zero(mixed, torch.optim.SGD, lr=0.1))
         opt = zero(mixed[:1], torch.optim.SGD, lr=0.1)
-        out["added", name] = _try(lambda: opt.add_param_group({"params": [copy.deepcopy(mixed[1])]}))
+        out["added", name] = error_of(lambda: opt.add_param_group({"params": [copy.deepcopy(mixed[1])]}))
     return out
 
 
