@@ -85,9 +85,10 @@ class ContributionGuard:
         quorum = manager.quorum
         ids = quorum.ids
         norms = torch.zeros(len(ids), dtype=torch.float64)
-        finite = all(bool(torch.isfinite(t).all()) for t in [*contribution, *also])
-        mine = math.sqrt(sum(float(t.double().pow(2).sum()) for t in contribution)) if finite else math.nan
-        norms[quorum.rank(manager.id)] = mine
+        # NaN or Inf where any element is: one pass over the buffers, where isfinite() and a norm took two
+        mine = math.hypot(*(float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in contribution))
+        finite = math.isfinite(mine) and all(bool(torch.isfinite(t).all()) for t in also)
+        norms[quorum.rank(manager.id)] = mine if finite else math.nan
         if not manager.average(norms):
             return False  # a member failed: the step cannot commit anyway
         batch = getattr(manager, "capacity", 0)
