@@ -69,8 +69,9 @@ def _before_forward(unit, module, args, kwargs):
 
 
 def _recomputing(unit) -> bool:
-    """Whether this forward is a recomputation in backward (activation checkpointing)."""
-    return unit.step.in_backward and inside_backward()
+    """Whether this forward is a recomputation in backward (activation checkpointing): any forward that autograd's
+    backward runs, also one that comes before the first of this backward's hooks."""
+    return inside_backward()
 
 
 def _cast_inputs(unit, args, kwargs):
