@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from . import keys
 from .heartbeat import Liveness
-from .quorum import POLL, Quorum
+from .look import glance, look, peek
+from .quorum import Quorum
 from .signed_store import ignore
 
 __all__ = ["outcome_of", "commit_or_discard"]
@@ -40,26 +41,31 @@ def outcome_of(votes: dict[str, bool | None], alive: set[str], timed_out: bool) 
 def commit_or_discard(store: dist.Store, quorum: Quorum, replica_id: str, ok: bool, liveness: Liveness,
                       timeout: float) -> bool:
     """Vote `ok` for `quorum`'s step, then return whether every member commits it (the same answer on all)."""
-    round_, decided = quorum.round, keys.outcome(quorum.round)
+    round_, decided, whole = quorum.round, keys.outcome(quorum.round), store
     store.set(keys.vote(round_, replica_id), "1" if ok else "0")
     deadline = time.monotonic() + timeout
     while True:
-        outcome = store.get(decided) if store.check([decided]) else b""
+        store = look(whole)  # each pass decides from one read of each key
+        outcome = peek(store, decided) or b""
         if outcome in (b"commit", b"discard"):
             return outcome == b"commit"
         if outcome:
             ignore(store, decided, f"{outcome[:40]!r} is neither 'commit' nor 'discard'")
-        votes = {m: _vote(store, keys.vote(round_, m)) for m in quorum.ids}
-        proposal = outcome_of(votes, liveness.live(quorum.ids), time.monotonic() > deadline)
+        votes = {m: (ok if m == replica_id else _vote(store, keys.vote(round_, m))) for m in quorum.ids}
+        # the heartbeats are read only while a vote is missing: a complete count needs nobody's
+        alive = liveness.live(quorum.ids) if None in votes.values() else set(quorum.ids)
+        proposal = outcome_of(votes, alive, time.monotonic() > deadline)
         if proposal is not None:
-            store.compare_set(decided, outcome, proposal)  # the first proposal written is the outcome (or a malformed
-            continue                                       # one in place, replaced)
-        time.sleep(POLL)
+            written = store.compare_set(decided, outcome, proposal)  # the first proposal written is the outcome
+            if written in (b"commit", b"discard"):                   # (or a malformed one in place, replaced)
+                return written == b"commit"
+            continue
+        glance(lambda: peek(whole, decided) is not None)  # the last voter writes it: a moment away
 
 
 def _vote(store: dist.Store, key: str) -> bool | None:
     """A member's vote: True ("1"), False ("0"), or None while not cast; a malformed one is ignored (logged)."""
-    value = store.get(key) if store.check([key]) else None
+    value = peek(store, key)
     if value is not None and value not in (b"1", b"0"):
         ignore(store, key, f"{value[:40]!r} is not a vote")
         value = None

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ...support.checkpoint import read_checkpoint, remove_orphans, save_checkpoint
 from ...support.files import write_json_atomic
 from . import keys
+from .look import peek
 
 __all__ = ["RunFinished", "committed_step", "record_committed", "finished_at", "mark_finished", "Floor",
            "Checkpoints", "store_gone", "lost_line"]
@@ -42,15 +43,13 @@ class RunFinished(Exception):
 
 def committed_step(store: dist.Store) -> int:
     """The most steps of the run a replica has held (0 if none yet); a malformed value counts as 0."""
-    if not store.check([keys.COMMITTED]):
-        return 0
-    raw = store.get(keys.COMMITTED)
-    return int(raw) if raw.isdigit() else 0
+    raw = peek(store, keys.COMMITTED)
+    return int(raw) if raw is not None and raw.isdigit() else 0
 
 
 def record_committed(store: dist.Store, step: int) -> None:
     """Raise the store's mark to `step` steps, unless it is already there or higher (compare_set: never lowered)."""
-    seen = store.get(keys.COMMITTED) if store.check([keys.COMMITTED]) else b""
+    seen = peek(store, keys.COMMITTED) or b""
     while not (seen.isdigit() and int(seen) >= step):
         now = store.compare_set(keys.COMMITTED, seen.decode(), str(step))
         if now == str(step).encode():
@@ -60,10 +59,8 @@ def record_committed(store: dist.Store, step: int) -> None:
 
 def finished_at(store: dist.Store) -> int | None:
     """The step count at which the run ended, or None while it runs."""
-    if not store.check([keys.FINISHED]):
-        return None
-    raw = store.get(keys.FINISHED)
-    return int(raw) if raw.isdigit() else None
+    raw = peek(store, keys.FINISHED)
+    return int(raw) if raw is not None and raw.isdigit() else None
 
 
 def mark_finished(store: dist.Store, step: int) -> None:
@@ -100,18 +97,19 @@ class Floor:
         self.store, self.id, self.timeout = store, replica_id, timeout
         self._behind_since: float | None = None
 
-    def allows(self, step: int, ids: list[str] | None) -> bool:
+    def allows(self, step: int, ids: list[str] | None, store: dist.Store | None = None) -> bool:
         """Whether a quorum of `ids` may start at `step` (None: no quorum yet, only the end is checked).
 
         RunFinished if the run has ended; TimeoutError once quorums below the committed step have
-        waited `timeout` s for a holder of it.
+        waited `timeout` s for a holder of it. `store`: the look to read (`look.py`), else this floor's.
         """
-        end = finished_at(self.store)
+        store = store if store is not None else self.store
+        end = finished_at(store)
         if end is not None:
             raise RunFinished(f"replica {self.id!r}: the run ended at step {end}: nothing left to train")
         if ids is None:
             return True
-        top = committed_step(self.store)
+        top = committed_step(store)
         if step >= top:
             self._behind_since = None
             return True

@@ -218,9 +218,9 @@ class Manager:
                 self.load_state_dict(state)
                 self._pending.clear()  # the steps this replica counted alone are not the run's: the source's are
                 self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})
-            if quorum.agreed:
-                self._hold(quorum.round)
-            else:  # provisional: this replica's steps are its own until it meets a holder of the run's state
+            if quorum.agreed and not (received is None and self.synced and self._since == quorum.round):
+                self._hold(quorum.round)  # unless held above, and nothing received since
+            elif not quorum.agreed:  # provisional: its steps are its own until it meets a holder of the run's state
                 self.synced = False
                 publish_mark(self.store, self.id, None)
             self._ok = True

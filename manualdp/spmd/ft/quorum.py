@@ -50,12 +50,12 @@ import torch.distributed as dist
 from . import keys
 from .admission import admissible, fit, left_out, run_digest
 from .heartbeat import Liveness, registered
+from .look import POLL, glance, look, peek
 from .signed_store import ignore
 from .trust import checked_claims, committed_record, count_value, json_lines, majority_need, mark_value, well_formed
 
 __all__ = ["Member", "Quorum", "decide", "agreed", "group_for", "wait_for_quorum", "publish_mark", "POLL", "PATIENCE"]
 
-POLL = 0.005  # seconds between two looks at the store while waiting
 PATIENCE = 3  # timeouts a replica waits for a quorum in all: a live one may spend one in a failed allreduce, one voting
 
 
@@ -193,10 +193,11 @@ def _asks(store: dist.Store, round_: int) -> dict[str, Member]:
 
 def _decided(store: dist.Store, round_: int) -> Quorum | None:
     key = keys.quorum(round_)
-    if not store.check([key]):
+    value = peek(store, key)
+    if value is None:
         return None
     try:
-        quorum = Quorum.from_json(store.get(key))
+        quorum = Quorum.from_json(value)
         if all(well_formed(m) for m in quorum.members) and quorum.members:
             return quorum
     except (KeyError, TypeError, ValueError, AttributeError):
@@ -207,9 +208,11 @@ def _decided(store: dist.Store, round_: int) -> Quorum | None:
 
 def _first_open_round(store: dist.Store, after: int) -> int:
     """The first round after `after` (and after the newest one known to be decided) that has no quorum yet."""
-    latest = count_value(store, keys.LATEST, store.get(keys.LATEST)) if store.check([keys.LATEST]) else None
-    round_ = max(after, latest or 0) + 1
-    while store.check([keys.quorum(round_)]):
+    round_ = after + 1
+    if after == 0 or peek(store, keys.quorum(round_)) is not None:  # a member in step finds its next round open
+        latest = peek(store, keys.LATEST)
+        round_ = max(after, (count_value(store, keys.LATEST, latest) or 0) if latest is not None else 0) + 1
+    while peek(store, keys.quorum(round_)) is not None:
         round_ += 1
     return round_
 
@@ -222,10 +225,11 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
     been alive for `timeout` s, or `PATIENCE * timeout` s after `started` (time.monotonic()).
     `floor` (`durable.Floor`): no quorum below the run's committed step; RunFinished once it ended.
     """
-    round_ = _first_open_round(store, after)
+    whole, round_ = store, _first_open_round(store, after)
     store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
     asked, short_since = time.monotonic(), None
     while True:
+        store = look(whole)  # each pass decides from one read of each key
         quorum = _decided(store, round_)
         if quorum is not None:
             if me.id in quorum.ids:
@@ -248,10 +252,10 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         if members is not None and len(members) < guard:
             members = None  # the split-brain guard (trust.py): not more than half of the last agreed quorum
         top = Quorum(round_, tuple(members), 0).step if members is not None else None
-        if members is not None and floor is not None and not floor.allows(top, [m.id for m in members]):
+        if members is not None and floor is not None and not floor.allows(top, [m.id for m in members], store):
             members = None  # every holder of the committed steps is away: wait for one (durable.py)
         elif members is None and floor is not None:
-            floor.allows(me.step, None)  # the run may have ended while this replica waited
+            floor.allows(me.step, None, store)  # the run may have ended while this replica waited
         if members is not None:
             proposal = Quorum(round_, tuple(members), group_for(members, round_),
                               agreed(members, _held(store, live, round_)))
@@ -261,6 +265,8 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
                 written = store.compare_set(keys.quorum(round_), written, text)
             if written == text.encode():
                 store.set(keys.LATEST, str(round_))  # a hint for those that join later: rounds up to here are decided
+                if me.id in proposal.ids:
+                    return proposal  # the store holds it: every replica reads this one
             continue
         now, need = time.monotonic(), max(1, guard, *(m.min_replicas for m in asks.values()))
         short_since = (short_since or now) if len(live) < need else None
@@ -269,4 +275,4 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
                 f"replica {me.id!r}: no quorum of at least {need} replicas within {timeout:g} s "
                 f"(round {round_}: asked {sorted(asks)}, alive {sorted(live)}): start more replicas, "
                 f"or lower min_replicas")
-        time.sleep(POLL)
+        glance(lambda: peek(whole, keys.quorum(round_)) is not None)  # another asker may decide it meanwhile

@@ -1,0 +1,90 @@
+"""One look at the store: what a replica reads to take one decision, each key read at most once.
+
+A quorum's look reads the run's committed step three times (the claims, the marks, the floor),
+the previous quorum twice, and checks each key before it gets it: two round trips where one
+would do. A `Look` answers every read of a key after the first from what the first found, and
+a `check` and the `get` after it in one round trip (`SignedStore.peek`). A decision taken from
+one look is taken from one set of values, as if they were read at one moment; the next look
+reads everything again. Writes go through at once, and the next read of a key written reads it
+again.
+
+Between two looks a replica waits for the one key a peer writes next (a round's quorum, its
+outcome), peeking at it after a fifth of a millisecond, then at doubling intervals up to `POLL`
+(`glance`): in a step where the members arrive together, that key is a moment away.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from .signed_store import SignedStore
+
+__all__ = ["Look", "look", "peek", "glance", "POLL"]
+
+POLL = 0.005  # seconds between two looks at the store while waiting
+FIRST = 0.0002  # seconds before the first glance at the key a peer writes next
+
+
+def look(store):
+    """A `Look` at `store` (a `SignedStore`; any other store is read as it is)."""
+    return Look(store) if isinstance(store, SignedStore) else store
+
+
+def peek(store, key: str) -> bytes | None:
+    """`key`'s value, or None if it holds none: one round trip on a `SignedStore`."""
+    if isinstance(store, SignedStore):
+        return store.peek(key)
+    return store.get(key) if store.check([key]) else None
+
+
+def glance(ready: Callable[[], bool], seconds: float = POLL) -> None:
+    """Wait up to `seconds`, asking `ready()` (one peek) after `FIRST` s, then at doubling intervals; stop once True."""
+    pause, end = FIRST, time.monotonic() + seconds
+    while True:
+        time.sleep(min(pause, max(0.0, end - time.monotonic())))
+        if time.monotonic() >= end or ready():
+            return
+        pause *= 2
+
+
+class Look(SignedStore):
+    """`store` for the length of one decision: each key read at most once; writes go through."""
+
+    def __init__(self, store: SignedStore) -> None:
+        super().__init__(store._client, store._secret, store._prefix)
+        self._ignored = store._ignored  # a bad value is logged once per key, over all looks
+        self._seen: dict[str, bytes | None] = {}
+
+    def peek(self, key: str) -> bytes | None:
+        if key not in self._seen:
+            self._seen[key] = super().peek(key)
+        return self._seen[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self.peek(k) is not None for k in keys)
+
+    def get(self, key: str) -> bytes:
+        value = self.peek(key)
+        return value if value is not None else super().get(key)  # waits, as the store's get does
+
+    def multi_get(self, keys: list[str]) -> list[bytes | None]:
+        unread = [k for k in dict.fromkeys(keys) if self._seen.get(k) is None]
+        for key, value in zip(unread, super().multi_get(unread) if unread else []):
+            self._seen[key] = value
+        return [self._seen[k] for k in keys]
+
+    def set(self, key: str, value) -> None:
+        self._seen.pop(key, None)
+        super().set(key, value)
+
+    def append(self, key: str, value) -> None:
+        self._seen.pop(key, None)
+        super().append(key, value)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        self._seen.pop(key, None)
+        return super().compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        self._seen.pop(key, None)
+        return super().delete_key(key)
