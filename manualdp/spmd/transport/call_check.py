@@ -137,11 +137,12 @@ class TagCheck:
     """Two ranks on gloo: the call's fingerprint is its data's tag, and nothing else travels while the calls agree.
 
     The executor posts the first round on `self.tag`, calls `start()` (which arms the group's
-    `late.LateWatch`), waits for the whole first round, then `landed()`: messages of another
-    call carry another tag and never pair, so a completed first round means the peer called
-    alike. If the round is late the watch compares fingerprints through the store and, when they
-    differ, settles the peer's first round (`settle`) so that every wait ends; `landed()` then
-    raises on both ranks, naming what each had. The round's receives all land in scratch space,
+    `late.LateWatch`), waits for the round's first message, then `landed()`: messages of another
+    call carry another tag and never pair, so one completed message means the peer called
+    alike, and the rest of the round pipelines as unchecked data does. If the round is late the
+    watch compares fingerprints through the store and, when they differ, settles the peer's
+    first round (`settle`) so that every wait ends; `landed()` then raises on both ranks,
+    naming what each had. The round's receives all land in scratch space,
     so a refused call leaves the tensor unchanged. `alone()` is the check without data (a round
     trip: the rows themselves, on their tag), which carries the flag.
     """
@@ -152,6 +153,7 @@ class TagCheck:
         self.row = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag, schedule=schedule,
                                 collective=collective, root=root, step=step, identity=identity)
         self.compared = self.row[:_FLAG]
+        self.waits_first = True  # the executor waits for the first round's first message, then calls `landed()`
         self.state, self.timeout, self.collective = state, timeout, collective
         self.tag = _tag(self.row)
         self.flagged = False
@@ -211,6 +213,7 @@ class HeaderCheck:
         self.row = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag, schedule=schedule,
                                 collective=collective, root=root, step=step, identity=identity)
         self.collective = collective
+        self.waits_first = False  # `__call__` knows: the executor needs to wait for nothing first
         self.state, self.timeout, self.device = state, timeout, tensor.device
         self.deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
         self.tag = _tag(self.row)

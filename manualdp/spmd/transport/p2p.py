@@ -94,17 +94,20 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
     which is what a small allreduce costs in all.
 
     `check` (a call check of `manualdp.spmd.transport.call_check`, or None) starts once the first
-    round's receives are posted, and is called once its sends are; then the whole first round is
-    waited for before anything of it is used or the next round is posted, and `check.landed()`
-    says whether the calls agreed (`_checked_first_round`). Meanwhile that round's receives all
-    land in scratch space, overwrites too (an all-gather's, a broadcast's), so a refused call
-    leaves the tensor unchanged.
+    round's receives are posted, and is called once its sends are; before anything of the first
+    round is used or the next round is posted, `check.landed()` says whether the calls agreed
+    (`_checked_first_round`; a `TagCheck` after the round's first message has come). Meanwhile
+    that round's receives all land in scratch space, overwrites too (an all-gather's, a
+    broadcast's), so a refused call leaves the tensor unchanged.
     """
     pg, peers = state.pg(), state.peers
     deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
     peer = None  # the global rank of the message under way, for the error
+    checked = None  # the first round's work the check waited for already: a gloo work is waited for once
 
     def wait_for(work) -> None:
+        if work is checked:
+            return
         if deadline is None:
             work.wait()  # the process group's own timeout applies
         else:
@@ -130,21 +133,18 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
                 peer = peers[m.peer]
                 sends.append((peer, pg.send([flat[m.lo:m.hi]], m.peer, tag)))
             if i == 0 and check is not None:
-                _checked_first_round(check, pending, sends, wait_for)
+                checked = _checked_first_round(check, [w for *_, w in pending] + [w for _, w in sends], wait_for)
             ahead = i + 1 < len(rounds) and rounds[i + 1].early
             following = post(i + 1) if ahead else None
-            held = i == 0 and check is not None  # all of the round waited for already
-            # sends waited for: a gloo work is waited for once (a second wait waits for another message)
-            gone = len(sends) if held else 0
+            gone = 0  # sends waited for: a gloo work is waited for once (a second wait waits for another message)
             for k, (m, buf, work) in enumerate(pending):
                 while rnd.sends_before and gone < rnd.sends_before[k]:  # partners swap: what this rank adds
                     peer = sends[gone][0]                                # into must have gone out first
                     wait_for(sends[gone][1])
                     gone += 1
                 peer = peers[m.peer]
-                if not held:
-                    wait_for(work)
-                _add(flat, m, buf, held=held)
+                wait_for(work)
+                _add(flat, m, buf, held=i == 0 and check is not None)
             for peer, work in sends[gone:]:
                 wait_for(work)
             spent += [w for *_, w in pending] + [w for _, w in sends]
@@ -156,28 +156,31 @@ def _run_early(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState,
     _keep_until_next_call(state, spent)
 
 
-def _checked_first_round(check, pending: list, sends: list, wait_for) -> None:
-    """Wait for the whole first round, then let `check` say whether the ranks called alike (raise if not).
+def _checked_first_round(check, works: list, wait_for):
+    """Let `check` say whether the ranks called alike before anything of the first round (`works`) is used;
+    returns the work it waited for, if any.
 
-    A `HeaderCheck` has compared the headers already (`check()`); a `TagCheck` knows once the
-    round has ended: on another call's tag it ends only when the ranks, having compared through
-    the store, settle it. Either way every message of the round is completed before raising,
+    A `HeaderCheck` compares the headers (`check()`). For a `TagCheck` the first message of the
+    round that completes tells (on another call's tag it completes only when the ranks, having
+    compared through the store, settle it), and the rest of the round then pipelines as
+    unchecked data does. On a refusal every message of the round is completed before raising,
     so nothing stays queued to meet a later call.
     """
-    works = [w for *_, w in pending] + [w for _, w in sends]
+    first = works[0] if works and check.waits_first else None
     try:
         check()
+        if first is not None:
+            try:
+                wait_for(first)
+            except BaseException:
+                check.abandon()
+                raise
+        check.landed()
     except ValueError:
-        for work in works:
+        for work in works[1:] if first is not None else works:
             wait_for(work)
         raise
-    try:
-        for work in works:
-            wait_for(work)
-    except BaseException:
-        check.abandon()
-        raise
-    check.landed()
+    return first
 
 
 def exchange(flat: torch.Tensor, rounds: tuple[Round, ...], state: GroupState, timeout: float | None,
