@@ -6,10 +6,11 @@ tag its data travels on (`_tag`): only messages of identical calls pair, so noth
 a wrong message, and a receive posted for another size than its send (which makes gloo abort)
 never meets it. What differs is how the ranks learn that their calls differ:
 
-- two ranks on gloo (`TagCheck`): nothing more travels while the calls agree. The whole first
-  round is waited for before anything of it is used; a first round that is late makes the
-  ranks compare fingerprints through the store (`late.py`), and when they differ each
-  completes what the other posted toward it, and both raise;
+- two ranks on gloo (`TagCheck`): nothing more travels while the calls agree. The first
+  message of the first round to arrive proves the peer called alike, before anything of it is
+  used; a first round that is late makes the ranks compare fingerprints through the store
+  (`late.py`), and when they differ each completes what the other posted toward it, and both
+  raise;
 - more ranks, or NCCL (`HeaderCheck`): the fingerprints go to every rank in fixed-size header
   messages (`everyone_hears_everyone`), beside the first round of data on gloo, alone first on
   NCCL. Then every rank compares the same table. A rank that knows only its partners in the
