@@ -6,7 +6,9 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   So the state dict holds the DTensor shards, which the optimizer steps in place, never a gathered copy that
   goes stale;
 - before its `load_state_dict()`: a full tensor where the model holds a shard (a one-process state dict),
-  or a shard cut for another world size, is refused in one line that says what loads it.
+  or a shard cut for another world size, is refused in one line that says what loads it; and a unit
+  gathered now is freed, so that the values load into the shards and a backward still to come gathers
+  them again (torch's FSDP2 does the same).
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ def _fulls_back(sub: nn.Module, state_dict, prefix: str, local_metadata) -> None
 
 
 def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-    for attr, p in _held(sub):
+    held = list(_held(sub))
+    for attr, p in held:
         key = prefix + attr
         value = state_dict.get(key)
         if not isinstance(value, torch.Tensor):
@@ -70,3 +73,6 @@ def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys,
                              f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
                              "torch.distributed.checkpoint (dcp.save, then dcp.load into model.state_dict()), "
                              "which reshards")
+    for attr, p in held:  # the values load into the shards; a backward still to come gathers them again (as torch's)
+        if p.full is not None and sub._parameters.get(attr) is p.full:
+            sub.__dict__[SLOTS][attr].free()

@@ -231,6 +231,13 @@ def _state_dict_mid_step(shard_fn, rank, n):
     for layer in model.layers:
         layer.reshard()
     got["resharded"] = {k: _full(v) for k, v in model.state_dict().items()}
+    loaded = _stack(shard_fn)  # load doubled weights between a forward and its backward: backward uses them
+    opt = torch.optim.SGD(loaded.parameters(), lr=0.1)
+    out = loaded(X)
+    loaded.load_state_dict({k: v.detach() * 2 for k, v in loaded.state_dict().items()})
+    ((out - y) ** 2).sum().backward()
+    opt.step()
+    got["loaded mid-step"] = {k: _full(v) for k, v in loaded.state_dict().items()}
     return got
 
 
@@ -413,6 +420,7 @@ def test_state_dict_between_forward_and_backward_holds_the_shards(results):
         assert ours["kept types"] == theirs["kept types"] == ["DTensor"]
         _same(ours["after"], theirs["after"], f"rank {r} state dict with full parameters kept")
         _same(ours["after"], ours["resharded"], f"rank {r} the same after reshard")
+        _same(ours["loaded mid-step"], theirs["loaded mid-step"], f"rank {r} loaded between forward and backward")
 
 
 def test_a_sharded_module_is_torchs_fsdp_module(results):
