@@ -39,7 +39,8 @@ from .pick import Link, choose, predict
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 
 # Link, predict and choose (`pick`), and the cache's names, are used here and kept importable from here too.
-__all__ = ["ENGINE_ALGORITHMS", "DRIFT_EVERY", "drift_flag", "resolve", "link_for", "agreed", "recalibrate", "measure_again", "calibrate",
+__all__ = ["ENGINE_ALGORITHMS", "DRIFT_EVERY", "drift_flag", "resolve", "link_for", "agreed", "recalibrate",
+           "measure_again", "calibrate",
            "fit_duplex", "duplex_of", "note", "drifted", "moved", "Link", "predict", "choose", "host_parallel",
            "known_link", "cache_path", "CALIBRATION", "MAX_CACHE_AGE", "DEFAULT_SEGMENT_BYTES"]
 
