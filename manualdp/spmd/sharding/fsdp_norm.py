@@ -40,7 +40,7 @@ def _norm_with_empty_shards(op_call, args: tuple, kwargs: dict):
         first = [_filled(t, fill) for t in args[0]] if isinstance(args[0], (list, tuple)) else _filled(args[0], fill)
         args = (first, *args[1:])
     handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers.pop(op_call)  # DTensor's own path for this call (as torch's loss_parallel installs and removes its own)
+    handlers.pop(op_call, None)  # DTensor's own path for this call (torch's loss_parallel adds and removes its own)
     try:
         return op_call(*args, **kwargs)
     finally:
