@@ -103,8 +103,9 @@ class Param:
 
     def set_trainable(self, requires_grad: bool) -> None:
         """Train this parameter or not from the next gather on: the full form is made again (it holds no memory now),
-        with the gradient hook only if it trains."""
-        self.requires_grad, self.full = requires_grad, None
+        with the gradient hook only if it trains; gradients kept with sync off are dropped (a frozen parameter
+        gets no gradient)."""
+        self.requires_grad, self.full, self.accumulated = requires_grad, None, None
 
     def put(self, t: torch.Tensor) -> None:
         """Put `t` (the shard or the full form) in every module slot this parameter has."""
