@@ -11,6 +11,7 @@ every piece is a short file, in reading order:
 - `coordinator.py`: `Coordinator`, the process that hosts the store (a `TCPStore`) on the address given; `connect`;
 - `signed_store.py`: the store as the replicas see it: with the run's secret, every name and value signed;
 - `keys.py`: the store's keys, every one the room writes or reads;
+- `look.py`: one look at the store: each key read once per decision, a check and its get in one round trip;
 - `trust.py`: what a quorum trusts of what it reads: well-formed values, a majority, claims the history bears out;
 - `heartbeat.py`: who is alive: a counter each replica moves, watched on each observer's clock;
 - `admission.py`: who may join: the run's settings, and room in the global batch; a misfit is refused alone;
@@ -20,6 +21,8 @@ every piece is a short file, in reading order:
 - `recovery.py`: who sends the state to whom, and the state through the store, checksummed;
 - `durable.py`: what outlives the processes: the run's committed step in the store (no quorum
   below it), each replica's newest committed state on disk (`checkpoint_dir`), the run's end;
+- `ahead.py`: the quorum asked ahead, in a thread during forward and backward (`async_quorum`), and its fast path;
+- `phases.py`: how the manager enters each step's quorum: ask, hold the state, send or receive it, join the group;
 - `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;
 - `guard.py`: the members' contribution norms, gathered: one non-finite or far out of line discards the step;
 - `average.py`: how each wrapper's step ends: flatten, average over the quorum, vote, unflatten;

@@ -33,8 +33,12 @@ from ...support.files import write_json_atomic
 from . import keys
 from .look import peek
 
-__all__ = ["RunFinished", "committed_step", "record_committed", "finished_at", "mark_finished", "Floor",
+__all__ = ["RunFinished", "CoordinatorLost", "committed_step", "record_committed", "finished_at", "mark_finished", "Floor",
            "Checkpoints", "store_gone", "lost_line"]
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator's store stopped answering: this replica saved what it holds and leaves."""
 
 
 class RunFinished(Exception):

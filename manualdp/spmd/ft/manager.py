@@ -22,25 +22,21 @@ import torch
 
 from ...validate import a_callable, one_of, positive_int, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
-from ..transport.agree import agree
-from . import admission, keys
+from . import keys
+from .ahead import AskAhead
 from .commit import commit_or_discard
 from .coordinator import connect
-from .durable import Checkpoints, Floor, lost_line, mark_finished, record_committed, store_gone
+from .durable import Checkpoints, CoordinatorLost, Floor, lost_line, mark_finished, record_committed, store_gone
 from .guard import ContributionGuard
 from .heartbeat import Heartbeat, Liveness, register
-from .quorum import PATIENCE, POLL, Member, Quorum, publish_mark, wait_for_quorum
-from .quorum_group import drop_group, form_group
-from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
+from .phases import Phases, without_traceback
+from .quorum import POLL, Quorum, publish_mark
+from .quorum_group import drop_group
 
 __all__ = ["Manager", "CoordinatorLost"]
 
 
-class CoordinatorLost(RuntimeError):
-    """The coordinator's store stopped answering: this replica saved what it holds and leaves."""
-
-
-class Manager:
+class Manager(Phases):
     """One per replica process: membership, the quorum's process group, commit or discard, recovery.
 
     Args:
@@ -67,13 +63,15 @@ class Manager:
         checkpoint_dir: the run's folder on disk (`durable.py`): this replica keeps its newest
             committed state in `checkpoint_dir/replica_id/`, and a replica started again (or a
             run whose replicas or coordinator all died) goes on from the newest one there.
+        async_quorum: ask for each step's quorum in a thread while forward and backward run (`ahead.py`);
+            `start_step` then returns at once with the last quorum, and `quorum` is the step's once taken.
     """
 
     def __init__(self, replica_id: str, host: str, port: int, *, min_replicas: int | None = None,
                  timeout: float = 60.0, quorum_timeout: float = 10.0, heartbeat_interval: float = 0.1,
                  heartbeat_timeout: float = 2.0,
                  algorithm: str = "ring", checkpoint_dir: str | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, async_quorum: bool = False) -> None:
         if not isinstance(replica_id, str) or not replica_id or any(c.isspace() or c == "/" for c in replica_id):
             raise ValueError(f"replica_id must be a non-empty name without spaces or '/', got {replica_id!r}")
         if min_replicas is not None:
@@ -86,6 +84,8 @@ class Manager:
             raise ValueError(f"heartbeat_timeout must be longer than heartbeat_interval ({heartbeat_interval!r} s), "
                              f"else every replica looks dead between two beats; got {heartbeat_timeout!r}")
         one_of("algorithm", algorithm, [a for a in ENGINE_ALGORITHMS if a != "auto"])
+        if not isinstance(async_quorum, bool):
+            raise TypeError(f"async_quorum must be True or False, got {async_quorum!r}")
         self._disk = Checkpoints(checkpoint_dir, replica_id) if checkpoint_dir is not None else None
         self._where = f"{host}:{port}"
         self.id, self.min_replicas, self.algorithm = replica_id, min_replicas, algorithm
@@ -97,7 +97,8 @@ class Manager:
         self._liveness = Liveness(self.store, heartbeat_timeout)
         self.step = 0              # steps committed: the same on every member of a quorum once it has recovered
         self.synced = False        # this replica's state is the agreed one (it recovered, or defined it)
-        self.quorum: Quorum | None = None  # the quorum of the step under way, or of the last one
+        self._quorum: Quorum | None = None  # the quorum of the step under way, or of the last one
+        self.async_quorum, self._ahead = async_quorum, None  # the quorum asked ahead, not yet taken (`ahead.py`)
         self.recoveries: list[dict] = []   # each state received: round, source, step, sha256
         self.last_error: BaseException | None = None  # what made the last failed step fail
         self._states: dict[str, tuple[Callable, Callable]] = {}  # name -> (state_dict, load_state_dict)
@@ -162,8 +163,13 @@ class Manager:
             raise RuntimeError(f"replica {self.id!r}: start_step() called again before the step of round "
                                f"{self._round} was voted on: call step() (or should_commit()) first")
         try:
-            self._make_durable()
-            return self._start_step()
+            ahead = self.async_quorum and self.synced and self._group is not None and self._sent is None
+            if not ahead or self._disk is not None:  # a save reads the state: before forward moves a buffer
+                self._make_durable()
+            if not ahead:
+                return self._start_step()
+            self._ahead, self._in_step, self._ok = AskAhead(self._ask_ahead), True, True
+            return self._quorum
         except BaseException as e:
             self._in_step = False  # it never began: a later start_step() may ask again
             if isinstance(e, RuntimeError) and not isinstance(e, CoordinatorLost) and store_gone(self.store):
@@ -172,80 +178,11 @@ class Manager:
         finally:
             self._starting.release()
 
-    def _start_step(self) -> Quorum:
-        started, failure = time.monotonic(), None
-        if self._sent is not None:  # the receivers of that round have read it, or given up
-            forget_state(self.store, self._sent, self.id)
-            self._sent = None
-        settings = admission.canonical(self._settings)
-        if self._round == 0:  # before its first ask, a misfit is refused (admission.py)
-            admission.check(self.store, self.id, settings)
-        while True:
-            me = Member(self.id, self.step, self.synced, self._group, self.min_replicas or 0, self._since,
-                        admission.digest(settings), self.capacity)
-            try:
-                quorum = wait_for_quorum(self.store, me, self._liveness, self._round, self.quorum_timeout,
-                                         self.timeout, started, self._floor)
-            except TimeoutError as e:
-                if failure is None:
-                    raise
-                raise TimeoutError(f"replica {self.id!r}: no step could start within {time.monotonic() - started:.0f}"
-                                   f" s; the last attempt failed with: {failure}") from e
-            self._round, self.quorum, self._in_step = quorum.round, quorum, True
-            if quorum.agreed and self.synced and self.step == quorum.step:
-                self._hold(quorum.round)  # before anything can fail: the quorum's other members count on it
-            try:
-                received = self._exchange_state(quorum)
-                if self._group is None or self._group[0] != quorum.group:
-                    self._leave_group()
-                    form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
-                    self._group = (quorum.group, len(quorum.members))
-                    agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
-                          hint="every replica must be started with the same settings")
-                    admission.publish(self.store, self.id, settings)  # the first quorum's are the run's
-            except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
-                if getattr(e, "final", False):  # a state that cannot be loaded: no fault to ride out
-                    raise
-                failure = self.last_error = _without_traceback(e)
-                self.should_commit(False)
-                if time.monotonic() - started > PATIENCE * self.timeout:
-                    raise TimeoutError(f"replica {self.id!r}: no step could start within "
-                                       f"{PATIENCE * self.timeout:g} s; "
-                                       f"the last attempt failed with: {e}") from e
-                continue
-            if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does
-                state, source, digest = received
-                self.load_state_dict(state)
-                self._pending.clear()  # the steps this replica counted alone are not the run's: the source's are
-                self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})
-            if quorum.agreed and not (received is None and self.synced and self._since == quorum.round):
-                self._hold(quorum.round)  # unless held above, and nothing received since
-            elif not quorum.agreed:  # provisional: its steps are its own until it meets a holder of the run's state
-                self.synced = False
-                publish_mark(self.store, self.id, None)
-            self._ok = True
-            return quorum
-
-    def _hold(self, round_: int) -> None:
-        """This replica holds the agreed state, as of quorum `round_`: say so to the others."""
-        self.synced, self._since = True, round_
-        publish_mark(self.store, self.id, (self.step, self._since))
-
-    def _exchange_state(self, quorum: Quorum) -> tuple[dict, str, str] | None:
-        """Send the state to the members that need it from this replica; receive it if this one needs it.
-
-        Returns (state, source, sha256) when this replica received one, else None.
-        """
-        plan = plan_recovery(quorum)
-        if self.id in plan.values():
-            state = self.state_dict()
-            send_state(self.store, quorum.round, self.id, state)
-            self._sent = quorum.round
-            check_loadable(state, self.id)  # after sending: the receivers do not wait for it
-        if self.id not in plan:
-            return None
-        state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
-        return state, plan[self.id], digest
+    @property
+    def quorum(self) -> Quorum | None:
+        """The quorum of the step under way (one asked ahead is taken first), or of the last one; None before any."""
+        self._settle()
+        return self._quorum
 
     def average(self, tensor: torch.Tensor) -> bool:
         """Average `tensor` in place over the quorum's members; False (and the step cannot commit) if a member failed.
@@ -255,7 +192,7 @@ class Manager:
         Afterwards the members hold bitwise identical tensors (on False: anything).
         """
         self._check_open("average")
-        if self.quorum is None:
+        if self.quorum is None:  # takes the quorum asked ahead
             raise RuntimeError("average() before start_step(): there is no quorum to average over")
         if not self._ok:
             return False
@@ -264,9 +201,9 @@ class Manager:
         except ValueError:
             raise  # the members called it differently (another model?): a bug to fix, not a fault to ride out
         except RuntimeError as e:  # PeerError, or gloo's own: a member died or hangs
-            self.last_error, self._ok = _without_traceback(e), False
+            self.last_error, self._ok = without_traceback(e), False
             return False
-        tensor.div_(len(self.quorum.members))
+        tensor.div_(len(self._quorum.members))
         return True
 
     def should_commit(self, ok: bool = True) -> bool:
@@ -277,11 +214,12 @@ class Manager:
         model as it was before the step.
         """
         self._check_open("should_commit")
+        self._settle()
         if not self._in_step:
             raise RuntimeError("should_commit() without a step under way: call start_step() first")
         self._in_step = False
         try:
-            committed = commit_or_discard(self.store, self.quorum, self.id, ok and self._ok, self._liveness,
+            committed = commit_or_discard(self.store, self._quorum, self.id, ok and self._ok, self._liveness,
                                           self.timeout)
         except RuntimeError as e:
             if store_gone(self.store):
@@ -289,7 +227,7 @@ class Manager:
             raise
         self._ok = False
         if committed:
-            self._pending.append({"step": self.step, "round": self.quorum.round, "members": self.quorum.ids})
+            self._pending.append({"step": self.step, "round": self._quorum.round, "members": self._quorum.ids})
             self.step += 1
             if self.synced:
                 publish_mark(self.store, self.id, (self.step, self._since))
@@ -385,12 +323,3 @@ def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> Non
         if store.get(key) != first:
             raise ValueError(f"replica_id {replica_id!r} is already taken by a live replica (its heartbeat moves): "
                              f"give each replica its own id, or stop the other first")
-
-
-def _without_traceback(error: BaseException) -> BaseException:
-    """`error` and its causes without their tracebacks: kept, those frames would keep a failed group's sends alive."""
-    seen = error
-    while seen is not None:
-        seen.__traceback__ = None
-        seen = seen.__cause__ or seen.__context__
-    return error

@@ -1,0 +1,145 @@
+"""The phases of `Manager.start_step`: ask for the quorum, hold its state, send or receive it, join its group.
+
+`Manager` (`manager.py`) is what a loop calls; this is how it enters each step's quorum, in
+order: `_start_step` asks (`quorum.py`) until a quorum takes this replica, and `_enter` makes it
+a member (its mark published, the state sent to or received from a member at the highest step,
+`recovery.py`, the group re-formed if the members changed, `quorum_group.py`). With
+`async_quorum` the asking runs in a thread during forward and backward (`_ask_ahead`, `ahead.py`),
+and the step's first call that needs the quorum takes it (`_settle`).
+"""
+from __future__ import annotations
+
+import time
+
+from ..transport.agree import agree
+from . import admission
+from .ahead import fast
+from .durable import CoordinatorLost, store_gone
+from .quorum import PATIENCE, Member, Quorum, publish_mark, wait_for_quorum
+from .quorum_group import form_group
+from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
+
+__all__ = ["Phases", "without_traceback"]
+
+
+class Phases:
+    """How a `Manager` enters each step's quorum (a part of `Manager`: it uses the manager's fields)."""
+
+    def _start_step(self) -> Quorum:
+        started, failure = time.monotonic(), None
+        if self._sent is not None:  # the receivers of that round have read it, or given up
+            forget_state(self.store, self._sent, self.id)
+            self._sent = None
+        settings = admission.canonical(self._settings)
+        if self._round == 0:  # before its first ask, a misfit is refused (admission.py)
+            admission.check(self.store, self.id, settings)
+        while True:
+            try:
+                quorum = wait_for_quorum(self.store, self._member(settings), self._liveness, self._round,
+                                         self.quorum_timeout, self.timeout, started, self._floor)
+            except TimeoutError as e:
+                if failure is None:
+                    raise
+                raise TimeoutError(f"replica {self.id!r}: no step could start within {time.monotonic() - started:.0f}"
+                                   f" s; the last attempt failed with: {failure}") from e
+            self._round, self._quorum, self._in_step = quorum.round, quorum, True
+            failed = self._enter(quorum, settings)
+            if failed is None:
+                return quorum
+            failure = failed
+            if time.monotonic() - started > PATIENCE * self.timeout:
+                raise TimeoutError(f"replica {self.id!r}: no step could start within {PATIENCE * self.timeout:g} s; "
+                                   f"the last attempt failed with: {failed}") from failed
+
+    def _member(self, settings: str) -> Member:
+        return Member(self.id, self.step, self.synced, self._group, self.min_replicas or 0, self._since,
+                      admission.digest(settings), self.capacity)
+
+    def _enter(self, quorum: Quorum, settings: str) -> BaseException | None:
+        """Hold `quorum`'s state, send or receive it, join its group; None, or the failure ridden out (voted discard)."""
+        if quorum.agreed and self.synced and self.step == quorum.step:
+            self._hold(quorum.round)  # before anything can fail: the quorum's other members count on it
+        try:
+            received = self._exchange_state(quorum)
+            if self._group is None or self._group[0] != quorum.group:
+                self._leave_group()
+                form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
+                self._group = (quorum.group, len(quorum.members))
+                agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
+                      hint="every replica must be started with the same settings")
+                admission.publish(self.store, self.id, settings)  # the first quorum's are the run's
+        except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
+            if getattr(e, "final", False):  # a state that cannot be loaded: no fault to ride out
+                raise
+            self.last_error = without_traceback(e)
+            self.should_commit(False)
+            return e
+        if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does
+            state, source, digest = received
+            self.load_state_dict(state)
+            self._pending.clear()  # the steps this replica counted alone are not the run's: the source's are
+            self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})
+        if quorum.agreed and not (received is None and self.synced and self._since == quorum.round):
+            self._hold(quorum.round)  # unless held above, and nothing received since
+        elif not quorum.agreed:  # provisional: its steps are its own until it meets a holder of the run's state
+            self.synced = False
+            publish_mark(self.store, self.id, None)
+        self._ok = True
+        return None
+
+    def _ask_ahead(self) -> Quorum:
+        """In `AskAhead`'s thread: make the last step durable (without a disk), and ask for this step's quorum."""
+        if self._disk is None:
+            self._make_durable()
+        return wait_for_quorum(self.store, self._member(admission.canonical(self._settings)), self._liveness,
+                               self._round, self.quorum_timeout, self.timeout, time.monotonic(), self._floor)
+
+    def _settle(self) -> None:
+        """Take the quorum asked ahead, if any: on the fast path hold it; else enter it, and discard this step."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return
+        try:
+            quorum = ahead.result()
+        except BaseException as e:
+            self._in_step = False
+            if isinstance(e, RuntimeError) and not isinstance(e, CoordinatorLost) and store_gone(self.store):
+                raise self._lost(e) from None
+            raise
+        self._round, self._quorum = quorum.round, quorum
+        if fast(quorum, self._group):
+            self._hold(quorum.round)
+            return
+        if self._enter(quorum, admission.canonical(self._settings)) is not None:
+            self._in_step = True  # it voted discard: the caller's should_commit() reads that outcome again
+        self._ok = False  # forward and backward ran on the last quorum's state: every member discards (ahead.py)
+
+    def _hold(self, round_: int) -> None:
+        """This replica holds the agreed state, as of quorum `round_`: say so to the others."""
+        self.synced, self._since = True, round_
+        publish_mark(self.store, self.id, (self.step, self._since))
+
+    def _exchange_state(self, quorum: Quorum) -> tuple[dict, str, str] | None:
+        """Send the state to the members that need it from this replica; receive it if this one needs it.
+
+        Returns (state, source, sha256) when this replica received one, else None.
+        """
+        plan = plan_recovery(quorum)
+        if self.id in plan.values():
+            state = self.state_dict()
+            send_state(self.store, quorum.round, self.id, state)
+            self._sent = quorum.round
+            check_loadable(state, self.id)  # after sending: the receivers do not wait for it
+        if self.id not in plan:
+            return None
+        state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
+        return state, plan[self.id], digest
+
+
+def without_traceback(error: BaseException) -> BaseException:
+    """`error` and its causes without their tracebacks: kept, those frames would keep a failed group's sends alive."""
+    seen = error
+    while seen is not None:
+        seen.__traceback__ = None
+        seen = seen.__cause__ or seen.__context__
+    return error
