@@ -56,13 +56,20 @@ class BufferSync(Feature):
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in ("hook", "futures")} | {"hook": None, "futures": ()}
 
-    def sync(self, where: _BufferCommHookLocation, due: bool) -> None:
-        """Before (`PRE_FORWARD`) or after forward, when `due`: rank 0's buffers to every rank, or the buffer hook."""
+    def sync(self, where: _BufferCommHookLocation, due: bool, before=None) -> None:
+        """Before (`PRE_FORWARD`) or after forward, when `due`: rank 0's buffers to every rank, or the buffer hook.
+
+        `before`: called first where rank 0's buffers are copied (the wrapper's step check: torch's broadcast
+        has no check of its own, and a rank in a collective of its own would wait there for its timeout).
+        """
         hook = self.hook
         if not due or where != (hook[2] if hook else PRE_FORWARD):
             return
         if hook is None:
-            self.broadcast()
+            tensors = state_tensors(self.module, self.ignored)
+            if tensors and before is not None:
+                before()
+            self.broadcast(tensors)
             return
         named = dict(kept_named(self.module.named_buffers(), self.ignored))
         if named:  # as torch: no buffers, no hook

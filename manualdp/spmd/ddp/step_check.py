@@ -55,11 +55,17 @@ class CallCheck(Feature):
     def __getstate__(self):
         return self.__dict__ | {"future": None, "comm_hook": None, "started": False}
 
-    def queue(self, new_step: bool = True) -> None:
-        """Queue the step's check, unless this step already has it; `new_step`: a forward pass begins the step."""
+    def queue(self, new_step: bool = True, force: bool = False) -> None:
+        """Queue the step's check, unless this step already has it; `new_step`: a forward pass begins the step;
+        `force`: compare the calls in debug mode too."""
         if self.future is None:
             self.steps += new_step
-            self.future = self._submit()
+            self.future = self._submit(force)
+
+    def settle(self) -> None:
+        """Queue the step's check now and wait for it (before the buffers' copy, which has no check of its own)."""
+        self.queue(force=True)
+        self.before_reduce(0, None)
 
     def before_reduce(self, index: int, bucket) -> None:
         if self.future is not None:
@@ -68,12 +74,12 @@ class CallCheck(Feature):
     def reset(self) -> None:
         self.future = None
 
-    def _submit(self) -> concurrent.futures.Future | None:
+    def _submit(self, force: bool = False) -> concurrent.futures.Future | None:
         r = self.reducer
         if not self.started:  # the first synchronised step: torch sets up in-backward optimizers here
             refuse_in_backward_optimizers(kept_named(self.module.named_parameters(), self.ignored))
         hooks, self.started = not self.started, True
-        calls = self.enabled and not self.debug  # debug: each bucket is checked, in more words
+        calls = self.enabled and (force or not self.debug)  # debug: each bucket is checked, in more words
         if self.world_size == 1 or not (hooks or calls):
             return None
         first, total = r.buckets[0].flat, sum(b.flat.numel() for b in r.buckets)
@@ -107,5 +113,6 @@ class Desync(Feature):
             "step": ANY if self.joined() else self.calls.steps,  # a joined rank shadows whichever step the others do
             "bucket": index, "numel": bucket.offsets[-1], "dtype": str(bucket.flat.dtype), "params": names},
             r.group, error=RuntimeError, timeout=r.timeout, hint="every rank must run the same steps on the same model",
+            check=True,  # the calls compared first: a rank in a collective of its own is named, not waited for
             shown={"unused parameters": [n for n, arrived in zip(names, bucket.arrived) if not arrived] or "none",
                    "joined": self.joined()})

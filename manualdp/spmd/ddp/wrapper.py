@@ -241,27 +241,27 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             raise self.errors(RuntimeError("DistributedDataParallel: the previous backward pass failed part-way, after "
                                            "some gradient buckets were sent; the ranks are out of step, so training "
                                            "cannot go on"))
-        if torch.is_grad_enabled() and self.require_backward_grad_sync and not self._join_config.enable:
+        syncs, joined = torch.is_grad_enabled() and self.require_backward_grad_sync, self._join_config.enable
+        if syncs and not joined:
             self.drift.tick(lambda: kept_named(self.module.named_parameters(), self.parameters_to_ignore),
                             self.process_group, who="DistributedDataParallel", timeout=self.timeout,
                             number=self.calls.number)
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
-        due = self.require_forward_param_sync and self.forward_sync_buffers
-        self.buffer_sync.sync(PRE_FORWARD, due)
-        if self._join_config.enable:
-            # Joined ranks must know whether this step syncs, and how many ranks still train.
-            self.uneven.training_step(self.require_backward_grad_sync)
-        if self.move_inputs:
-            inputs, kwargs = to_device((inputs, kwargs), self.device)
-        self.reducer.syncing = self.require_backward_grad_sync
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32
             r.set_layout(r.layout), r._locate()  # (torch's DDP goes on in the old dtype, silently off)
-        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+        due = self.require_forward_param_sync and self.forward_sync_buffers
+        self.buffer_sync.sync(PRE_FORWARD, due, before=self.calls.settle if syncs and not joined else None)
+        if joined:  # joined ranks must know whether this step syncs, and how many ranks still train
+            self.uneven.training_step(self.require_backward_grad_sync)
+        if self.move_inputs:
+            inputs, kwargs = to_device((inputs, kwargs), self.device)
+        r.syncing = self.require_backward_grad_sync
+        if syncs:
             self.calls.queue()  # runs on the worker while this forward and backward compute
         out = self.module(*inputs, **kwargs)
         self.buffer_sync.sync(POST_FORWARD, due)
-        self.require_forward_param_sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self.require_forward_param_sync = syncs
         return out
 
     @contextlib.contextmanager

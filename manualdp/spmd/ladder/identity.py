@@ -30,8 +30,11 @@ def take_number(state: GroupState) -> int:
 
 
 def stamped(number: int, steps: int) -> int:
-    """The value a wrapper's step check compares: its number and its step count, in one integer."""
-    return number * _STRIDE + steps
+    """The value a wrapper's step check compares: its number and its step count, in one integer.
+
+    The first wrapper's is its step count alone: where it meets a call of the user's own, the call
+    check's error shows the step as it is."""
+    return (number - 1) * _STRIDE + steps
 
 
 @contextlib.contextmanager
@@ -50,7 +53,7 @@ def naming_wrappers():
 def _named(per_rank: str) -> str:
     """`per_rank` (each rank's stamped step, or "none") as which wrapper, and which of its steps, each rank was at."""
     values = [v.strip() for v in per_rank.split(",")]
-    numbers = [f"#{int(v) // _STRIDE}" if v.isdigit() else "none" for v in values]
+    numbers = [f"#{int(v) // _STRIDE + 1}" if v.isdigit() else "none" for v in values]
     steps = [str(int(v) % _STRIDE) if v.isdigit() else "none" for v in values]
     if "none" in values:  # a wrapper's check met a call of the user's own
         return differs("step", [s if s == "none" else f"{s} of wrapper {n}" for n, s in zip(numbers, steps)])
