@@ -27,7 +27,9 @@ from ..transport.agree import agree
 
 __all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests"]
 
-DRIFT_CHECK_EVERY = 100  # steps between two checks by default: about 1% of a small model's step (bench/drift_cost.py)
+# steps between two checks by default: a check cost about a tenth of a LeNet step on 2 CPU ranks (5 of 60 ms,
+# bench/drift_cost.py), so under 0.1% of the run at this interval, while a drift is caught within 100 steps
+DRIFT_CHECK_EVERY = 100
 # a view of each element size as integers, whose sum is the digest (complex dtypes as their real pairs)
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
