@@ -286,9 +286,7 @@ def note(state: GroupState, algorithm: str, nbytes: int, element_size: int, segm
     if predicted <= 0 or (nbytes not in sizes and len(sizes) >= MAX_SIZES):
         return
     first, latest = sizes.setdefault(nbytes, ([], collections.deque(maxlen=DRIFT_CALLS)))
-    (first if len(first) < DRIFT_CALLS else latest).append(seconds / predicted)
-    if moved(first, latest):
-        state.drifted = True
+    (first if len(first) < DRIFT_CALLS else latest).append(seconds / predicted)  # judged at the next look only
 
 
 @functools.lru_cache(maxsize=1024)
@@ -303,13 +301,19 @@ DRIFT_LOOKS = 2   # looks in a row that must each have seen a drift before the r
 def drift_flag(state: GroupState) -> bool:
     """At a look (one call in `DRIFT_EVERY`): whether this rank asks to measure again.
 
-    Only when its times drifted (`moved`) before this look and before the `DRIFT_LOOKS - 1`
+    Only when its latest times have moved (`moved`) at this look and at the `DRIFT_LOOKS - 1`
     looks before it: a host busy for a moment moves one window of times, not several in a row.
-    Each look starts the evidence afresh.
+    `note` only records the times (judging them at every call cost each call a sort).
     """
-    state.drift_looks = state.drift_looks + 1 if state.drifted else 0
+    state.drift_looks = state.drift_looks + 1 if _has_drifted(state) else 0
     state.drifted = False
     return state.drift_looks >= DRIFT_LOOKS
+
+
+def _has_drifted(state: GroupState) -> bool:
+    """Whether the latest times of any size moved from its first (`moved`), or a drift was reported
+    (`GroupState.drifted`)."""
+    return state.drifted or any(moved(first, latest) for first, latest in state.times.values())
 
 
 def drifted(group=None) -> bool:
@@ -318,7 +322,7 @@ def drifted(group=None) -> bool:
     Never for constants that `MANUALDP_LINK` gives. Only this rank's view: `allreduce` sends
     it with its call check, and all ranks measure again together when any one says so.
     """
-    return group_state(group).drifted
+    return _has_drifted(group_state(group))
 
 
 def moved(first: list[float], latest, factor: float | None = None) -> bool:

@@ -56,7 +56,7 @@ class GroupState:
         self.early = dist.get_backend(pg) == "gloo"  # the executor posts receives a round early (gloo) or not
         self.link = None         # (the agreed Link, where from: "given", "cached" or "measured"); None until agreed
         self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
-        self.drifted = False     # the times have moved (`tune.moved`) since the last look at the drift
+        self.drifted = False     # a drift reported since the last look (`tune.drift_flag` also judges `times`)
         self.drift_looks = 0     # looks at the drift in a row that each saw it (`tune.drift_flag`)
         self.calls = 0           # checked calls made so far: the call check's counter
         self.headers = None      # the call check's receives for the next call's headers, posted early (gloo)

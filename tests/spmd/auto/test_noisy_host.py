@@ -150,7 +150,9 @@ def _drift(cache: str, given: bool, windows: int):
     for _ in range(4 * tune.DRIFT_EVERY):
         look = (state.calls + 1) % tune.DRIFT_EVERY == 0
         if dist.get_rank() == 1 and not given and look and planted < windows:
-            state.drifted, planted = True, planted + 1  # as `note` finds it in the calls before a look
+            first, latest = state.times[x.numel() * 4]  # the latest calls took 100 times as long as the first
+            latest.extend([100 * r for r in first])
+            planted += 1
         x = torch.full((1000,), float(dist.get_rank() + 1))
         allreduce(x)
         totals.append(x[0].item())
