@@ -45,7 +45,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import check_output_paths, save_outputs
-from bench.load import LoadAverage, busy, spread
+from bench.spread import add_load_option, format_load, measured_load, spread
 from manualdp.allreduce import allreduce
 from manualdp.schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
 
@@ -158,7 +158,6 @@ def sweep(
     from tqdm import tqdm
 
     element_size = torch.empty((), dtype=dtype).element_size()
-    load = LoadAverage()
     for algorithm in algorithms:  # first calls pay one-time costs (code paths, allocator); keep them out of row 1
         timer(algorithm, sizes[0] // element_size, dtype, num_devices, 1, warmup)
     rows = []
@@ -179,7 +178,6 @@ def sweep(
             "eff_ratio_runs": spread([memory_bytes(schedule, size, element_size) * c / (2 * num_devices * size * t)
                                       for t, c in zip(m.times, m.copy_times)]),
         })
-        load.sample()
     seconds = np.array([r["time_us"] for r in rows]) / 1e6
     textbook = np.array([r["features"] for r in rows], dtype=float)
     # The link of a simulated device is memory, whose speed falls several times once the working set
@@ -203,7 +201,6 @@ def sweep(
             "gamma_s_per_byte": float(fits["constant"][2])},
         "rows": rows,
         "targets": _targets(rows),
-        "load": load.summary(),
     }
 
 
@@ -247,9 +244,9 @@ def format_table(result: dict) -> str:
                 f"{r['model_err']:+.0%}", f"{r['constant_model_us']:.1f}", f"{r['constant_model_err']:+.0%}",
             ))
     t = result["targets"]
-    busy_note = f", with {c['busy']} busy processes of --load" if c.get("busy") else ""
-    out += ["", "eff/memcpy: of the medians, then (min-max) of the same ratio run by run",
-            LoadAverage.format(result["load"]) + busy_note]
+    out += ["", "eff/memcpy: of the medians, then (min-max) of the same ratio run by run"]
+    if "load" in result:  # main's: sweep alone does not know the run's conditions
+        out.append(format_load(result["load"]))
     if t["effbw_over_memcpy_min_16MiB"] is not None:
         worst = t["effbw_over_memcpy_min_16MiB"]
         out.append(f"target effbw >= 0.7 x memcpy for sizes >= 16 MiB: worst {worst:.2f} -> {_met(worst >= 0.7)}")
@@ -313,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw and effective bandwidth against size to a PNG")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    parser.add_argument("--load", action="store_true",
-                        help="run one busy process per core (while True: pass) for the whole run, stopped after")
+    add_load_option(parser)
     parser.add_argument("--spmd", action="store_true",
                         help="across processes over torch.distributed instead, against gloo's all_reduce "
                              "(options: python bench/allreduce.py --spmd --help)")
@@ -340,14 +336,13 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
-    spinners = (os.cpu_count() or 1) if args.load else 0
     try:
-        with busy(spinners):
+        with measured_load(args.load) as load:
             result = sweep(_sizes(args.min_bytes, args.max_bytes, args.factor), args.algorithms, args.devices,
                            DTYPES[args.dtype], args.iters, args.warmup, progress=not args.no_progress)
     finally:
         torch.set_num_threads(threads)
-    result["config"]["busy"] = spinners
+    result["load"] = load
     print(format_table(result))
     save_outputs(result, args.json, args.plot, plot)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0

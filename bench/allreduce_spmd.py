@@ -35,7 +35,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import BACKENDS, Stopwatch, check_backend, check_output_paths, save_outputs
-from bench.load import busy, spread
+from bench.spread import add_load_option, format_load, measured_load, spread
 from manualdp.schedule import ALGORITHMS, get_schedule
 
 __all__ = ["main", "run", "format_table", "plot"]
@@ -68,7 +68,7 @@ def _rank_main(config: dict) -> dict:
     impls[_peer(config)] = dist.all_reduce
     link = link_for()  # the agreed constants (calibrated, cached or MANUALDP_LINK) before any timing
     names = list(impls)
-    out, loads = {}, [os.getloadavg()[0]]
+    out = {}
     for size in config["sizes"]:
         numel = size // element_size
         pristine = _input(rank, numel, dtype).to(device)
@@ -91,12 +91,10 @@ def _rank_main(config: dict) -> dict:
                     wrong[name] = max(wrong[name], int((work != expected).sum()))
         out[size] = {"times": times, "wrong": wrong, "pick": resolve("auto", numel, element_size,
                                                                              segment_bytes=config["segment_bytes"])}
-        loads.append(os.getloadavg()[0])
     state = group_state()
     out["link"] = vars(link)
     out["remeasures"] = state.remeasures  # "auto" measured the link again (drift) during the run
     out["late"] = state.late.late_calls if state.late else 0  # checked calls compared through the store
-    out["loads"] = loads
     return out
 
 
@@ -152,8 +150,6 @@ def run(config: dict) -> dict:
     checked = [r["vs_gloo"] for r in rows if r["algorithm"] == CHECKED and 64 * 1024 <= r["size"] <= 64 * MiB]
     return {"config": dict(config, torch=torch.__version__), "rows": rows, "link": vars(link),
             "remeasures": [r["remeasures"] for r in per_rank], "late_calls": [r["late"] for r in per_rank],
-            "load": {"min": min(per_rank[0]["loads"]), "max": max(per_rank[0]["loads"]), "cores": os.cpu_count() or 1,
-                     "busy": config.get("load", 0)},
             "target": {"auto_vs_gloo_min": min(in_range) if in_range else None,
                        "checked_vs_gloo_min": min(checked) if checked else None,
                        "checked_vs_gloo_round_min": min((r["vs_gloo_rounds"]["min"] for r in rows
@@ -187,11 +183,10 @@ def format_table(result: dict) -> str:
             if r.get("pick_vs_fastest") and not r["pick_is_fastest"]:
                 line += f" ({r['pick']} took {r['pick_vs_fastest']:.2f}x its time)"
         lines.append(line)
-    link, t, load = result["link"], result["target"], result["load"]
+    link, t = result["link"], result["target"]
     lines.append(f"ratios: of medians, then (min-max) of the same ratio round by round over {c['iters']} rounds")
-    lines.append(f"load average during the run (1 min, sampled per size on rank 0): {load['min']:.2f} to "
-                 f"{load['max']:.2f} on {load['cores']} cores"
-                 + (f", with {load['busy']} busy processes of --load" if load["busy"] else ""))
+    if "load" in result:  # main's: run alone does not know the run's conditions
+        lines.append(format_load(result["load"]))
     lines.append(f"auto measured the link again {max(result['remeasures'])} time(s) during the run; "
                  f"checked calls late enough to compare through the store, per rank: "
                  f"{', '.join(map(str, result['late_calls']))}")
@@ -251,8 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="give up after this many seconds")
     parser.add_argument("--backend", choices=BACKENDS, default="gloo",
                         help="gloo (CPUs, default) or nccl (a GPU per rank)")
-    parser.add_argument("--load", action="store_true",
-                        help="run one busy process per core (while True: pass) for the whole run, stopped after")
+    add_load_option(parser)
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--plot", metavar="PATH", help="plot busbw against size to a PNG")
     args = parser.parse_args(argv)
@@ -280,10 +274,11 @@ def main(argv: list[str] | None = None) -> int:
         sizes.append(sizes[-1] * args.factor)
     config = {"world_size": args.world_size, "sizes": sizes, "dtype": args.dtype, "algorithms": args.algorithms,
               "iters": args.iters, "warmup": args.warmup, "segment_bytes": args.segment_bytes, "timeout": args.timeout,
-              "backend": args.backend, "load": (os.cpu_count() or 1) if args.load else 0,
+              "backend": args.backend,
               "threads": args.threads or max(1, (os.cpu_count() or 1) // args.world_size)}
-    with busy(config["load"]):
+    with measured_load(args.load) as load:  # sampled here: the load average is the machine's, not a rank's
         result = run(config)
+    result["load"] = load
     print(format_table(result))
     save_outputs(result, args.json, args.plot, plot)
     return 1 if any(r["wrong"] for r in result["rows"]) else 0

@@ -66,7 +66,9 @@ class LoadAverage:
 
 @contextlib.contextmanager
 def busy(processes: int):
-    """`processes` busy Python processes for the block, each ended (by its own id) after it."""
+    """`processes` busy Python processes for the block, each ended (by its own id) after it; none when 0."""
+    if isinstance(processes, bool) or not isinstance(processes, int) or processes < 0:
+        raise ValueError(f"processes must be a non-negative int, got {processes!r}")
     started = []
     try:
         for _ in range(processes):

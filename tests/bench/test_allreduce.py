@@ -1,12 +1,12 @@
 """The allreduce benchmark on tiny sizes: structure of its rows, its JSON and its plot; no timing assertions."""
 import json
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from bench.allreduce import fit_cost, main, memory_bytes, serial_features, time_in_process
+from bench.spread import format_load
 from manualdp.schedule import ALGORITHMS, get_schedule
 from manualdp.cost import traffic
 
@@ -35,7 +35,9 @@ def test_rows_json_and_plot(tmp_path, capsys, devices):
         assert runs["min"] <= runs["median"] <= runs["max"]
         assert f"{r['eff_ratio']:.2f} ({runs['min']:.2f}-{runs['max']:.2f})" in printed
         assert f"{r['time_us']:.1f}" in printed
-    assert result["load"]["min"] <= result["load"]["max"] and "load average during the run (1 min): " in printed
+    avg = result["load"]["loadavg_1min"]  # main's load average over the run, no busy processes without --load
+    assert avg["max"] >= max(avg["start"], avg["end"]) and result["load"]["busy_processes"] == 0
+    assert format_load(result["load"]) in printed
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob("*.tmp*"))  # atomic writes leave no temporary file behind
 
@@ -138,7 +140,7 @@ def test_spmd_sweep_busbw_is_algbw_times_2_n_minus_1_over_n(monkeypatch):
         return [{4096: {"times": {name: [seconds[r]] for name in names}, "wrong": dict.fromkeys(names, 0),
                         "pick": "ring"},
                  "link": {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0},
-                 "remeasures": 0, "late": 0, "loads": [0.5]}
+                 "remeasures": 0, "late": 0}
                 for r in range(world_size)]
 
     monkeypatch.setattr(manualdp.spmd, "launch", fake_launch)
@@ -163,38 +165,22 @@ def test_spmd_sweep_prints_each_ratio_with_its_min_and_max_over_the_rounds_and_t
         return [{4096: {"times": {name: list(gloo if name == GLOO else ours) for name in names},
                         "wrong": dict.fromkeys(names, 0), "pick": "ring"},
                  "link": {"alpha": 1e-5, "beta": 1e-9, "gamma": 1e-10, "duplex": 0.0, "parallel": 0},
-                 "remeasures": r, "late": 3 * r, "loads": [0.25, 1.5 + r]} for r in range(world_size)]
+                 "remeasures": r, "late": 3 * r} for r in range(world_size)]
 
     monkeypatch.setattr(manualdp.spmd, "launch", fake_launch)
     config = {"world_size": 2, "sizes": [4096], "dtype": "float32", "algorithms": ["ring"], "iters": 3, "warmup": 0,
-              "segment_bytes": 1 << 20, "timeout": 60.0, "threads": 1, "load": 2}
+              "segment_bytes": 1 << 20, "timeout": 60.0, "threads": 1}
     result = run(config)
     ring = next(r for r in result["rows"] if r["algorithm"] == "ring")
     assert ring["vs_gloo_rounds"] == {"min": 0.5, "median": 0.8, "max": 2.0}
     assert ring["vs_gloo"] == pytest.approx(2e-3 / 2e-3)  # of the medians
     assert result["remeasures"] == [0, 1] and result["late_calls"] == [0, 3]
-    assert result["load"] == {"min": 0.25, "max": 1.5, "cores": os.cpu_count(), "busy": 2}
-    table = format_table(dict(result, config=dict(result["config"], torch="x")))
+    assert "load" not in result  # main measures it around run
+    load = {"busy_processes": 2, "loadavg_1min": {"start": 0.25, "max": 1.5, "end": 1.0}}
+    table = format_table(dict(result, config=dict(result["config"], torch="x"), load=load))
     assert "1.00 (0.50-2.00)" in table
-    assert "load average during the run (1 min, sampled per size on rank 0): 0.25 to 1.50" in table
-    assert "with 2 busy processes of --load" in table
+    assert format_load(load) in table and "--load: 2 busy processes" in table
     assert "auto measured the link again 1 time(s)" in table
-
-
-def test_load_starts_one_spinning_process_each_and_stops_them_all():
-    from bench.load import busy, format_spread, spread
-
-    with busy(2) as spinners:
-        assert len(spinners) == 2 and all(p.poll() is None for p in spinners)
-    assert all(p.poll() is not None for p in spinners)
-    with pytest.raises(RuntimeError), busy(1) as spinners:
-        raise RuntimeError("the run failed")
-    assert spinners[0].poll() is not None  # stopped also when the run fails
-    with pytest.raises(ValueError, match="n must be a non-negative int, got -1"), busy(-1):
-        pass
-    assert format_spread(spread([3.0, 1.0, 2.0])) == "2.00 (1.00-3.00)"
-    with pytest.raises(ValueError, match="at least one ratio"):
-        spread([])
 
 
 def test_the_check_cost_breakdown_times_four_ways_at_each_size(tmp_path, capsys):

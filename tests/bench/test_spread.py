@@ -20,6 +20,11 @@ def test_busy_processes_run_during_the_block_and_are_gone_after():
     with pytest.raises(RuntimeError, match="inside"), busy(1) as procs:
         raise RuntimeError("inside")
     assert procs[0].returncode is not None  # ended when the block raised too
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match=f"processes must be a non-negative int, got {bad!r}"), busy(bad):
+            pass
+    with busy(0) as none:
+        assert none == []
 
 
 def test_measured_load_counts_one_busy_process_per_core_and_samples_the_load_average():
