@@ -13,7 +13,9 @@ the store makes that atomic.
 Who can reach it. The store listens on the address given, 127.0.0.1 by default (one machine);
 another address only when asked, with a warning. With a secret (`token`) every key and value is
 signed (`signed_store.py`): a process without it cannot forge a decision, a vote, a heartbeat or
-a state. Without one the store is open, as torch's: anyone who reaches the port can steer the run.
+a state. The coordinator writes a random nonce as it starts (`hello`, signed, first writer), and
+every signature is keyed by it: what was signed in an earlier life (of this coordinator, or of
+another run with the same secret) does not verify in this one. Without one the store is open, as torch's: anyone who reaches the port can steer the run.
 Either way torch's server accepts any number of connections from anyone who reaches the port (it
 has no limit per address, and no way to set one): a process that holds thousands of them keeps
 replicas from joining. Keep the port on a trusted network, or behind a firewall.
@@ -26,6 +28,7 @@ import contextlib
 import datetime
 import ipaddress
 import os
+import secrets
 import socket
 import time
 
@@ -33,7 +36,7 @@ import torch.distributed as dist
 
 from ...validate import int_between, timeout_seconds
 from .keys import HELLO, MODE, PREFIX
-from .signed_store import LOG, SignedStore
+from .signed_store import LOG, SignedStore, life_key
 
 __all__ = ["Coordinator", "connect", "check_host", "check_token", "load_token", "PREFIX", "TOKEN_ENV", "LIMITS"]
 
@@ -76,9 +79,10 @@ class Coordinator:
         self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                                    timeout=datetime.timedelta(seconds=30), master_listen_fd=listener.detach())
         self.port = self.store.port  # the store's own object: the server lives as long as this reference
+        self.nonce: bytes | None = None  # with a secret, this life's: no signature of another life verifies
         self.store.set(f"{PREFIX}/{MODE}", "signed" if secret else "open")  # for a replica's one-line error only
-        if secret is not None:  # a replica checks that it holds the same secret (`connect`)
-            SignedStore(self.store, secret, PREFIX).set(HELLO, "manualdp")
+        if secret is not None:  # this life's nonce, first writer wins: it keys every signature (`signed_store.py`)
+            self.nonce = SignedStore(self.store, secret, PREFIX).compare_set(HELLO, "", secrets.token_hex(16))
         for warning in self.warnings if log_warnings else ():
             LOG.warning("%s", warning)
 
@@ -178,16 +182,22 @@ def connect(host: str, port: int, timeout: float, token: str | None = None, name
     except (RuntimeError, OSError):
         raise ConnectionError(f"cannot reach the coordinator at {host}:{port} within {seconds:g} s") from None
     mode = f"{PREFIX}/{MODE}"
-    store = SignedStore(client, secret, PREFIX if namespace is None else f"{PREFIX}/{namespace}")
-    if secret is None and client.check([mode]) and client.get(mode) == b"signed":
+    signed = client.check([mode]) and client.get(mode) == b"signed"
+    if secret is None and signed:
         raise ValueError(f"the coordinator at {host}:{port} asks for the run's secret: give this replica the same "
                          f"--token-file (or ${TOKEN_ENV}) as the coordinator")
-    if secret is not None and not SignedStore(client, secret, PREFIX).check([HELLO]):
-        raise ValueError(f"the coordinator at {host}:{port} does not hold this secret: start it and every replica "
-                         f"with the same --token-file (or ${TOKEN_ENV})")
-    if secret is None:
+    if secret is not None and not signed:
+        raise ValueError(f"the coordinator at {host}:{port} runs without a secret (open): start it with the same "
+                         f"--token-file (or ${TOKEN_ENV}) as this replica, or give this replica none")
+    if secret is not None:
+        nonce = SignedStore(client, secret, PREFIX).peek(HELLO)  # this coordinator's life (a signed, random nonce)
+        if nonce is None:
+            raise ValueError(f"the coordinator at {host}:{port} does not hold this secret: start it and every "
+                             f"replica with the same --token-file (or ${TOKEN_ENV})")
+        secret = life_key(secret, nonce)
+    else:
         LOG.warning(OPEN)
-    return store
+    return SignedStore(client, secret, PREFIX if namespace is None else f"{PREFIX}/{namespace}")
 
 
 @contextlib.contextmanager

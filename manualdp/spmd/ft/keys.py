@@ -15,7 +15,8 @@ else uses the same store. Who writes each:
 - `durable.py`: `committed` (the run's highest committed step count that a replica holds, never lowered) and
   `finished` (the step count at which the run ended);
 - `coordinator.py`: `mode` ("signed" or "open": for a replica's one-line error only) and, with a secret,
-  `hello` (signed: a replica with another secret finds that it does not verify).
+  `hello` (this coordinator's life: a random nonce, signed with the bare secret, that keys every other
+  signature; a replica with another secret finds that it does not verify).
 
 With a secret every name is signed too (`signed_store.py`): the store holds HMAC(secret, name).
 """

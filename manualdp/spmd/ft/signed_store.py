@@ -18,7 +18,11 @@ stop a stranger from deleting or overwriting keys, or from holding connections, 
 run (the replicas then wait, and give up after their timeouts); the quorum's gloo connections
 (`quorum_group.py`) are torch's, unauthenticated. Replay is bounded: a signature binds the key's
 name, so a value copied to another key does not verify, and a heartbeat copied back in time does
-not move (`heartbeat.py`).
+not move (`heartbeat.py`). Every name and MAC is keyed by `life_key(secret, nonce)`, where the
+nonce is the random one the coordinator writes when it starts (`coordinator.py`): nothing signed
+in one coordinator's life (a finished run's "finished", its votes) verifies in another's, so a
+stranger who recorded a run cannot replay it into the next one, nor into the same coordinator
+started again. What carries a run across a coordinator's restart is the disk (`durable.py`).
 
 Without a secret the store is open, as torch's: names and values are the plain ones, and only the
 readers' own checks (a malformed value is ignored and logged) stand between a stranger and the run.
@@ -33,13 +37,20 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["SignedStore", "ignore", "LOG"]
+__all__ = ["SignedStore", "ignore", "life_key", "LOG"]
 
 LOG = logging.getLogger("manualdp.spmd.ft")
 _SET, _APPEND = b"S", b"A"  # a value set whole; a chunk of an appended value (one line of its own)
 _MAC = 32  # bytes of an HMAC-SHA256
 _POLL = 0.005  # seconds between two looks at a key whose value does not verify
 _ABSENT = b"\0manualdp-ft-absent\0"  # what `peek` expects: no value of the room's holds it, so nothing is written
+
+
+def life_key(secret: bytes, nonce: bytes) -> bytes:
+    """The key that signs one coordinator's life: HMAC(secret, nonce), so that no signature outlives the life."""
+    if not isinstance(secret, bytes) or not isinstance(nonce, bytes) or not nonce:
+        raise TypeError(f"secret and nonce must be non-empty bytes, got {type(secret).__name__} and {nonce!r}")
+    return hmac.new(secret, b"life\0" + nonce, hashlib.sha256).digest()
 
 
 class SignedStore:
