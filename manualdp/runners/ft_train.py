@@ -39,6 +39,7 @@ from ..loss import count_correct, logits_of, summed_loss
 from ..cost import SYNC_METHODS
 from ..spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
 from ..spmd.ft.admission import refusals
+from ..spmd.ft.guard import guard_settings
 from ..spmd.launch import shard
 from ..support.checkpoint import loader_generator
 from ..support.history import History
@@ -46,7 +47,7 @@ from ..train import evaluate
 from ..validate import fraction, iterable, learning_rate, nn_module, one_of, positive_int, trainable, xy_pair
 from .options import optimizer_factory
 
-__all__ = ["parse_address", "check_replica_id", "train_replica", "parameters_sha256"]
+__all__ = ["parse_address", "check_replica_id", "train_replica", "shared_settings", "parameters_sha256"]
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -117,8 +118,7 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     else:
         ft = DiLoCo(net, inner, manager, sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum)
     run = _Run(train_iter, num_epochs, summed_loss(loss_fn), sync_every if sync != "ddp" else None)
-    manager.require_same(**{"num_epochs": num_epochs, "batch_size": getattr(train_iter, "batch_size", None),
-                            **(settings or {})})
+    manager.require_same(**shared_settings(manager, train_iter, num_epochs, settings))
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     size, n = train_iter.batch_size or 0, len(getattr(train_iter, "dataset", ()))
     manager.capacity = size if train_iter.drop_last or not n % max(size, 1) else n % size  # a member needs an example
@@ -159,6 +159,21 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
         "steps": run.records,
         "recoveries": manager.recoveries, "parameters_sha256": parameters_sha256(net)}
     return run.history
+
+
+def shared_settings(manager: Manager, train_iter, num_epochs: int, settings: dict | None = None) -> dict:
+    """What every member must share beyond the method's and optimizer's: what travels and what decides the result.
+
+    The epochs and batch size, the allreduce's schedule (`manager.algorithm`: members calling it
+    differently would fail the whole quorum's step) and the contribution guard, on or off (its
+    norms travel before the average: `spmd/ft/guard.py`), and `settings` (the command line's).
+    """
+    if not isinstance(manager, Manager):
+        raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
+    if settings is not None and not isinstance(settings, dict):
+        raise TypeError(f"settings must be a dict or None, got {type(settings).__name__}")
+    return {"num_epochs": positive_int("num_epochs", num_epochs), "batch_size": getattr(train_iter, "batch_size", None),
+            "algorithm": manager.algorithm, "guard": guard_settings(manager.guard), **(settings or {})}
 
 
 class _Run:

@@ -5,9 +5,14 @@ Before the average, the members all-gather one number each, the norm of what the
 averaged: one more allreduce per step, of 8 bytes a member), so every member judges the same
 numbers and decides alike (`offenders`):
 - a non-finite contribution (NaN or Inf anywhere, the loss totals included) is out of line;
-- with 3 or more members, a norm above `FACTOR` times the median of the other members' norms;
+- with 3 or more members, a norm above `FACTOR` times the median of the other members' norms, or
+  below 1/`FACTOR` of it while that median is not zero and such members are fewer than half (a
+  member that sends zeros, or its gradients scaled down, drags the average toward nothing as
+  surely as one scaled up drags it away);
 - with 2 members there is no majority to tell which one is wrong by a little: only a norm above
-  `PAIR_FACTOR` times the other's is out of line (the larger one).
+  `PAIR_FACTOR` times the other's is out of line (the larger one), or a norm of exactly zero while
+  the other's is not (an honest shard's gradient is not zero while the other's is not; one far
+  smaller but not zero cannot be told from the other far larger: the larger is named).
 Then nobody sends the buffers: every member votes "discard", the step is taken again, and each
 logs the member and its norm. A member out of line `STRIKES` steps in a row is removed: it is
 told in one line (`Removed`, after its vote) and leaves, and the others' next quorum is without it.
@@ -34,7 +39,8 @@ import torch
 
 from .admission import Misfit
 
-__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "MIN_EXAMPLES", "Removed", "offenders", "ContributionGuard"]
+__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "MIN_EXAMPLES", "Removed", "offenders", "ContributionGuard",
+           "guard_settings"]
 
 FACTOR = 100.0       # 3+ members: out of line above this many times the median of the others' norms
 PAIR_FACTOR = 100.0  # 2 members: out of line above this many times the other's norm
@@ -53,15 +59,32 @@ def offenders(norms: list[float], factor: float = FACTOR, pair_factor: float = P
     bad = {i: "non-finite (NaN or Inf)" for i, x in enumerate(norms) if not math.isfinite(x)}
     finite = [(i, x) for i, x in enumerate(norms) if math.isfinite(x)]
     if len(norms) >= 3:
+        low = {}
         for i, x in finite:
             median = statistics.median([y for j, y in finite if j != i] or [math.inf])
             if 0 < median < math.inf and x > factor * median:
                 bad[i] = f"norm {x:.3g}, over {factor:g} times the median of the others' ({median:.3g})"
+            elif 0 < median < math.inf and x * factor < median:
+                low[i] = f"norm {x:.3g}, under 1/{factor:g} of the median of the others' ({median:.3g})"
+        if 2 * len(low) < len(norms):  # a majority that sends (almost) nothing is the run's scale, not an offence
+            bad.update(low)
     elif len(finite) == 2:
         (i, x), (j, y) = finite if finite[0][1] >= finite[1][1] else finite[::-1]
         if x > pair_factor * y > 0:
             bad[i] = f"norm {x:.3g}, over {pair_factor:g} times the other member's ({y:.3g})"
+        elif math.isfinite(pair_factor) and x > 0 == y:
+            bad[j] = f"norm 0, under 1/{pair_factor:g} of the other member's ({x:.3g})"
     return dict(sorted(bad.items()))
+
+
+def guard_settings(guard: "ContributionGuard | None") -> str:
+    """What a joiner must share of the guard: "off", or its thresholds (a guard judges the norms all-gathered)."""
+    if guard is None:
+        return "off"
+    if not isinstance(guard, ContributionGuard):
+        raise TypeError(f"guard must be a ContributionGuard or None, got {type(guard).__name__}")
+    return (f"factor {guard.factor:g}, pair_factor {guard.pair_factor:g}, strikes {guard.strikes}, "
+            f"min_examples {guard.min_examples}")
 
 
 class ContributionGuard:

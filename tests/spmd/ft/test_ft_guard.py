@@ -32,6 +32,30 @@ def test_offenders_by_the_median_of_the_others_with_three_or_more():
     assert list(offenders([math.inf, 1.0, 1.0, 1.0])) == [0]
 
 
+def test_a_contribution_far_below_the_others_is_out_of_line_too():
+    """Case 32 of issue 42's adversary: a member sending zeros (or gradients scaled down) is flagged, both ways."""
+    assert offenders([1.0, 1.2, 0.0]) == {2: "norm 0, under 1/100 of the median of the others' (1.1)"}
+    assert list(offenders([1.0, 1.2, 0.009, 0.9])) == [2]
+    assert offenders([1.0, 1.2, 0.011, 0.9]) == {}  # within the factor
+    assert list(offenders([0.0, 0.0, 1.0, 1.0, 1.0])) == [0, 1]  # two of five: still a minority
+    assert offenders([0.0, 0.0, 3.0]) == {}  # a majority at zero: no scale to judge by
+    assert offenders([1.0, 0.0]) == {1: "norm 0, under 1/100 of the other member's (1)"}  # of two, the silent one
+    assert list(offenders([0.005, 1.0])) == [1]  # far apart, neither zero: no majority to tell, the larger is named
+    assert offenders([0.02, 1.0]) == {}
+    assert offenders([0.0, 0.0]) == {}
+
+
+def test_offenders_of_a_pair_use_the_pair_factor_and_a_crowd_the_factor():
+    """B3 of issue 42: the pair rule is `pair_factor`'s, never `factor`'s."""
+    assert offenders([1.0, 50.0], factor=10.0, pair_factor=100.0) == {}
+    assert list(offenders([1.0, 50.0], factor=100.0, pair_factor=10.0)) == [1]
+    assert offenders([1.0, 0.05], factor=10.0, pair_factor=100.0) == {}
+    assert list(offenders([1.0, 0.05], factor=100.0, pair_factor=10.0)) == [0]
+    assert "1/7" in offenders([1.0, 0.0], factor=100.0, pair_factor=7.0)[1]
+    assert list(offenders([1.0, 1.0, 50.0], factor=10.0, pair_factor=100.0)) == [2]
+    assert offenders([1.0, 1.0, 50.0], factor=100.0, pair_factor=10.0) == {}
+
+
 def test_offenders_of_a_pair_only_far_apart_or_non_finite():
     assert list(offenders([1.0, 1000.0])) == [1] and list(offenders([1000.0, 1.0])) == [0]
     assert offenders([1.0, 50.0]) == {} and offenders([1.0, PAIR_FACTOR]) == {}

@@ -148,6 +148,40 @@ def test_a_manager_with_another_setting_is_refused_before_it_asks_and_the_run_st
         assert refusals(a.store, 0)[0] == [f"replica c refused: {field} {value} != {run[field]}"]
 
 
+@pytest.mark.parametrize("field, change, says", [("algorithm", {"algorithm": "tree"}, "algorithm tree != ring"),
+                                                  ("guard", {}, "guard off != factor 100")])
+def test_a_joiner_calling_the_allreduce_differently_is_refused_alone(field, change, says):
+    """Cases 24, 25 of issue 42's adversary: --algorithm tree or --nonfinite off ended every replica; now the joiner."""
+    from manualdp.runners.ft_train import shared_settings
+
+    loader = torch.utils.data.DataLoader(list(range(64)), batch_size=32)
+    fast = {"timeout": 10, "heartbeat_timeout": 1.0}
+    with Coordinator(0) as c, Manager("a", "127.0.0.1", c.port, **fast) as a:
+        a.require_same(**shared_settings(a, loader, 2, RUN))
+        a.start_step()
+        assert a.should_commit(True)
+        with Manager("c", "127.0.0.1", c.port, **fast, **change) as joiner:
+            if field == "guard":
+                joiner.guard = None  # what --nonfinite off does
+            joiner.require_same(**shared_settings(joiner, loader, 2, RUN))
+            with pytest.raises(Misfit, match=rf"^replica 'c' refused by the run: {says}"):
+                joiner.start_step()
+        quorum = a.start_step()
+        assert quorum.ids == ["a"] and a.should_commit(True) and a.step == 2
+
+
+def test_shared_settings_name_a_bad_argument():
+    from manualdp.runners.ft_train import shared_settings
+
+    with pytest.raises(TypeError, match="manager must be"):
+        shared_settings(None, None, 1)
+    with Coordinator(0) as c, Manager("a", "127.0.0.1", c.port, timeout=10) as a:
+        with pytest.raises(ValueError, match="num_epochs must be a positive int, got 0"):
+            shared_settings(a, None, 0)
+        with pytest.raises(TypeError, match="settings must be a dict"):
+            shared_settings(a, None, 1, settings=[1])
+
+
 def test_a_manager_with_the_run_settings_is_not_refused():
     with Coordinator(0) as c, Manager("a", "127.0.0.1", c.port, timeout=10) as a:
         a.require_same(**RUN)
