@@ -5,8 +5,7 @@ backward, the step's call check. The thread is a daemon (`SerialWorker`): at exi
 process waits at most `EXIT_GRACE` (2 s) for it, never for a whole timeout. A group of one
 rank sends nothing, so its calls run at once in the caller's thread (`InlineWorker`). Either
 way, after a call fails every later one fails with the same error, unless every rank refused
-it alike before any data moved (`peers.refused_alike`). A caller that would only wait for its call
-runs it itself when every earlier call has ended (`run_here`). Deadlines and `PeerError` are in
+it alike before any data moved (`peers.refused_alike`). Deadlines and `PeerError` are in
 `peers.py`; what a group keeps, its worker among them, in `group.py`.
 """
 from __future__ import annotations
@@ -42,31 +41,11 @@ class SerialWorker:
         self._thread = threading.Thread(target=_serve, args=(self._jobs, initializer), name=name, daemon=True)
         with _state:
             _threads[self._thread] = self._jobs
-        self._last: concurrent.futures.Future | None = None  # the latest call submitted: the thread runs in order
         self._thread.start()
 
     def submit(self, fn, *args, **kwargs) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._jobs.put((future, fn, args, kwargs))
-        self._last = future
-        return future
-
-    def run_here(self, fn, *args) -> concurrent.futures.Future:
-        """`submit`, but run in the caller's thread when every call submitted before has ended well.
-
-        Waking the thread costs 0.2-0.6 ms on a busy 2-core machine, more than a small allreduce:
-        a caller that would only wait for the call (a reducer's last bucket) runs it itself.
-        """
-        last = self._last
-        if last is not None and not _ended_well(last):
-            return self.submit(fn, *args)
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # handed to whoever waits on the future, as the thread does
-            future.set_exception(e)
-            if not is_refused_alike(e):  # the thread's later calls fail with it, as after a failure of its own
-                self.submit(_reraise, e)
         return future
 
     def shutdown(self) -> None:
@@ -105,8 +84,6 @@ class InlineWorker:
             future.set_exception(e)
         return future
 
-    run_here = submit
-
     def shutdown(self) -> None:
         pass
 
@@ -136,18 +113,6 @@ def _drain() -> None:
         jobs.put(None)
     for thread, _ in threads:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _ended_well(future: concurrent.futures.Future) -> bool:
-    """Whether `future`'s call has ended without an error that stops the thread."""
-    if not future.done():
-        return False
-    error = future.exception()
-    return error is None or is_refused_alike(error)
-
-
-def _reraise(error: BaseException) -> None:
-    raise error
 
 
 def _serve(jobs: queue.SimpleQueue, initializer) -> None:

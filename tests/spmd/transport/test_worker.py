@@ -47,32 +47,3 @@ def test_after_a_failure_every_later_call_fails_with_it(worker):
         worker.submit(_fail).result(timeout=10)
     with pytest.raises(OSError, match="boom"):
         worker.submit(lambda: 7).result(timeout=10)
-
-
-def test_run_here_runs_in_the_callers_thread_only_once_every_earlier_call_has_ended(worker):
-    gate, ran = threading.Event(), []
-    blocked = worker.submit(gate.wait, 10) if isinstance(worker, SerialWorker) else None
-    behind = worker.run_here(lambda: ran.append(threading.current_thread()))  # the thread is busy: queued behind
-    gate.set()
-    behind.result(timeout=10)
-    here = worker.run_here(lambda: ran.append(threading.current_thread()))
-    assert here.done()  # ran before run_here returned
-    assert ran[1] is threading.current_thread()
-    assert (ran[0] is threading.current_thread()) == (blocked is None)  # in order: on the thread, after the wait
-
-
-def test_a_failure_run_here_makes_every_later_call_fail_with_it(worker):
-    failed = worker.run_here(_fail)
-    with pytest.raises(OSError, match="boom"):
-        failed.result(timeout=10)
-    with pytest.raises(OSError, match="boom"):
-        worker.submit(lambda: 7).result(timeout=10)
-    with pytest.raises(OSError, match="boom"):
-        worker.run_here(lambda: 7).result(timeout=10)
-
-
-def test_a_refusal_run_here_leaves_the_worker_serving(worker):
-    with pytest.raises(ValueError, match="refused this call alike"):
-        worker.run_here(_refuse).result(timeout=10)
-    assert worker.run_here(lambda: 7).result(timeout=10) == 7
-    assert worker.submit(lambda: 8).result(timeout=10) == 8
