@@ -3,6 +3,7 @@
     python bench/ft.py
     python bench/ft.py --models lenet mlp --rounds 10 --json ft.json
     python bench/ft.py --load    # with one busy process per core
+    python bench/ft.py --sync-quorum    # each quorum asked in start_step, not ahead
 
 Starts a coordinator here and 2 replica processes (`--replicas`). Each replica holds one
 `manualdp.spmd.ft.Manager`; after the first fault-tolerant step, the quorum's process group (the
@@ -12,8 +13,10 @@ on its shard, in blocks of `--steps` steps taking turns (A B, B A, ...). No repl
 
 Reported per model: steps/s of each (median over rounds), the ratio fault-tolerant/DDP with
 its min/median/max over the rounds, and the share of a fault-tolerant step spent in the
-quorum (`start_step`) and in the vote (`should_commit`), each as min/median/max over rounds;
-the 1-minute load average during the run. Target: the ratio at least 0.9.
+quorum (`start_step`, and the wait for the quorum asked ahead during forward and backward:
+`Manager(async_quorum=True)`, unless `--sync-quorum`) and in the vote (`should_commit`),
+each as min/median/max over rounds; the 1-minute load average during the run. Target: the
+ratio at least 0.9.
 """
 from __future__ import annotations
 
@@ -65,11 +68,13 @@ def _replica(config: dict, port: int) -> dict | None:
     index, replicas = int(os.environ["RANK"]), config["replicas"]
     torch.manual_seed(config["seed"])
     net = get_model(config["model"])
-    manager = Manager(f"replica{index}", "127.0.0.1", port, min_replicas=replicas, timeout=config["timeout"])
+    manager = Manager(f"replica{index}", "127.0.0.1", port, min_replicas=replicas, timeout=config["timeout"],
+                      async_quorum=config["async_quorum"])
     ft_model = copy.deepcopy(net)
     ft = FaultTolerantDDP(ft_model, torch.optim.SGD(ft_model.parameters(), lr=config["lr"]), manager)
     quorum, vote = _Timed(ft.start_step), _Timed(manager.should_commit)
     manager.should_commit = vote  # what ft.step() calls to vote
+    settle = manager._settle = _Timed(manager._settle)  # the wait for a quorum asked ahead, where the step needs it
     batch, loss_fn = config["batch_size"], nn.CrossEntropyLoss(reduction="sum")
     g = torch.Generator().manual_seed(config["seed"] + 1)
     data = [shard(torch.rand(batch, 1, 28, 28, generator=g), torch.randint(0, 10, (batch,), generator=g),
@@ -104,7 +109,7 @@ def _replica(config: dict, port: int) -> dict | None:
     for r in range(config["rounds"]):
         for name in (NAMES if r % 2 == 0 else NAMES[::-1]):
             dist.barrier(group=group)
-            quorum.total = vote.total = 0.0
+            quorum.total = vote.total = settle.total = 0.0
             start = time.perf_counter()
             for _ in range(config["steps"]):
                 steps[name](done[name])
@@ -112,7 +117,7 @@ def _replica(config: dict, port: int) -> dict | None:
             seconds = time.perf_counter() - start
             rates[name].append(config["steps"] / seconds)
             if name == NAMES[1]:
-                quorum_share.append(quorum.total / seconds)
+                quorum_share.append((quorum.total + settle.total) / seconds)
                 vote_share.append(vote.total / seconds)
     dist.barrier(group=group)
     manager.close()
@@ -171,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=positive(int), help="torch threads per replica (default: cores / replicas)")
     parser.add_argument("--timeout", type=positive(float), default=600.0, help="give up on one model after this many s")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--sync-quorum", action="store_true",
+                        help="ask for each quorum in start_step (default: ahead, during forward and backward)")
     add_load_option(parser)
     args = parser.parse_args(argv)
     check_output_paths(parser, args)
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--replicas must be at least 2 (a quorum to average over), got {args.replicas}")
     base = {"replicas": args.replicas, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
             "warmup": args.warmup, "lr": args.lr, "seed": args.seed, "timeout": args.timeout,
+            "async_quorum": not args.sync_quorum,
             "threads": args.threads or max(1, (os.cpu_count() or 1) // args.replicas)}
     rows = []
     with measured_load(args.load) as load:

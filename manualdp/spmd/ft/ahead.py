@@ -20,6 +20,7 @@ the call that takes the answer.
 """
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable
 
@@ -30,26 +31,45 @@ __all__ = ["AskAhead", "fast"]
 
 
 class AskAhead:
-    """`ask()` running in a daemon thread; `result()` waits for it and returns its quorum, or raises what it raised."""
+    """One daemon thread per manager that runs the asks handed to it, one at a time (no thread started per step)."""
 
-    def __init__(self, ask: Callable[[], Quorum]) -> None:
-        self._quorum: Quorum | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(ask,), name="manualdp-ft-quorum", daemon=True)
-        self._thread.start()
+    def __init__(self, name: str) -> None:
+        self._asks: queue.SimpleQueue = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = False
+        threading.Thread(target=self._serve, name=f"manualdp-ft-quorum-{name}", daemon=True).start()
 
-    def _run(self, ask: Callable[[], Quorum]) -> None:
-        try:
-            self._quorum = ask()
-        except BaseException as e:  # noqa: BLE001 - raised again in the main thread, by result()
-            self._error = e
+    def _serve(self) -> None:
+        while True:
+            ask = self._asks.get()
+            if ask is None:
+                return
+            try:
+                self._answers.put((ask(), None))
+            except BaseException as e:  # noqa: BLE001 - raised again in the main thread, by result()
+                self._answers.put((None, e))
+
+    @property
+    def pending(self) -> bool:
+        """An ask was handed over and its answer not yet taken."""
+        return self._pending
+
+    def ask(self, ask: Callable[[], Quorum]) -> None:
+        """Run `ask()` in the thread; `result()` takes its answer."""
+        self._pending = True
+        self._asks.put(ask)
 
     def result(self) -> Quorum:
-        self._thread.join()
-        if self._error is not None:
-            error, self._error = self._error, None
+        """Wait for the answer of the ask handed over; return its quorum, or raise what it raised."""
+        self._pending = False
+        quorum, error = self._answers.get()
+        if error is not None:
             raise error
-        return self._quorum
+        return quorum
+
+    def stop(self) -> None:
+        """The thread ends after the ask it runs, if any (its answer is not taken)."""
+        self._asks.put(None)
 
 
 def fast(quorum: Quorum, group: tuple[int, int] | None) -> bool:

@@ -33,8 +33,8 @@ from ...support.files import write_json_atomic
 from . import keys
 from .look import peek
 
-__all__ = ["RunFinished", "CoordinatorLost", "committed_step", "record_committed", "finished_at", "mark_finished", "Floor",
-           "Checkpoints", "store_gone", "lost_line"]
+__all__ = ["RunFinished", "CoordinatorLost", "committed_step", "record_committed", "finished_at", "mark_finished",
+           "Floor", "Checkpoints", "store_gone", "lost_line"]
 
 
 class CoordinatorLost(RuntimeError):
@@ -53,12 +53,12 @@ def committed_step(store: dist.Store) -> int:
 
 def record_committed(store: dist.Store, step: int) -> None:
     """Raise the store's mark to `step` steps, unless it is already there or higher (compare_set: never lowered)."""
-    seen = peek(store, keys.COMMITTED) or b""
+    seen = str(step - 1).encode()  # most often what it holds (one round trip); if not, compare_set says what it does
     while not (seen.isdigit() and int(seen) >= step):
         now = store.compare_set(keys.COMMITTED, seen.decode(), str(step))
         if now == str(step).encode():
             return
-        seen = now
+        seen = b"" if now == seen else now  # torch answers a compare_set on a missing key with the value expected
 
 
 def finished_at(store: dist.Store) -> int | None:

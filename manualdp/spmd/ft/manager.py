@@ -98,7 +98,8 @@ class Manager(Phases):
         self.step = 0              # steps committed: the same on every member of a quorum once it has recovered
         self.synced = False        # this replica's state is the agreed one (it recovered, or defined it)
         self._quorum: Quorum | None = None  # the quorum of the step under way, or of the last one
-        self.async_quorum, self._ahead = async_quorum, None  # the quorum asked ahead, not yet taken (`ahead.py`)
+        self.async_quorum = async_quorum  # with it, the thread that asks for the quorum ahead (`ahead.py`):
+        self._ahead = AskAhead(replica_id) if async_quorum else None
         self.recoveries: list[dict] = []   # each state received: round, source, step, sha256
         self.last_error: BaseException | None = None  # what made the last failed step fail
         self._states: dict[str, tuple[Callable, Callable]] = {}  # name -> (state_dict, load_state_dict)
@@ -168,12 +169,12 @@ class Manager(Phases):
                 self._make_durable()
             if not ahead:
                 return self._start_step()
-            self._ahead, self._in_step, self._ok = AskAhead(self._ask_ahead), True, True
+            self._ahead.ask(self._ask_ahead)
+            self._in_step, self._ok = True, True
             return self._quorum
         except BaseException as e:
             self._in_step = False  # it never began: a later start_step() may ask again
-            if isinstance(e, RuntimeError) and not isinstance(e, CoordinatorLost) and store_gone(self.store):
-                raise self._lost(e) from None
+            self._raise_if_lost(e)
             raise
         finally:
             self._starting.release()
@@ -276,6 +277,11 @@ class Manager(Phases):
             self._durable = self.step
         return CoordinatorLost(lost_line(self.id, self._where, error, self._disk, self._durable))
 
+    def _raise_if_lost(self, error: BaseException) -> None:
+        """`CoordinatorLost` (from `_lost`) if `error` came of a store that stopped answering."""
+        if isinstance(error, RuntimeError) and not isinstance(error, CoordinatorLost) and store_gone(self.store):
+            raise self._lost(error) from None
+
     def _check_open(self, call: str) -> None:
         if self._closed:
             raise RuntimeError(f"replica {self.id!r}: {call}() on a Manager that has closed (the run ended, or it "
@@ -298,6 +304,8 @@ class Manager(Phases):
     def close(self) -> None:
         """Leave: stop beating (the others stop waiting for this replica at once) and leave the group."""
         self._closed = True
+        if self._ahead is not None:
+            self._ahead.stop()
         self._heartbeat.stop(leave=True)
         self._leave_group()
 

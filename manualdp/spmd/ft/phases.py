@@ -14,7 +14,6 @@ import time
 from ..transport.agree import agree
 from . import admission
 from .ahead import fast
-from .durable import CoordinatorLost, store_gone
 from .quorum import PATIENCE, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import form_group
 from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
@@ -56,7 +55,7 @@ class Phases:
                       admission.digest(settings), self.capacity)
 
     def _enter(self, quorum: Quorum, settings: str) -> BaseException | None:
-        """Hold `quorum`'s state, send or receive it, join its group; None, or the failure ridden out (voted discard)."""
+        """Hold `quorum`'s state, send or receive it, join its group; None, or the failure ridden out (voted on)."""
         if quorum.agreed and self.synced and self.step == quorum.step:
             self._hold(quorum.round)  # before anything can fail: the quorum's other members count on it
         try:
@@ -88,27 +87,27 @@ class Phases:
         return None
 
     def _ask_ahead(self) -> Quorum:
-        """In `AskAhead`'s thread: make the last step durable (without a disk), and ask for this step's quorum."""
+        """In `AskAhead`'s thread: make the last step durable (without a disk), ask for this step's quorum, hold it."""
         if self._disk is None:
             self._make_durable()
-        return wait_for_quorum(self.store, self._member(admission.canonical(self._settings)), self._liveness,
-                               self._round, self.quorum_timeout, self.timeout, time.monotonic(), self._floor)
+        quorum = wait_for_quorum(self.store, self._member(admission.canonical(self._settings)), self._liveness,
+                                 self._round, self.quorum_timeout, self.timeout, time.monotonic(), self._floor)
+        if fast(quorum, self._group):
+            self._hold(quorum.round)  # as start_step does, before anything can fail
+        return quorum
 
     def _settle(self) -> None:
-        """Take the quorum asked ahead, if any: on the fast path hold it; else enter it, and discard this step."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None:
+        """Take the quorum asked ahead, if any: on the fast path it is held; else enter it, and discard this step."""
+        if self._ahead is None or not self._ahead.pending:
             return
         try:
-            quorum = ahead.result()
+            quorum = self._ahead.result()
         except BaseException as e:
             self._in_step = False
-            if isinstance(e, RuntimeError) and not isinstance(e, CoordinatorLost) and store_gone(self.store):
-                raise self._lost(e) from None
+            self._raise_if_lost(e)
             raise
         self._round, self._quorum = quorum.round, quorum
         if fast(quorum, self._group):
-            self._hold(quorum.round)
             return
         if self._enter(quorum, admission.canonical(self._settings)) is not None:
             self._in_step = True  # it voted discard: the caller's should_commit() reads that outcome again
