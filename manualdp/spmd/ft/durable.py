@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ...support.checkpoint import read_checkpoint, remove_orphans, save_checkpoint
 from ...support.files import write_json_atomic
 from . import keys
+from .history import append_step, logged_steps
 from .look import peek
 
 __all__ = ["RunFinished", "CoordinatorLost", "committed_step", "record_committed", "finished_at", "mark_finished",
@@ -142,6 +143,7 @@ class Checkpoints:
         self.directory = os.fspath(directory)
         self.mine = os.path.join(self.directory, replica_id)
         self.id = replica_id
+        self._last: int | None = None  # the last step in steps.jsonl (history.py), once read
 
     def save(self, step: int, identity: dict, state: dict) -> str:
         """Write `state`, the run's state after `step` committed steps, atomically; keep the one before too."""
@@ -167,13 +169,16 @@ class Checkpoints:
                 continue
             _check_identity(saved, identity, path)
             return saved
+        logged = logged_steps(self.directory)  # a history without a checkpoint: going on from 0 would take it again
+        if logged is not None:
+            raise ValueError(f"checkpoint_dir {self.directory!r}: {logged[1]} says {logged[0]} steps were committed, "
+                             f"but no checkpoint there is intact: restore one, or start afresh in another folder")
         return None
 
     def log_step(self, record: dict) -> None:
         """Append `record` (a durable step: its number, round, members) as one JSON line to `steps.jsonl`."""
         os.makedirs(self.mine, exist_ok=True)
-        with open(os.path.join(self.mine, "steps.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self._last = append_step(self.mine, record, self._last)  # a step taken again replaces its line and after
 
     def mark_finished(self, step: int, identity: dict) -> None:
         os.makedirs(self.mine, exist_ok=True)

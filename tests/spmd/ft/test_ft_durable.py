@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager
-from manualdp.spmd.ft.durable import Checkpoints, RunFinished, committed_step, mark_finished, record_committed
+import collections
+
+from manualdp.spmd.ft.coordinator import connect
+from manualdp.spmd.ft.durable import (Checkpoints, Floor, RunFinished, committed_step, mark_finished,
+                                      record_committed)
 from manualdp.spmd.ft.keys import COMMITTED
 from manualdp.spmd.ft.manager import CoordinatorLost
 
@@ -172,3 +176,92 @@ def test_checkpoints_newest_intact_of_any_replica_and_of_this_run_only(tmp_path)
         a.newest({"lr": 0.2})
     with pytest.raises(ValueError, match=r"checkpoint_dir .* exists and is not a folder"):
         Checkpoints(str(tmp_path / "a" / "ckpt-00000002.pt"), "a")
+
+
+def logged(folder) -> list[int]:
+    return [json.loads(line)["step"] for line in (folder / "steps.jsonl").read_text().splitlines()]
+
+
+def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_and_the_history_holds_each_step_once(tmp_path):
+    """Case 1 of issue 42's adversary: steps.jsonl held the step taken again twice."""
+    with Coordinator(0) as c:
+        whole, ft = replica("a", c.port)
+        train(whole, ft, 5)
+        expected = parameters(ft)
+        whole.close()
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        train(a, ft, 5)
+        die(a)
+    assert logged(tmp_path / "a") == [0, 1, 2, 3]  # durable up to 4 steps: the last one at the start of step 4
+    newest = tmp_path / "a" / "ckpt-00000004.pt"
+    newest.write_bytes(newest.read_bytes()[:100])  # cut short, as a disk that filled
+    with Coordinator(0) as c:
+        again, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        with pytest.warns(UserWarning, match="skipping checkpoint"):
+            ft.start_step()
+        assert again.resumed["step"] == 3
+        X, y = batch(again.step)
+        ((ft(X) - y) ** 2).sum().backward()
+        ft.step()
+        train(again, ft, 5)
+        again.finish()
+    assert logged(tmp_path / "a") == [0, 1, 2, 3, 4]  # step 3 taken again: its line replaced, never twice
+    for got, want in zip(parameters(ft), expected):
+        assert torch.equal(got, want)
+
+
+def test_a_history_without_an_intact_checkpoint_is_refused_in_one_line_never_started_again_from_0(tmp_path):
+    """Case 2 of issue 42's adversary: every checkpoint damaged, the run began again at step 0."""
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        train(a, ft, 4)
+        die(a)
+    for path in (tmp_path / "a").glob("ckpt-*.pt"):
+        path.write_bytes(b"damaged")
+    with Coordinator(0) as c:
+        again, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        try:
+            with pytest.raises(ValueError, match=rf"^checkpoint_dir '{tmp_path}': .*steps.jsonl says 3 steps were "
+                                                 r"committed, but no checkpoint there is intact: restore one, or "
+                                                 r"start afresh in another folder$"), pytest.warns(UserWarning):
+                ft.start_step()
+            assert again.step == 0
+        finally:
+            again.close()
+
+
+def test_the_history_is_cut_back_to_a_step_taken_again_and_drops_a_line_cut_short(tmp_path):
+    first = Checkpoints(str(tmp_path), "a")
+    for step in range(4):
+        first.log_step({"step": step, "round": step + 1})
+    with open(tmp_path / "a" / "steps.jsonl", "a") as f:
+        f.write('{"step": 4, "ro')  # a kill in the middle of a line
+    again = Checkpoints(str(tmp_path), "a")
+    again.log_step({"step": 2, "round": 9})
+    again.log_step({"step": 3, "round": 10})
+    lines = [json.loads(line) for line in (tmp_path / "a" / "steps.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["round"]) for r in lines] == [(0, 1), (1, 2), (2, 9), (3, 10)]
+
+
+def test_the_floor_allows_a_quorum_at_the_committed_step_and_not_one_below(tmp_path):
+    """B2 of issue 42: a quorum one step below the committed mark must wait, not start."""
+    with Coordinator(0) as c:
+        store = connect("127.0.0.1", c.port, 5)
+        record_committed(store, 3)
+        floor = Floor(store, "a", timeout=60)
+        assert floor.allows(3, ["a"]) and floor.allows(4, ["a"])
+        assert not floor.allows(2, ["a"]) and not floor.allows(0, ["a"])
+        assert floor.allows(2, None)  # no quorum yet: only the end is checked
+
+
+def test_a_finished_mark_of_another_run_does_not_end_this_one(tmp_path):
+    """B7 of issue 42: finished.json names its run; another run's (other settings) in the folder ends nothing."""
+    Checkpoints(str(tmp_path), "a").mark_finished(5, {"lr": 0.1, "seed": 0})
+    other = Checkpoints(str(tmp_path), "b")
+    assert other.finished_at({"lr": 0.2, "seed": 0}) is None and other.finished_at({"lr": 0.1, "seed": 0}) == 5
+    with Coordinator(0) as c:
+        store = connect("127.0.0.1", c.port, 5)
+        other.refuse_if_finished(store, {"lr": 0.2, "seed": 0})  # not this run's end: nothing raised
+        with pytest.raises(RunFinished, match="the run ended at step 5"):
+            other.refuse_if_finished(store, {"lr": 0.1, "seed": 0})

@@ -43,6 +43,9 @@ def test_a_run_whose_replicas_and_coordinator_all_died_goes_on_from_disk_and_end
         log = (tmp_path / f"{rid}-1.log").read_text()
         assert "resumed from " in log and not (tmp_path / f"{rid}-1.log").read_text().count("step 0,"), log
         assert results[rid]["config"]["fault_tolerant"]["steps"][0]["step"] >= 4  # never from step 0
+    for rid in "ab":  # a step taken twice (a round restarted at 1 looks the same) is two lines of one history
+        mine = [json.loads(line)["step"] for line in (ckpt / rid / "steps.jsonl").read_text().splitlines()]
+        assert len(mine) == len(set(mine)), (rid, mine)
     steps = [json.loads(line) for rid in "ab" for line in (ckpt / rid / "steps.jsonl").read_text().splitlines()]
     taken = {}
     for s in steps:  # every step of the run once: in one round, by the same members, in every history
