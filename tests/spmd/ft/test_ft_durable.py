@@ -52,6 +52,15 @@ def parameters(ft: FaultTolerantDDP) -> list[torch.Tensor]:
     return [p.detach().clone() for p in ft.module.parameters()]
 
 
+def reference(steps: int) -> list[torch.Tensor]:
+    """The parameters after `steps` steps of one replica that nothing happened to."""
+    with Coordinator(0) as c:
+        whole, ft = replica("a", c.port)
+        train(whole, ft, steps)
+        whole.close()
+    return parameters(ft)
+
+
 def test_newcomers_never_start_the_run_again_below_its_committed_step():
     """The 413-for-320 bug: every holder dead, a newcomer formed a quorum at step 0 and the run began again."""
     with Coordinator(0) as c:
@@ -69,11 +78,7 @@ def test_newcomers_never_start_the_run_again_below_its_committed_step():
 
 
 def test_a_run_whose_replicas_and_coordinator_all_died_goes_on_from_disk_bitwise(tmp_path):
-    with Coordinator(0) as c:
-        whole, ft = replica("a", c.port)
-        train(whole, ft, 5)
-        expected = parameters(ft)
-        whole.close()
+    expected = reference(5)
     with Coordinator(0) as c:
         a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
         train(a, ft, 3)
@@ -184,11 +189,7 @@ def logged(folder) -> list[int]:
 
 def test_a_damaged_newest_checkpoint_resumes_from_the_one_before_and_the_history_holds_each_step_once(tmp_path):
     """Case 1 of issue 42's adversary: steps.jsonl held the step taken again twice."""
-    with Coordinator(0) as c:
-        whole, ft = replica("a", c.port)
-        train(whole, ft, 5)
-        expected = parameters(ft)
-        whole.close()
+    expected = reference(5)
     with Coordinator(0) as c:
         a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
         train(a, ft, 5)
