@@ -5,6 +5,7 @@ The benchmarks are scripts of the repository: `python bench/NAME.py`.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import sys
 
@@ -356,9 +357,13 @@ def check_train_args(args) -> str | None:
         return problem
     if args.checkpoint_dir:
         try:
-            check_checkpoint_dir(args.checkpoint_dir, args.resume)
+            check_checkpoint_dir(args.checkpoint_dir, args.resume or bool(args.fault_tolerant))
         except ValueError as e:
             return f"--checkpoint-dir: {e}"
+        if args.fault_tolerant and glob.glob(os.path.join(glob.escape(args.checkpoint_dir), "ckpt-*.pt")):
+            return (f"--checkpoint-dir: {args.checkpoint_dir!r} holds checkpoints itself (a replica's folder, or a "
+                    f"run without --fault-tolerant): give the run's folder, the same for every replica (each keeps "
+                    f"its own ID/ below it, and a replica started again goes on from there by itself)")
     return None
 
 
@@ -643,6 +648,9 @@ def run_replica(args) -> int:
         return 1
     except RuntimeError as e:  # the coordinator is gone, or a state that does not fit this model
         _error(f"replica {args.replica_id!r}: {_one_line(e)}")
+        return 1
+    except OSError as e:  # a checkpoint that cannot be written or read (the disk filled, the folder went away)
+        _error(f"replica {args.replica_id!r}: --checkpoint-dir {args.checkpoint_dir}: {_one_line(e)}")
         return 1
     finally:
         manager.close()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ...support.checkpoint import read_checkpoint, remove_orphans, save_checkpoint
 from ...support.files import write_json_atomic
 from . import keys
-from .history import append_step, logged_steps
+from .history import append_step, lock_folder, logged_steps
 from .look import peek
 
 __all__ = ["RunFinished", "CoordinatorLost", "committed_step", "record_committed", "finished_at", "mark_finished",
@@ -144,6 +144,7 @@ class Checkpoints:
         self.mine = os.path.join(self.directory, replica_id)
         self.id = replica_id
         self._last: int | None = None  # the last step in steps.jsonl (history.py), once read
+        lock_folder(self.mine)  # this replica's folder, for this process's life: a second run sharing it is refused
 
     def save(self, step: int, identity: dict, state: dict) -> str:
         """Write `state`, the run's state after `step` committed steps, atomically; keep the one before too."""

@@ -6,18 +6,25 @@ before, or received an older state) takes those steps again: `append_step` then 
 history back to the step before the one it logs, so that the file says what the run's state
 holds, each step once. `logged_steps` tells a folder that has a history from one that has none:
 with a history but no intact checkpoint, the run cannot go on, and must not start again from 0.
+
+`lock_folder` keeps a replica's folder its own for the process's life (a POSIX lock on
+`DIR/ID/.lock`, let go by the kernel when the process ends, however it ends): a second run given
+the same `--checkpoint-dir`, or the same replica started twice, is refused in one line before it
+writes anything, instead of the two overwriting each other's checkpoints mid-run.
 """
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
 
 from ...support.files import atomic_write
 
-__all__ = ["append_step", "logged_steps", "NAME"]
+__all__ = ["append_step", "logged_steps", "lock_folder", "NAME"]
 
 NAME = "steps.jsonl"
+_HELD: dict[str, int] = {}  # folder -> the open lock file: a POSIX lock is the process's, kept until it ends
 
 
 def _steps(path: str) -> list[tuple[int, str]]:
@@ -67,3 +74,22 @@ def logged_steps(directory: str) -> tuple[int, str] | None:
         if steps and (best is None or max(steps) + 1 > best[0]):
             best = (max(steps) + 1, path)
     return best
+
+
+def lock_folder(folder: str) -> None:
+    """Make `folder` (created if need be) this process's for its life; ValueError in one line if another holds it."""
+    if not isinstance(folder, (str, os.PathLike)) or not os.fspath(folder):
+        raise ValueError(f"folder must be a path, got {folder!r}")
+    folder = os.path.realpath(folder)
+    if folder in _HELD:
+        return  # this process holds it already (a Manager made again in one process)
+    os.makedirs(folder, exist_ok=True)
+    fd = os.open(os.path.join(folder, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ValueError(f"checkpoint folder {folder!r} is in use by another live process (a second run given the "
+                         f"same --checkpoint-dir, or this replica started twice): give this run its own "
+                         f"--checkpoint-dir, or stop the other first") from None
+    _HELD[folder] = fd

@@ -266,3 +266,34 @@ def test_a_finished_mark_of_another_run_does_not_end_this_one(tmp_path):
         other.refuse_if_finished(store, {"lr": 0.2, "seed": 0})  # not this run's end: nothing raised
         with pytest.raises(RunFinished, match="the run ended at step 5"):
             other.refuse_if_finished(store, {"lr": 0.1, "seed": 0})
+
+
+def test_a_replica_folder_held_by_another_live_process_is_refused_in_one_line(tmp_path):
+    """Case 40 of issue 42's adversary: two runs given one --checkpoint-dir overwrote each other mid-run."""
+    import subprocess
+    import sys
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from manualdp.spmd.ft.history import "
+                               "lock_folder; lock_folder(sys.argv[1]); print('held', flush=True); time.sleep(60)",
+                               str(tmp_path / "a")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ValueError, match=r"^checkpoint folder .*/a' is in use by another live process \(a second "
+                                             r"run given the same --checkpoint-dir, or this replica started twice\)"):
+            Checkpoints(str(tmp_path), "a")
+        Checkpoints(str(tmp_path), "b")  # another replica's folder is free
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    Checkpoints(str(tmp_path), "a")  # the kernel let go of the lock with the process
+
+
+def test_a_replicas_own_folder_given_as_the_runs_is_refused_with_a_hint_for_fault_tolerance(tmp_path, capsys):
+    """Case 7 of issue 42's adversary: the hint said "resume=True, --resume", which --fault-tolerant refuses."""
+    from manualdp.runners.cli import main
+    Checkpoints(str(tmp_path), "a").save(3, {}, {"w": torch.ones(1)})
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--fault-tolerant", "127.0.0.1:1", "--replica-id", "c", "--model", "mlp",
+              "--checkpoint-dir", str(tmp_path / "a")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "--resume" not in err[0]
+    assert "holds checkpoints itself (a replica's folder" in err[0] and "give the run's folder" in err[0]
