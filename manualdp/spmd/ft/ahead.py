@@ -11,9 +11,13 @@ call that needs it (`average`, `should_commit`, `Manager.quorum`) takes it:
   where nothing fails that is every step, and the quorum costs the step nothing but the wait
   for the slowest asker;
 - else (a member joined or left, one is behind, the group changes) the replica enters the quorum
-  as a synchronous `start_step` does (the state sent or received, the group formed), and the
-  step is discarded on every member (they all see the same quorum, so all take this path): its
-  forward and backward ran on the last quorum's state. The next step starts in the new quorum.
+  as a synchronous `start_step` does (the state sent or received, the group formed), averages
+  with the others as usual (a newcomer is not left waiting in its allreduce), and votes the step
+  down: its forward and backward ran on the last quorum's state. The members all see the same
+  quorum, so every one that asked ahead does so, and the step is discarded on all; the next one
+  starts in the new quorum.
+
+A commit's mark (`quorum.publish_mark`) is published by the thread too, before it asks again.
 
 A failure of the thread (no quorum in time, the run finished, the coordinator gone) is raised by
 the call that takes the answer.

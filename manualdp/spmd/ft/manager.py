@@ -106,6 +106,8 @@ class Manager(Phases):
         self._round = 0            # the last round this replica was in
         self._group: tuple[int, int] | None = None  # the process group held: (its number, its size)
         self._ok = False           # the step under way can still commit on this replica
+        self._stale = False        # its forward and backward ran on another quorum's state: voted down (ahead.py)
+        self._mark_due = False     # a commit's mark, published before the next ask (asked ahead: by that thread)
         self._in_step = False      # start_step() has run and should_commit() not yet
         self._sent: int | None = None  # the round whose state this replica wrote to the store
         self._since = 0            # the round of the last quorum it stepped in holding the agreed state (quorum.py)
@@ -168,6 +170,7 @@ class Manager(Phases):
             if not ahead or self._disk is not None:  # a save reads the state: before forward moves a buffer
                 self._make_durable()
             if not ahead:
+                self._publish_due()
                 return self._start_step()
             self._ahead.ask(self._ask_ahead)
             self._in_step, self._ok = True, True
@@ -220,21 +223,27 @@ class Manager(Phases):
             raise RuntimeError("should_commit() without a step under way: call start_step() first")
         self._in_step = False
         try:
-            committed = commit_or_discard(self.store, self._quorum, self.id, ok and self._ok, self._liveness,
-                                          self.timeout)
+            committed = commit_or_discard(self.store, self._quorum, self.id, ok and self._ok and not self._stale,
+                                          self._liveness, self.timeout)
         except RuntimeError as e:
             if store_gone(self.store):
                 raise self._lost(e) from None
             raise
-        self._ok = False
+        self._ok = self._stale = False
         if committed:
             self._pending.append({"step": self.step, "round": self._quorum.round, "members": self._quorum.ids})
             self.step += 1
-            if self.synced:
-                publish_mark(self.store, self.id, (self.step, self._since))
+            self._mark_due = self.synced
+            if self._ahead is None:  # else the thread publishes it, off the step's path, before it asks again
+                self._publish_due()
         else:
             self._leave_group()
         return committed
+
+    def _publish_due(self) -> None:
+        if self._mark_due:
+            self._mark_due = False
+            publish_mark(self.store, self.id, (self.step, self._since))
 
     def _leave_group(self) -> None:
         self._group = None

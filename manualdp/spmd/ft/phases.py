@@ -88,6 +88,7 @@ class Phases:
 
     def _ask_ahead(self) -> Quorum:
         """In `AskAhead`'s thread: make the last step durable (without a disk), ask for this step's quorum, hold it."""
+        self._publish_due()
         if self._disk is None:
             self._make_durable()
         quorum = wait_for_quorum(self.store, self._member(admission.canonical(self._settings)), self._liveness,
@@ -111,7 +112,9 @@ class Phases:
             return
         if self._enter(quorum, admission.canonical(self._settings)) is not None:
             self._in_step = True  # it voted discard: the caller's should_commit() reads that outcome again
-        self._ok = False  # forward and backward ran on the last quorum's state: every member discards (ahead.py)
+        # forward and backward ran on the last quorum's state: the allreduces go (nobody waits for this
+        # replica), and every member that asked ahead votes the step down (ahead.py)
+        self._stale = True
 
     def _hold(self, round_: int) -> None:
         """This replica holds the agreed state, as of quorum `round_`: say so to the others."""

@@ -127,7 +127,8 @@ def main(config: dict) -> None:
     index, fault, at = config["index"], config.get("fault"), config.get("at")
     manager = Manager(config["id"], "127.0.0.1", config["port"], min_replicas=config.get("min_replicas", 2),
                       timeout=config.get("timeout", 20), quorum_timeout=config.get("quorum_timeout", 5),
-                      heartbeat_interval=0.1, heartbeat_timeout=config.get("heartbeat_timeout", 1.0))
+                      heartbeat_interval=0.1, heartbeat_timeout=config.get("heartbeat_timeout", 1.0),
+                      async_quorum=config.get("async_quorum", False))
     model = build(config.get("seed", index))
     optimizer = make_optimizer(model.parameters(), config)
     if fault in ("kill_receive", "kill_send"):
