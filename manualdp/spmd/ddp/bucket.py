@@ -29,6 +29,7 @@ class FlaggedBucket(Bucket):
         self.used = self.flags[:k]  # `used_here` once sealed; after the allreduce, how many ranks used gradient i
         self.ready = self.flags[k:]  # `ready_here` once sealed; after the allreduce, how many ranks' hooks fired
         self.sparse = [False] * k  # whose gradient came sparse (densified here, sparse again after)
+        self.check = None  # the call check this step's allreduce carries (set on the worker by `step_check`), or None
 
     def copy_in(self, i: int, grad: torch.Tensor | None) -> None:
         super().copy_in(i, grad.to_dense() if grad is not None and grad.is_sparse else grad)
@@ -61,5 +62,6 @@ class FlaggedBucket(Bucket):
     def reset(self) -> None:
         super().reset()
         self.flags.zero_()
+        self.check = None
         self.used_here = [0] * len(self.params)
         self.ready_here = [0] * len(self.params)

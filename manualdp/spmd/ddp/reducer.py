@@ -14,7 +14,7 @@ averages go into `.grad`. Rung 5 = rung 4's `Bucket`
 
 What a feature may read or call (nothing else; the ddp tests hold them to it):
 - its settings: `group`, `rank`, `peers`, `device`, `timeout`, `segment_bytes`, `gradient_as_bucket_view`, `recorder`;
-- `buckets` (each a `FlaggedBucket`), `layout`, `algorithms`, `names` (per bucket), `params`, `steps`;
+- `buckets` (each a `FlaggedBucket`), `layout`, `algorithms`, `names` (per bucket), `params`, `steps`, `state`;
 - `locate(param)` -> (bucket, index in it); `index(param)`: torch's index (position in `params`); `name(index)`;
 - `arrived()`: the indices of the parameters whose gradient this backward pass produced;
 - `divisor` (what the sums are divided by) and `active` (ranks training this step), set by Join;
@@ -187,9 +187,10 @@ class Reducer:
 
     def allreduce_bucket(self, index: int, bucket: FlaggedBucket) -> None:
         """On the worker: sum `bucket.flat`, gradients and flags, over the group."""
-        # Straight to the executor: the arguments were checked at construction, and the ranks'
-        # calls once per step (`step_check.CallCheck`).
-        run_allreduce(bucket.flat, self.algorithms[index], self.state, self.segment_bytes, self.timeout)
+        # Straight to the executor: the arguments were checked at construction, and the ranks' calls
+        # once per step (`step_check.CallCheck`), alone or carried by each bucket (`bucket.check`).
+        run_allreduce(bucket.flat, self.algorithms[index], self.state, self.segment_bytes, self.timeout,
+                      check=bucket.check)
 
     @torch.no_grad()  # backward(create_graph=True) runs this callback with grad on; buckets are plain data
     def finish_backward(self) -> None:

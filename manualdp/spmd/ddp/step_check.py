@@ -1,10 +1,13 @@
-"""The drop-in's debug checks: the ranks compare their calls, once per step, or each bucket in debug mode.
+"""The drop-in's debug checks: the ranks compare their calls, as each bucket goes out, or in more words in debug mode.
 
-The ranks compare their calls once per step, not once per bucket: the forward pass (or else
-the first gradient hook) queues `check_same_call` for the whole step ahead of the buckets, so
-it runs while forward and backward compute, and the buckets go out unchecked (their sizes were
-compared at construction). A forward without a backward leaves it queued for the next step's.
-In debug mode every bucket is compared instead, in more words (`Desync`).
+On gloo each bucket's allreduce carries the call check with its data (`call_check.make_check`:
+size, dtype, algorithm, call number and the step): at two ranks as the tag the data travels on,
+so nothing more is sent while the ranks agree; from three ranks on as fixed-size headers beside
+its first round. Where a bucket cannot carry it (NCCL, a comm hook, the buffers' copy before a
+forward, which has no check of its own), the forward pass (or else the first gradient hook)
+queues `check_same_call` for the whole step ahead of the buckets, and they go out unchecked.
+A forward without a backward leaves the step's check queued for the next step's. In debug mode
+every bucket is compared instead, in more words (`Desync`).
 
 The check compares the step too, as the ladder's rungs do: the number of forward passes that began
 a synchronised step (a joined rank's shadow step counts as one). A backward pass that no forward
@@ -19,7 +22,7 @@ import concurrent.futures
 import contextlib
 
 from ..transport.agree import ANY, agree
-from ..transport.call_check import check_same_call
+from ..transport.call_check import check_same_call, make_check
 from .graph import refuse_in_backward_optimizers
 from .comm_hook import check_same_hook
 from .init_sync import kept_named
@@ -30,12 +33,12 @@ __all__ = ["CallCheck", "Desync"]
 
 
 class CallCheck(Feature):
-    """The step's call check, queued on the reducer's worker ahead of the step's buckets.
+    """The step's call check: carried by each bucket (`carried`), or queued on the reducer's worker ahead of them.
 
-    One `check_same_call` for all buckets (their total size, bucket 0's algorithm): a rank that
-    is out of step, or calls some other allreduce meanwhile, meets this fixed-size table instead
-    of a bucket, and every rank raises in one line. At the first synchronised step the ranks
-    also compare their comm hooks, and in-backward optimizers are refused.
+    Alone, one `check_same_call` for all buckets (their total size, bucket 0's algorithm). Either
+    way a rank that is out of step, or calls some other allreduce meanwhile, meets a call of
+    another fingerprint instead of its peers' bucket, and every rank raises in one line. At the
+    first synchronised step the ranks also compare their comm hooks, and in-backward optimizers are refused.
     """
 
     def __init__(self, reducer, module, ignored: set[str], world_size: int, debug: bool, number: int) -> None:
@@ -47,19 +50,24 @@ class CallCheck(Feature):
         self.started = False  # the first synchronised step has come: the hooks were compared
         self.comm_hook = None  # the registered `CommHook`, compared at the first step
         self.future: concurrent.futures.Future | None = None  # this step's check, or None
+        self.queued = False  # this step's check is queued, or its buckets carry it
+        self.alone = False  # this step's calls are compared by a check of their own, not carried by the buckets
         self.steps = 0  # forward passes (or joined ranks' shadow steps) that began a synchronised step: compared
 
     def backward_start(self) -> None:
         self.queue(new_step=False)  # a backward whose forward did not queue it: it belongs to the last step
 
     def __getstate__(self):
-        return self.__dict__ | {"future": None, "comm_hook": None, "started": False}
+        return self.__dict__ | {"future": None, "comm_hook": None, "started": False, "queued": False, "alone": False}
 
     def queue(self, new_step: bool = True, force: bool = False) -> None:
         """Queue the step's check, unless this step already has it; `new_step`: a forward pass begins the step;
         `force`: compare the calls in debug mode too."""
-        if self.future is None:
+        if not self.queued:
+            self.queued = True
             self.steps += new_step
+            self.future = self._submit(force)
+        elif force and not self.alone:  # the buckets were to carry it, but something unchecked goes first
             self.future = self._submit(force)
 
     def settle(self) -> None:
@@ -67,19 +75,33 @@ class CallCheck(Feature):
         self.queue(force=True)
         self.before_reduce(0, None)
 
+    def carried(self) -> bool:
+        """Whether each bucket carries the step's call check with its data (gloo, manualdp's own allreduce): at two
+        ranks as the tag its data travels on (no message more), from three on as headers beside its first round."""
+        r = self.reducer
+        return self.enabled and not self.debug and self.comm_hook is None and self.world_size > 1 and r.state.early
+
     def before_reduce(self, index: int, bucket) -> None:
         if self.future is not None:
             self.future.result()  # done (the worker runs in order); raises if the ranks called differently
+        if bucket is not None and not self.alone and self.carried():
+            r, algorithm = self.reducer, self.reducer.algorithms[index]
+            if index > 0 and (error := r.buckets[index - 1].future.exception()) is not None:
+                raise error  # every rank refused the bucket before (or the worker stopped): send nothing more
+            bucket.check = _Named(make_check(r.state, bucket.flat, algorithm, r.segment_bytes, r.timeout,
+                                             schedule=algorithm, step=stamped(self.number, self.steps)))
 
     def reset(self) -> None:
-        self.future = None
+        self.future, self.queued, self.alone = None, False, False
 
     def _submit(self, force: bool = False) -> concurrent.futures.Future | None:
         r = self.reducer
         if not self.started:  # the first synchronised step: torch sets up in-backward optimizers here
             refuse_in_backward_optimizers(kept_named(self.module.named_parameters(), self.ignored))
         hooks, self.started = not self.started, True
-        calls = self.enabled and (force or not self.debug)  # debug: each bucket is checked, in more words
+        # debug: each bucket is checked, in more words; else each bucket carries the check where it can
+        calls = self.enabled and (force or not (self.debug or self.carried()))
+        self.alone = calls
         if self.world_size == 1 or not (hooks or calls):
             return None
         first, total = r.buckets[0].flat, sum(b.flat.numel() for b in r.buckets)
@@ -95,6 +117,24 @@ class CallCheck(Feature):
                     with naming_wrappers():
                         check_same_call(*call, numel=total, step=step)
         return r.submit(run)
+
+
+class _Named:
+    """A call check carried by a bucket, whose refusal names the wrappers and their steps (`naming_wrappers`)."""
+
+    def __init__(self, check) -> None:
+        self.check = check
+
+    def __getattr__(self, name: str):
+        return getattr(self.check, name)
+
+    def __call__(self) -> None:
+        with naming_wrappers():
+            self.check()
+
+    def landed(self) -> None:
+        with naming_wrappers():
+            self.check.landed()
 
 
 class Desync(Feature):
