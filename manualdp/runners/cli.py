@@ -590,6 +590,13 @@ def run_train(args) -> int:
 
 def run_replica(args) -> int:
     """`manualdp train --fault-tolerant`: one replica, training through the failures of the others."""
+    from .cpp_log import store_logs_dropped
+
+    with store_logs_dropped():  # a lost coordinator is one line, not thirty of C++ logs around it
+        return _run_replica(args)
+
+
+def _run_replica(args) -> int:
     import torch
 
     from ..spmd.ft import Manager
