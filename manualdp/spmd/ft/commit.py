@@ -43,10 +43,11 @@ def commit_or_discard(store: dist.Store, quorum: Quorum, replica_id: str, ok: bo
     """Vote `ok` for `quorum`'s step, then return whether every member commits it (the same answer on all)."""
     round_, decided, whole = quorum.round, keys.outcome(quorum.round), store
     store.set(keys.vote(round_, replica_id), "1" if ok else "0")
-    deadline = time.monotonic() + timeout
+    deadline, first = time.monotonic() + timeout, True
     while True:
         store = look(whole)  # each pass decides from one read of each key
-        outcome = peek(store, decided) or b""
+        # the first pass proposes without reading the outcome: compare_set answers with the one written, if any
+        outcome, first = b"" if first else peek(store, decided) or b"", False
         if outcome in (b"commit", b"discard"):
             return outcome == b"commit"
         if outcome:
