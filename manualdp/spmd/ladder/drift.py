@@ -7,14 +7,15 @@ from other seeds. Each rank trains on, and the run ends with as many models as r
 
 So every wrapper (the rungs, the drop-in, ZeRO; `fully_shard` may call `check_replicas` on its
 shards) counts its steps and, at its first step and every `every` steps after, compares the
-parameters across the ranks (`DriftCheck.tick`): one 64-bit digest per parameter, the sum of its
-bit patterns read as integers (a pass over the parameters' memory, no copy), then the ranks'
+parameters across the ranks (`DriftCheck.tick`): one 64-bit digest per parameter, a sum of its
+bit patterns read as integers, each weighted by its position (`digests`: a plain sum would miss a
+permuted parameter, a square weight loaded transposed on one rank), then the ranks'
 agreement (`transport.agree.agree`: a round trip of 8 bytes per rank that compares the calls,
 and one that compares the digests). Replicas are bitwise equal after every step (the collectives
 leave every rank the same bits, and the optimizers step alike), so any difference is drift: every
 rank raises, naming the first parameter that differs. `every=0` turns the check off.
 
-Its cost, a sum over the parameters and two small round trips every `every` steps, is in
+Its cost, a weighted sum over the parameters and two small round trips every `every` steps, is in
 `bench/drift_cost.py`.
 """
 from __future__ import annotations
@@ -30,20 +31,44 @@ __all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests"]
 # steps between two checks by default: a check cost about a tenth of a LeNet step on 2 CPU ranks (5 of 60 ms,
 # bench/drift_cost.py), so under 0.1% of the run at this interval, while a drift is caught within 100 steps
 DRIFT_CHECK_EVERY = 100
-# a view of each element size as integers, whose sum is the digest (complex dtypes as their real pairs)
+# a view of each element size as integers, whose weighted sum is the digest (complex dtypes as their real pairs)
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# elements weighted at once: the weights (and one product) are this many int64s, 8 MiB, whatever the parameter's size
+_CHUNK = 1 << 20
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # device -> the odd weights 1, 3, 5, ... of a chunk's elements
+
+
+def _weights(device: torch.device) -> torch.Tensor:
+    """The odd weights 1, 3, 5, ... of `_CHUNK` elements on `device`, made once."""
+    if device not in _WEIGHTS:
+        _WEIGHTS[device] = torch.arange(_CHUNK, dtype=torch.int64, device=device) * 2 + 1
+    return _WEIGHTS[device]
+
+
+def _digest(bits: torch.Tensor) -> torch.Tensor:
+    """sum(bits[k] * (2 (k mod C) + 1) * (2 (k div C) + 1)) over a flat integer tensor, wrapping at 64 bits.
+
+    Order-sensitive (two elements that trade places change it unless they are equal), and every weight
+    is odd, so one changed element always changes it (an odd factor never turns a nonzero
+    difference into zero modulo 2**64).
+    """
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    weights = _weights(bits.device)
+    for index, start in enumerate(range(0, bits.numel(), _CHUNK)):
+        part = bits[start:start + _CHUNK]
+        total += (part * weights[:part.numel()]).sum() * (2 * index + 1)
+    return total
 
 
 def digests(named_tensors) -> dict[str, int]:
-    """name -> a 64-bit digest of the tensor's bits (their sum, read as integers), for each (name, tensor)."""
+    """name -> a 64-bit digest of the tensor's bits, in its logical order (a sum weighted by position; `_digest`)."""
     names, sums = [], []
     for name, t in named_tensors:
         flat = t.detach().reshape(-1)
         if flat.is_complex():
             flat = torch.view_as_real(flat).reshape(-1)
         names.append(name)
-        sums.append(flat.view(_INTS[flat.element_size()]).sum(dtype=torch.int64) if flat.numel() else
-                    torch.zeros((), dtype=torch.int64, device=flat.device))
+        sums.append(_digest(flat.view(_INTS[flat.element_size()])))
     values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []  # one copy to the host
     return dict(zip(names, values))
 

@@ -85,6 +85,52 @@ def test_replicas_that_drift_apart_raise_on_every_rank_naming_the_first_paramete
         assert out["zero", 0] is None, (rank, out["zero", 0])
 
 
+def _permuted_job():
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for name in ("FlatDDP", "DistributedDataParallel"):
+        net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+        net[0].weight.requires_grad_(False)  # frozen: no step would ever bring the ranks' copies together
+        model = WRAPPERS[name](net, timeout=20, drift_check_every=1)
+
+        def transpose(step, net=net):
+            if step == 0 and rank == 1:  # loaded transposed: the same elements, in another order
+                with torch.no_grad():
+                    net[0].weight.copy_(net[0].weight.t().clone())
+        out[name, "transposed"] = _train(model, x, 2, transpose)
+        net = _net()
+        model = WRAPPERS[name](net, timeout=20, drift_check_every=1)
+
+        def last(step, net=net):
+            if step == 0 and rank == 1:  # the last element of the last parameter
+                with torch.no_grad():
+                    net[2].bias.view(-1)[-1] = torch.nextafter(net[2].bias[-1], net[2].bias[-1] + 1)
+        out[name, "last"] = _train(model, x, 2, last)
+    return out
+
+
+def test_a_permuted_parameter_or_a_changed_last_element_is_caught_at_the_first_check():
+    for rank, out in enumerate(launch(_permuted_job, 2, timeout=240)):
+        for who in ("FlatDDP", "DistributedDataParallel"):
+            _raised(out[who, "transposed"], rank, who, 0, "0.weight")
+            _raised(out[who, "last"], rank, who, 0, "2.bias")
+
+
+def test_a_digest_changes_with_the_order_of_the_elements_and_with_the_last_one():
+    torch.manual_seed(0)
+    square, long = torch.randn(5, 5), torch.randn(3 * 1024 * 1024 + 7)  # over three chunks of weights
+    assert digests([("w", square)]) != digests([("w", square.t())])
+    swapped = long.clone()
+    swapped[[1, 1024 * 1024 + 1]] = swapped[[1024 * 1024 + 1, 1]]  # the same place in two chunks
+    assert digests([("w", long)]) != digests([("w", swapped)])
+    for t in (square, long):
+        changed = t.clone()
+        changed.view(-1)[-1] = torch.nextafter(changed.view(-1)[-1], changed.view(-1)[-1] + 1)
+        assert digests([("a", t), ("w", t)])["w"] != digests([("a", t), ("w", changed)])["w"]
+
+
 def test_a_digest_changes_with_one_bit_of_any_dtype_or_layout():
     tensors = {"f32": torch.randn(3, 4), "f16": torch.randn(5).half(), "f64": torch.randn(2, 3).double().t(),
                "c64": torch.randn(3, dtype=torch.complex64), "empty": torch.zeros(0), "int": torch.arange(6)}
