@@ -2,7 +2,8 @@
 
 At construction every rank must hold the same model and build the same buckets with the same
 settings, or their messages would pair up wrong: the wrapper compares the model
-(`transport.agree.check_same_model`) and its communication layout (`comm_layout`, by
+(`transport.agree.check_same_model`, its first exchange a checked call, so that a rank in another
+collective meanwhile, out of step, is named at once on every rank, not waited out) and its communication layout (`comm_layout`, by
 `check_same_layout`), then `transport.agree.broadcast_from_rank0` gives every rank rank 0's
 parameters and buffers (`state_tensors`), leaving out those torch's private API ignores.
 """
@@ -28,7 +29,7 @@ def compare_and_copy(ddp, module: nn.Module, ignored: set[str], buckets: list[li
     parameters and buffers (those `more` says are copied) everywhere."""
     group = ddp.process_group
     check_same_model(KeptModule(module, ignored) if ignored else module, group,
-                     what="DistributedDataParallel's model", timeout=ddp.timeout)
+                     what="DistributedDataParallel's model", timeout=ddp.timeout, check=True)
     # Before "auto" calibrates: a rank asking for another algorithm would not join that collective.
     check_same_layout(comm_layout(ddp, buckets, caps, rebuild_buckets) | more, group, ddp.world_size)
     copied = state_tensors(module, ignored, params=True, buffers=more["buffers copied at construction"])

@@ -113,15 +113,19 @@ def _digest(fields: dict[str, str]) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def check_same_model(module: nn.Module, group=None, *, what: str = "the model", timeout: float | None = None) -> None:
-    """Raise on every rank unless every rank's `module` has the same parameter and buffer names, shapes and dtypes."""
+def check_same_model(module: nn.Module, group=None, *, what: str = "the model", timeout: float | None = None,
+                     check: bool = False) -> None:
+    """Raise on every rank unless every rank's `module` has the same parameter and buffer names, shapes and dtypes.
+
+    `check`: compare the calls first (`agree`'s), so that a rank in another collective is named at once.
+    """
     fields = {"parameters and buffers": sum(1 for _ in module.named_parameters())
                                         + sum(1 for _ in module.named_buffers())}
     for kind, named in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
         for name, t in named:
             fields[f"{kind} {name}"] = (f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
                                         + (" frozen" if kind == "parameter" and not t.requires_grad else ""))
-    agree(what, fields, group, hint="every rank must build the same model", timeout=timeout)
+    agree(what, fields, group, hint="every rank must build the same model", timeout=timeout, check=check)
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group=None, timeout: float | None = None, src: int = 0) -> None:

@@ -42,3 +42,24 @@ def test_one_rank_calling_an_allreduce_of_its_own_before_a_step_raises_on_every_
                 assert message is not None and "PeerError" not in message, (buffers, debug, rank, message)
                 assert f"rank {rank}: allreduce called differently across ranks: elements " in message, message
                 assert out[buffers, debug, "after"] is None, out[buffers, debug, "after"]
+
+
+def _construct_job():
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+
+    def desync():
+        if rank == 0:
+            allreduce(torch.ones(2), timeout=20)
+        else:
+            DistributedDataParallel(nn.Linear(4, 2), timeout=20)
+    return error_of(desync), error_of(lambda: allreduce(torch.ones(3), timeout=20))  # then still in step
+
+
+def test_one_rank_calling_an_allreduce_while_the_other_builds_the_drop_in_raises_on_every_rank_naming_the_calls():
+    # before: both ranks waited out the timeout, then a PeerError ("may have died or hung", "connection closed")
+    for rank, (message, after) in enumerate(launch(_construct_job, 2, timeout=120)):
+        assert message is not None and "PeerError" not in message, (rank, message)
+        assert f"rank {rank}: allreduce called differently across ranks: " in message, message
+        assert "dtype " in message, message
+        assert after is None, (rank, after)
