@@ -12,7 +12,9 @@ rung 2 of the ladder, on the book's schedules), asks the members whether to comm
 the optimizer only if they all can. It returns True when the step was applied, False when
 it was discarded (a member failed: nothing changed, and the same batch is taken again); it
 leaves no gradients behind either way. A replica that joins receives the model's and the
-optimizer's state from a member at the highest step before its first step.
+optimizer's state from a member at the highest step before its first step. With a
+`Manager(async_quorum=True)`, `start_step()` returns at once and the quorum is decided during
+forward and backward (`ahead.py`): the fast setting, and the one `bench/ft.py` measures.
 
 The math when a member leaves: the gradient of a step is the mean of its members' shard
 gradients, (1/|M|) sum over i in M of g_i. With equal shards that is the gradient of the mean

@@ -10,7 +10,9 @@
 you. A replica that dies costs the others the step it interrupted: their allreduce fails, they
 vote to discard it, and the next `start_step` forms a quorum without it. A replica that comes
 back (the same id, a new process) asks in, receives the state of a member at the highest step,
-and trains on.
+and trains on. With `async_quorum=True` the quorum is asked in a thread while forward and
+backward run (`ahead.py`, as torchft's async quorum): a step where nothing changed waits for no
+store round trip but its vote's; one whose quorum changed is voted down, and the next one starts in it.
 """
 from __future__ import annotations
 
