@@ -10,7 +10,8 @@ each parameter padded to ceil(rows / W) rows in every segment:
 
 Every segment carries a short tail: the unit's number, how many all-gathers (or reduce-scatters) it has
 run and whether for backward. Ranks that run other units, or one more, see each other's tails and raise,
-naming the unit, instead of mixing two units' numbers. A reduce-scatter's tail also counts, per
+naming the unit, instead of mixing two units' numbers; a reduce-scatter's tail also holds the rank's divide
+factor, and ranks that divide by different ones raise, naming both. A reduce-scatter's tail also counts, per
 parameter, the ranks that produced a gradient: a parameter no rank used in this step gets no gradient
 (the optimizer skips it, as with torch's FSDP2). (One used on some ranks only makes those ranks send the
 unit's gradients earlier than the others: the collectives' call check then raises on every rank.)
@@ -89,7 +90,7 @@ def reduce_scatter_grads(unit, jobs, count: int) -> list[tuple[Param, torch.Tens
     with unit.span(f"reduce_scatter {unit.name}", "comm", "comm"):
         for dtype, members, grads in jobs:
             data = sum(p.padded for p in members)
-            S = data + 2 * W + len(members)  # the tails: (unit, count) per rank, then a flag per parameter
+            S = data + 3 * W + len(members)  # the tails: (unit, count, factor) per rank, then a flag per parameter
             device = next((g.device for g in grads if g is not None), members[0].sharded.device)
             flat = torch.zeros(W * S, dtype=dtype, device=device)
             segments = flat.view(W, S)
@@ -98,13 +99,15 @@ def reduce_scatter_grads(unit, jobs, count: int) -> list[tuple[Param, torch.Tens
                 if grad is not None:
                     _copy_in(segments[:, at:at + p.padded], grad, p)
                 at += p.padded
-            segments[:, data + 2 * unit.rank] = unit.number
-            segments[:, data + 2 * unit.rank + 1] = count
-            segments[:, data + 2 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
-            mine = reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
-            _check_tails(unit, mine[data:data + 2 * W].view(W, 2).tolist(), "reduce-scatter", count)
-            used = mine[data + 2 * W:].tolist()
             factor = unit.divide_factor if unit.divide_factor is not None else W
+            segments[:, data + 3 * unit.rank:data + 3 * unit.rank + 3] = torch.tensor(
+                [unit.number, count, factor], dtype=torch.float64)
+            segments[:, data + 3 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
+            mine = reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
+            tails = mine[data:data + 3 * W].view(W, 3).tolist()
+            _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
+            _check_factor(unit, [t[2] for t in tails])
+            used = mine[data + 3 * W:].tolist()
             at = 0
             for p, users in zip(members, used):
                 if users > 0:  # no rank produced a gradient: none, as torch's FSDP2 leaves it
@@ -124,6 +127,16 @@ def _check_tails(unit, tails: list[list[float]], what: str, count: int) -> None:
             f"rank {unit.rank}: fully_shard's {what} of unit {_label(unit)} met other units "
             f"or counts on other ranks ({per_rank} mod 64): every rank must run the same units in "
             "the same order, the same number of times"))
+
+
+def _check_factor(unit, factors: list[float]) -> None:
+    """Raise on every rank unless every rank divides the summed gradients by the same factor (as the reduce dtype
+    holds it): else each rank's rows would be divided by its own, a gradient mixed silently."""
+    if any(f != factors[0] for f in factors):
+        per_rank = ", ".join(f"rank {r}: {f}" for r, f in enumerate(factors))
+        raise refused_alike(UnitMismatch(
+            f"rank {unit.rank}: fully_shard's reduce-scatter of unit {_label(unit)} divides by another gradient divide "
+            f"factor on other ranks ({per_rank}): call set_gradient_divide_factor alike on every rank"))
 
 
 def _check_trainable(unit, codes: list[int]) -> None:

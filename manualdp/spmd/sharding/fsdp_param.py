@@ -107,6 +107,12 @@ class Param:
         gets no gradient)."""
         self.requires_grad, self.full, self.accumulated = requires_grad, None, None
 
+    def carry_requires_grad(self) -> None:
+        """While gathered, `model.parameters()` yields the full form: a `requires_grad_` the user set on it goes to
+        the shard, which the next gather follows (one set on the shard then too is overruled: the modules' is kept)."""
+        if self.full is not None and self.full.requires_grad != self.requires_grad:
+            self.sharded.requires_grad_(self.full.requires_grad)
+
     def put(self, t: torch.Tensor) -> None:
         """Put `t` (the shard or the full form) in every module slot this parameter has."""
         for sub, attr in self.slots:

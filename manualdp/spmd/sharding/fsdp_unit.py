@@ -145,7 +145,8 @@ class Unit:
 
     def follow_requires_grad(self) -> None:
         """Take each shard's `requires_grad` as it is now: a user may freeze or unfreeze a parameter after
-        `fully_shard`, and the next forward follows it (as torch's FSDP2 does at each all-gather)."""
+        `fully_shard`, and the next forward follows it (as torch's FSDP2 does at each all-gather); one set on a full
+        parameter while gathered reached the shard when it was freed (`Param.carry_requires_grad`)."""
         changed = [p for p in self.params if p.sharded.requires_grad != p.requires_grad]
         for p in changed:
             p.set_trainable(p.sharded.requires_grad)
@@ -200,6 +201,8 @@ class Unit:
             self._drop()
 
     def _drop(self) -> None:
+        for p in self.params:
+            p.carry_requires_grad()
         self.use(full=False)
         for p in self.params:
             if p.full is not None:

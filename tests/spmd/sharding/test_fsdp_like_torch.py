@@ -98,8 +98,26 @@ def _requires_grad_after_sharding(shard_fn, rank, n):
     shard_fn(bitfit, reshard_after_forward=2)
     for name, p in bitfit.named_parameters():
         p.requires_grad_("bias" in name)
-    return {"frozen": _train(frozen, rank, n), "unfrozen": _train(early, rank, n),
-            "switched": _train(_stack(shard_fn), rank, n, between=switch), "bitfit": _train(bitfit, rank, n)}
+    got = {"frozen": _train(frozen, rank, n), "unfrozen": _train(early, rank, n),
+           "switched": _train(_stack(shard_fn), rank, n, between=switch), "bitfit": _train(bitfit, rank, n)}
+    if shard_fn is fully_shard:  # torch's follows these until its next reshard only: one process is the reference
+        for case, unfreeze in (("unfrozen gathered", True), ("frozen gathered", False)):
+            got[case] = _train(_stack(shard_fn), rank, n, between=_while_gathered(rank, n, unfreeze))
+    return got
+
+
+def _while_gathered(rank, n, unfreeze):
+    """Before step 0, a forward with no backward (the root keeps its full parameters, which `model.parameters()`
+    yields then); `unfreeze`: the model frozen before it and unfrozen after; else the head frozen after it and,
+    at step 2, unfrozen again through its shards."""
+    def between(model, k):
+        if k == 0:
+            model.requires_grad_(not unfreeze)
+            model(_data(rank, n)[0])
+            (model if unfreeze else model.head).requires_grad_(unfreeze)
+        if k == 2 and not unfreeze:
+            model.head.requires_grad_(True)
+    return between
 
 
 @dataclasses.dataclass
@@ -330,6 +348,15 @@ def _frozen_on_one_rank(rank, n):
     return _refusal(lambda: ((model(X) - y) ** 2).sum().backward())
 
 
+def _factor_apart(rank, n):
+    """Rank 0 sums (factor 1.0), rank 1 halves (2.0): the reduce-scatter's tails name both on every rank."""
+    model = _stack(fully_shard)
+    for unit in (model, *model.layers):
+        unit.set_gradient_divide_factor(1.0 if rank == 0 else 2.0)
+    X, y = _data(rank, n)
+    return _refusal(lambda: ((model(X) - y) ** 2).sum().backward())
+
+
 def _init_seeded_apart(rank):
     """Each rank seeds `init_full` with its own rank: every rank raises naming a parameter, nothing changes."""
     model = _stack(fully_shard)
@@ -363,6 +390,7 @@ def _job():
     out["classes"] = _case(_classes)
     out["meta"] = {"init_full": _case(_meta_init, True), "reset": _case(_meta_init, False)}
     out["init seeded apart"] = _init_seeded_apart(rank)
+    out["factor apart"] = _factor_apart(rank, n)
     out["frozen on one rank"] = _frozen_on_one_rank(rank, n)  # last: it leaves the ranks' units out of step
     return out
 
@@ -377,10 +405,10 @@ def results():
     return _results()
 
 
-def _same(ours, theirs, what):
+def _same(ours, theirs, what, atol=1e-6):
     assert list(ours) == list(theirs), what
     for k in ours:
-        torch.testing.assert_close(ours[k], theirs[k], rtol=0, atol=1e-6, msg=f"{what}: {k}")
+        torch.testing.assert_close(ours[k], theirs[k], rtol=0, atol=atol, msg=f"{what}: {k}")
 
 
 def test_requires_grad_changed_after_sharding_is_followed_as_torch_does(results):
@@ -395,6 +423,17 @@ def test_requires_grad_changed_after_sharding_is_followed_as_torch_does(results)
         assert not frozen["had grad"]["layers.0.weight"] and frozen["had grad"]["layers.0.bias"]
         unfrozen = got["ours"]["requires_grad"]["unfrozen"]
         assert not torch.equal(unfrozen["params"]["layers.2.weight"], start["layers.2.weight"]), "unfrozen: trains"
+
+def test_requires_grad_set_on_the_full_parameters_of_a_gathered_root_is_kept_as_one_process_keeps_it(results):
+    """A forward with no backward leaves the root gathered: `model.parameters()` yields its full parameters, and
+    what `requires_grad_` sets on them holds from then on (torch's FSDP2 forgets it at the next reshard)."""
+    for case, unfreeze in (("unfrozen gathered", True), ("frozen gathered", False)):
+        single = _train(Stack(), 0, 1, between=_while_gathered(0, 1, unfreeze))
+        assert single["had grad"]["head.weight"], case
+        for r, got in enumerate(results):
+            ours = got["ours"]["requires_grad"][case]
+            assert ours["had grad"] == single["had grad"], (r, case)
+            _same(ours["params"], single["params"], f"rank {r} {case}", atol=1e-5)  # summed in another order
 
 
 def test_unit_outputs_in_dataclasses_and_namedtuples_are_gathered_for_backward(results):
@@ -490,6 +529,13 @@ def test_requires_grad_changed_on_one_rank_only_is_named_on_every_rank(results):
     for r, got in enumerate(results):
         assert got["frozen on one rank"].startswith(f"UnitMismatch: rank {r}: fully_shard's unit 3 (FSDPLinear "
                                                     "layers.1) trains other parameters on other ranks"), got
+
+
+def test_a_divide_factor_that_differs_across_ranks_is_named_on_every_rank(results):
+    for r, got in enumerate(results):
+        assert got["factor apart"] == (f"UnitMismatch: rank {r}: fully_shard's reduce-scatter of unit 1 (FSDPStack) "
+                                       "divides by another gradient divide factor on other ranks (rank 0: 1.0, rank "
+                                       "1: 2.0): call set_gradient_divide_factor alike on every rank"), got
 
 
 def test_init_full_starts_a_meta_model_where_one_process_starts(results):
