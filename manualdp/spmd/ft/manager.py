@@ -34,6 +34,7 @@ from .heartbeat import Heartbeat, Liveness, register
 from .phases import Phases, without_traceback
 from .quorum import POLL, Quorum, publish_mark
 from .quorum_group import drop_group
+from .recovery import check_loadable, plan_recovery, receive_state, send_state  # here: the fault harnesses patch them
 
 __all__ = ["Manager", "CoordinatorLost"]
 
@@ -189,6 +190,22 @@ class Manager(Phases):
         """The quorum of the step under way (one asked ahead is taken first), or of the last one; None before any."""
         self._settle()
         return self._quorum
+
+    def _exchange_state(self, quorum: Quorum) -> tuple[dict, str, str] | None:
+        """Send the state to the members that need it from this replica; receive it if this one needs it (`phases.py`).
+
+        Returns (state, source, sha256) when this replica received one, else None.
+        """
+        plan = plan_recovery(quorum)
+        if self.id in plan.values():
+            state = self.state_dict()
+            send_state(self.store, quorum.round, self.id, state)
+            self._sent = quorum.round
+            check_loadable(state, self.id)  # after sending: the receivers do not wait for it
+        if self.id not in plan:
+            return None
+        state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
+        return state, plan[self.id], digest
 
     def average(self, tensor: torch.Tensor) -> bool:
         """Average `tensor` in place over the quorum's members; False (and the step cannot commit) if a member failed.

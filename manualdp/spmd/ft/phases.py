@@ -16,7 +16,7 @@ from . import admission
 from .ahead import fast
 from .quorum import PATIENCE, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import form_group
-from .recovery import check_loadable, forget_state, plan_recovery, receive_state, send_state
+from .recovery import forget_state
 
 __all__ = ["Phases", "without_traceback"]
 
@@ -120,22 +120,6 @@ class Phases:
         """This replica holds the agreed state, as of quorum `round_`: say so to the others."""
         self.synced, self._since = True, round_
         publish_mark(self.store, self.id, (self.step, self._since))
-
-    def _exchange_state(self, quorum: Quorum) -> tuple[dict, str, str] | None:
-        """Send the state to the members that need it from this replica; receive it if this one needs it.
-
-        Returns (state, source, sha256) when this replica received one, else None.
-        """
-        plan = plan_recovery(quorum)
-        if self.id in plan.values():
-            state = self.state_dict()
-            send_state(self.store, quorum.round, self.id, state)
-            self._sent = quorum.round
-            check_loadable(state, self.id)  # after sending: the receivers do not wait for it
-        if self.id not in plan:
-            return None
-        state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
-        return state, plan[self.id], digest
 
 
 def without_traceback(error: BaseException) -> BaseException:
