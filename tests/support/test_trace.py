@@ -91,10 +91,8 @@ def test_spmd_trace_has_each_buckets_ready_allreduce_and_wait_in_order(tmp_path)
         allreduces = sorted((e for e in spans["comm"] if "bucket" in e["args"]), key=lambda e: e["ts"])
         buckets = sorted({e["args"]["bucket"] for e in allreduces})
         assert len(buckets) >= 2 and len(allreduces) == steps * len(buckets)
-        checks = sorted((e for e in spans["comm"] if e["name"] == "step check"), key=lambda e: e["ts"])
-        firsts = [e for e in allreduces if e["args"]["bucket"] == buckets[0]]
-        assert len(checks) == steps  # one call check per step, each ended before the step's first bucket went out
-        assert all(c["ts"] + c["dur"] <= f["ts"] + 1e-3 for c, f in zip(checks, firsts))
+        # each bucket's allreduce carries the step's call check (on gloo): no exchange of its own to show
+        assert not [e for e in spans["comm"] if e["name"] == "step check"]
         waits = sorted((e for e in spans["compute"] if e["cat"] == "wait"), key=lambda e: e["ts"])
         ready = sorted((e for e in data["traceEvents"] if e["ph"] == "i" and e["pid"] == rank), key=lambda e: e["ts"])
         for s in range(steps):
