@@ -192,15 +192,17 @@ def test_check_same_layout_refuses_bad_arguments_before_any_communication():
 
 
 def _checks_per_step():
-    """A 3-bucket wrapper for 3 steps: what goes through the worker, in order."""
+    """A 3-bucket wrapper for 3 steps: what goes through the worker, in order (a bucket: its size, whether it carries
+    a call check)."""
     from manualdp.spmd.ddp import reducer, step_check as ddp_debug
     from manualdp.spmd.ddp.wrapper import DistributedDataParallel
     seen = []
     check, reduce = ddp_debug.check_same_call, reducer.run_allreduce
     ddp_debug.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)),
                                                                  check(t, *a, numel=numel, **k))[1]
-    # buckets go straight to the executor, which checks nothing
-    reducer.run_allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel())), reduce(t, *a, **k))[1]
+    # buckets go straight to the executor, carrying the step's call check on gloo
+    reducer.run_allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel(), k.get("check") is not None)),
+                                                reduce(t, *a, **k))[1]
     try:
         torch.manual_seed(0)
         net = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
@@ -216,11 +218,11 @@ def _checks_per_step():
         ddp_debug.check_same_call, reducer.run_allreduce = check, reduce
 
 
-def test_the_wrapper_checks_each_step_once_ahead_of_its_buckets_which_go_unchecked():
-    # Queued by the forward pass; a second forward before the backward queues no second check.
+def test_on_gloo_each_bucket_carries_the_steps_call_check_and_no_check_goes_alone():
+    # At two ranks the check is the tag each bucket's data travels on: nothing is exchanged for it alone (issue 44);
+    # a second forward before the backward begins no step of its own, so the ranks' steps still pair.
     results = launch(_checks_per_step, 2, timeout=60)
     for seen, sizes, _ in results:
         assert len(sizes) == 3
-        step = [("check", sum(sizes))] + [("bucket", n) for n in sizes]
-        assert seen == step * 3
+        assert seen == [("bucket", n, True) for n in sizes] * 3
     assert torch.equal(results[0][2], results[1][2])  # the steps paired up: equal averaged gradients
