@@ -36,8 +36,16 @@ torch's `clip_grad_norm_(model.parameters())` raises instead of returning 0; cli
 Other differences from torch's: `state_dict()` before any `consolidate_state_dict` is this
 rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters of
 several dtypes are refused at stage 1, in torch's words, and taken at stage 2 (a buffer per dtype); `step` calls the
-closure itself, before the inner step (the gradients must exist to be cut into pieces), so a
-closure that is not callable is refused where torch's hands it to the inner optimizer.
+closure itself, before the inner step (the gradients must exist to be cut into pieces), and hands one that
+is not callable to the inner optimizer's `step`, as torch's does.
+
+By design the partition is not torch's, so code that reads which rank holds what sees other
+answers: a rank steps near-equal slices of the trainable elements, in the buckets' (backward)
+order, where torch's deals whole parameters, frozen ones included, largest first (`.optim`'s
+groups list other tensors, a frozen tensor is in no rank's until it is unfrozen, and a rank that steps
+with its own unaveraged gradient moves other elements); and replicas that differ at the first
+step (ranks built from other seeds, without DDP) are refused by the drift check, where torch's
+steps a mix of them.
 """
 from __future__ import annotations
 
@@ -153,24 +161,29 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         """Step this rank's shard with its gradient (stage 2: reduce-scattered in backward), all-gather the parameters.
 
         `closure` (re-computes the loss and its gradients) is called first, and its loss returned;
-        `kwargs` go to the inner optimizer's `step`, as torch's.
+        `kwargs` go to the inner optimizer's `step`, as torch's. A `closure` that is not callable goes
+        there too, as torch's hands it over: a subclass whose `step` ignores it steps, one that calls it raises.
         """
-        loss = None
-        if closure is not None:
-            if not callable(closure):
-                raise TypeError(f"closure must be callable (it re-computes the loss and the gradients), got "
-                                f"{closure!r}; pass keyword arguments for the inner optimizer's step by name")
+        loss, handed = None, closure is not None and not callable(closure)
+        if handed:
+            kwargs["closure"] = closure
+        elif closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self._notify_join()  # a no-op unless this optimizer is the first of a Join's joinables
         try:
-            self._step(own_gradients=True, **kwargs)
+            inner = self._step(own_gradients=True, **kwargs)
+        except TypeError as e:
+            if not handed:
+                raise
+            raise TypeError(f"closure must be callable (it re-computes the loss and the gradients), got {closure!r}: "
+                            f"the inner optimizer's step called it ({e}); pass keyword arguments for it by name") from e
         finally:
             self._notified = False
-        return loss
+        return inner if handed else loss
 
-    def _step(self, own_gradients: bool, **kwargs) -> None:
-        """One step; a rank out of data under Join (`own_gradients=False`) adds zeros at stage 2."""
+    def _step(self, own_gradients: bool, **kwargs):
+        """One step, returning the inner step's result; a rank out of data under Join adds zeros at stage 2."""
         self._refuse_if_taken_over()
         if self.grad_shards is not None:
             self.grad_shards.check_finished()
@@ -186,7 +199,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         for outer, inner in zip(self.param_groups, self.optimizer.param_groups):
             inner.update(options_of(outer))  # a scheduler or the user may have changed lr
         try:
-            self.optimizer.step(**kwargs)
+            result = self.optimizer.step(**kwargs)
         finally:
             for piece in lent:
                 piece.grad = None
@@ -197,6 +210,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         # 3. all-gather: every rank holds every parameter again
         for flat in self.flats:
             all_gather(flat, algorithm=self.algorithm, group=self.group, timeout=self.timeout)
+        return result
 
     def _lend_gradients(self, used: list[int], training: int) -> list[torch.Tensor]:
         """Give each of this rank's pieces its slice of the averaged gradient; return the pieces given one.

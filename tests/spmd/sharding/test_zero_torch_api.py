@@ -423,10 +423,22 @@ def _case_kwargs(out, rank, n, batches, everything):
             opts[k].step(record=records[k])
     out["kwargs"] = (records, {k: o.param_groups[0].get("steps_seen") for k, o in opts.items()},
                      _flat(nets["ours"]), _flat(nets["torch"]))
+    # a closure that is not callable goes to the inner step, which here ignores it: both step
+    handed = {k: [] for k in nets}
+    for k in nets:
+        opts[k].zero_grad()
+        _loss(nets[k], *batches[2]).backward()
+        opts[k].step(0, record=handed[k])
+    out["closure 0 handed"] = (handed, _flat(nets["ours"]), _flat(nets["torch"]))
+    # an inner step that calls it raises on every rank, naming closure, and leaves the parameters as they were
+    net = _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1)
+    _loss(net, *batches[0]).backward()
+    before = _flat(net)
     try:
-        opts["ours"].step(0, record=[])
+        opt.step(0)
     except TypeError as e:
-        out["closure 0"] = str(e)
+        out["closure 0"] = (str(e), torch.equal(before, _flat(net)))
 
 
 def _case_lr(out, rank, n, batches, everything):
@@ -583,7 +595,16 @@ def test_step_forwards_keyword_arguments_and_copies_back_keys_the_inner_optimize
         assert len(records["ours"]) == len(records["torch"]) == 2  # every rank's inner step got the keyword
         assert seen == {"ours": 2, "torch": 2}
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
-        assert r["closure 0"].startswith("closure must be callable") and "got 0" in r["closure 0"]
+
+
+def test_a_closure_that_is_not_callable_goes_to_the_inner_step_as_torchs_hands_it_over():
+    for r in _three():
+        handed, ours, theirs = r["closure 0 handed"]
+        assert len(handed["ours"]) == len(handed["torch"]) == 1  # the inner step ran, with the keyword
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        message, unchanged = r["closure 0"]
+        assert message.startswith("closure must be callable") and "got 0" in message and "inner optimizer" in message
+        assert unchanged
 
 
 def test_lr_changed_in_param_groups_takes_effect_at_the_next_step_as_torchs():
