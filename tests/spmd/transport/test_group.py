@@ -16,6 +16,7 @@ ALLOWED = {
     ("transport/worker.py", "_threads"),  # the process's worker threads, for the exit drain: not any one group's
     ("ladder/rules.py", "_RUNGS"),  # parameter -> the rung averaging it, weakly: a second rung of any group must see it
     ("sharding/fsdp.py", "_classes"),  # module class -> its FSDP class, made once, as torch's: a type cache
+    ("ft/history.py", "_HELD"),  # folder -> its lock file: a POSIX lock belongs to the process, not to a group
 }
 
 
