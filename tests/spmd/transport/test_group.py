@@ -17,6 +17,7 @@ ALLOWED = {
     ("ladder/rules.py", "_RUNGS"),  # parameter -> the rung averaging it, weakly: a second rung of any group must see it
     ("sharding/fsdp.py", "_classes"),  # module class -> its FSDP class, made once, as torch's: a type cache
     ("ft/history.py", "_HELD"),  # folder -> its lock file: a POSIX lock belongs to the process, not to a group
+    ("ladder/drift.py", "_WEIGHTS"),  # device -> the digest's position weights, made once: a constant cache
 }
 
 
