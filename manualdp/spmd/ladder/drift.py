@@ -85,15 +85,16 @@ def check_replicas(named_tensors, group=None, *, who: str, step: int, timeout: f
     """
     if dist.get_world_size(group) == 1:
         return
-    fields = {} if number is None else {"wrapper": f"#{number}"}
-    fields |= {f"parameter {name}": value for name, value in digests(named_tensors).items()}
+    if number is not None:  # first which wrapper: two wrappers' parameters always differ, and that is not drift
+        agree(f"{who}'s replica at step {step}", {"wrapper": f"#{number}"}, group, error=RuntimeError,
+              timeout=timeout, check=True, hint="wrappers are numbered in the order each rank built them: the ranks "
+              "called different wrappers here, as a(b(x)) on one rank and b(a(x)) on another does")
+    fields = {f"parameter {name}": value for name, value in digests(named_tensors).items()}
     agree(f"{who}'s replica at step {step}", fields, group, error=RuntimeError, timeout=timeout, check=True,
           hint="the replicas no longer hold the same parameters (the per-rank values are digests of their bits): "
                "a rank loaded other weights or changed a parameter by hand, a parameter was unfrozen after "
                "wrapping (build the wrapper after unfreezing it), or the ranks built their models from other "
-               "seeds; every rank must hold the same model (drift_check_every=0 turns this check off). Where the "
-               "wrappers differ, the ranks called different wrappers here, as a(b(x)) on one rank and b(a(x)) on "
-               "another does")
+               "seeds; every rank must hold the same model (drift_check_every=0 turns this check off)")
 
 
 class DriftCheck:
