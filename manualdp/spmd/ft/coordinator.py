@@ -15,7 +15,8 @@ another address only when asked, with a warning. With a secret (`token`) every k
 signed (`signed_store.py`): a process without it cannot forge a decision, a vote, a heartbeat or
 a state. The coordinator writes a random nonce as it starts (`hello`, signed, first writer), and
 every signature is keyed by it: what was signed in an earlier life (of this coordinator, or of
-another run with the same secret) does not verify in this one. Without one the store is open, as torch's: anyone who reaches the port can steer the run.
+another run with the same secret) does not verify in this one. Without one the store is open, as
+torch's: anyone who reaches the port can steer the run.
 Either way torch's server accepts any number of connections from anyone who reaches the port (it
 has no limit per address, and no way to set one): a process that holds thousands of them keeps
 replicas from joining. Keep the port on a trusted network, or behind a firewall.

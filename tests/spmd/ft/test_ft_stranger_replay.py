@@ -51,7 +51,7 @@ def test_nothing_signed_in_one_coordinators_life_verifies_in_the_next(port):
 
 
 def test_a_replayed_leave_of_an_older_process_ejects_nobody():
-    """B9 of issue 42: a -1 counts only under the nonce that moved last; an old process's, signed, replayed, does not."""
+    """B9 of issue 42: a -1 counts only under the nonce that moved last; an old process's, replayed, does not."""
     with Coordinator(0, token=TOKEN) as c:
         store = connect("127.0.0.1", c.port, 5, token=TOKEN, namespace="old-leave")
         name = store._name(keys.heartbeat("a"))
