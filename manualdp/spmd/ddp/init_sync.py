@@ -5,7 +5,8 @@ settings, or their messages would pair up wrong: the wrapper compares the model
 (`transport.agree.check_same_model`, its first exchange a checked call, so that a rank in another
 collective meanwhile, out of step, is named at once on every rank, not waited out) and its
 communication layout (`comm_layout`, by `check_same_layout`), then
-`transport.agree.broadcast_from_rank0` gives every rank rank 0's parameters and buffers (`state_tensors`), leaving out those torch's private API ignores.
+`transport.agree.broadcast_from_rank0` gives every rank rank 0's parameters and buffers
+(`state_tensors`), leaving out those torch's private API ignores.
 """
 from __future__ import annotations
 
