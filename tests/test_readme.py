@@ -36,6 +36,20 @@ FAST = {
     "python bench/allreduce.py --spmd":
         ("python bench/allreduce.py --spmd --min-bytes 4096 --max-bytes 4096 --iters 2 --warmup 1",
          "gloo all_reduce", 300),
+    "head -c 32 /dev/urandom | base64 > run.token":
+        ("cd $TMP && head -c 32 /dev/urandom | base64 > run.token && wc -l run.token", "1 run.token", 30),
+    # the coordinator serves until Ctrl-C: a free port, then SIGINT after a few seconds
+    "manualdp coordinator --port 29510 --token-file run.token":
+        ("cd $TMP && head -c 32 /dev/urandom | base64 > run.token && "
+         "timeout -s INT 5 manualdp coordinator --port 0 --token-file run.token; true",
+         "coordinator listening on 127.0.0.1:", 60),
+    # one replica alone (--min-replicas 1) on a coordinator started here, with a secret and a checkpoint folder
+    "manualdp train --fault-tolerant 127.0.0.1:29510 --token-file run.token --replica-id a --checkpoint-dir ckpt":
+        ("cd $TMP && head -c 32 /dev/urandom | base64 > run.token && "
+         "PORT=$(python -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])') "
+         "&& { manualdp coordinator --port $PORT --token-file run.token > coordinator.log 2>&1 & C=$!; } && sleep 3 && "
+         f"manualdp train --fault-tolerant 127.0.0.1:$PORT --token-file run.token --replica-id a --checkpoint-dir ckpt "
+         f"--min-replicas 1 {SMALL}; rc=$?; kill $C; ls ckpt/a; exit $rc", "steps.jsonl", 300),
     # without CUDA it says so and exits 0; on a GPU machine the test hides the GPUs (the full run takes long)
     "bash bench/gpu.sh": ("CUDA_VISIBLE_DEVICES= OUT=$TMP/gpu bash bench/gpu.sh", "no CUDA device here", 120),
 }
