@@ -46,7 +46,8 @@ FAST = {
     # one replica alone (--min-replicas 1) on a coordinator started here, with a secret and a checkpoint folder
     "manualdp train --fault-tolerant 127.0.0.1:29510 --token-file run.token --replica-id a --checkpoint-dir ckpt":
         ("cd $TMP && head -c 32 /dev/urandom | base64 > run.token && "
-         "PORT=$(python -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); print(s.getsockname()[1])') "
+         "PORT=$(python -c 'import socket; s = socket.socket(); s.bind((\"127.0.0.1\", 0)); "
+         "print(s.getsockname()[1])') "
          "&& { manualdp coordinator --port $PORT --token-file run.token > coordinator.log 2>&1 & C=$!; } && sleep 3 && "
          f"manualdp train --fault-tolerant 127.0.0.1:$PORT --token-file run.token --replica-id a --checkpoint-dir ckpt "
          f"--min-replicas 1 {SMALL}; rc=$?; kill $C; ls ckpt/a; exit $rc", "steps.jsonl", 300),
