@@ -39,6 +39,7 @@ from ..loss import count_correct, logits_of, summed_loss
 from ..cost import SYNC_METHODS
 from ..spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
 from ..spmd.ft.admission import refusals
+from ..spmd.ft.signed_store import StoreLost
 from ..spmd.ft.guard import guard_settings
 from ..spmd.launch import shard
 from ..support.checkpoint import loader_generator
@@ -122,10 +123,10 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     size, n = train_iter.batch_size or 0, len(getattr(train_iter, "dataset", ()))
     manager.capacity = size if train_iter.drop_last or not n % max(size, 1) else n % size  # a member needs an example
-    _, seen = refusals(manager.store, 0)  # the refusals before this replica came are not news
     bar = _progress(run.total, progress, manager.id)
     members = None
     try:
+        _, seen = refusals(manager.store, 0)  # the refusals before this replica came are not news
         while manager.step < run.total:
             quorum = ft.start_step()
             if members is None and manager.resumed and log:
@@ -150,6 +151,8 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
                 bar.refresh()
         if manager.step >= run.total:
             manager.finish()  # a replica started later is told that the run has ended (spmd/ft/durable.py)
+    except StoreLost as e:  # a store call of this loop's own (the refusals), or one the Manager let through
+        raise manager.coordinator_lost(e) from None
     finally:
         if bar is not None:
             bar.close()

@@ -31,15 +31,12 @@ import torch.distributed as dist
 from ...support.checkpoint import read_checkpoint, remove_orphans, save_checkpoint
 from ...support.files import write_json_atomic
 from . import keys
-from .history import append_step, lock_folder, logged_steps
+from .history import append_step, lock_folder, logged_lines, logged_steps
 from .look import peek
+from .signed_store import CoordinatorLost
 
 __all__ = ["RunFinished", "CoordinatorLost", "committed_step", "record_committed", "finished_at", "mark_finished",
            "Floor", "Checkpoints", "store_gone", "lost_line"]
-
-
-class CoordinatorLost(RuntimeError):
-    """The coordinator's store stopped answering: this replica saved what it holds and leaves."""
 
 
 class RunFinished(Exception):
@@ -83,7 +80,7 @@ def store_gone(store: dist.Store) -> bool:
 
 def lost_line(replica_id: str, where: str, error: BaseException, disk: "Checkpoints | None", durable: int) -> str:
     """What a replica that lost the coordinator says before it exits: why, and where the run goes on from."""
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    first = getattr(error, "reason", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
     then = (f"it goes on from step {durable} in {disk.directory}" if disk is not None else
             "without --checkpoint-dir the run's state is lost with its replicas")
     return (f"replica {replica_id!r}: lost the coordinator at {where} ({first}); start it again, then this replica "
@@ -146,12 +143,16 @@ class Checkpoints:
         self._last: int | None = None  # the last step in steps.jsonl (history.py), once read
         lock_folder(self.mine)  # this replica's folder, for this process's life: a second run sharing it is refused
 
-    def save(self, step: int, identity: dict, state: dict) -> str:
-        """Write `state`, the run's state after `step` committed steps, atomically; keep the one before too."""
+    def save(self, step: int, identity: dict, state: dict, records: list[dict] = ()) -> str:
+        """Write `state`, the run's state after `step` committed steps, atomically; keep the one before too.
+
+        `records`: the history lines of the steps it holds that are not logged yet; whoever resumes
+        from it logs them, so that a kill between this write and `log_step` loses no step.
+        """
         os.makedirs(self.mine, exist_ok=True)
         remove_orphans(self.mine)  # what a write killed half-way left
         return save_checkpoint(self.mine, step, {"step": step, "identity": identity, "replica": self.id,
-                                                 "state": state}, keep=2)
+                                                 "state": state, "records": list(records)}, keep=2)
 
     def newest(self, identity: dict) -> dict | None:
         """The newest checkpoint of this run below the folder (any replica's), or None.
@@ -180,6 +181,13 @@ class Checkpoints:
         """Append `record` (a durable step: its number, round, members) as one JSON line to `steps.jsonl`."""
         os.makedirs(self.mine, exist_ok=True)
         self._last = append_step(self.mine, record, self._last)  # a step taken again replaces its line and after
+
+    def log_carried(self, saved: dict) -> None:
+        """Log the records a checkpoint carries (`save`) that no history below the folder holds: its writer's kill."""
+        held = logged_lines(self.directory)
+        for record in saved.get("records", ()):
+            if json.dumps(record) + "\n" not in held:
+                self.log_step(record)
 
     def mark_finished(self, step: int, identity: dict) -> None:
         os.makedirs(self.mine, exist_ok=True)

@@ -21,7 +21,7 @@ import os
 
 from ...support.files import atomic_write
 
-__all__ = ["append_step", "logged_steps", "lock_folder", "NAME"]
+__all__ = ["append_step", "logged_steps", "logged_lines", "lock_folder", "NAME"]
 
 NAME = "steps.jsonl"
 _HELD: dict[str, int] = {}  # folder -> the open lock file: a POSIX lock is the process's, kept until it ends
@@ -74,6 +74,11 @@ def logged_steps(directory: str) -> tuple[int, str] | None:
         if steps and (best is None or max(steps) + 1 > best[0]):
             best = (max(steps) + 1, path)
     return best
+
+
+def logged_lines(directory: str) -> set[str]:
+    """Every line of every replica's history below `directory` (each ends with a newline)."""
+    return {text for path in glob.glob(os.path.join(directory, "*", NAME)) for _, text in _steps(path)}
 
 
 def lock_folder(folder: str) -> None:

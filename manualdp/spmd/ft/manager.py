@@ -34,6 +34,7 @@ from .heartbeat import Heartbeat, Liveness, register
 from .phases import Phases, without_traceback
 from .quorum import POLL, Quorum, publish_mark
 from .quorum_group import drop_group
+from .signed_store import StoreLost
 from .recovery import check_loadable, plan_recovery, receive_state, send_state  # here: the fault harnesses patch them
 
 __all__ = ["Manager", "CoordinatorLost"]
@@ -279,13 +280,13 @@ class Manager(Phases):
             self._resume_from_disk()
         # a provisional quorum's steps wait: they are the run's once its state becomes the agreed one (quorum.py)
         if self.synced and self.step > self._durable:
-            if self._disk is not None:
-                self._disk.save(self.step, self._settings, self.state_dict())
+            if self._disk is not None:  # the records ride in the checkpoint: a kill before they are logged loses none
+                self._disk.save(self.step, self._settings, self.state_dict(), self._pending)
+                for record in self._pending:
+                    self._disk.log_step(record)
+            self._pending.clear()
             record_committed(self.store, self.step)  # only now: the mark never names a step nobody holds
             self._durable = self.step
-            for record in self._pending if self._disk is not None else ():
-                self._disk.log_step(record)
-            self._pending.clear()
 
     def _resume_from_disk(self) -> None:
         self._disk.refuse_if_finished(self.store, self._settings)
@@ -294,6 +295,7 @@ class Manager(Phases):
             return
         self.load_state_dict(saved["state"])
         self.synced, self._since, self._durable = True, 0, self.step
+        self._disk.log_carried(saved)  # its writer may have been killed before it logged them
         publish_mark(self.store, self.id, (self.step, self._since))
         record_committed(self.store, self.step)
         self.resumed = {"path": saved["path"], "step": self.step}
@@ -301,13 +303,23 @@ class Manager(Phases):
     def _lost(self, error: BaseException) -> CoordinatorLost:
         """Save what this replica holds (the store cannot be told), and say so in one line."""
         if self._disk is not None and self.synced and self.step > self._durable:
-            self._disk.save(self.step, self._settings, self.state_dict())
+            self._disk.save(self.step, self._settings, self.state_dict(), self._pending)
+            for record in self._pending:
+                self._disk.log_step(record)
+            self._pending.clear()
             self._durable = self.step
         return CoordinatorLost(lost_line(self.id, self._where, error, self._disk, self._durable))
 
+    def coordinator_lost(self, error: StoreLost) -> CoordinatorLost:
+        """This replica's line for `error` (a store call of the caller's own that lost the coordinator), once saved."""
+        if not isinstance(error, StoreLost):
+            raise TypeError(f"error must be a StoreLost, got {type(error).__name__}")
+        return self._lost(error)
+
     def _raise_if_lost(self, error: BaseException) -> None:
         """`CoordinatorLost` (from `_lost`) if `error` came of a store that stopped answering."""
-        if isinstance(error, RuntimeError) and not isinstance(error, CoordinatorLost) and store_gone(self.store):
+        if isinstance(error, StoreLost) or (isinstance(error, RuntimeError) and not isinstance(error, CoordinatorLost)
+                                            and store_gone(self.store)):
             raise self._lost(error) from None
 
     def _check_open(self, call: str) -> None:

@@ -17,6 +17,7 @@ from .ahead import fast
 from .quorum import PATIENCE, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import form_group
 from .recovery import forget_state
+from .signed_store import StoreLost
 
 __all__ = ["Phases", "without_traceback"]
 
@@ -68,7 +69,7 @@ class Phases:
                       hint="every replica must be started with the same settings")
                 admission.publish(self.store, self.id, settings)  # the first quorum's are the run's
         except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
-            if getattr(e, "final", False):  # a state that cannot be loaded: no fault to ride out
+            if getattr(e, "final", False) or isinstance(e, StoreLost):  # a state that cannot load; no coordinator
                 raise
             self.last_error = without_traceback(e)
             self.should_commit(False)

@@ -37,13 +37,51 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["SignedStore", "ignore", "life_key", "LOG"]
+__all__ = ["SignedStore", "CoordinatorLost", "StoreLost", "ignore", "life_key", "LOG"]
 
 LOG = logging.getLogger("manualdp.spmd.ft")
 _SET, _APPEND = b"S", b"A"  # a value set whole; a chunk of an appended value (one line of its own)
 _MAC = 32  # bytes of an HMAC-SHA256
 _POLL = 0.005  # seconds between two looks at a key whose value does not verify
 _ABSENT = b"\0manualdp-ft-absent\0"  # what `peek` expects: no value of the room's holds it, so nothing is written
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator's store stopped answering: this replica saved what it holds and leaves."""
+
+
+class StoreLost(CoordinatorLost):
+    """A connection to the coordinator's store broke (torch's DistNetworkError), on any call: `reason` says how.
+
+    Raised by every `SignedStore` call, so that no store call anywhere reaches the user as torch's
+    raw "Failed to recv"; a `Manager` turns it into its own line, after saving what it holds.
+    """
+
+    def __init__(self, where: str, reason: str) -> None:
+        self.where, self.reason = where, reason
+        super().__init__(f"lost the coordinator at {where} ({reason}); start it again, then this replica with the "
+                         f"same command")
+
+
+class _Guarded:
+    """A store client whose every call turns a broken connection into `StoreLost`."""
+
+    def __init__(self, client: dist.Store) -> None:
+        self.raw = client
+        self.where = f"{getattr(client, 'host', '?')}:{getattr(client, 'port', '?')}"
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self.raw, name)
+        if not callable(attribute):
+            return attribute
+
+        def guarded(*args, **kwargs):
+            try:
+                return attribute(*args, **kwargs)
+            except dist.DistNetworkError as e:
+                text = str(e).strip()
+                raise StoreLost(self.where, text.splitlines()[0] if text else type(e).__name__) from None
+        return guarded
 
 
 def life_key(secret: bytes, nonce: bytes) -> bytes:
@@ -63,7 +101,8 @@ class SignedStore:
     """
 
     def __init__(self, client: dist.Store, secret: bytes | None, prefix: str) -> None:
-        self._client, self._secret, self._prefix = client, secret, prefix
+        self._client = client if isinstance(client, _Guarded) else _Guarded(client)
+        self._secret, self._prefix = secret, prefix
         self._ignored: set[str] = set()  # the keys whose bad value was logged already: once each
 
     @property
@@ -80,7 +119,7 @@ class SignedStore:
 
     def meeting(self, name: str) -> dist.Store:
         """A plain store below a secret-derived prefix, on a new connection: where gloo's rendezvous meets."""
-        return dist.PrefixStore(self._name(name), self._client.clone())
+        return dist.PrefixStore(self._name(name), self._client.raw.clone())  # gloo's: a torch Store
 
     def set_timeout(self, seconds: float) -> None:
         self._client.set_timeout(datetime.timedelta(seconds=seconds))

@@ -297,3 +297,56 @@ def test_a_replicas_own_folder_given_as_the_runs_is_refused_with_a_hint_for_faul
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "--resume" not in err[0]
     assert "holds checkpoints itself (a replica's folder" in err[0] and "give the run's folder" in err[0]
+
+
+class Killed(BaseException):
+    """A SIGKILL between two lines of the replica's code."""
+
+
+def test_a_kill_after_the_save_before_the_history_line_loses_no_step_of_the_history(tmp_path, monkeypatch):
+    """The chaos bench's step 131: saved in a checkpoint that others went on from, logged in no history."""
+    with Coordinator(0) as c:
+        a, ft = replica("a", c.port, checkpoint_dir=str(tmp_path))
+        train(a, ft, 2)  # steps 0 and 1 committed; 0 saved and logged at the start of step 1
+        monkeypatch.setattr(a._disk, "log_step", lambda record: (_ for _ in ()).throw(Killed()))
+        with pytest.raises(Killed):
+            ft.start_step()  # saves ckpt-2, holding step 1, and is killed before it logs step 1
+        assert os.path.exists(tmp_path / "a" / "ckpt-00000002.pt") and logged(tmp_path / "a") == [0]
+        die(a)
+    with Coordinator(0) as c:
+        b, ft_b = replica("b", c.port, checkpoint_dir=str(tmp_path))
+        train(b, ft_b, 4)
+        b.finish()
+    assert b.resumed["step"] == 2
+    assert logged(tmp_path / "a") + logged(tmp_path / "b") == [0, 1, 2, 3]  # step 1 once, from the checkpoint
+
+
+def test_every_store_call_on_a_lost_coordinator_raises_coordinator_lost_in_one_line():
+    """The chaos bench's c-17: torch's raw "Failed to recv, got 0 bytes" reached the user."""
+    from manualdp.spmd.ft.signed_store import StoreLost
+
+    c = Coordinator(0)
+    store = connect("127.0.0.1", c.port, 3)
+    store.set("x", "1")
+    c.close()
+    calls = [lambda: store.get("x"), lambda: store.check(["x"]), lambda: store.set("x", "2"),
+             lambda: store.peek("x"), lambda: store.append("x", "3"), lambda: store.compare_set("x", "", "4")]
+    for call in calls:
+        with pytest.raises(StoreLost, match=rf"^lost the coordinator at 127\.0\.0\.1:{c.port} \(.+\); start it again"
+                                            r", then this replica with the same command$") as info:
+            call()
+        assert isinstance(info.value, CoordinatorLost) and "\n" not in str(info.value)
+
+
+def test_a_coordinator_lost_in_the_training_loops_own_store_call_is_named_by_the_replica(tmp_path):
+    from manualdp.runners.ft_train import train_replica
+
+    net = nn.Linear(4, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8).long()),
+                                         batch_size=4)
+    c = Coordinator(0)
+    with Manager("a", "127.0.0.1", c.port, **FAST, checkpoint_dir=str(tmp_path)) as manager:
+        c.close()  # before the loop reads the refusals: a store call outside the Manager's own
+        with pytest.raises(CoordinatorLost, match=rf"^replica 'a': lost the coordinator at 127\.0\.0\.1:{c.port} "
+                                                  r"\(.+\); start it again, then this replica"):
+            train_replica(net, loader, loader, 1, 0.1, manager, progress=False, log=None)
