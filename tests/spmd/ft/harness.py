@@ -19,6 +19,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[3]
 FAST = {"timeout": 20, "quorum_timeout": 5, "heartbeat_timeout": 1.0}
 
 
+def guard_bytes(members: int) -> float:
+    """What the contribution guard's exchange sends per average: one float64 norm a member, by the ring."""
+    return 2 * (members - 1) / members * 8 * members
+
+
 def member(rid: str, step: int = 0, synced: bool = True, group=None, min_replicas: int = 1, since: int = 0) -> Member:
     """What replica `rid` says of itself when it asks for a quorum."""
     return Member(rid, step, synced, group, min_replicas, since)

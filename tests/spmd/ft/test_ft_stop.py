@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from manualdp.cost import bytes_per_step
-from tests.spmd.ft.harness import agreed_steps, committed_steps, reference_ddp, replicas
+from tests.spmd.ft.harness import agreed_steps, committed_steps, guard_bytes, reference_ddp, replicas
 from tests.spmd.ft.replica import build
 
 pytestmark = pytest.mark.soak  # replica processes: about a minute
@@ -68,6 +68,8 @@ def test_below_min_replicas_the_first_waits_then_both_go_on(tmp_path):
     assert b["recoveries"][0]["source"] == "a" and b["recoveries"][0]["step"] == 0  # a's fresh model is everyone's
     nbytes = sum(p.numel() for p in build(0).parameters()) * 8  # DDP: the float64 gradients, every step
     for rank, r in enumerate((a, b)):
-        assert [x["sent"] for x in r["records"]] == [bytes_per_step("ddp", nbytes, 2, 1, "ring", 8)[rank]] * 3
+        # the gradients, and the contribution guard's norms
+        assert [x["sent"] for x in r["records"]] == [bytes_per_step("ddp", nbytes, 2, 1, "ring", 8)[rank]
+                                                     + guard_bytes(2)] * 3
     expected = reference_ddp(committed_steps(results), seed=0, config={})
     torch.testing.assert_close(torch.tensor(b["final"], dtype=torch.float64), expected, rtol=0, atol=1e-12)
