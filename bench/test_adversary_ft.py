@@ -557,7 +557,8 @@ def test_disagree_min_replicas_a_lone_joiner_never_overwrites_the_members_state(
             r.start(rid, i, steps=3, min_replicas=2, hold_at=1, quorum_timeout=1.0, timeout=6)
         r.wait("a and b committed a step", lambda: len(r.records("a")) >= 1 and len(r.records("b")) >= 1)
         r.start("c", 2, steps=5, min_replicas=1, pause_after=3, quorum_timeout=1.0, timeout=6)
-        r.wait("c trained 3 steps alone", lambda: len(r.records("c")) >= 3)
+        time.sleep(4.0)  # c holds nothing: it may not begin the run again below the committed step (durable.Floor)
+        assert not r.records("c"), "c trained alone from step 0 while the run had committed steps"
         r.store.set("go", "1")
         res = r.finish(timeout=60)
     for rid in "ab":
@@ -584,15 +585,18 @@ def test_models_frozen_and_one_rank_only_parameters_stay_identical(tmp_path):
 
 # ================================================================ values (processes)
 
-def test_values_nan_on_one_replica_is_the_same_nan_everywhere(tmp_path):
+def test_values_nan_on_one_replica_is_discarded_and_named_never_committed(tmp_path):
     with run(tmp_path) as r:
-        r.start("a", 0, steps=3, min_replicas=2)
-        r.start("b", 1, steps=3, min_replicas=2, nan_at=1)
+        r.start("a", 0, steps=3, min_replicas=2, timeout=4)
+        r.start("b", 1, steps=3, min_replicas=2, nan_at=1, timeout=4)
         res = r.finish(timeout=60)
-    assert last(res, "a")[0] == 0 and last(res, "b")[0] == 0, r.logs()
+    logs = r.logs()
+    assert "replica b's contribution is out of line: non-finite" in logs and "removed after 3 in a row" in logs, logs
+    assert last(res, "b")[0] != 0, logs  # the contribution guard removed it
     for shas in committed_shas(res).values():
         assert len(set(shas.values())) == 1
-    assert any(math.isnan(v) for v in last(res, "a")[1]["final"])
+    final = last(res, "a")[1].get("final")
+    assert final is None or not any(math.isnan(v) for v in final), "a NaN step was committed"
 
 
 # ================================================================ what a user does around steps (processes)
@@ -603,7 +607,8 @@ def test_around_steps_local_sgd_joiner_in_the_middle_of_a_window_loses_nothing(t
             r.start(rid, i, steps=3, mode="local_sgd", sync_every=2, hold_at=3, quorum_timeout=1.0, timeout=6)
         r.wait("a and b committed a block", lambda: len(r.records("a")) >= 1 and len(r.records("b")) >= 1)
         r.start("c", 2, steps=5, mode="local_sgd", sync_every=2, pause_after=3, quorum_timeout=1.0, timeout=6)
-        r.wait("c trained 3 blocks alone", lambda: len(r.records("c")) >= 3)
+        time.sleep(4.0)  # c holds nothing: it may not begin the run again below the committed step (durable.Floor)
+        assert not r.records("c"), "c trained blocks alone from step 0 while the run had committed steps"
         r.store.set("go", "1")
         res = r.finish(timeout=60)
     for rid in "ab":
