@@ -67,6 +67,22 @@ class Run:
     def committed_with(self, members: list[str]) -> int:
         return sum(1 for ids, outcome in self.rounds() if ids == members and outcome == "commit")
 
+    @contextlib.contextmanager
+    def a_and_b_held(self):
+        """Start a and b, let them commit 2 steps together, and hold both (SIGSTOP) for the block: a joiner comes
+        before the run ends."""
+        for rid in "ab":
+            self.start(rid)
+        self.wait("2 steps committed by a and b", lambda: self.committed_with(["a", "b"]) >= 2)
+        held = [self.replicas[rid][0] for rid in "ab"]
+        for p in held:
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for p in held:
+                os.kill(p.pid, signal.SIGCONT)
+
     def registrations(self) -> int:
         raw = self.key("replicas")
         return len(raw.decode().split()) if raw else 0

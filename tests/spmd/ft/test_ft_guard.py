@@ -7,7 +7,6 @@ line, with one replica's contributions multiplied by 1000: soak (the end of this
 import logging
 import math
 import os
-import signal
 import subprocess
 import sys
 
@@ -160,21 +159,13 @@ def test_by_the_command_line_a_replica_poisoning_its_contribution_is_removed_and
         tmp_path):
     epochs = 3
     with run(tmp_path, epochs=epochs) as r:
-        for rid in "ab":
-            r.start(rid)
-        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
-        for p in (r.replicas["a"][0], r.replicas["b"][0]):  # held, so that c comes before the run ends
-            os.kill(p.pid, signal.SIGSTOP)
-        try:
+        with r.a_and_b_held():  # so that c comes before the run ends
             with open(tmp_path / "c-0.log", "w") as log:
                 c = subprocess.Popen([sys.executable, "-c", POISON, *r.command("c")], cwd=ROOT, stdout=log,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      env=dict(os.environ, OMP_NUM_THREADS="1"))
             r.procs.append(c)
             r.wait("c registered", lambda: r.registrations() == 3)
-        finally:
-            for p in (r.replicas["a"][0], r.replicas["b"][0]):
-                os.kill(p.pid, signal.SIGCONT)
         assert c.wait(timeout=120) == 2
         results = r.finish()
         ref = reference(tmp_path, epochs)

@@ -6,8 +6,6 @@ command line, replica processes: soak (the end of this file).
 """
 import concurrent.futures
 import dataclasses
-import os
-import signal
 import time
 
 import pytest
@@ -198,18 +196,10 @@ def test_a_manager_with_the_run_settings_is_not_refused():
 def test_by_the_command_line_a_joiner_with_another_lr_exits_2_in_one_line_and_the_run_ends_as_one_process(tmp_path):
     epochs = 3
     with run(tmp_path, epochs=epochs) as r:
-        for rid in "ab":
-            r.start(rid)
-        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
-        for p in (r.replicas["a"][0], r.replicas["b"][0]):  # held, so that c comes before the run ends
-            os.kill(p.pid, signal.SIGSTOP)
-        try:
+        with r.a_and_b_held():  # so that c comes before the run ends
             r.options[r.options.index("--lr") + 1] = "0.2"
             c = r.start("c")
             assert c.wait(timeout=60) == 2
-        finally:
-            for p in (r.replicas["a"][0], r.replicas["b"][0]):
-                os.kill(p.pid, signal.SIGCONT)
         r.replicas.pop("c")
         results = r.finish()
         ref = reference(tmp_path, epochs)
@@ -225,17 +215,9 @@ def test_by_the_command_line_a_joiner_with_another_lr_exits_2_in_one_line_and_th
 def test_by_the_command_line_a_third_replica_with_no_room_in_a_batch_of_2_is_refused_and_the_run_goes_on(tmp_path):
     with run(tmp_path, epochs=1) as r:
         r.options[r.options.index("--batch-size") + 1] = "2"  # room for 2 members, not 3
-        for rid in "ab":
-            r.start(rid)
-        r.wait("2 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 2)
-        for p in (r.replicas["a"][0], r.replicas["b"][0]):
-            os.kill(p.pid, signal.SIGSTOP)
-        try:
+        with r.a_and_b_held():  # so that c comes before the run ends
             c = r.start("c")
             r.wait("c registered", lambda: r.registrations() == 3)
-        finally:
-            for p in (r.replicas["a"][0], r.replicas["b"][0]):
-                os.kill(p.pid, signal.SIGCONT)
         assert c.wait(timeout=60) == 2
         r.replicas.pop("c")
         results = r.finish()
