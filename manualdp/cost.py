@@ -27,10 +27,11 @@ def check_schedule(schedule: Schedule) -> None:
     A round's transfers happen at once: every device sends what it held when the round began.
     A chunk that a device adds into may also go out in that round (the executors add once the
     round's sends have read it); one it overwrites may not (the executors write it in place as
-    it arrives).
+    it arrives). Messages count rounds from 1, as `manualdp explain` and the pictures do (`round 1`
+    is `schedule.rounds[0]`: the pictures' 'start' is the state before any round).
     """
     n, k = schedule.num_devices, schedule.num_chunks
-    for r, rnd in enumerate(schedule.rounds):
+    for r, rnd in enumerate(schedule.rounds, start=1):
         written, read, overwritten = set(), set(), set()
         for t in rnd:
             if not (0 <= t.src < n and 0 <= t.dst < n and t.src != t.dst and 0 <= t.chunk < k):
@@ -43,8 +44,8 @@ def check_schedule(schedule: Schedule) -> None:
             written.add((t.dst, t.chunk))
             read.add((t.src, t.chunk))
         if overwritten & read:
-            raise ValueError(f"round {r}: devices send chunks they overwrite in the same round: "
-                             f"{sorted(overwritten & read)}")
+            raise ValueError(f"round {r}: a device sends a chunk that it overwrites in the same round: "
+                             + ", ".join(f"device {d}'s chunk {c}" for d, c in sorted(overwritten & read)))
 
 
 def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str, list[int]]:

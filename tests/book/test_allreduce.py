@@ -124,7 +124,7 @@ def test_run_schedule_refuses_a_schedule_whose_result_would_depend_on_the_order_
     # gets 1 + 1, in the other 1 + 2. Transfers of a round happen at once; this round cannot.
     clash = Schedule("clash", 2, 1, ((Transfer(0, 1, 0, False), Transfer(1, 0, 0, True)),), ("x",))
     tensors = [torch.ones(3), torch.full((3,), 2.0)]
-    with pytest.raises(ValueError, match="schedule 'clash' cannot run: round 0: devices send chunks they overwrite"):
+    with pytest.raises(ValueError, match="schedule 'clash' cannot run: round 1: a device sends a chunk that it overwr"):
         run_schedule(clash, tensors)
     assert torch.equal(tensors[0], torch.ones(3)) and torch.equal(tensors[1], torch.full((3,), 2.0))
     swap = Schedule("swap", 2, 1, ((Transfer(0, 1, 0, True), Transfer(1, 0, 0, True)),), ("x",))

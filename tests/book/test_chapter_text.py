@@ -41,3 +41,39 @@ def test_chapter_3_measures_on_the_devices_it_names_and_keeps_the_exercise_in_st
     assert "devices_here = 4" in code
     assert not re.search(r"range\(4\)|ring\(4\)|get_schedule\(algorithm, 4\)|, 4\)|, 4,", code), code
     assert "Set `devices_here = 8`" in text.split("## Exercises")[1]
+
+
+# ---------------------------------------------------------------- rounds are counted from 1 everywhere (case 2)
+def two_rounds_the_second_bad():
+    from manualdp.transfers import Schedule, Transfer
+
+    fine = (Transfer(1, 0, 0, True),)
+    clash = (Transfer(0, 1, 0, False), Transfer(1, 0, 0, True))  # device 1 sends chunk 0 and overwrites it
+    return Schedule("bad", num_devices=2, num_chunks=1, rounds=(fine, clash), phases=("fine", "clash"))
+
+
+def test_check_schedule_the_grader_and_explain_count_the_same_round_from_1():
+    from manualdp.cost import check_schedule
+    from manualdp.runners.explain import trace
+    from manualdp.runners.grader.properties.common import Mismatch
+    from manualdp.runners.grader.properties.schedule import schedule_property
+
+    bad = two_rounds_the_second_bad()
+    with pytest.raises(ValueError, match=r"^round 2: a device sends a chunk that it overwrites in the same round: "
+                                         r"device 1's chunk 0$"):
+        check_schedule(bad)
+    with pytest.raises(Mismatch, match=r"schedule\(2\): round 2: a device sends a chunk"):
+        schedule_property(lambda n: bad.rounds, 2)
+    with pytest.raises(Mismatch, match=r"schedule\(2\): round 2 holds Transfer\(src=0, dst=1, chunk=0, reduce=1\)"):
+        schedule_property(lambda n: [[(1, 0, 0, True)], [(0, 1, 0, 1)]], 2)
+    # explain's "round r" is rounds[r - 1], and the pictures' state after it is trace(...)[r]
+    from manualdp.runners.explain import explain
+    text = explain("ring", 3, 12, show_state=False)
+    assert "\nround 1 (reduce-scatter)" in text and "round 0" not in text
+    assert len(trace(bad)) == len(bad.rounds) + 1
+
+
+def test_chapter_2_says_rounds_count_from_1_and_builds_its_bad_schedule_with_keywords():
+    text = chapter("02")
+    assert "Rounds are counted from 1" in text and "round 1 is\n`schedule.rounds[0]`" in text
+    assert 'Schedule("bad", num_devices=2, num_chunks=1, rounds=' in text and 'Schedule("bad", 2' not in text

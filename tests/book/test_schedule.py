@@ -152,8 +152,8 @@ def test_traffic_rejects_bad_sizes():
 
 
 @pytest.mark.parametrize("rnd, match", [
-    ((Transfer(0, 1, 0, False), Transfer(1, 0, 0, True)), "send chunks they overwrite"),
-    ((Transfer(0, 1, 1, True), Transfer(2, 0, 1, False)), "send chunks they overwrite"),
+    ((Transfer(0, 1, 0, False), Transfer(1, 0, 0, True)), "sends a chunk that it overwrites"),
+    ((Transfer(0, 1, 1, True), Transfer(2, 0, 1, False)), "sends a chunk that it overwrites"),
     ((Transfer(0, 0, 0, True),), "bad transfer"),
     ((Transfer(0, 3, 0, True),), "bad transfer"),
     ((Transfer(0, 1, 5, True),), "bad transfer"),

@@ -40,7 +40,7 @@ def schedule_property(schedule, n: int) -> Schedule:
     each device's contribution exactly once. Returns the schedule."""
     call = f"schedule({n})"
     sched = as_schedule(called(call, schedule, n)[2], n, call)
-    for r, rnd in enumerate(sched.rounds):
+    for r, rnd in enumerate(sched.rounds, start=1):  # from 1, as check_schedule, explain and the pictures
         for t in rnd:
             if not all(isinstance(v, int) for v in t[:3]) or not isinstance(t.reduce, bool):
                 raise Mismatch(f"{call}: round {r} holds {t}; src, dst and chunk are ints and reduce a bool")
