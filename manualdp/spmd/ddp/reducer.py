@@ -90,8 +90,7 @@ class Reducer:
         self.ready_order = [] if rebuild else None  # ids of the parameters in the order their gradients came
         self._next = 0  # buckets launch strictly in order, the same on every rank
         self.in_backward = False
-        self.state = group_state(self.group)  # the group's worker, scratch space, byte counter
-        self.worker = self.state.worker
+        self.state, self.worker = self.group_worker()  # the group's state (scratch space, byte counter), its worker
         self.reduce = self.allreduce_bucket
         self.reduces_to_average = False  # True where `reduce` hands back averages (a comm hook), not sums
         self.use([])
@@ -115,6 +114,11 @@ class Reducer:
                     bucket.view(i).copy_(p.grad)
                     p.grad = bucket.view(i)
         self.names = [[self._names[id(p)] for p in bucket.params] for bucket in self.buckets]  # for error messages
+
+    def group_worker(self) -> tuple:
+        """The group's state and the worker that reduces the buckets (`ft/`'s reducer, over changing groups, its own)."""
+        state = group_state(self.group)
+        return state, state.worker
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
