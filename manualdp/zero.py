@@ -31,7 +31,8 @@ from .collectives import all_gather, reduce_scatter
 from .shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from .validate import factory, no_closure, one_of
 
-__all__ = ["ShardedOptimizer", "make_optimizer", "state_bytes"]
+__all__ = ["ShardedOptimizer", "make_optimizer", "state_bytes", "storage_bytes"]
+KINDS = ("parameters", "gradients", "optimizer_state")  # what `peak_bytes` reports, per device
 
 
 def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer:
@@ -44,6 +45,16 @@ def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes held in `optimizer`'s state tensors (momentum, exp_avg, ...), counted from the tensors themselves."""
     return sum(v.numel() * v.element_size() for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
                if isinstance(v, torch.Tensor))
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind `tensors`, each storage counted once (views of one flat buffer share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def peak_of(reports: list[list[dict]]) -> list[dict]:
+    """Per device, the largest value of each kind over `reports` (one list of per-device dicts per moment)."""
+    return [{k: max(r[i][k] for r in reports) for k in KINDS} for i in range(len(reports[0]))]
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -61,6 +72,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     It is a `torch.optim.Optimizer` whose `param_groups` are replica 0's parameters, so
     learning-rate schedulers work: their options reach every device's optimizer at `step`.
     `train_batch` takes `zero.per_device()` in place of its list of optimizers.
+
+    Memory, counted from the tensors each device holds: `param_bytes()`, `gradient_bytes()` (after
+    `step`: the whole summed gradient at stage 1, only the device's chunk of it at stage 2),
+    `state_bytes()`, and `peak_bytes()`, the most of each held at once from the reduction to the end of `step`.
     """
 
     def __init__(self, replicas: list[nn.Module], optimizer_class, *, stage: int = 1, algorithm: str = "ring",
@@ -79,7 +94,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         positions = [[index[id(p)] for p in g["params"]] for g in groups]
         n = self.num_devices = len(replicas)
         self.plan = ShardPlan([g["params"] for g in groups], n)
-        self.params = []  # device i's trainable parameters, in the plan's order
+        self.replicas, self.params = list(replicas), []  # device i's trainable parameters, in the plan's order
         for i, r in enumerate(replicas):
             ps = list(r.parameters())
             if len(ps) != len(first) or any(a.shape != b.shape or a.dtype != b.dtype for a, b in zip(ps, first)):
@@ -97,6 +112,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         template = next(o for o in self.optimizers if o is not None)
         super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, template.param_groups)], {})
         self._stepped: set[int] = set()
+        self.grad_shards: list[list[torch.Tensor]] = [[] for _ in range(n)]  # stage 2: device i's chunk of the sum
+        self._peak: list[dict] | None = None  # what `peak_bytes` reports, measured in the last step
 
     @property
     def reduces_gradients(self) -> bool:
@@ -108,6 +125,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.zero_grad_on(i, set_to_none)
 
     def zero_grad_on(self, device: int, set_to_none: bool = True) -> None:
+        self.grad_shards[device] = []
         for p in self.params[device]:
             if set_to_none:
                 p.grad = None
@@ -128,20 +146,61 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("closure is not supported: ZeRO steps after the gradients are reduced")
         # A parameter no device has a gradient for is skipped, as torch's optimizers skip it.
         used = [any(ps[j].grad is not None for ps in self.params) for j in range(len(self.params[0]))]
-        grads = [self.plan.flat_grads(ps) for ps in self.params]
-        if self.reduces_gradients:  # stage 2: only the own chunk of the sum is needed
-            for b in range(len(self.plan.buffers)):
-                reduce_scatter([g[b] for g in grads], self.algorithm)
+        grads = self._reduce(used)
+        held = [self.held_bytes()]
         self._sync_options()
-        for pieces, opt, g in zip(self.pieces, self.optimizers, grads):
+        for i, (pieces, opt, g) in enumerate(zip(self.pieces, self.optimizers, grads)):
             for j, lo, hi, piece in pieces:
-                piece.grad = g[self.plan.where[j][0]][lo:hi] if used[j] else None
+                b = self.plan.where[j][0]
+                start = self.plan.bounds(b, i)[0] if self.reduces_gradients else 0  # stage 2 holds its chunk only
+                piece.grad = g[b][lo - start:hi - start] if used[j] else None
             if opt is not None:
                 opt.step()
             for *_, piece in pieces:
-                piece.grad = None  # views of buffers freed at the end of this step
+                piece.grad = None  # views of the gradient buffers, which outlive the step as `.grad` or `grad_shards`
+        held.append(self.held_bytes())
         for b in range(len(self.plan.buffers)):
             all_gather([flats[b] for flats in self.flats], self.algorithm)
+        self._peak = peak_of(held + [self.held_bytes()])
+
+    def _reduce(self, used: list[bool]) -> list[list[torch.Tensor]]:
+        """Every device's summed gradient, per buffer: whole at stage 1, its own chunk at stage 2."""
+        grads = [self.plan.flat_grads(ps) for ps in self.params]
+        if not self.reduces_gradients:  # stage 1: `.grad` becomes a view of the flat copy, so none is held twice
+            for ps, g in zip(self.params, grads):
+                for j, (b, lo, hi) in enumerate(self.plan.where):
+                    if used[j]:
+                        ps[j].grad = g[b][lo:hi].view_as(ps[j])
+            return grads
+        for b in range(len(self.plan.buffers)):  # stage 2: only the own chunk of the sum is needed
+            reduce_scatter([g[b] for g in grads], self.algorithm)
+        self.grad_shards = [[f[slice(*self.plan.bounds(b, i))].clone() for b, f in enumerate(g)]
+                            for i, g in enumerate(grads)]
+        for ps in self.params:  # ZeRO-2 lets go of the whole gradients: a device keeps its chunk of the sum
+            for p in ps:
+                p.grad = None
+        return self.grad_shards
+
+    def held_bytes(self) -> list[dict]:
+        """What each device holds now, in bytes, by kind: parameters, gradients and optimizer state."""
+        return [{"parameters": storage_bytes(r.parameters()),
+                 "gradients": storage_bytes([*(p.grad for p in r.parameters() if p.grad is not None), *shards]),
+                 "optimizer_state": state_bytes(opt)}
+                for r, shards, opt in zip(self.replicas, self.grad_shards, self.optimizers)]
+
+    def param_bytes(self) -> list[int]:
+        """Parameter bytes on each device: every device holds the whole model at stages 1 and 2."""
+        return [h["parameters"] for h in self.held_bytes()]
+
+    def gradient_bytes(self) -> list[int]:
+        """Gradient bytes on each device: after `step`, the whole sum at stage 1, the device's chunk at stage 2."""
+        return [h["gradients"] for h in self.held_bytes()]
+
+    def peak_bytes(self) -> list[dict]:
+        """Per device and kind, the most bytes held at once from the reduction to the end of the last `step`."""
+        if self._peak is None:
+            raise RuntimeError("peak_bytes is measured in step(): call it after a step")
+        return self._peak
 
     def state_bytes(self) -> list[int]:
         """Optimizer-state bytes on each device."""
