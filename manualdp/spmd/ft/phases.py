@@ -98,20 +98,32 @@ class Phases:
             self._hold(quorum.round)  # as start_step does, before anything can fail
         return quorum
 
-    def _settle(self) -> None:
+    _unentered = False  # a quorum asked ahead was taken off the fast path and is not entered yet (`quorum_ready`)
+
+    def quorum_ready(self) -> bool:
+        """Take the quorum asked ahead, if any, without entering it; False if the step needs it entered first.
+
+        Entering may load a received state into the model: a caller under autograd (`FaultTolerantDDP`'s
+        backward) leaves that to the next call that needs the quorum, after backward.
+        """
+        self._settle(enter=False)
+        return not self._unentered
+
+    def _settle(self, enter: bool = True) -> None:
         """Take the quorum asked ahead, if any: on the fast path it is held; else enter it, and discard this step."""
-        if self._ahead is None or not self._ahead.pending:
+        if self._ahead is not None and self._ahead.pending:
+            try:
+                quorum = self._ahead.result()
+            except BaseException as e:
+                self._in_step = False
+                self._raise_if_lost(e)
+                raise
+            self._round, self._quorum = quorum.round, quorum
+            self._unentered = not fast(quorum, self._group)
+        if not (self._unentered and enter):
             return
-        try:
-            quorum = self._ahead.result()
-        except BaseException as e:
-            self._in_step = False
-            self._raise_if_lost(e)
-            raise
-        self._round, self._quorum = quorum.round, quorum
-        if fast(quorum, self._group):
-            return
-        if self._enter(quorum, admission.canonical(self._settings)) is not None:
+        self._unentered = False
+        if self._enter(self._quorum, admission.canonical(self._settings)) is not None:
             self._in_step = True  # it voted discard: the caller's should_commit() reads that outcome again
         # forward and backward ran on the last quorum's state: the allreduces go (nobody waits for this
         # replica), and every member that asked ahead votes the step down (ahead.py)
