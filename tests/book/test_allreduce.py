@@ -18,10 +18,10 @@ ALGS = sorted(ALGORITHMS)
 
 @settings(deadline=None, max_examples=80)
 @given(algorithm=st.sampled_from(ALGS), **STRATEGIES["allreduce"])
-def test_every_device_holds_the_sum(algorithm, n, shape, dtype, seed, transpose):
+def test_every_device_holds_the_sum(algorithm, n, shape, dtype, seed, transpose, wide):
     # The property `manualdp check allreduce` grades a student's allreduce with: every tensor the
     # caller holds ends with the sum, bitwise identical; any shape, non-contiguous views too.
-    allreduce_property(functools.partial(allreduce, algorithm=algorithm), n, shape, dtype, seed, transpose)
+    allreduce_property(functools.partial(allreduce, algorithm=algorithm), n, shape, dtype, seed, transpose, wide)
 
 
 def test_sum_order_does_not_break_bitwise_identity():

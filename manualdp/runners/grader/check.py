@@ -137,13 +137,15 @@ def check_split_batch(path: str, args) -> str:
 
 
 def check_allreduce(path: str, args) -> str:
-    from .properties import STRATEGIES, allreduce_property
+    from .properties import STRATEGIES, allreduce_property, allreduce_sizes_property
 
     with load(path, "allreduce", args) as child:
-        _hypothesis(allreduce_property, child, STRATEGIES["allreduce"], args.examples)
+        _hypothesis(allreduce_property, child, STRATEGIES["allreduce"], args.examples)  # its small failures first
+        allreduce_sizes_property(child)  # then, once, a million elements and sums that overflow
     return (f"{args.examples} lists of tensors drawn by hypothesis (1 to 8 devices, any shape up to 100,000 elements, "
-            "0-dim too, float and int dtypes, transposed views): every device's own tensor holds the sum, bitwise "
-            "identical")
+            "0-dim too, float and int dtypes, integers over their whole range, transposed views), then a million "
+            "elements on 2 and 3 devices and int16 and int32 sums that overflow: every device's own tensor holds the "
+            "sum, bitwise identical (integers summed in their own dtype, wrapping around, as torch's all_reduce)")
 
 
 def schedule_sizes(powers_of_two: bool) -> list[int]:

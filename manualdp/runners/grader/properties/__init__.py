@@ -16,7 +16,7 @@ the call of the function under test, the hints, how values are shown) is in `com
 from __future__ import annotations
 
 from . import allreduce, checkpoint, cost, schedule, split_batch, zero1
-from .allreduce import allreduce_property, make_tensors
+from .allreduce import allreduce_property, allreduce_sizes_property, make_tensors
 from .checkpoint import resume_in_a_new_process_property, resume_property
 from .common import Mismatch, apart, hint_for
 from .cost import book_schedules, cost_property, cost_sweep_property, schedules
@@ -27,7 +27,7 @@ from .split_batch import split_devices_property, split_property
 from .zero1 import zero1_property
 
 __all__ = ["Mismatch", "STRATEGIES", "apart", "hint_for", "split_property", "split_devices_property",
-           "allreduce_property", "schedule_property", "as_schedule", "cost_property", "cost_sweep_property",
+           "allreduce_property", "allreduce_sizes_property", "schedule_property", "as_schedule", "cost_property", "cost_sweep_property",
            "book_schedules", "schedules", "zero1_property", "resume_property", "resume_in_a_new_process_property",
            "hook_job", "torch_hook_job", "hook_mismatch", "LOSS_SCALE",
            "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
