@@ -16,17 +16,20 @@ from .manager import Manager
 __all__ = ["average_and_vote"]
 
 
-def average_and_vote(manager: Manager, tensors: list[torch.Tensor], also: tuple[torch.Tensor, ...] = ()) -> bool:
+def average_and_vote(manager: Manager, tensors: list[torch.Tensor], also: tuple[torch.Tensor, ...] = (), *,
+                     judged: list[torch.Tensor] | None = None) -> bool:
     """Average `tensors` over `manager`'s quorum and vote; True, and the averages written back, if every member commits.
 
     `tensors` go as one flat buffer per dtype (rung 2 of the ladder), each tensor of `also` as a
     buffer of its own, first. On False (a member failed, or the guard found a contribution out of
-    line: then no buffer is sent) every tensor is left as it was.
+    line: then no buffer is sent) every tensor is left as it was. `judged`: what the guard judges
+    in place of `tensors` (`FaultTolerantDDP`'s bucket norms: its buckets were averaged during backward).
     """
     groups = [[t] for t in also] + by_dtype(tensors)
     flats = [flatten(group) for group in groups]
     guard = getattr(manager, "guard", None)
-    ok = guard is None or guard.passes(manager, flats[len(also):], flats[:len(also)])  # the same answer on all
+    judged = flats[len(also):] if judged is None else judged
+    ok = guard is None or guard.passes(manager, judged, flats[:len(also)])  # the same answer on all
     ok = ok and all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
     if not manager.should_commit(ok):
         return False

@@ -1,0 +1,102 @@
+"""`FaultTolerantDDP`'s buckets: the drop-in's reducer, each bucket averaged over the quorum while backward runs.
+
+torchft's fault-tolerant DDP is torch's DDP with a comm hook that calls its manager; here it is
+the drop-in's reducer (`spmd/ddp/reducer.py`: buckets in reverse parameter order, a small first
+one, each sent when full, in bucket order) whose per-bucket reduction is `Manager.average`, over
+the current quorum's group. Where it departs from the drop-in, and why:
+- the buckets are never rebuilt in the order the gradients came: a replica that joins later must
+  cut the same buckets as the members, without a broadcast that they would have to join;
+- the buckets go on a thread of this reducer's own, not the group's worker: the group is formed
+  again whenever the members change, and the reducer outlives every group;
+- no flags travel: every parameter counts as used by every member, and one unused on a replica
+  contributes zeros (as the flat buffer did);
+- the quorum asked ahead (`ahead.py`) is taken as backward starts, on the main thread. If the step
+  must enter it (a state to receive, a group to form), nothing is averaged during backward: a state
+  loaded under autograd would break it. `average_late` averages every bucket after backward, once
+  the quorum is entered; the step is voted down anyway, but a newcomer is not left waiting;
+- a member gone mid-bucket makes `Manager.average` return False: the later buckets go nowhere,
+  and the vote discards the step on every member.
+The guard (`guard.py`) judges every member's whole contribution, known only once every bucket is
+in: each bucket's norm is taken before its average, and the guard judges them in `step()`. An
+out-of-line contribution has then been averaged, but the step is discarded: it is never applied.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ...buckets import assign_buckets
+from ..ddp.feature import Feature
+from ..ddp.reducer import Reducer
+from ..transport.p2p import DEFAULT_SEGMENT_BYTES
+from ..transport.worker import SerialWorker
+
+__all__ = ["QuorumReducer"]
+
+
+class QuorumReducer(Reducer):
+    """The drop-in's reducer over `params` (in buckets of `caps` MiB), each bucket averaged by `manager`."""
+
+    def __init__(self, module: nn.Module, params: list[nn.Parameter], caps, manager) -> None:
+        self.manager = manager
+        self.begin(started=False)
+        super().__init__(params, module, assign_buckets(params, caps), caps, group=None, rank=0, peers=[0],
+                         device=params[0].device if params else torch.device("cpu"), algorithm=manager.algorithm,
+                         segment_bytes=DEFAULT_SEGMENT_BYTES, timeout=manager.timeout, gradient_as_bucket_view=False,
+                         rebuild=False)
+        self.reduce, self.reduces_to_average = self.average_bucket, True
+        self.use([_TakeQuorum(self)])
+
+    def group_worker(self) -> tuple:
+        return None, SerialWorker("manualdp-ft-buckets")
+
+    def begin(self, started: bool = True) -> None:
+        """A step starts (`start_step`): no bucket averaged, no norm, nothing deferred."""
+        self.started = started    # start_step() ran and step() not yet
+        self.late = False         # the quorum must be entered first: the buckets wait for `average_late`
+        self.averaged = False     # a bucket was averaged during a backward pass of this step
+        self.norms: list[float] = []  # the norm of each bucket this replica contributed, for the guard
+        self.error: BaseException | None = None  # what taking the quorum raised in backward, raised by step()
+
+    def average_bucket(self, index: int, bucket) -> None:
+        """On the worker (or late, on the main thread): average `bucket`'s gradients over the quorum."""
+        bucket.flags.fill_(1)  # every parameter used by every member: `write_grads` writes them all
+        if self.late:
+            return
+        self.norms.append(float(torch.linalg.vector_norm(bucket.grads, dtype=torch.float64)))
+        self.manager.average(bucket.grads)  # False (a member failed): the manager votes discard, later buckets skip
+        self.averaged = True
+
+    @torch.no_grad()
+    def average_late(self) -> None:
+        """After backward, on the main thread: enter the step's quorum, then average every bucket from `.grad`."""
+        self.manager.quorum  # noqa: B018 - enters a quorum asked ahead (it may load a state: not under autograd)
+        self.late = False
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                bucket.copy_in(i, p.grad)
+            self.average_bucket(b, bucket)
+            self.write_grads(bucket)
+        self.reset()
+
+    def close(self) -> None:
+        """The model may outlive its wrapper: its backward stops averaging, and the thread ends."""
+        self.remove_hooks()
+        self.worker.shutdown()
+
+
+class _TakeQuorum(Feature):
+    """As backward starts, on the main thread: take the quorum asked ahead; if it must be entered, average late."""
+
+    def __init__(self, reducer: QuorumReducer) -> None:
+        self.reducer = reducer
+
+    def backward_start(self) -> None:
+        r = self.reducer
+        if not r.started:  # no step under way: step() says so, on the main thread
+            r.late = True
+            return
+        try:
+            r.late = r.late or not r.manager.quorum_ready()
+        except BaseException as e:  # noqa: BLE001 - the run ended, no quorum in time: raised by step(), not in autograd
+            r.error, r.late = e, True
