@@ -125,7 +125,16 @@ def ddp_job(path: str, name: str = "DDP", steps: int = 3) -> dict:
     except Exception as e:  # noqa: BLE001
         frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
         where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
-        return {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}"}
+        return {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}{_why_none(e)}"}
+
+
+def _why_none(e: Exception) -> str:
+    """The likeliest reason a DDP meets None: the frozen layer, whose parameters backward never gives a .grad."""
+    if not isinstance(e, (AttributeError, TypeError)) or "NoneType" not in str(e):
+        return ""
+    return (". The model has a frozen layer (`frozen`, requires_grad=False, as a fine-tuned model's embeddings are): "
+            "backward gives its weight and bias no gradient, so their .grad is None. Skip parameters that do not "
+            "require a gradient, as torch's DDP does")
 
 
 def torch_ddp_job(steps: int = 3) -> dict:
