@@ -77,3 +77,49 @@ def test_chapter_2_says_rounds_count_from_1_and_builds_its_bad_schedule_with_key
     text = chapter("02")
     assert "Rounds are counted from 1" in text and "round 1 is\n`schedule.rounds[0]`" in text
     assert 'Schedule("bad", num_devices=2, num_chunks=1, rounds=' in text and 'Schedule("bad", 2' not in text
+
+
+# ---------------------------------------------------------------- calls a reader can decode (case 4)
+# the most positional arguments a chapter may pass each call: past these, a reader needs the source to decode them
+MOST_POSITIONAL = {"Schedule": 1, "cost": 5, "launch": 1, "train_spmd": 2, "train": 2, "Member": 1, "Quorum": 1}
+
+
+def positional_calls(source: str) -> list[str]:
+    """The calls of `source` that pass more positional arguments than MOST_POSITIONAL allows."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            if name in MOST_POSITIONAL and len(node.args) > MOST_POSITIONAL[name]:
+                found.append(ast.unparse(node))
+    return found
+
+
+@pytest.mark.parametrize("prefix", ["01", "02", "03", "04"])
+def test_chapters_1_to_4_pass_keywords_where_a_position_says_nothing(prefix):
+    from mktestdocs import grab_code_blocks
+
+    source = "\n\n".join(grab_code_blocks(chapter(prefix), lang="python"))
+    assert positional_calls(source) == []
+
+
+def test_the_positional_check_finds_the_calls_the_chapters_used_to_make():
+    old = ('Schedule("bad", 2, 1, (), ("swap",))\ncost(schedule, size, a, b, g, 4)\n'
+           'launch(record_ladder, 2, (3,), timeout=300)\ntrain_spmd(net, loader, [], 1, 0.1, loss_fn=f)\n')
+    assert len(positional_calls(old)) == 4
+
+
+# ---------------------------------------------------------------- chapter 4: the frozen layer, and exercise 3 (3, 5)
+def test_chapter_4_says_why_the_graders_model_has_parameters_without_a_gradient():
+    text = " ".join(chapter("04").split())
+    assert "`frozen.requires_grad_(False)`" in text and "its `.grad` stays `None`" in text
+    assert "which gradients go into the buffer?" in text
+
+
+def test_chapter_4_exercise_3_asks_without_answering():
+    exercise = " ".join(chapter("04").split("3. **When backward returns:**")[1].split("A reference rung 1")[0].split())
+    assert "(" not in exercise.split("Why the post-accumulate hook")[1].split("print `p.grad`")[0]
+    for answer in ("Both fire once", "fires before the sum", "last step's gradient", "fails on `None`"):
+        assert answer not in exercise
