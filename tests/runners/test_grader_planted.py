@@ -59,8 +59,8 @@ def test_an_integer_sum_that_overflows_is_the_sum_wrapped_around(name, dtype):
     wrong = answer(name).allreduce
     allreduce_property(wrong, 2, (5,), dtype, 0)  # small values: right
     with pytest.raises(Mismatch, match=rf"dtype {str(dtype)[6:]}.* \(values over the dtype's whole range: the sum "
-                                       rf"wraps around.*\. The sum overflows {str(dtype)[6:]} here: the exercise's rule, "
-                                       r"torch.distributed.all_reduce's, is the sum in the tensors' own dtype"):
+                                       rf"wraps around.*\. The sum overflows {str(dtype)[6:]} here: the exercise's "
+                                       r"rule, torch.distributed.all_reduce's, is the sum in the tensors' own dtype"):
         allreduce_property(wrong, 8, (5,), dtype, 1, wide=True)
     with pytest.raises(Mismatch):
         allreduce_sizes_property(wrong)
