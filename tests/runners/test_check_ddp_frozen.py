@@ -9,22 +9,17 @@ from manualdp.runners.grader.properties.ddp import Twice, ddp_job
 FLAT_FORGETS_THE_FROZEN_LAYER = '''
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
-class DDP(nn.Module):
+class DDP:  # rung 2, on one rank here: one flat buffer of every parameter's gradient
     def __init__(self, module):
-        super().__init__()
         self.module = module
-        for p in module.parameters():
-            dist.broadcast(p.data, src=0)
 
-    def forward(self, x):
+    def __call__(self, x):
         return self.module(x)
 
     def finish_gradient_synchronization(self):
-        grads = [p.grad for p in self.module.parameters()]  # the frozen layer's are None
-        flat = torch.cat([g.flatten() for g in grads])
+        flat = torch.cat([p.grad.flatten() for p in self.module.parameters()])  # the frozen layer's are None
         dist.all_reduce(flat)
 '''
 
@@ -42,7 +37,7 @@ def test_a_flat_rung_that_forgets_the_frozen_layer_is_told_about_the_frozen_laye
     answer.write_text(textwrap.dedent(FLAT_FORGETS_THE_FROZEN_LAYER))
     error = ddp_job(str(answer), steps=1)["error"]
     assert error.startswith("rank 0: AttributeError: 'NoneType' object has no attribute 'flatten' (at ")
-    assert "line 19: flat = torch.cat([g.flatten() for g in grads])" in error
+    assert "line 14: flat = torch.cat([p.grad.flatten() for p in self.module.parameters()])" in error
     assert "The model has a frozen layer (`frozen`, requires_grad=False" in error
     assert "their .grad is None. Skip parameters that do not require a gradient" in error
 
