@@ -43,7 +43,7 @@ Where it differs from torch's FSDP2:
 - ranks that run other units, or one unit more, or use a parameter on some ranks only, all raise
   naming the unit (torch's pairs the collectives up, or hangs).
 Not supported (each refused in one line): a mesh of more than one dimension (HSDP),
-`shard_placement_fn`, `offload_policy`, a list of modules, custom all-gather and reduce-scatter.
+`shard_placement_fn`, `offload_policy`, custom all-gather and reduce-scatter.
 
 The book's ZeRO-3 (`manualdp.zero3.Zero3`) keeps one flat shard per unit instead: it teaches the idea
 on one page. Per-parameter shards cost a copy in and out of the flat buffer each all-gather and
@@ -223,13 +223,15 @@ def _fsdp_class(cls: type) -> type:
     return _classes[cls]
 
 
-def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
                 shard_placement_fn=None, mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None,
                 ignored_params: set[nn.Parameter] | None = None, group=None, timeout: float | None = None,
-                recorder=None) -> nn.Module:
+                recorder=None) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters over the ranks of `mesh` (or `group`; default: all), in place; returns `module`.
 
-    Apply it to submodules first, then to their parents and the root, as torch's `fully_shard`.
+    Apply it to submodules first, then to their parents and the root, as torch's `fully_shard`. A list of
+    modules (torchtitan's `fully_shard([model.norm, model.output])`) is one unit, as torch's: one all-gather
+    before the first of them runs forward, one reshard after the last, one reduce-scatter of all their gradients.
     Keywords as torch's: `mesh` (a 1-D DeviceMesh), `reshard_after_forward` (free a unit's full
     parameters after its forward and gather them again for backward; None: every unit but the
     outermost), `mp_policy` (torch's `MixedPrecisionPolicy`: gather and compute in `param_dtype`,
@@ -241,7 +243,7 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     call = checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                              ignored_params, group, timeout)
     # Checked: from here on every rank changes the module the same way.
-    unit = Unit(module, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder)
+    unit = Unit(call.modules, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder)
     unit.take_in(call.nested)  # the units already inside: one tree, one step
     fresh = [p for p, _, _ in call.taken.values() if not isinstance(p, Param)]
     if not call.meta:  # every rank starts from rank 0's values, sent on the worker in line with the collectives
@@ -252,8 +254,9 @@ def fully_shard(module: nn.Module, *, mesh: DeviceMesh | None = None, reshard_af
     unit.name_tree(call.nested)
     install_hooks(unit)
     install_state_dict_hooks(unit)
-    module.__dict__[UNIT] = unit
-    module.__class__ = _fsdp_class(type(module))
+    for m in call.modules:  # a list's modules share the unit: each is an FSDPModule, as torch's
+        m.__dict__[UNIT] = unit
+        m.__class__ = _fsdp_class(type(m))
     watch_optimizers()
     register_empty_shard_norms()
     return module

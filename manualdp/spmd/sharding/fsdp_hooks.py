@@ -26,9 +26,29 @@ __all__ = ["install_hooks", "ForwardHooks"]
 
 
 def install_hooks(unit) -> None:
-    """Hook `unit.module`'s forward: the unit is gathered before it and freed after it."""
-    unit.module.register_forward_pre_hook(functools.partial(_before_forward, unit), with_kwargs=True)
-    unit.module.register_forward_hook(functools.partial(_after_forward, unit), always_call=True)
+    """Hook the unit's modules' forwards: the unit is gathered before the first and freed after the last."""
+    if len(unit.modules) == 1:
+        unit.module.register_forward_pre_hook(functools.partial(_before_forward, unit), with_kwargs=True)
+        unit.module.register_forward_hook(functools.partial(_after_forward, unit), always_call=True)
+        return
+    for m in unit.modules:  # one unit of several modules: torch's group hooks
+        m.register_forward_pre_hook(functools.partial(_before_group, unit), with_kwargs=True)
+        m.register_forward_hook(functools.partial(_after_group, unit), always_call=True)
+
+
+def _before_group(unit, module, args, kwargs):
+    """The first of the unit's modules to run gathers it (and casts its inputs); the others find it gathered."""
+    if unit.to_run:
+        return None
+    out = _before_forward(unit, module, args, kwargs)  # may start a new step, which forgets `to_run`
+    unit.to_run.update(id(m) for m in unit.modules)
+    return out
+
+
+def _after_group(unit, module, args, output):
+    """The last of the unit's modules to end its forward frees the unit (and hooks and casts its outputs)."""
+    unit.to_run.discard(id(module))
+    return None if unit.to_run else _after_forward(unit, module, args, output)
 
 
 class ForwardHooks:

@@ -39,12 +39,13 @@ class Checked:
     nested: list         # (path, unit): the units already inside the module, the first met on each path
     buffers: list        # the buffers met, each once
     meta: bool           # the module is on the meta device: nothing to broadcast yet
+    modules: list        # the modules of the unit: one, or the roots of a list (torch's `fully_shard([a, b])`)
 
 
 def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                       ignored_params, group, timeout) -> Checked:
     """Check `fully_shard`'s arguments and module, then that every rank calls it alike; raise before any change."""
-    _one_module(module)
+    modules = _modules(module)
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn is not supported by manualdp's fully_shard: it shards dim 0")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
@@ -56,18 +57,19 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
                         f"{type(mp_policy).__name__}")
     ignored = _ignored(ignored_params)
     timeout = timeout_seconds("timeout", timeout)
-    if UNIT in module.__dict__:
-        raise ValueError(f"module ({type(module).__name__}) is already sharded by fully_shard: "
-                         "apply it once per module")
-    taken, nested, buffers = _walk(module, ignored)
-    meta, device_type = _device(module, taken, mesh, group)
+    for m in modules:
+        if UNIT in m.__dict__:
+            raise ValueError(f"module ({type(m).__name__}) is already sharded by fully_shard: "
+                             "apply it once per module")
+    taken, nested, buffers = _walk(modules, ignored)
+    meta, device_type = _device(modules, taken, mesh, group)
     mesh, group = _mesh_and_group(mesh, group, device_type)
     reshard = _reshard_after_forward(reshard_after_forward, mesh.size())
     for p, _, name in taken.values():
         if not isinstance(p, Param):
             _shardable(p, name)
-    _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored)
-    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta)
+    _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored)
+    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules)
 
 
 def _shardable(p: nn.Parameter, name: str) -> None:
@@ -84,13 +86,28 @@ def _shardable(p: nn.Parameter, name: str) -> None:
                          "torch.contiguous_format) first")
 
 
-def _one_module(module) -> None:
+def _modules(module) -> list[nn.Module]:
+    """The unit's modules: `module`, or those of a list that lie inside no other of it (as torch's)."""
     if isinstance(module, (list, tuple)):
-        raise NotImplementedError("module: manualdp's fully_shard takes one module at a time, not a list")
-    nn_module("module", module)
-    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
-        raise ValueError(f"module is a {type(module).__name__}, a container without a forward of its own: its "
-                         "forward never runs, so neither would the unit's; shard each of its children instead")
+        if not module or not all(isinstance(m, nn.Module) for m in module):
+            raise TypeError(f"module must be an nn.Module or a non-empty list of them, got "
+                            f"[{', '.join(type(m).__name__ for m in module)}]")
+        inner = {id(sub) for m in module for sub in m.modules() if sub is not m}
+        roots = {id(m): m for m in module if id(m) not in inner}
+        modules = list(roots.values())
+    else:
+        modules = [nn_module("module", module)]
+    for m in modules:
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            raise ValueError(f"module is a {type(m).__name__}, a container without a forward of its own: its "
+                             "forward never runs, so neither would the unit's; shard each of its children instead")
+    return modules
+
+
+def label(modules: list[nn.Module]) -> str:
+    """'Linear', or '[LayerNorm, Linear]' for a unit of several modules."""
+    names = [type(m).__name__ for m in modules]
+    return names[0] if len(names) == 1 else f"[{', '.join(names)}]"
 
 
 def _ignored(ignored_params) -> set[int]:
@@ -102,13 +119,14 @@ def _ignored(ignored_params) -> set[int]:
     return {id(p) for p in ignored_params}
 
 
-def _device(module: nn.Module, taken: dict, mesh, group) -> tuple[bool, str]:
+def _device(modules: list[nn.Module], taken: dict, mesh, group) -> tuple[bool, str]:
     """(Whether the module is on the meta device, the device type its shards will live on)."""
     devices = {p.sharded.device if isinstance(p, Param) else p.device for p, _, _ in taken.values()}
     if len(devices) > 1:
-        raise ValueError(f"module ({type(module).__name__}) has parameters on several devices: fully_shard needs one")
+        raise ValueError(f"module ({label(modules)}) has parameters on several devices: fully_shard needs one")
     if devices != {torch.device("meta")}:
-        initialized("module", module)
+        for m in modules:
+            initialized("module", m)
         return False, next(iter(devices)).type if devices else "cpu"
     if mesh is not None:  # the device the model will be moved to (to_empty): the mesh's, or the backend's
         return True, mesh.device_type
@@ -147,8 +165,8 @@ def _reshard_after_forward(value, world_size: int) -> bool | None:
     raise TypeError(f"reshard_after_forward must be a bool, an int or None, got {value!r}")
 
 
-def _walk(module: nn.Module, ignored: set[int]):
-    """What `fully_shard(module)` takes: the parameters of its subtree outside the units already in it
+def _walk(modules: list[nn.Module], ignored: set[int]):
+    """What `fully_shard(modules)` takes: the parameters of their subtrees outside the units already in them
     (id -> (parameter, its slots, its name)), those units (the first met on each path, with their paths),
     and the buffers met. Raises, naming them, on parameters held elsewhere."""
     taken: dict[int, tuple[nn.Parameter, list, str]] = {}
@@ -158,8 +176,9 @@ def _walk(module: nn.Module, ignored: set[int]):
         if id(sub) in seen:
             return
         seen.add(id(sub))
-        if sub is not module and UNIT in sub.__dict__:
-            nested.append((path, sub.__dict__[UNIT]))
+        if UNIT in sub.__dict__ and not any(sub is m for m in modules):
+            if all(u is not sub.__dict__[UNIT] for _, u in nested):  # a unit of several modules: met once
+                nested.append((path, sub.__dict__[UNIT]))
             return
         for attr, p in sub._parameters.items():
             if p is None or id(p) in ignored:
@@ -182,7 +201,8 @@ def _walk(module: nn.Module, ignored: set[int]):
             if child is not None:
                 visit(child, f"{path}.{name}" if path else name)
 
-    visit(module, "")
+    for i, m in enumerate(modules):  # the modules of a list are named by their place in it
+        visit(m, "" if len(modules) == 1 else f"modules[{i}]")
     inside = {id(q) for _, child in nested for u in child.tree() for q in u.params}
     for p, _, name in taken.values():
         if isinstance(p, Param) and id(p) not in inside:
@@ -192,7 +212,7 @@ def _walk(module: nn.Module, ignored: set[int]):
     return taken, nested, list(buffers.values())
 
 
-def _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, ignored) -> None:
+def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored) -> None:
     """Raise on every rank unless every rank shards the same parameters, buffers and units alike."""
     fields = {"reshard_after_forward": reshard, "mp_policy": mp_policy, "ignored_params": len(ignored),
               "units inside": [path for path, _ in nested],
@@ -200,5 +220,5 @@ def _check_same_call(module, group, reshard, mp_policy, taken, nested, buffers, 
     for p, _, name in taken.values():
         fields[f"parameter {name}"] = ("tied" if isinstance(p, Param) else
                                        f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen"))
-    agree(f"fully_shard({type(module).__name__})", fields, group,
+    agree(f"fully_shard({label(modules)})", fields, group,
           hint="every rank must build the same model and shard it alike")

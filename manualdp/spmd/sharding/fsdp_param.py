@@ -136,9 +136,10 @@ class Param:
         setattr(original, REPLACED, True)
         original.data = torch.empty(0, dtype=original.dtype, device=original.device)
 
-    def adopt(self) -> None:
-        """Take as the shard whatever the modules hold now (`to_empty`, `_apply` may have put a new parameter there)."""
-        sub, attr = self.slots[0]
+    def adopt(self, slot: tuple[nn.Module, str] | None = None) -> None:
+        """Take as the shard whatever the modules hold now, in `slot` or the first slot (`to_empty`, `_apply`,
+        `load_state_dict(assign=True)` may have put a new parameter there); every slot then holds it."""
+        sub, attr = slot if slot is not None else self.slots[0]
         now = sub._parameters.get(attr)
         if now is self.full:
             return

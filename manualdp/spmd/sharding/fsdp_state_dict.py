@@ -8,7 +8,9 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
 - before its `load_state_dict()`: a full tensor where the model holds a shard (a one-process state dict),
   or a shard cut for another world size, is refused in one line that says what loads it; and a unit
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
-  them again (torch's FSDP2 does the same).
+  them again (torch's FSDP2 does the same);
+- after it: a DTensor that `load_state_dict(..., assign=True)` put in a parameter's place becomes its shard
+  (pytorch/examples' FSDP2 script resumes a model built on the meta device that way), as torch's does.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ def install_state_dict_hooks(unit) -> None:
                 sub.register_state_dict_pre_hook(_shards_in)
                 sub.register_state_dict_post_hook(_fulls_back)
                 sub.register_load_state_dict_pre_hook(_check_loaded)
+                sub.register_load_state_dict_post_hook(_take_assigned)
 
 
 def _held(sub: nn.Module):
@@ -76,3 +79,10 @@ def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys,
     for attr, p in held:  # the values load into the shards; a backward still to come gathers them again (as torch's)
         if p.full is not None and sub._parameters.get(attr) is p.full:
             sub.__dict__[SLOTS][attr].free()
+
+
+def _take_assigned(sub: nn.Module, incompatible_keys) -> None:
+    """`assign=True` put new parameters in `sub`'s places: each becomes its `Param`'s shard, in every slot."""
+    for attr, p in _held(sub):
+        if sub._parameters.get(attr) is not p.sharded and sub._parameters.get(attr) is not p.full:
+            sub.__dict__[SLOTS][attr].adopt(p, (sub, attr))

@@ -42,7 +42,8 @@ class Unit:
     """The state of one `fully_shard(module)`: its parameters, and what the step under way has done with them.
 
     Args:
-        module: the module sharded; its forward hooks (`fsdp_hooks.py`) gather and free the unit.
+        modules: the modules sharded (one, or a list's: torch's `fully_shard([norm, output])`); their forward hooks
+            (`fsdp_hooks.py`) gather the unit before the first of them and free it after the last.
         group, mesh: the process group of the collectives and the 1-D mesh of the shards over it.
         reshard_after_forward: free the full parameters after forward (gather them again for backward);
             None: all but the outermost unit do (backward starts there).
@@ -50,9 +51,10 @@ class Unit:
         timeout: how long to wait for a peer; recorder: a `Trace` for the collectives.
     """
 
-    def __init__(self, module: nn.Module, group, mesh, reshard_after_forward: bool | None, mp_policy,
+    def __init__(self, modules: list[nn.Module], group, mesh, reshard_after_forward: bool | None, mp_policy,
                  timeout: float | None, recorder=None) -> None:
-        self.module, self.group, self.mesh, self.timeout, self.recorder = module, group, mesh, timeout, recorder
+        self.modules, self.group, self.mesh, self.timeout, self.recorder = modules, group, mesh, timeout, recorder
+        self.module = modules[0]  # the one that names the unit in messages
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
         self.reshard_after_forward = reshard_after_forward
@@ -84,6 +86,7 @@ class Unit:
         self.reduced = False    # the gradients are sent: this backward is done with the unit
         self.seen = False       # backward has reached the unit's outputs
         self.entered = 0        # forwards of this unit under way
+        self.to_run: set[int] = set()  # a unit of several modules: those whose forward has not ended yet
 
     # ---------------------------------------------------------------- the tree and the layout
 
@@ -137,10 +140,11 @@ class Unit:
         p.vacate()
         return p.slots, value
 
-    def adopt(self) -> None:
-        """Take as shards whatever the modules hold now (`to_empty`, `_apply` may have put new parameters there)."""
-        for p in self.params:
-            p.adopt()
+    def adopt(self, param: Param | None = None, slot: tuple[nn.Module, str] | None = None) -> None:
+        """Take as shards whatever the modules hold now (`to_empty`, `_apply`, `load_state_dict(assign=True)` may
+        have put new parameters there): every parameter's first slot, or `param`'s `slot` alone."""
+        for p in ([param] if param is not None else self.params):
+            p.adopt(slot)
         self._group()
 
     def follow_requires_grad(self) -> None:
@@ -262,6 +266,7 @@ class Unit:
         """Forget what this step did with the unit (its full memory is the caller's to free); gradients too, unless
         `keep_gradients` (kept with gradient sync off for the step that syncs)."""
         self.ready, self.reduced, self.seen, self.reducing = 0, False, False, None
+        self.to_run.clear()
         if not keep_gradients:
             for p in self.params:
                 p.forget_gradients()
