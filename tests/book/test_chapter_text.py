@@ -123,3 +123,27 @@ def test_chapter_4_exercise_3_asks_without_answering():
     assert "(" not in exercise.split("Why the post-accumulate hook")[1].split("print `p.grad`")[0]
     for answer in ("Both fire once", "fires before the sum", "last step's gradient", "fails on `None`"):
         assert answer not in exercise
+
+
+# ---------------------------------------------------------------- terms defined before use, and the glossary (case 6)
+def test_the_glossary_defines_the_terms_chapters_use_early_and_the_books_readme_links_it():
+    glossary = (BOOK / "glossary.md").read_text()
+    defined = re.findall(r"^\*\*(.+?)\*\*", glossary, re.M)
+    for term in ("algbw", "busbw", "PeerError", "per-group worker", "DTensor", "`no_sync()`", "torchft", "quorum",
+                 "`StepResult`", "default loss", "frozen layer", "round", "chunk"):
+        assert any(term in d for d in defined), f"the glossary does not define {term}"
+    assert defined == sorted(defined, key=lambda d: d.strip("`").lower()), "the glossary is not in alphabetical order"
+    assert "](glossary.md)" in (BOOK / "README.md").read_text()
+
+
+def test_chapter_1_defines_stepresult_and_the_default_loss_where_it_first_shows_them():
+    text = chapter("01")
+    first = text.index("StepResult")
+    assert "**`StepResult`**, a named tuple" in text[first - 20:first + 40]
+    assert text.index("**default loss**") < text.index("result = train_batch(")
+
+
+def test_busbw_is_defined_where_the_reader_first_meets_it():
+    chapters = sorted(BOOK.glob("[0-9][0-9]-*.md"))
+    first = next(c for c in chapters if "busbw" in c.read_text())
+    assert first.name.startswith("03-") and "**busbw** (bus bandwidth)" in first.read_text()
