@@ -387,8 +387,8 @@ class TrainingState:
             self.check_identity(state)  # a changed configuration is refused, not skipped
             missing = [k for k in ("model", "optimizer", "epoch", "step_in_epoch", "global_step", "sums", "rng",
                                    "epoch_rng", "history") if k not in state]
-            if missing:
-                raise CheckpointError(f"it lacks {', '.join(missing)}")
+            if missing:  # without any of them the run would go on other than it would have, unseen
+                raise CheckpointError(f"it lacks {', '.join(missing)}, which an exact resume needs")
             saved = {k: tuple(v.shape) for k, v in state["model"].items()} if isinstance(state["model"], dict) else {}
             if saved != shapes:
                 diff = sorted(set(saved) ^ set(shapes)) or [k for k in shapes if saved[k] != shapes[k]]
