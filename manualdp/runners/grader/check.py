@@ -6,6 +6,7 @@
     manualdp check ddp my_ddp.py
     manualdp check cost my_cost.py
     manualdp check hook my_hook.py
+    manualdp check buckets my_buckets.py
     manualdp check zero1 my_zero1.py
     manualdp check checkpoint my_checkpoint.py
     manualdp check diloco my_outer_step.py
@@ -43,6 +44,8 @@ EXERCISES = {  # name -> what FILE.py must define
     "cost": "a function cost(schedule, nbytes, alpha, beta, gamma) -> the schedule's alpha-beta-gamma time in seconds",
     "hook": "a comm hook fp16_compress_hook(process_group, bucket) -> a future of the bucket's average, sent in "
             "float16",
+    "buckets": "a class BucketedDDP(module, bucket_cap_mb) whose buckets are sent when full, during backward "
+               "(async all_reduce), with finish_gradient_synchronization()",
     "zero1": "a function zero1_step(params, grads, momenta, lr, momentum): one ZeRO-1 step of SGD with momentum",
     "checkpoint": "functions save_checkpoint(path, model, optimizer, step) and load_checkpoint(path, model, optimizer) "
                   "-> step, whose resume equals the uninterrupted run bitwise",
@@ -50,9 +53,9 @@ EXERCISES = {  # name -> what FILE.py must define
               "step",
 }
 NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "schedule", "ddp": "DDP", "cost": "cost",
-         "hook": "fp16_compress_hook", "zero1": "zero1_step", "checkpoint": ("save_checkpoint", "load_checkpoint"),
+         "hook": "fp16_compress_hook", "buckets": "BucketedDDP", "zero1": "zero1_step", "checkpoint": ("save_checkpoint", "load_checkpoint"),
          "diloco": "outer_step"}
-OWN = ("cost", "hook", "diloco")  # exercises whose answer the library holds: the file must write its own
+OWN = ("cost", "hook", "buckets", "diloco")  # exercises whose answer the library holds: the file must write its own
 SIZE = 1 << 20  # the buffer whose bytes a schedule's report counts (divisible by 4 and 8 devices)
 DDP_TIMEOUT = 90.0  # seconds for the ranks of the ddp and hook checks
 HOOK_WORLDS = (2, 3)  # the hook check's numbers of ranks
@@ -260,6 +263,22 @@ def check_hook(path: str, args) -> str:
             f"by {LOSS_SCALE:.0f}, where the sum of the ranks' float16 gradients would overflow")
 
 
+def check_buckets(path: str, args) -> str:
+    from .properties import buckets_mismatch
+    from .properties.buckets import CAP_BYTES
+
+    name = NAMES["buckets"]
+    ranks = _ranks(path, "buckets", args)
+    try:
+        buckets_mismatch(ranks, name)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError, RuntimeError) as e:
+        raise Failed(f"the ranks sent back results in another shape than the grader's ({type(e).__name__}: {e})")
+    return (f"{name} on 2 ranks, a model with a layer used twice, a frozen layer and one never called, float64, 3 "
+            f"steps: the gradients equal one process's on the whole batch (to 1e-12), the parameter never used keeps "
+            f"no gradient, every all_reduce is within the cap of {CAP_BYTES} bytes (or one gradient alone), "
+            "asynchronous, and a bucket goes out before the last gradient is ready")
+
+
 def check_cost(path: str, args) -> str:
     from .properties import STRATEGIES, book_schedules, cost_property, cost_sweep_property
 
@@ -352,7 +371,8 @@ def main(argv: list[str] | None = None) -> int:
                   "allreduce": lambda: check_allreduce(args.file, args),
                   "schedule": lambda: check_schedule(args.file, plot_path, args),
                   "ddp": lambda: check_ddp(args.file, args), "cost": lambda: check_cost(args.file, args),
-                  "hook": lambda: check_hook(args.file, args), "zero1": lambda: check_zero1(args.file, args),
+                  "hook": lambda: check_hook(args.file, args),
+                  "buckets": lambda: check_buckets(args.file, args), "zero1": lambda: check_zero1(args.file, args),
                   "checkpoint": lambda: check_checkpoint(args.file, args),
                   "diloco": lambda: check_diloco(args.file, args)}[args.exercise]()
     except (Failed, Mismatch, Stopped) as e:

@@ -10,13 +10,14 @@ dependency (`pip install hypothesis`).
 
 One file per exercise, in the book's order, each with what hypothesis draws for it (`DRAWN`):
 `split_batch.py` and `allreduce.py` (chapter 1), `schedule.py` (2), `cost.py` (3), `ddp.py` (4, on 2 ranks),
-`hook.py` (5, on 2 and 3 ranks), `zero1.py` (6), `checkpoint.py` (7), `diloco.py` (8); what they share (`Mismatch`,
+`hook.py` (5, on 2 and 3 ranks), `buckets.py` (5, rung 4 by hand, on 2 ranks), `zero1.py` (6), `checkpoint.py` (7), `diloco.py` (8); what they share (`Mismatch`,
 the call of the function under test, the hints, how values are shown) is in `common.py`.
 """
 from __future__ import annotations
 
 from . import allreduce, checkpoint, cost, schedule, split_batch, zero1
 from .allreduce import allreduce_property, allreduce_sizes_property, make_tensors
+from .buckets import buckets_job, buckets_mismatch
 from .checkpoint import resume_in_a_new_process_property, resume_property
 from .common import Mismatch, apart, hint_for
 from .cost import book_schedules, cost_property, cost_sweep_property, schedules
@@ -31,7 +32,7 @@ __all__ = ["Mismatch", "STRATEGIES", "apart", "hint_for", "split_property", "spl
            "book_schedules", "schedules", "zero1_property", "resume_property", "resume_in_a_new_process_property",
            "hook_job", "torch_hook_job", "hook_mismatch", "LOSS_SCALE",
            "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
-           "torch_ddp_job"]
+           "torch_ddp_job", "buckets_job", "buckets_mismatch"]
 
 STRATEGIES = {  # exercise -> what hypothesis draws for its property (the ddp and hook checks draw nothing)
     "split_batch": split_batch.DRAWN,
