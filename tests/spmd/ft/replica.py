@@ -8,7 +8,9 @@ first message of that batch's allreduce: a stopped one holds its connections ope
 partition), `fail_allreduce` (that message fails, and the replica lives on), `kill_receive`
 (SIGKILL itself in its first recovery, the state received but not loaded), `kill_send`
 (SIGKILL itself while sending the state at step `at`, the bytes written but not their
-checksum: the receiver never sees a whole state), and when to
+checksum: the receiver never sees a whole state; `skip`: that many messages go first, so that a
+later bucket's is the one), `bucket_cap_mb` (FaultTolerantDDP's), `grads` (record this replica's own
+gradients and the averages backward left in `.grad`), and when to
 pause (after committing step `pause_after`, until the test writes `go` to the store; a list of
 steps pauses at each, the k-th until `go` + k for k > 0). It
 writes what it did as JSON: every attempt (round, members, committed, the parameters' SHA-256
@@ -64,15 +66,19 @@ def sent() -> int:
     return sum(traffic().sent().values()) if dist.is_initialized() else 0
 
 
-def die_in_first_send(sig):
-    """From now on, the first message this process sends is its last: `sig` to itself right after posting it."""
+def die_in_first_send(sig, skip: int = 0):
+    """From now on, the first message this process sends (after `skip` more) is its last: `sig` to itself."""
     import inspect
 
     import torch.distributed as dist
     original, raw = dist.ProcessGroup.send, inspect.getattr_static(dist.ProcessGroup, "send")
+    left = [skip]
 
     def send(self, *args, **kwargs):
         work = original(self, *args, **kwargs)
+        left[0] -= 1
+        if left[0] >= 0:  # a later bucket's message is the one
+            return work
         dist.ProcessGroup.send = raw  # once: a stopped replica that wakes sends as usual (the method, still bound)
         os.kill(os.getpid(), sig)
         return work
@@ -80,13 +86,14 @@ def die_in_first_send(sig):
     dist.ProcessGroup.send = send
 
 
-def fail_first_send():
-    """The next message this process sends fails with a gloo-like error; it stays alive and votes."""
+def fail_first_send(skip: int = 0):
+    """The next message this process sends (after `skip` more) fails with a gloo-like error; it lives on and votes."""
     import torch.distributed as dist
-    original, armed = dist.ProcessGroup.send, [True]
+    original, armed, left = dist.ProcessGroup.send, [True], [skip]
 
     def send(self, *args, **kwargs):
-        if armed:
+        left[0] -= 1
+        if armed and left[0] < 0:
             armed.clear()
             raise RuntimeError("[injected] Connection reset by peer")
         return original(self, *args, **kwargs)
@@ -135,7 +142,8 @@ def main(config: dict) -> None:
         die_in_recovery(fault, at)
     mode = config.get("mode", "ddp")
     if mode == "ddp":
-        ft = FaultTolerantDDP(model, optimizer, manager)
+        ft = FaultTolerantDDP(model, optimizer, manager, **({"bucket_cap_mb": config["bucket_cap_mb"]}
+                                                            if "bucket_cap_mb" in config else {}))
     elif mode == "local_sgd":
         ft = LocalSGD(model, optimizer, manager, config["sync_every"])
     else:
@@ -157,13 +165,15 @@ def main(config: dict) -> None:
             os.kill(os.getpid(), signal.SIGKILL if fault == "kill_forward" else signal.SIGSTOP)
         if fault in ("kill_allreduce", "stop_allreduce") and b == at:
             at = None  # once: a stopped replica that comes back goes on
-            die_in_first_send(signal.SIGKILL if fault == "kill_allreduce" else signal.SIGSTOP)
+            die_in_first_send(signal.SIGKILL if fault == "kill_allreduce" else signal.SIGSTOP, config.get("skip", 0))
         if fault == "fail_allreduce" and b == at:
             at = None
-            fail_first_send()
+            fail_first_send(config.get("skip", 0))
         out = model[4](model[3](model[2](hidden)))
         loss = ((out - y) ** 2).mean()
-        loss.backward()
+        mine = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True) if config.get("grads") else None
+        loss.backward()  # FaultTolerantDDP's buckets are averaged during it: .grad holds the averages
+        averaged = [p.grad.reshape(-1).tolist() for p in model.parameters()] if mine is not None else None
         sent_before = sent()
         committed = ft.step()
         if committed is None:  # inside a block of local SGD or DiLoCo: nothing was sent
@@ -171,6 +181,8 @@ def main(config: dict) -> None:
         q = manager.quorum
         record = {"batch": b, "round": q.round, "members": q.ids, "group": q.group, "committed": committed,
                   "step": manager.step, "waited": waited, "loss": loss.item()}
+        if mine is not None:
+            record["grads"] = {"mine": [g.reshape(-1).tolist() for g in mine], "averaged": averaged}
         if committed:
             record["sent"] = sent() - sent_before  # the bytes this replica's allreduces sent for the step
             record["sha256"] = sha(model)
