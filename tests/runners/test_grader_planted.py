@@ -13,17 +13,24 @@ import torch
 from manualdp.allreduce import allreduce
 from manualdp.runners.cli import main
 from manualdp.runners.grader.properties import Mismatch, allreduce_property, allreduce_sizes_property
+from manualdp.runners.grader.properties.diloco import outer_step_property, outer_step_sizes_property, strategies
 from manualdp.schedule import ALGORITHMS
 
-PLANTED = pathlib.Path(__file__).resolve().parents[1] / "answers" / "planted"
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PLANTED = ROOT / "tests" / "answers" / "planted"
 
 
-def answer(name: str):
-    """The function the answer `name` (tests/answers/planted/name.py) defines for its exercise."""
-    spec = importlib.util.spec_from_file_location(f"planted_{name}", PLANTED / f"{name}.py")
+def answer_at(path: pathlib.Path):
+    """The module of the file at `path`, imported here (its functions called in this process)."""
+    spec = importlib.util.spec_from_file_location(f"planted_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def answer(name: str):
+    """The module of the answer `name` (tests/answers/planted/name.py)."""
+    return answer_at(PLANTED / f"{name}.py")
 
 
 def test_an_allreduce_right_on_device_0_only_fails_on_device_1():
@@ -85,3 +92,41 @@ def test_the_grader_checks_a_million_elements_once(capsys):
     status = main(["check", "allreduce", str(PLANTED / "allreduce_small_only.py"), "--examples", "5"])
     out = " ".join(capsys.readouterr().out.split())
     assert status == 1 and re.search(r"shape \(1000000,\) .* \(element 999999 of 1000000", out), out
+
+
+def grade_diloco(fn, examples: int = 100) -> None:
+    """The diloco check as `manualdp check diloco` runs it, on a function of this process."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(database=None, derandomize=True, deadline=None, max_examples=examples,
+              suppress_health_check=list(HealthCheck))
+    @given(**strategies())
+    def drawn(inputs, lr, mu):
+        outer_step_property(fn, *inputs, lr, mu)
+
+    drawn()
+    outer_step_sizes_property(fn)
+
+
+def test_the_reference_outer_step_passes():
+    grade_diloco(answer_at(ROOT / "book" / "solutions" / "diloco.py").outer_step, 30)
+
+
+@pytest.mark.parametrize("name, told", [
+    ("diloco_first_five", r"on (\d+) replica\(s\) .* Yours equals the average of the first 5 replicas only, of \1"),
+    ("diloco_off_by_1e6", r"expected new theta (\[.*\]), got (?!\1)\["),
+    ("diloco_old_buffer", r"expected new momentum .* Yours equals the old momentum buffer returned"),
+    # heavy-ball and no momentum at all step alike from a zero buffer: the first failure has a running one
+    ("diloco_heavy_ball", r", momentum \[[^\]]*[1-9][^\]]*\]: expected new theta .* Yours equals heavy-ball momentum, "
+                          r"theta - lr \* b .*: DiLoCo's outer step is Nesterov"),
+    ("diloco_no_momentum", r", momentum \[[^\]]*[1-9][^\]]*\]: expected new theta .* Yours equals SGD without "
+                           r"momentum, theta - lr \* delta: DiLoCo's outer step is Nesterov"),
+])
+def test_a_wrong_outer_step_fails_and_its_slip_is_named(name, told):
+    with pytest.raises(Mismatch, match=told):
+        grade_diloco(answer(name).outer_step)
+
+
+def test_an_outer_step_right_on_5_replicas_fails_on_16_even_when_hypothesis_draws_few():
+    with pytest.raises(Mismatch, match=r"on 16 replica\(s\) .* the first 5 replicas only, of 16"):
+        outer_step_sizes_property(answer("diloco_first_five").outer_step)

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import textwrap
 import time
 
@@ -67,8 +68,16 @@ class Failed(Exception):
 
 def load(path: str, name: str | tuple[str, ...], args) -> Child:
     """A child process (`sandbox.Child`) that has loaded the file at `path`, which defines `name` (or every name)."""
-    if not os.path.isfile(path):
-        raise Failed(f"{path}: no such file")
+    try:
+        mode = os.stat(path).st_mode  # stat, not open: a FIFO would block
+    except FileNotFoundError:
+        raise Failed(f"{path}: no such file") from None
+    except OSError as e:
+        raise Failed(f"{path}: cannot be read ({e.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise Failed(f"{path} is a folder, not a Python file: give the file that defines what the exercise asks for")
+    if not stat.S_ISREG(mode):
+        raise Failed(f"{path} is not a regular file ({_kind(mode)}): give a Python file")
     child = Child(path, name, args.timeout, args.deadline, args.memory)
     try:
         loaded = child.start()
@@ -94,6 +103,13 @@ def load(path: str, name: str | tuple[str, ...], args) -> Child:
         raise Failed(f"the file's {taken[0]} is not written in it but taken from {taken[1]}: write it yourself, in "
                      f"the file (the exercise asks for {EXERCISES[_exercise(name)]})")
     return child
+
+
+def _kind(mode: int) -> str:
+    """What a file that is not a regular one is, in words."""
+    kinds = ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+             (stat.S_ISBLK, "a block device"))
+    return next((word for test, word in kinds if test(mode)), "not a file")
 
 
 def _exercise(name: str) -> str:
@@ -314,16 +330,18 @@ def check_checkpoint(path: str, args) -> str:
 
 
 def check_diloco(path: str, args) -> str:
-    from .properties.diloco import outer_step_property, strategies
+    from .properties.diloco import outer_step_property, outer_step_sizes_property, strategies
 
     def drawn(fn, inputs, lr, mu):
         outer_step_property(fn, *inputs, lr, mu)
 
     with load(path, NAMES["diloco"], args) as child:
         _hypothesis(drawn, child, strategies(), args.examples)
-    return (f"{args.examples} outer steps drawn by hypothesis (1 to 5 replicas, 0-dim to 3-dim float64 tensors, "
-            "lr 0.01 to 1, mu 0 to 0.99, a zero or a running momentum buffer): the new theta and momentum equal "
-            "Nesterov SGD on the average change, to 1e-10, and the replicas' tensors are left as they were")
+        outer_step_sizes_property(child)  # then, once, 16 replicas and a million elements
+    return (f"{args.examples} outer steps drawn by hypothesis (1 to 16 replicas, 0-dim to 3-dim float64 tensors, "
+            "lr 0.01 to 1, mu 0 to 0.99, a zero or a running momentum buffer), then 16 replicas and a million "
+            "elements: the new theta and momentum equal Nesterov SGD on the average change, to 1e-10 relative, and "
+            "the replicas' tensors are left as they were")
 
 
 def main(argv: list[str] | None = None) -> int:
