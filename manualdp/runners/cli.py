@@ -285,7 +285,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(2, f"manualdp train: error: {problem}\n")
     if args.fault_tolerant:
         return run_replica(args)
-    return run_train(args)
+    try:
+        return run_train(args)
+    except KeyboardInterrupt as e:  # Ctrl-C: where it stopped and how to go on, not a traceback
+        return _interrupted(getattr(e, "step", None), args.checkpoint_dir)
 
 
 def run_coordinator(port: int, host: str = "127.0.0.1", token_file: str | None = None) -> int:
@@ -586,6 +589,19 @@ def run_train(args) -> int:
           f"test acc {history.test_acc[-1]:.3f}")
     print(f"test acc: {history.test_acc[-1]:.2f}, {seconds:.1f} sec/epoch on {where}")
     return _write_outputs(args, history)
+
+
+def _interrupted(step: int | None, checkpoint_dir: str | None) -> int:
+    """Say where Ctrl-C stopped training and, when a checkpoint was written, how to continue; 130, as shells do."""
+    from ..support.checkpoint import load_latest
+
+    line = "interrupted" + (f" at step {step}" if step is not None else " before the first step")
+    latest = load_latest(checkpoint_dir) if checkpoint_dir and os.path.isdir(checkpoint_dir) else None
+    if latest is not None:
+        line += (f"; `--resume` (with --checkpoint-dir {checkpoint_dir}) continues from step {latest['global_step']}, "
+                 f"{os.path.basename(latest['path'])}")
+    sys.stderr.write(f"\nmanualdp train: {line}\n")
+    return 130
 
 
 def run_replica(args) -> int:

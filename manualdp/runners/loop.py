@@ -314,6 +314,9 @@ def run_epochs(mode, loop: TrainingState, history: History, num_epochs: int, che
     except OSError as e:
         e.history = history  # the epochs finished so far: the caller may still save them
         raise
+    except KeyboardInterrupt as e:
+        e.step = loop.global_step  # the steps done when Ctrl-C came: `manualdp train` says so
+        raise
 
 
 def _run_epochs(mode, loop, history, num_epochs, checkpoint_every, progress, log) -> None:
