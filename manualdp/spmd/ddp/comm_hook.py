@@ -39,5 +39,5 @@ class CommHook:
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:
     """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them."""
     mine = hook_name(hook.hook) if hook is not None else "none (manualdp's allreduce)"
-    agree("DistributedDataParallel's comm hook", {"comm hook": mine}, group, timeout=timeout,
+    agree("DistributedDataParallel's comm hook", {"comm hook": mine}, group, timeout=timeout, check=True,
           hint="call register_comm_hook with the same hook on every rank")

@@ -27,7 +27,7 @@ from .graph import refuse_in_backward_optimizers
 from .comm_hook import check_same_hook
 from .init_sync import kept_named
 from .feature import Feature
-from ..ladder.identity import naming_wrappers, stamped
+from ..ladder.identity import BuiltWith, naming_wrappers, replaced_line, stamped
 
 __all__ = ["CallCheck", "Desync"]
 
@@ -43,6 +43,9 @@ class CallCheck(Feature):
 
     def __init__(self, reducer, module, ignored: set[str], world_size: int, debug: bool, number: int) -> None:
         self.reducer, self.module, self.ignored = reducer, module, ignored
+        kept = kept_named(module.named_parameters(), ignored)
+        self.built = BuiltWith([(n, p) for n, p in kept if p.requires_grad], kept)  # the parameters as built
+        self.names = self.built.names  # a rank's `replaced_mark` names one of them
         self.number = number  # which wrapper of its group it is (`ladder.identity`): compared with the step
         self.world_size, self.debug = world_size, debug
         # off only to measure what the check costs (bench/faults.py): a mismatch then aborts in gloo
@@ -89,7 +92,7 @@ class CallCheck(Feature):
             if index > 0 and (error := r.buckets[index - 1].future.exception()) is not None:
                 raise error  # every rank refused the bucket before (or the worker stopped): send nothing more
             bucket.check = _Named(make_check(r.state, bucket.flat, algorithm, r.segment_bytes, r.timeout,
-                                             schedule=algorithm, step=stamped(self.number, self.steps)))
+                                             schedule=algorithm, step=stamped(self.number, self.steps)), self.names)
 
     def reset(self) -> None:
         self.future, self.queued, self.alone = None, False, False
@@ -109,31 +112,51 @@ class CallCheck(Feature):
         comm_hook, step = self.comm_hook, stamped(self.number, self.steps)
 
         def run() -> None:
-            if hooks:
-                check_same_hook(comm_hook, r.group, r.timeout)
-            if calls:
-                with (recorder.span("step check", "comm", cat="comm") if recorder is not None
-                      else contextlib.nullcontext()):
-                    with naming_wrappers():
+            with naming_wrappers(self.names):  # the hooks' comparison is a checked call too: out of step, named
+                if hooks:
+                    check_same_hook(comm_hook, r.group, r.timeout)
+                if calls:
+                    with (recorder.span("step check", "comm", cat="comm") if recorder is not None
+                          else contextlib.nullcontext()):
                         check_same_call(*call, numel=total, step=step)
         return r.submit(run)
+
+    def refuse_replaced(self) -> list:
+        """The module's kept (name, parameter) pairs, unless one is no longer what the wrapper was built with: then
+        this rank's check (sent with its `replaced_mark`) refuses the peers' next call, and every rank raises naming
+        it (also when every rank sent the same mark, and the check passed)."""
+        named = kept_named(self.module.named_parameters(), self.ignored)
+        mark, r = self.built.mark(named), self.reducer
+        if mark is None:
+            return named
+        if self.world_size > 1:
+            def run() -> None:
+                with naming_wrappers(self.names):
+                    check_same_call(r.buckets[0].flat, r.algorithms[0], r.segment_bytes, r.group, r.timeout,
+                                    step=stamped(self.number, self.steps), identity=mark)
+            try:
+                r.submit(run).result()
+            except ValueError as e:
+                raise r.logged(e) from None
+        marks = dict.fromkeys(range(self.world_size), mark)
+        raise r.logged(RuntimeError(replaced_line(r.rank, "DistributedDataParallel", marks, self.names)))
 
 
 class _Named:
     """A call check carried by a bucket, whose refusal names the wrappers and their steps (`naming_wrappers`)."""
 
-    def __init__(self, check) -> None:
-        self.check = check
+    def __init__(self, check, names: list[str] | None) -> None:
+        self.check, self.names = check, names
 
     def __getattr__(self, name: str):
         return getattr(self.check, name)
 
     def __call__(self) -> None:
-        with naming_wrappers():
+        with naming_wrappers(self.names):
             self.check()
 
     def landed(self) -> None:
-        with naming_wrappers():
+        with naming_wrappers(self.names):
             self.check.landed()
 
 

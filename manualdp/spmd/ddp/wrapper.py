@@ -243,9 +243,9 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
                                            "cannot go on"))
         syncs, joined = torch.is_grad_enabled() and self.require_backward_grad_sync, self._join_config.enable
         if syncs and not joined:
-            self.drift.tick(lambda: kept_named(self.module.named_parameters(), self.parameters_to_ignore),
-                            self.process_group, who="DistributedDataParallel", timeout=self.timeout,
-                            number=self.calls.number)
+            named = self.calls.refuse_replaced()  # a parameter replaced after wrapping on any rank: every rank raises
+            self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
+                            number=self.calls.number, names=self.calls.built.names)
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32

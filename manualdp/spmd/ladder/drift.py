@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ...validate import non_negative_int
 from ..transport.agree import agree
+from .identity import naming_wrappers
 
 __all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests"]
 
@@ -104,9 +105,12 @@ class DriftCheck:
         self.every = non_negative_int("drift_check_every", every)
         self.steps = 0  # steps begun so far
 
-    def tick(self, named_tensors, group, *, who: str, timeout: float | None = None, number: int | None = None) -> None:
-        """A step begins: compare the replicas if it is due (`named_tensors` is read only then)."""
+    def tick(self, named_tensors, group, *, who: str, timeout: float | None = None, number: int | None = None,
+             names: list[str] | None = None) -> None:
+        """A step begins: compare the replicas if it is due (`named_tensors` is read only then); `names`: the
+        wrapper's parameters as built, to name one a peer replaced (`identity.naming_wrappers`)."""
         step, self.steps = self.steps, self.steps + 1
         if self.every and step % self.every == 0:
-            check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
-                           step=step, timeout=timeout, number=number)
+            with naming_wrappers(names, who):
+                check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
+                               step=step, timeout=timeout, number=number)

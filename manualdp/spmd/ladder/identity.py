@@ -13,13 +13,16 @@ from __future__ import annotations
 import contextlib
 import re
 
+import torch.distributed as dist
+
 from ..transport.call_check import differs
 from ..transport.group import GroupState
 
-__all__ = ["take_number", "stamped", "naming_wrappers"]
+__all__ = ["take_number", "stamped", "naming_wrappers", "replaced_mark", "replaced_line", "BuiltWith"]
 
 _STRIDE = 2 ** 40  # a wrapper's steps stay below this; its number above (at most 2**22, the check's step < 2**62)
 _STEP = re.compile(r"step [^;(]*\(per rank: ([^)]*)\)")
+_WRAPPER = re.compile(r"wrapper [^;(]*\(per rank: ([^)]*)\)")
 
 
 def take_number(state: GroupState) -> int:
@@ -37,13 +40,38 @@ def stamped(number: int, steps: int) -> int:
     return (number - 1) * _STRIDE + steps
 
 
+def replaced_mark(index: int) -> int:
+    """The identity a rank sends in place of its wrapper's when parameter `index` (in the order the wrapper was
+    built with; past its end: one added) is no longer the one it was built with: negative, never a wrapper's."""
+    return -1 - index
+
+
+def replaced_line(rank: int, who: str, marks: dict[int, int], names: list[str]) -> str:
+    """The one line every rank raises when `marks` (group rank -> `replaced_mark`) says which ranks replaced which
+    parameter after wrapping; `names`: the parameters the wrapper was built with, in order."""
+    said = [f"{names[-1 - m] if -1 - m < len(names) else 'a parameter added after wrapping'} on rank {r}"
+            for r, m in sorted(marks.items())]
+    return (f"rank {rank}: {who}: parameter {'; '.join(said)} is not the one the wrapper was built with (replaced or "
+            "resized after wrapping, e.g. module.weight = nn.Parameter(...)): it would never be averaged; replace "
+            "parameters before wrapping, or assign to .data to keep the parameter itself")
+
+
 @contextlib.contextmanager
-def naming_wrappers():
-    """Rewrite a refused step check's "step" field as the wrappers' numbers and steps (the error keeps its type)."""
+def naming_wrappers(names=None, who: str = "DistributedDataParallel"):
+    """Rewrite a refused step check's "step" field as the wrappers' numbers and steps (the error keeps its type).
+
+    `names` (the wrapper's parameter names, in the order it was built with): a rank that sent
+    `replaced_mark` makes the whole error `replaced_line`, on every rank."""
     try:
         yield
     except ValueError as error:
         message = str(error.args[0]) if error.args else ""
+        marked = _WRAPPER.search(message) if names is not None else None
+        values = [v.strip() for v in marked.group(1).split(",")] if marked else []
+        marks = {r: int(v) for r, v in enumerate(values) if v.startswith("-")}
+        if marks:
+            error.args = (replaced_line(dist.get_rank(), who, marks, names), *error.args[1:])
+            raise
         match = _STEP.search(message)
         if match is not None:
             error.args = (message[:match.start()] + _named(match.group(1)) + message[match.end():], *error.args[1:])
@@ -64,3 +92,27 @@ def _named(per_rank: str) -> str:
     if len(set(steps)) > 1 or not parts:
         parts.append(differs("step", steps))
     return "; ".join(parts)
+
+
+class BuiltWith:
+    """The parameters a wrapper averages, as it was built, to tell a rank whose module now holds others.
+
+    `mark` is None while every one is still there (by identity: a replaced or resized parameter is
+    a new object); else the `replaced_mark` the rank sends in its next call check, so that its peers'
+    calls are refused and every rank raises `replaced_line`, instead of the peers waiting for
+    gradients that never come (or averaging without it, silently)."""
+
+    def __init__(self, named: list, everything: list) -> None:
+        self.names = [n for n, _ in named]  # the averaged parameters' names, in order
+        self.params = [p for _, p in named]
+        self.known = {n for n, _ in everything}  # every parameter's name at wrapping, frozen ones too
+
+    def mark(self, named_now) -> int | None:
+        """`replaced_mark` of the first averaged parameter that `named_now` no longer holds, or of a new one."""
+        now = dict(named_now)
+        for k, (name, p) in enumerate(zip(self.names, self.params)):
+            if now.get(name) is not p:
+                return replaced_mark(k)
+        if any(name not in self.known for name in now):
+            return replaced_mark(len(self.names))
+        return None

@@ -1,0 +1,70 @@
+"""A parameter replaced (or resized) on one rank only after wrapping the drop-in: every rank raises in one line naming
+the parameter and the rank, whatever the flags and the step (before: the peers waited out the timeout, or, with
+`find_unused_parameters`, trained on without ever averaging it)."""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from manualdp.distributed import DistributedDataParallel
+from manualdp.spmd import launch
+
+# (how rank 1 changes its model, before which step, the wrapper's flags)
+CASES = [("replace", 1, {"find_unused_parameters": True}), ("replace", 1, {"static_graph": True}),
+         ("replace", 0, {"drift_check_every": 0}), ("resize", 0, {}), ("resize", 1, {"drift_check_every": 0}),
+         ("add", 1, {"find_unused_parameters": True})]
+
+
+def _change(net, how):
+    if how == "replace":  # the same values: only its identity tells
+        net[0].weight = nn.Parameter(net[0].weight.detach().clone())
+    elif how == "resize":
+        net[0].weight = nn.Parameter(torch.zeros(2, 4))
+    else:
+        net[1].extra = nn.Parameter(torch.zeros(1))
+
+
+def _job(how, at, flags):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    model = DistributedDataParallel(net, algorithm="ring", timeout=20, **flags)
+    try:
+        for step in range(3):
+            if dist.get_rank() == 1 and step == at:
+                _change(net, how)
+            model(torch.randn(2, 4)).sum().backward()
+    except Exception as e:  # noqa: BLE001 - what each rank saw is the result
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("how,at,flags", CASES)
+def test_a_parameter_replaced_on_one_rank_after_wrapping_raises_on_every_rank_naming_it(n, how, at, flags):
+    said = "a parameter added after wrapping" if how == "add" else "parameter 0.weight"
+    for rank, message in enumerate(launch(_job, n, (how, at, flags), timeout=120)):
+        assert message is not None and message.startswith(f"ValueError: rank {rank}: DistributedDataParallel:"), \
+            message
+        assert f"{said} on rank 1 is not the one the wrapper was built with" in message, message
+        assert "\n" not in message
+
+
+def _everywhere():
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    model = DistributedDataParallel(net, algorithm="ring", timeout=20)
+    model(torch.randn(2, 4)).sum().backward()
+    net.bias = nn.Parameter(net.bias.detach().clone())  # on every rank alike: each names itself, none waits
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_the_same_parameter_replaced_on_every_rank_raises_on_each_naming_every_rank():
+    for rank, message in enumerate(launch(_everywhere, 2, timeout=120)):
+        assert message is not None and message.startswith(f"rank {rank}: DistributedDataParallel: parameter bias "
+                                                          "on rank 0; bias on rank 1 is not the one"), message
