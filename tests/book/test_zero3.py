@@ -370,3 +370,37 @@ def test_a_non_finite_gradient_in_one_devices_chunk_only_stops_the_step(n):
     with pytest.raises(NonFiniteGradientError, match="parameter 'extra'"):
         zero.train_batch(X, y)
     assert all(torch.equal(a, b) for a, b in zip(zero.full_parameters(), before))
+
+
+class _Gated(nn.Module):
+    """A layer whose `extra` only flagged examples (first feature above 50) reach: only the device holding them
+    uses it, while every device runs the layer (so that its all-gathers meet)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gated = nn.Linear(6, 8)
+        self.extra = nn.Parameter(torch.randn(8))
+        self.out = nn.Linear(8, 5)
+
+    def forward(self, x):
+        h = self.gated(x)
+        flagged = x[:, 0] > 50
+        if flagged.any():  # no flagged example: `extra` is not in this device's graph, and gets no gradient
+            h = h + flagged[:, None].to(h.dtype) * self.extra
+        return self.out(torch.tanh(h))
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_parameter_only_the_last_devices_data_reaches_is_stepped_as_on_one_device(n):
+    batches = _batches(11, steps=2, classes=5)
+    for X, _ in batches:
+        X[-1, 0] = 100.0  # the last example, on the last device only
+    one = _one_device(_Gated().double(), OPTIMIZERS["sgd"], batches)
+    zero = Zero3(replicate(_Gated().double(), cpu_devices(n)), OPTIMIZERS["sgd"])
+    for step, (X, y) in enumerate(batches):
+        zero.train_batch(X, y)
+        for k, (got, want) in enumerate(zip(zero.full_parameters(), one[step])):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-10, msg=f"step {step}, parameter {k}")
+    names = [name for name, _ in _Gated().named_parameters()]
+    assert not torch.equal(zero.full_parameters()[names.index("extra")], _Gated().double().extra), "extra never moved"
