@@ -116,8 +116,11 @@ class FSDPModule(TorchFSDPModule):
             m._unit().requires_gradient_sync = requires_gradient_sync
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP's all-reduce switch; a 1-D mesh has no all-reduce, so it changes nothing (as torch's)."""
+        """HSDP: whether backward all-reduces the gradients across replicas; False keeps the reduce-scatter's sums
+        for the backward that does (the shards get no gradient until then). A 1-D mesh has no all-reduce."""
         boolean("requires_all_reduce", requires_all_reduce)
+        for m in self._fsdp_modules(recurse):
+            m._unit().requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Whether forward frees the full parameters (backward gathers them again)."""
@@ -243,11 +246,13 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     call = checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                              ignored_params, group, timeout)
     # Checked: from here on every rank changes the module the same way.
-    unit = Unit(call.modules, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder)
+    unit = Unit(call.modules, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder,
+                call.replicate)
     unit.take_in(call.nested)  # the units already inside: one tree, one step
     fresh = [p for p, _, _ in call.taken.values() if not isinstance(p, Param)]
     if not call.meta:  # every rank starts from rank 0's values, sent on the worker in line with the collectives
-        unit.worker.submit(broadcast_from_rank0, fresh + call.buffers, call.group, call.timeout).result()
+        for group in ([call.replicate] if call.replicate is not None else []) + [call.group]:  # HSDP: replicas first
+            unit.worker.submit(broadcast_from_rank0, fresh + call.buffers, group, call.timeout).result()
     values, originals = _values(call)
     for param, original in zip(unit.lay_out(values), originals):
         param.replaces(original)  # what the user's model held: emptied, its values are in the shards

@@ -24,6 +24,7 @@ import torch
 
 from ..collectives import all_gather, reduce_scatter
 from ..transport.peers import is_refused_alike, refused_alike
+from .fsdp_hsdp import across_replicas
 from .fsdp_param import Param
 
 __all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "UnitMismatch", "GATHER_TAIL"]
@@ -83,9 +84,10 @@ def all_gather_params(unit, jobs, count: int, why: str) -> None:  # on the worke
 
 
 @torch.no_grad()
-def reduce_scatter_grads(unit, jobs, count: int) -> list[tuple[Param, torch.Tensor]]:  # on the worker thread
+def reduce_scatter_grads(unit, jobs, count: int, all_reduce: bool = True) -> list[tuple[Param, torch.Tensor]]:
     """Sum each (dtype, params, their gradients or None) of `jobs` over the ranks: (param, this rank's rows) for
-    every parameter some rank produced a gradient for."""
+    every parameter some rank produced a gradient for. HSDP: then over the replicas, unless not `all_reduce`
+    (nothing returned: the sums are kept for the next all-reduce, `fsdp_hsdp.py`). On the worker thread."""
     W, out = unit.world_size, []
     with unit.span(f"reduce_scatter {unit.name}", "comm", "comm"):
         for dtype, members, grads in jobs:
@@ -99,7 +101,7 @@ def reduce_scatter_grads(unit, jobs, count: int) -> list[tuple[Param, torch.Tens
                 if grad is not None:
                     _copy_in(segments[:, at:at + p.padded], grad, p)
                 at += p.padded
-            factor = unit.divide_factor if unit.divide_factor is not None else W
+            factor = unit.divide_factor if unit.divide_factor is not None else W * unit.replicas
             segments[:, data + 3 * unit.rank:data + 3 * unit.rank + 3] = torch.tensor(
                 [unit.number, count, factor], dtype=torch.float64)
             segments[:, data + 3 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
@@ -107,6 +109,12 @@ def reduce_scatter_grads(unit, jobs, count: int) -> list[tuple[Param, torch.Tens
             tails = mine[data:data + 3 * W].view(W, 3).tolist()
             _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
             _check_factor(unit, [t[2] for t in tails])
+            if unit.replicate is not None:  # HSDP: the same rows of every replica, flags and all
+                summed = across_replicas(unit, dtype, torch.cat([mine[:data], mine[data + 3 * W:]]), count, factor,
+                                         all_reduce)
+                if summed is None:
+                    continue
+                mine = torch.cat([summed[:data], mine[data:data + 3 * W], summed[data:]])
             used = mine[data + 3 * W:].tolist()
             at = 0
             for p, users in zip(members, used):

@@ -30,8 +30,8 @@ __all__ = ["checked_arguments", "Checked"]
 class Checked:
     """A `fully_shard` call, checked and agreed on by every rank: what it shards, over which group, how."""
 
-    group: object        # the process group of the collectives (None: the default group)
-    mesh: DeviceMesh     # the 1-D mesh of the shards
+    group: object        # the process group of the shards' collectives (None: the default group)
+    mesh: DeviceMesh     # the mesh of the shards: 1-D, or HSDP's 2-D (replicate, shard)
     reshard: bool | None  # reshard_after_forward, in torch's meanings
     mp_policy: MixedPrecisionPolicy
     timeout: float | None
@@ -40,6 +40,7 @@ class Checked:
     buffers: list        # the buffers met, each once
     meta: bool           # the module is on the meta device: nothing to broadcast yet
     modules: list        # the modules of the unit: one, or the roots of a list (torch's `fully_shard([a, b])`)
+    replicate: object = None  # HSDP: the group of this rank's replicas (mesh dim 0); None on a 1-D mesh
 
 
 def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
@@ -63,13 +64,14 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
                              "apply it once per module")
     taken, nested, buffers = _walk(modules, ignored)
     meta, device_type = _device(modules, taken, mesh, group)
-    mesh, group = _mesh_and_group(mesh, group, device_type)
-    reshard = _reshard_after_forward(reshard_after_forward, mesh.size())
+    mesh, group, replicate = _mesh_and_group(mesh, group, device_type)
+    reshard = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     for p, _, name in taken.values():
         if not isinstance(p, Param):
             _shardable(p, name)
-    _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored)
-    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules)
+    for g in (group, replicate) if replicate is not None else (group,):  # HSDP: the replicas agree too
+        _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored)
+    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules, replicate)
 
 
 def _shardable(p: nn.Parameter, name: str) -> None:
@@ -139,19 +141,21 @@ def _mesh_and_group(mesh, group, device_type: str):
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-        if mesh.ndim != 1:
+        if mesh.ndim not in (1, 2):
             raise NotImplementedError(f"mesh has {mesh.ndim} dimensions: manualdp's fully_shard shards over a 1-D "
-                                      "mesh (HSDP's 2-D mesh is not supported)")
+                                      "mesh, or HSDP's 2-D (replicate, shard) mesh")
         if mesh.device_type != device_type:
             raise ValueError(f"mesh is a {mesh.device_type!r} mesh, the parameters are on {device_type!r}")
-        return mesh, mesh.get_group()
+        if mesh.ndim == 2:  # HSDP, as torch's: shard over dim 1, replicate over dim 0
+            return mesh, mesh.get_group(1), mesh.get_group(0)
+        return mesh, mesh.get_group(), None
     if dist.is_initialized() and group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group gives a non-member
         raise ValueError(f"group: this process (global rank {dist.get_rank()}) is not a member of it")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got {type(group).__name__}")
     group_ranks(group)  # torch.distributed is initialised, and this process belongs to `group`
     pg = group if group is not None else dist.group.WORLD
-    return DeviceMesh.from_group(pg, device_type), group
+    return DeviceMesh.from_group(pg, device_type), group, None
 
 
 def _reshard_after_forward(value, world_size: int) -> bool | None:

@@ -24,7 +24,7 @@ import math
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["Param", "owner_of", "watch_optimizers", "SLOTS"]
@@ -171,9 +171,11 @@ class Param:
 
 
 def _as_shard(local: torch.Tensor, mesh, shape: torch.Size) -> DTensor:
-    """`local` (this rank's rows) as a DTensor of global `shape`, placed `Shard(0)` on `mesh`."""
+    """`local` (this rank's rows) as a DTensor of global `shape`, placed `Shard(0)` on `mesh` (HSDP's 2-D mesh:
+    `(Replicate(), Shard(0))`, as torch's)."""
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 _watching = False

@@ -44,7 +44,9 @@ class Unit:
     Args:
         modules: the modules sharded (one, or a list's: torch's `fully_shard([norm, output])`); their forward hooks
             (`fsdp_hooks.py`) gather the unit before the first of them and free it after the last.
-        group, mesh: the process group of the collectives and the 1-D mesh of the shards over it.
+        group, mesh: the process group of the shards' collectives and the mesh of the shards (1-D, or HSDP's 2-D
+            (replicate, shard) mesh, whose dim 1 is `group`).
+        replicate: HSDP's group of this rank's replicas (mesh dim 0), across which gradients are all-reduced.
         reshard_after_forward: free the full parameters after forward (gather them again for backward);
             None: all but the outermost unit do (backward starts there).
         mp_policy: torch's `MixedPrecisionPolicy` (param_dtype, reduce_dtype, output_dtype, cast_forward_inputs).
@@ -52,8 +54,10 @@ class Unit:
     """
 
     def __init__(self, modules: list[nn.Module], group, mesh, reshard_after_forward: bool | None, mp_policy,
-                 timeout: float | None, recorder=None) -> None:
+                 timeout: float | None, recorder=None, replicate=None) -> None:
         self.modules, self.group, self.mesh, self.timeout, self.recorder = modules, group, mesh, timeout, recorder
+        self.replicate = replicate
+        self.replicas = len(group_ranks(replicate)[1]) if replicate is not None else 1
         self.module = modules[0]  # the one that names the unit in messages
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
@@ -71,7 +75,9 @@ class Unit:
         # settings the FSDPModule methods change
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
-        self.divide_factor: float | None = None  # None: the number of ranks
+        self.divide_factor: float | None = None  # None: the number of ranks (shards x replicas)
+        self.requires_all_reduce = True  # HSDP: all-reduce across replicas (False: keep the sums in `partial`)
+        self.partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP: reduce-scatter sums kept while not all-reducing
         self.forward_prefetch: list[Unit] | None = None   # None: the last step's order
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before in this forward
         self.is_last_backward = True
@@ -241,7 +247,7 @@ class Unit:
         self.accumulating = False
         self.reduces += 1
         self.reduced, self.reducing = True, self.worker.submit(in_line, self, reduce_scatter_grads, jobs,
-                                                               (self.reduces % 64) * 2)
+                                                               (self.reduces % 64) * 2, self.requires_all_reduce)
 
     @torch.no_grad()
     def keep_gradients(self) -> None:

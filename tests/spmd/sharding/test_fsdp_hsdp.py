@@ -1,0 +1,94 @@
+"""HSDP: `fully_shard` on a 2-D mesh (replicate, shard) at 4 ranks (2 x 2), against torch's HSDP, the same script.
+
+The script is torchtitan's `apply_fsdp` on a 2-D mesh (each block, `[norm, output]`, the root). One spawned run
+holds the plain case and the refusals (the README suite's one 4-rank test); another, in the soak, holds mixed
+precision, `set_requires_all_reduce` with gradient accumulation, `set_gradient_divide_factor`, and a DCP
+checkpoint saved on the 2 x 2 mesh and loaded on a 1 x 4 mesh and on a 1-D mesh of 4.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from manualdp.spmd import launch
+from manualdp.spmd.sharding.fsdp import fully_shard
+
+from .test_fsdp_list_and_assign import VOCAB, Titan, _apply_fsdp, _batch, _case, _full
+
+SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
+
+
+def _mesh(shape=(2, 2)):
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
+
+
+def _train(shard_fn, rank, n, mesh, steps=3, micro=1, between=None, **kwargs):
+    """torchtitan's shape on `mesh`: Adam, `micro` micro-batches a step (`between(model, i)` before each)."""
+    torch.manual_seed(0)
+    model = Titan()
+    _apply_fsdp(shard_fn, model, mesh=mesh, **kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        for i in range(micro):
+            if between is not None:
+                between(model, i)
+            x = _batch(rank, n, micro * step + i)
+            loss = nn.functional.cross_entropy(model(x)[:, :-1].float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+            loss.backward()
+            losses.append(float(loss.detach()))
+        opt.step()
+        opt.zero_grad()
+    placements = {k: tuple(v.placements) for k, v in model.named_parameters()}
+    return {"losses": losses, "full": _full(model), "placements": placements, "model": model}
+
+
+def _plain(shard_fn, rank, n):
+    got = _train(shard_fn, rank, n, _mesh())
+    del got["model"]
+    return got
+
+
+def _refusals():
+    out = {}
+    for name, mesh in (("3-D mesh", init_device_mesh("cpu", (1, 2, 2))),):
+        try:
+            fully_shard(nn.Linear(4, 4), mesh=mesh)
+        except Exception as e:  # the parent asserts on the message
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _job():
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {impl: _case(_plain, fn, rank, n) for impl, fn in SHARD_FNS.items()}
+    out["refused"] = _refusals()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(_job, 4, timeout=300.0)
+
+
+def _equal(ours, theirs, what):
+    assert isinstance(ours, dict) and isinstance(theirs, dict), (what, ours, theirs)
+    assert ours["losses"] == theirs["losses"], what
+    assert list(ours["full"]) == list(theirs["full"]), what
+    for k, v in theirs["full"].items():
+        assert torch.equal(ours["full"][k], v), f"{what}: {k}"
+
+
+def test_hsdp_on_a_2x2_mesh_equals_torchs_bitwise_and_refuses_a_3d_mesh_in_one_line(results):
+    for r, got in enumerate(results):
+        _equal(got["ours"], got["torch"], f"rank {r}")
+        assert set(got["ours"]["placements"].values()) == {(Replicate(), Shard(0))} == set(
+            got["torch"]["placements"].values())
+        assert len(set(got["ours"]["losses"])) > 1, "it trains"
+        assert got["refused"]["3-D mesh"].startswith("NotImplementedError: mesh has 3 dimensions")
+    assert results[0]["ours"]["losses"] != results[2]["ours"]["losses"], "the replicas see other data"
