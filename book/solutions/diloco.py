@@ -2,11 +2,11 @@
 import torch
 
 
-def outer_step(theta, replicas, momentum, lr, mu):
+def outer_step(theta, replicas, buffer, lr, momentum):
     """DiLoCo's outer step: Nesterov SGD on the average change; returns (new theta, new momentum buffer)."""
     delta = sum(theta - t for t in replicas) / len(replicas)  # the outer gradient: the average change
-    momentum = mu * momentum + delta
-    return theta - lr * (delta + mu * momentum), momentum
+    b = momentum * buffer + delta  # torch's SGD: `momentum` is the coefficient, `b` its momentum_buffer
+    return theta - lr * (delta + momentum * b), b
 
 
 if __name__ == "__main__":
