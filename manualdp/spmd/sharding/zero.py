@@ -35,7 +35,7 @@ torch's `clip_grad_norm_(model.parameters())` raises instead of returning 0; cli
 
 Other differences from torch's: `state_dict()` before any `consolidate_state_dict` is this
 rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters of
-several dtypes are refused at stage 1, in torch's words, and taken at stage 2 (a buffer per dtype); `step` calls the
+several dtypes are refused at both stages, in torch's words (`add_param_group` takes them, as torch's); `step` calls the
 closure itself, before the inner step (the gradients must exist to be cut into pieces), and hands one that
 is not callable to the inner optimizer's `step`, as torch's does.
 
@@ -107,8 +107,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         groups = param_groups_of(params, keep_frozen=True, require_trainable=False)
         refuse_sparse(groups)
         self.stage = one_of("stage", stage, (1, 2))
-        if stage == 1:  # torch's drop-in refuses several dtypes (not in add_param_group); stage 2 takes them
-            refuse_mixed_types([p for g in groups for p in g["params"]])
+        # torch's drop-in refuses several dtypes (not in add_param_group); stage 2 too, as torch's decides
+        refuse_mixed_types([p for g in groups for p in g["params"]])
         factory("optimizer_class", optimizer_class)
         self.parameters_as_bucket_view = boolean("parameters_as_bucket_view", parameters_as_bucket_view)
         self.bucket_cap_mb = positive_number("bucket_cap_mb", bucket_cap_mb)

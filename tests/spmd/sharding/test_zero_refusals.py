@@ -3,9 +3,9 @@
   out the group's timeout in its gather);
 - stage 1 with a sparse `nn.Embedding` under the drop-in: trains as torch's DDP + ZeroRedundancyOptimizer (before:
   "reshape is not implemented for sparse tensors");
-- float32 and float64 parameters in one optimizer: refused in torch's words, as pytorch's
-  test_same_dense_param_type asks (before: taken, a buffer per dtype); added later by `add_param_group`, taken, as
-  torch's takes them.
+- float32 and float64 parameters in one optimizer: refused in torch's words at both stages, as pytorch's
+  test_same_dense_param_type asks (before: taken, a buffer per dtype; at stage 2 until issue 43); added later by
+  `add_param_group`, taken, as torch's takes them.
 """
 import copy
 
@@ -62,6 +62,7 @@ def _job():
         out["mixed", name] = error_of(lambda: zero(mixed, torch.optim.SGD, lr=0.1))
         opt = zero(mixed[:1], torch.optim.SGD, lr=0.1)
         out["added", name] = error_of(lambda: opt.add_param_group({"params": [copy.deepcopy(mixed[1])]}))
+    out["mixed", "ours", 2] = error_of(lambda: ZeroRedundancyOptimizer(mixed, torch.optim.SGD, stage=2, lr=0.1))
     return out
 
 
@@ -77,4 +78,5 @@ def test_zero_refuses_what_torch_refuses_names_a_differing_to_and_trains_a_spars
         assert theirs is not None and "only supports using the same dense type" in theirs, theirs
         ours = out["mixed", "ours"]
         assert ours is not None and theirs.split(": ", 1)[1] in ours, ours
+        assert out["mixed", "ours", 2] == ours, out["mixed", "ours", 2]  # stage 2 too: torch's decides
         assert out["added", "ours"] is None and out["added", "torch"] is None, out
