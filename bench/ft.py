@@ -9,12 +9,14 @@ Starts a coordinator here and 2 replica processes (`--replicas`). Each replica h
 `manualdp.spmd.ft.Manager`; after the first fault-tolerant step, the quorum's process group (the
 process's default group) also carries manualdp's drop-in `DistributedDataParallel`, on a group
 of its own. Both train copies of one model with SGD on the same global batches, each replica
-on its shard, in blocks of `--steps` steps taking turns (A B, B A, ...). No replica fails.
+on its shard, in blocks of `--steps` steps taking turns (A B, B A, ...). No replica fails. Both
+average their gradients in the same buckets during backward (the drop-in's reducer: a first bucket
+of 1 MiB, then 25 MiB), the fault-tolerant one through its manager, on a thread of its own.
 
 Reported per model: steps/s of each (median over rounds), the ratio fault-tolerant/DDP with
 its min/median/max over the rounds, and the share of a fault-tolerant step spent in the
-quorum (`start_step`, and the wait for the quorum asked ahead during forward and backward:
-`Manager(async_quorum=True)`, unless `--sync-quorum`) and in the vote (`should_commit`),
+quorum (`start_step`, and the wait for the quorum asked ahead during forward, taken as backward
+starts: `Manager(async_quorum=True)`, unless `--sync-quorum`) and in the vote (`should_commit`),
 each as min/median/max over rounds; the 1-minute load average during the run. Target: the
 ratio at least 0.9.
 """
