@@ -26,11 +26,12 @@ every piece is a short file, in reading order:
 - `manager.py`: `Manager`, what a training loop asks once per step, tying the above together;
 - `guard.py`: the members' contribution norms, gathered: one non-finite or far out of line discards the step;
 - `average.py`: how each wrapper's step ends: flatten, average over the quorum, vote, unflatten;
+- `bucketed.py`: the drop-in's reducer, each bucket averaged over the quorum through the manager during backward;
 - `ddp.py`: `FaultTolerantDDP`: `start_step()`, backward, `step()` returns whether it committed;
 - `local_sgd.py`: `LocalSGD` and `DiLoCo`: H steps alone, then the replicas meet.
 
-This room stands on `transport/` (deadlines, `PeerError`), the collectives and the book's
-flat buffers (`buckets.py`); nothing else in the engine imports it.
+This room stands on `transport/` (deadlines, `PeerError`), the collectives, the book's flat
+buffers (`buckets.py`) and the drop-in's reducer (`ddp/`); nothing else in the engine imports it.
 """
 from .coordinator import Coordinator
 from .quorum import Member, Quorum
