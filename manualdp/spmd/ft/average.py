@@ -3,8 +3,9 @@
 `LocalSGD` averages the parameters so and `DiLoCo` their change (`local_sgd.py`); `FaultTolerantDDP`
 (`ddp.py`), whose buckets went during backward, only what rides along, the guard judging its buckets'
 norms. `manualdp train --fault-tolerant` (`runners/ft_train.py`) hands its step's loss totals
-along (`also`), so that they are averaged with the step and counted only if it is applied. First the manager's guard (`manager.guard`, `guard.py`; None: none) compares the
-members' norms: a contribution that is non-finite or far out of line discards the step on every member.
+along (`also`), so that they are averaged with the step and counted only if it is applied. First
+the manager's guard (`manager.guard`, `guard.py`; None: none) compares the members' norms: a
+contribution that is non-finite or far out of line discards the step on every member.
 """
 from __future__ import annotations
 
