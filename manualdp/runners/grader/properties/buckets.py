@@ -145,7 +145,8 @@ def _gradient_slip(n: int, where: str, k: str, got, want, own) -> str | None:
                 "gradient of a parameter no rank used as it was (None), so that the optimizer skips it; send zeros "
                 "in its place in the bucket")
     if got is None:
-        return f"{k} has no .grad where the average is {want.flatten()[0].item():.6g}...: copy each bucket's average back"
+        first = want.flatten()[0].item()
+        return f"{k} has no .grad where the average is {first:.6g}...: copy each bucket's average back"
     if got.shape != want.shape:
         return f"{k}'s .grad has shape {tuple(got.shape)} where the parameter's is {tuple(want.shape)}"
     diff = (got - want).abs()
