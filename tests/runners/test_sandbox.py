@@ -127,7 +127,7 @@ def probe(what, grader=0):
     if what == "numbers":
         return [np.float64(0.25), np.int64(3), np.bool_(True), np.array(2.0), np.float32(0.5), np.uint8(7)]
     tried = {}  # what = "grader": open its stdout (to print a PASS of our own) and its memory
-    for name, flags in (("fd/1", os.O_WRONLY), ("mem", os.O_RDWR)):
+    for name, flags in (("fd/1", os.O_RDONLY), ("mem", os.O_RDONLY)):  # writing: refused before (test_sandbox_fs)
         try:
             os.close(os.open(f"/proc/{grader}/{name}", flags))
             tried[name] = "opened"
@@ -161,7 +161,9 @@ def probed(request):
 
 
 def test_load_tells_the_file_and_module_each_function_was_defined_in(probed):
-    assert probed["loaded"] == {"ok": True,
+    loaded = dict(probed["loaded"])
+    assert loaded.pop("walls").endswith("an audit hook")  # and which others hold: test_sandbox_fs.py
+    assert loaded == {"ok": True,
                                 "defined_in": {"probe": probed["path"], "scaled": probed["path"],
                                                "cost": inspect.getfile(cost.cost), "sqrt": None},
                                 "module": {"probe": "exercise", "scaled": "exercise", "cost": "manualdp.cost",

@@ -142,7 +142,7 @@ def _hypothesis(prop, fn, strategies: dict, examples: int) -> None:
 
 
 def check_split_batch(path: str, args) -> str:
-    from .properties import STRATEGIES, split_devices_property, split_property
+    from .properties import STRATEGIES, split_devices_property, split_property, split_sizes_property
 
     def both(fn, **drawn):
         split_property(fn, **drawn)
@@ -150,7 +150,9 @@ def check_split_batch(path: str, args) -> str:
 
     with load(path, "split_batch", args) as child:
         _hypothesis(both, child, STRATEGIES["split_batch"], args.examples)
-    return (f"{args.examples} batches drawn by hypothesis (1 to 8 devices, up to 48 rows): every shard holds its "
+        split_sizes_property(child)  # then, once, a million rows and 16 devices
+    return (f"{args.examples} batches drawn by hypothesis (1 to 8 devices, up to 48 rows), then a million rows on 3 "
+            "devices and 16 devices: every shard holds its "
             "near-equal slice of X and y, in memory of its own, and lies on its device (told apart by alternating "
             "cpu and meta devices)")
 
@@ -308,13 +310,15 @@ def check_cost(path: str, args) -> str:
 
 
 def check_zero1(path: str, args) -> str:
-    from .properties import STRATEGIES, zero1_property
+    from .properties import STRATEGIES, zero1_property, zero1_sizes_property
 
     with load(path, NAMES["zero1"], args) as child:
         _hypothesis(zero1_property, child, STRATEGIES["zero1"], args.examples)
+        zero1_sizes_property(child)  # then, once, a million parameters and 16 devices
     return (f"{args.examples} runs drawn by hypothesis (1 to 8 devices, 0 to 64 float64 parameters, 1 to 3 steps, "
-            "momentum 0 to 0.99): every device's parameters equal plain data parallelism's SGD to 1e-10 and are "
-            "bitwise identical, and device i's momentum buffer is that of its own chunk")
+            "momentum 0 to 0.99), then a million parameters on 3 devices and 16 devices: every device's parameters "
+            "equal plain data parallelism's SGD to 1e-10 and are bitwise identical, and device i's momentum buffer is "
+            "that of its own chunk")
 
 
 def check_checkpoint(path: str, args) -> str:

@@ -1,10 +1,11 @@
 """The sandbox's side of the operating system: what keeps the grader apart from the child that runs a student's file
 (`sandbox.py` says what each guard is for), and how the child's processes are found, told and ended.
 
-Namespaces of its own (`UNSHARE`, `namespaces`), the grader not dumpable while a child runs (`hide_grader`), a child
-that dies with its parent (`die_with_parent`), the line the child's init ends with (`ENDED`); every process of the
-child's session (`session`), killed (`kill_session`), how the child ended (`exit_status`, `signal_name`), and its
-folder removed even where it locked it (`remove_folder`). Standard library only: the child imports this too.
+User, mount and pid namespaces of its own (`UNSHARE`, `namespaces`), the grader not dumpable while a child runs
+(`hide_grader`), a child that dies with its parent (`die_with_parent`), the line the child's init ends with
+(`ENDED`); every process of the child's session (`session`), killed (`kill_session`), how the child ended
+(`exit_status`, `signal_name`), and its folder measured (`usage`) and removed even where it locked it
+(`remove_folder`). Standard library only: the child imports this too.
 """
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["UNSHARE", "ENDED", "hide_grader", "die_with_parent", "namespaces", "signal_name", "remove_folder",
+__all__ = ["UNSHARE", "ENDED", "usage", "hide_grader", "die_with_parent", "namespaces", "signal_name", "remove_folder",
            "exit_status", "process_state", "session", "kill_session"]
 
-UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child"]  # namespaces of its own
+UNSHARE = ["unshare", "--user", "--map-root-user", "--mount", "--pid", "--fork", "--kill-child"]  # its namespaces
 ENDED = "manualdp-sandbox-ended"  # the init's last line on stderr: ENDED, the child's returncode (as Popen's)
 PR_SET_PDEATHSIG, PR_GET_DUMPABLE, PR_SET_DUMPABLE = 1, 3, 4
 
@@ -99,6 +100,26 @@ def remove_folder(folder: str) -> None:
         except OSError:
             continue
     shutil.rmtree(folder, ignore_errors=True)
+
+
+def usage(folders: list[str], most_files: int) -> tuple[int, int]:
+    """(bytes on disk, files and folders) under `folders`, links not followed; the count stops past `most_files`."""
+    used = count = 0
+    todo = list(folders)
+    while todo and count <= most_files:
+        try:
+            entries = list(os.scandir(todo.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            used, count = used + info.st_blocks * 512, count + 1
+            if stat.S_ISDIR(info.st_mode):
+                todo.append(entry.path)
+    return used, count
 
 
 def exit_status(pid: int, wait: float) -> int | None:

@@ -15,8 +15,13 @@ user (a `| tee` that reads the grader's output). The grader keeps the inputs, th
 it sends the child inputs only, and reads back what the child's function left in them and returned, loaded with
 `weights_only=True` (tensors and plain values: nothing that runs code here). Every call has a deadline. A call that
 does not return in time, or a child that dies, raises `Stopped` naming what happened; then the child's whole session
-is killed, and a later call starts a new child. The operating system's side of all this (the namespaces, the grader
-not dumpable, the child's session found and killed, its folder removed) is in `processes.py`.
+is killed, and a later call starts a new child. On disk it may write in its own folder only, and read only what it
+must (Python, its libraries, its answer's folder), behind the walls of `walls.py` that the machine allows: a read-only
+mount namespace (with the namespaces above), Landlock (a kernel that has it), and always an audit hook, the fallback
+where neither holds; the grader fails an answer that tried, naming the operation, the path and the walls in force.
+All its files together may hold `DISK_BYTES` (and `DISK_FILES` files): the grader looks at its folders while it
+waits and after each reply, and kills a child over the cap. The operating system's side of all this (the namespaces,
+the grader not dumpable, the child's session found and killed, its folder removed) is in `processes.py`.
 """
 from __future__ import annotations
 
@@ -33,11 +38,14 @@ import tempfile
 import time
 
 from .processes import (ENDED, UNSHARE, die_with_parent, exit_status, hide_grader, kill_session, namespaces,
-                        process_state, remove_folder, session, signal_name)
+                        process_state, remove_folder, session, signal_name, usage)
 
 __all__ = ["Stopped", "Raised", "Opaque", "Child"]
 
 STARTUP = 120.0  # seconds for a fresh interpreter to import torch on a busy machine
+DISK_BYTES = 256 << 20  # what the child may keep on disk, all its files together (and in /dev/shm, in a namespace)
+DISK_FILES = 10_000  # and how many files and folders
+WATCH = 0.25  # seconds between two looks at what the child keeps on disk
 SOCKETS = 70  # the longest TMPDIR for multiprocessing's sockets (TMPDIR/pymp-*/listener-*: 32 more, in 104 bytes)
 
 
@@ -103,6 +111,8 @@ class Child:
         self.proc: subprocess.Popen | None = None
         self.folder: str | None = None
         self.tmp: str | None = None  # the child's TMPDIR
+        self.walls = ""  # the walls in force around it, in words (`walls.Walls.named`)
+        self.disk_bytes = DISK_BYTES
 
     # ------------------------------------------------------------ the child's life
 
@@ -118,8 +128,10 @@ class Child:
         except OSError:  # the last child put something else there: its own doing
             pass
         env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", TMPDIR=self.tmp, TMP=self.tmp,
-                   TEMP=self.tmp)
-        command = [sys.executable, "-m", "manualdp.runners.grader.sandbox_child", str(self.memory_mb << 20)]
+                   TEMP=self.tmp, TORCHINDUCTOR_CACHE_DIR=os.path.join(self.tmp, "torchinductor"))  # not in /tmp
+        wanted = ["mount"] * namespaces() + ["landlock"] * (os.environ.get("MANUALDP_LANDLOCK") != "0")
+        command = [sys.executable, "-m", "manualdp.runners.grader.sandbox_child", str(self.memory_mb << 20),
+                   str(self.disk_bytes), ",".join(wanted) or "none"]
         self.proc = subprocess.Popen(
             [*UNSHARE, *command] if namespaces() else command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, cwd=self.folder, env=env, start_new_session=True, close_fds=True,
@@ -129,7 +141,9 @@ class Child:
         os.set_blocking(self.proc.stderr.fileno(), False)
         self._recv(max(STARTUP, self.timeout), "starting Python and importing torch")
         self._send({"op": "load", "path": self.path, "names": self.names}, self.timeout, "importing the file")
-        return self._recv(self.timeout, "importing the file")
+        loaded = self._recv(self.timeout, "importing the file")
+        self.walls = loaded.get("walls", "") if isinstance(loaded, dict) else ""
+        return loaded
 
     def restart(self) -> dict:
         """End the child and start a new one in the same folder (what a resume in a new process finds); `start`'s
@@ -218,11 +232,19 @@ class Child:
         head = self._read(8, end, timeout, doing)
         body = self._read(struct.unpack(">Q", head)[0], end, timeout, doing)
         try:
-            return _restore(torch.load(io.BytesIO(body), weights_only=True))
+            reply = _restore(torch.load(io.BytesIO(body), weights_only=True))
         except Exception as e:  # noqa: BLE001 (a reply forged or garbled by the student's code)
             self.close()
             raise Stopped(f"sent the grader a reply it cannot read ({type(e).__name__}): does your code write to "
                           "file descriptors it did not open, or patch torch.save?") from None
+        self._watch_disk()  # also after a call too short for a look while it ran
+        if isinstance(reply, dict) and "refused" in reply:  # even where its code caught the error
+            self.close()
+            what, path = (list(reply["refused"]) + ["", ""])[:2]
+            walls = reply.get("walls") or self.walls
+            raise Stopped(f"it tried to {what} {path}, outside its own folder: an answer may write only in its own "
+                          f"folder and read only what it imports (refused by the grader's walls: {walls})")
+        return reply
 
     def _end(self, timeout: float) -> float:
         return min(time.monotonic() + timeout, self.deadline)
@@ -230,14 +252,26 @@ class Child:
     def _read(self, n: int, end: float, timeout: float, doing: str) -> bytes:
         fd, parts = self.proc.stdout.fileno(), []
         while n:
-            if not select.select([fd], [], [], max(0.0, end - time.monotonic()))[0]:
-                self._stop(timeout, doing)
+            while not select.select([fd], [], [], min(WATCH, max(0.0, end - time.monotonic())))[0]:
+                self._watch_disk()
+                if time.monotonic() >= end:
+                    self._stop(timeout, doing)
             part = os.read(fd, min(n, 1 << 20))
             if not part:
                 self._stop(timeout, doing)
             parts.append(part)
             n -= len(part)
         return b"".join(parts)
+
+    def _watch_disk(self) -> None:
+        """Kill the child and raise Stopped if its folders hold more than the cap on all its files together."""
+        inside = os.path.dirname(self.tmp) == self.folder  # counted with its folder
+        used, files = usage([self.folder] if inside else [self.folder, self.tmp], DISK_FILES)
+        if used > self.disk_bytes or files > DISK_FILES:
+            self.close()
+            raise Stopped(f"it wrote more than the grader allows on disk: {self.disk_bytes >> 20} MiB and "
+                          f"{DISK_FILES:,} files in all, its files together (it holds {used >> 20} MiB in {files:,} "
+                          "files and folders); its folder is removed")
 
     def _stop(self, timeout: float, doing: str) -> None:
         """The child did not answer: say why (ran out of time, stopped, exited, killed), kill it, raise Stopped."""

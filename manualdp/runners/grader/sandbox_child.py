@@ -1,17 +1,19 @@
 """The grader's child: the one process where a student's file runs (`manualdp check`, `sandbox.Child`).
 
-    python -m manualdp.runners.grader.sandbox_child MEMORY_BYTES      (started by the grader, never by hand)
+    python -m manualdp.runners.grader.sandbox_child MEMORY_BYTES DISK_BYTES WALLS     (by the grader, never by hand)
 
 It forks at once: the parent stays as the child's init, which reaps it and tells the grader on stderr how it ended
 (in `processes.UNSHARE`'s namespaces it is their PID 1, which nothing inside can signal), so that the student's
 `os.kill(os.getppid(), ...)` reaches the init, not the grader; the child dies with its init. The child gives up
 CAP_SYS_PTRACE, caps its own memory and file sizes, sends what the file prints to `output.txt` in its working folder
-(a temporary one of its own), then answers the grader's requests on its stdin and stdout, one frame each: `load` a
-file (and tell, for each name, the file its code was defined in and its module), `call` its function on the inputs
-sent, run one of the grader's `job`s (`jobs.JOBS`) with the file's functions (a training run that saves and
-resumes), or start `ranks` (2, or the request's `world_size`, up to 4) that run a job of the grader's with the file
-(train its DDP, register its comm hook). It judges nothing: it sends back the inputs and the output as they are
-after the call, in one `torch.save`, so that the grader sees which tensors share memory, and judges them itself.
+(a temporary one of its own), puts up its walls (`walls.py`: what it may read and write; the mount namespace's at
+once, Landlock's and the audit hook's before it loads the file, and tells the grader which hold), then answers the
+grader's requests on its stdin and stdout, one frame each: `load` a file (and tell, for each name, the file its code
+was defined in and its module), `call` its function on the inputs sent, run one of the grader's `job`s (`jobs.JOBS`)
+with the file's functions (a training run that saves and resumes), or start `ranks` (2, or the request's
+`world_size`, up to 4) that run a job of the grader's with the file (train its DDP, register its comm hook). It
+judges nothing: it sends back the inputs and the output as they are after the call, in one `torch.save`, so that the
+grader sees which tensors share memory, and judges them itself.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import sys
 import traceback
 import types
 
+from . import walls
 from .processes import ENDED, die_with_parent
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
@@ -79,8 +82,9 @@ def _drop_ptrace() -> None:
         libc.capset(header, sets)
 
 
-def _frames(fd_in: int, fd_out: int):
-    """A `recv()` and a `send(obj)` of length-prefixed frames on two file descriptors."""
+def _frames(fd_in: int, fd_out: int, refused: list):
+    """A `recv()` and a `send(obj)` of length-prefixed frames on two file descriptors; `send` adds to a dict the first
+    thing the walls refused (`refused`, as `walls.Walls.refused`, filled later), once there is one."""
     import torch
 
     save, load = torch.save, torch.load  # taken before the student's file can patch them
@@ -90,6 +94,8 @@ def _frames(fd_in: int, fd_out: int):
         return load(io.BytesIO(_read(fd_in, struct.unpack(">Q", head)[0])), weights_only=False)
 
     def send(obj) -> None:
+        if refused and isinstance(obj, dict):
+            obj = {**obj, "refused": list(refused[0])}
         buf = io.BytesIO()
         try:
             save(obj, buf)
@@ -205,10 +211,22 @@ def _origin(fn) -> tuple[str | None, str | None]:
     return (file if type(file) is str else None), (module if type(module) is str else None)
 
 
+def _walled(wanted: list[str], mounted: bool, path: str, refused: list) -> walls.Walls:
+    """The walls (`walls.py`) around the file at `path`, put up before it loads: `wanted` of them where they hold."""
+    built = walls.build(os.getcwd(), os.environ.get("TMPDIR", os.getcwd()), path)
+    built.held, built.refused = ["mount"] if mounted else [], refused
+    if "landlock" in wanted and built.landlock():
+        built.held.append("landlock")
+    built.audit(programs=not built.held)  # alone, it refuses running programs too: nothing else would stop them
+    built.held.append("audit")
+    return built
+
+
 def main() -> None:
-    memory = int(sys.argv[1])
+    memory, disk, wanted = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3].split(",")
     _drop_ptrace()
     _init()
+    mounted = "mount" in wanted and walls.Walls([os.getcwd(), os.environ.get("TMPDIR", os.getcwd())], []).mount(disk)
     fd_in, fd_out = os.dup(0), os.dup(1)  # the grader's pipes, kept apart from what the student prints
     log = os.open("output.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 1)
@@ -217,7 +235,8 @@ def main() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_FSIZE, (LOG_BYTES, LOG_BYTES))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    recv, send = _frames(fd_in, fd_out)
+    refused = []  # what the walls refused, first first: they go up when the file is loaded
+    recv, send = _frames(fd_in, fd_out, refused)
     import torch
 
     torch.set_num_threads(1)
@@ -227,9 +246,10 @@ def main() -> None:
         req = recv()
         if req["op"] == "load":
             path, names = req["path"], req["names"]
+            walled = _walled(wanted, mounted, path, refused)
             got = _load(path, names)
             fns = got.pop("fns", [])
-            send(got)
+            send({**got, "walls": walled.named()})
         elif req["op"] in ("call", "job"):
             args = req["args"]
             before = _plain(args)  # the caller's own references, before the call can rebind a list's slots

@@ -1,0 +1,217 @@
+"""The walls around the grader's child (`sandbox_child`): what a student's file may read and write on disk.
+
+It may write in its own folder, its TMPDIR and /dev/shm only, and read only what it must: Python and its libraries
+(torch, site-packages, manualdp), its answer's folder, /proc, /sys, a few files of /etc and /dev. Up to three
+walls hold that, each where the machine allows it, and the grader names those in force (`Walls.held`):
+
+- `mount`: in the mount namespace `processes.UNSHARE` gives the child (where user namespaces are allowed), every
+  mount is made read-only but its folder and TMPDIR, and /dev/shm is a fresh tmpfs of capped size. It stops writes
+  by any means (a program it runs, ctypes), not reads.
+- `landlock`: Linux's Landlock (kernel 5.13 and later, where the kernel has it on), which an unprivileged process
+  asks for itself: outside the paths above, the kernel refuses to open, list, write or delete; it holds for every
+  process the child starts too (its ranks).
+- `audit`: an audit hook (`sys.addaudithook`) that refuses, in the child's Python, `open` for writing and every
+  delete, rename, mkdir, chmod... outside its folders, reading outside the paths above, and (where neither wall above
+  holds) running a program. Always on: it records the first thing refused (`refused`), so that the grader fails the
+  answer naming the path and the operation even where its code caught the error. Alone (no namespaces, no
+  Landlock) it is a fallback a determined answer gets round (ctypes, a rank's process, which it does not reach).
+
+Standard library only.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+__all__ = ["Walls", "build"]
+
+MS_BIND, MS_REC, MS_NOSUID, MS_NODEV = 4096, 16384, 2, 4
+SYS_MOUNT_SETATTR, AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY = 442, -100, 0x8000, 1
+SYS_LANDLOCK_CREATE, SYS_LANDLOCK_ADD_RULE, SYS_LANDLOCK_RESTRICT = 444, 445, 446  # the same on every architecture
+PR_SET_NO_NEW_PRIVS = 38
+FS_EXECUTE, FS_WRITE, FS_READ_FILE, FS_READ_DIR = 1, 2, 4, 8
+FS_ALL_V1, FS_REFER, FS_TRUNCATE, FS_IOCTL_DEV = (1 << 13) - 1, 1 << 13, 1 << 14, 1 << 15
+FS_FILE = FS_EXECUTE | FS_WRITE | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # the rights a rule on a file may hold
+ETC = ("ld.so.cache", "ld.so.conf", "hosts", "host.conf", "nsswitch.conf", "gai.conf", "resolv.conf", "localtime",
+       "passwd", "group", "mime.types")  # what Python, torch and gloo read in /etc
+DEVICES = ("null", "zero", "full", "random", "urandom")
+WRITES = {"os.remove": "delete", "os.rmdir": "delete the folder", "shutil.rmtree": "delete the tree",
+          "os.rename": "rename", "os.mkdir": "make the folder", "os.link": "link", "os.symlink": "make a link at",
+          "os.truncate": "truncate", "os.chmod": "chmod", "os.chown": "chown", "os.utime": "touch",
+          "os.setxattr": "set an attribute of", "os.removexattr": "remove an attribute of", "os.chflags": "chflags",
+          "shutil.copyfile": "copy onto", "shutil.move": "move"}
+READS = {"os.listdir": "list", "os.scandir": "list"}
+PROGRAMS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "pty.spawn")
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # manualdp's folder
+NAMES = {"mount": "a read-only mount namespace", "landlock": "Landlock", "audit": "an audit hook"}
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _under(path: str, roots: list[str]) -> bool:
+    return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+
+class Walls:
+    """The paths the child may write (`writable`) and read (`readable`, besides those), and the walls in force."""
+
+    def __init__(self, writable: list[str], readable: list[str]):
+        self.writable = [os.path.realpath(p) for p in writable]
+        self.readable = [os.path.realpath(p) for p in readable if os.path.exists(p)]
+        self.held: list[str] = []  # the walls in force, in `NAMES`' words
+        self.refused: list[tuple[str, str]] = []  # (operation, path) the audit hook refused, first first
+
+    # ------------------------------------------------------------ the mount namespace
+
+    def mount(self, shm_bytes: int) -> bool:
+        """Make every mount read-only but the writable folders, and /dev/shm a tmpfs of `shm_bytes`: inside a mount
+        namespace of the child's own only (else the host's mounts would change). Whether it held."""
+        libc = _libc()
+        if os.path.isdir("/dev/shm") and libc.mount(b"tmpfs", b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV,
+                                                    f"size={shm_bytes}".encode()) != 0:
+            return False
+        for path in self.writable:  # a mount of its own each, so that it can stay writable below a read-only root
+            if libc.mount(path.encode(), path.encode(), None, MS_BIND | MS_REC, None) != 0:
+                return False
+        if not _setattr("/", AT_RECURSIVE, MOUNT_ATTR_RDONLY, 0):
+            return False
+        if not all(_setattr(p, 0, 0, MOUNT_ATTR_RDONLY) for p in [*self.writable, "/dev/shm"] if os.path.isdir(p)):
+            return False
+        os.chdir(os.getcwd())  # the working folder anew, through its writable mount: the old one is read-only
+        return True
+
+    # ------------------------------------------------------------ Landlock
+
+    def landlock(self) -> bool:
+        """Restrict this process and all it starts to reading `readable` and writing `writable` (Landlock). Whether
+        the kernel has it and it held."""
+        libc = _libc()
+        libc.syscall.restype = ctypes.c_long
+        abi = libc.syscall(SYS_LANDLOCK_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(1))  # _VERSION: its ABI
+        if abi < 1:
+            return False
+        handled = FS_ALL_V1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0) | (
+            FS_IOCTL_DEV if abi >= 5 else 0)
+        attr = ctypes.c_uint64(handled)  # the ABI-1 struct: file system rights only
+        ruleset = libc.syscall(SYS_LANDLOCK_CREATE, ctypes.byref(attr), ctypes.c_size_t(8), ctypes.c_uint32(0))
+        if ruleset < 0:
+            return False
+        try:
+            read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
+            rules = [(p, read) for p in self.readable] + [(p, handled) for p in self.writable]
+            rules += [(f"/dev/{d}", FS_READ_FILE | FS_WRITE | FS_IOCTL_DEV) for d in DEVICES] + [("/dev/shm", handled)]
+            if not all(_rule(libc, ruleset, path, access & handled) for path, access in rules if os.path.exists(path)):
+                return False
+            if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+                return False
+            return libc.syscall(SYS_LANDLOCK_RESTRICT, ruleset, ctypes.c_uint32(0)) == 0
+        finally:
+            os.close(ruleset)
+
+    # ------------------------------------------------------------ the audit hook
+
+    def audit(self, programs: bool) -> None:
+        """Install the audit hook; `programs`: refuse running programs too (where no wall of the kernel holds)."""
+        busy = [False]
+
+        def hook(event: str, args: tuple) -> None:
+            if busy[0] or not (event == "open" or event in WRITES or event in READS or event.startswith(PROGRAMS)):
+                return
+            busy[0] = True  # what the judging itself calls is not judged
+            try:
+                refused = self._judge(event, args, programs)
+            except Exception:  # noqa: BLE001 (an argument of a form not foreseen: the kernel's walls judge it)
+                refused = None
+            finally:
+                busy[0] = False
+            if refused:
+                self.refused.append(refused)
+                raise PermissionError(f"manualdp check: your code may not {refused[0]} {refused[1]}: an answer may "
+                                      "write only in its own folder, and read only what it imports")
+
+        sys.addaudithook(hook)
+
+    def _judge(self, event: str, args: tuple, programs: bool) -> tuple[str, str] | None:
+        """(operation, path) if the hook refuses `event`, else None."""
+        if event.startswith(PROGRAMS):
+            program = args[0] if event == "os.system" else args[1] if len(args) > 1 else args[0]  # its command line
+            program = os.fsdecode(program) if isinstance(program, bytes) else (
+                " ".join(map(os.fsdecode, program)) if isinstance(program, (list, tuple)) else str(program))
+            return ("run", program[:200]) if programs else None
+        if event == "open":
+            path, mode, flags = (list(args) + [None, None])[:3]
+            writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or (isinstance(flags, int) and flags & (
+                os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+            if writes:
+                return self._write("write", path, follow=True)
+            return self._read("read", path)
+        if event in READS:
+            return self._read(READS[event], args[0] if args else ".")
+        paths = (args[0], args[1]) if event in ("os.rename", "shutil.move", "os.link") else (
+            (args[1],) if event in ("os.symlink", "shutil.copyfile") else (args[0],))
+        for path in paths:
+            refused = self._write(WRITES[event], path, follow=event in ("os.truncate", "os.chmod", "shutil.copyfile"))
+            if refused:
+                return refused
+        return None
+
+    def _write(self, what: str, path, follow: bool) -> tuple[str, str] | None:
+        full = _full(path, follow)
+        return None if full is None or _under(full, [*self.writable, "/dev/shm"]) or full in (
+            f"/dev/{d}" for d in DEVICES) else (what, full)
+
+    def _read(self, what: str, path) -> tuple[str, str] | None:
+        full = _full(path, True)
+        return None if full is None or _under(full, [*self.readable, *self.writable, "/dev/shm"]) or full in (
+            f"/dev/{d}" for d in DEVICES) else (what, full)
+
+    def named(self) -> str:
+        """The walls in force, in words."""
+        return ", ".join(NAMES[w] for w in self.held) or "none"
+
+
+def _full(path, follow: bool) -> str | None:
+    """`path` absolute, its links resolved (the last one only if `follow`); None for a file descriptor."""
+    if path is None or isinstance(path, int):
+        return None
+    path = os.path.abspath(os.fsdecode(os.fspath(path)))
+    if follow:
+        return os.path.realpath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _setattr(path: str, flags: int, attr_set: int, attr_clr: int) -> bool:
+    """mount_setattr(2) on `path`: set and clear mount attributes (of every mount below, with AT_RECURSIVE)."""
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    attr = (ctypes.c_uint64 * 4)(attr_set, attr_clr, 0, 0)
+    return libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, path.encode(), ctypes.c_uint(flags), ctypes.byref(attr),
+                        ctypes.c_size_t(32)) == 0
+
+
+def _rule(libc, ruleset: int, path: str, access: int) -> bool:
+    """Allow `access` beneath `path` (a folder; on a file, only the rights a file can have)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return True  # gone meanwhile: nothing to allow
+    try:
+        if not os.path.isdir(path):
+            access &= FS_FILE
+        attr = (ctypes.c_ubyte * 12).from_buffer_copy(access.to_bytes(8, sys.byteorder) + fd.to_bytes(4, sys.byteorder))
+        rule = ctypes.c_int(1)  # LANDLOCK_RULE_PATH_BENEATH
+        return libc.syscall(SYS_LANDLOCK_ADD_RULE, ruleset, rule, ctypes.byref(attr), ctypes.c_uint32(0)) == 0
+    finally:
+        os.close(fd)
+
+
+def build(folder: str, tmp: str, answer: str) -> Walls:
+    """The walls for a child working in `folder` with TMPDIR `tmp` that loads the file `answer`: what it may read is
+    Python's and its libraries' folders, manualdp's, the answer's folder, /proc, /sys and a few files of /etc."""
+    pythons = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
+    library = [p for p in sys.path if p and os.path.isabs(p)] + [_PACKAGE]
+    system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/proc", "/sys", *(f"/etc/{f}" for f in ETC)]
+    return Walls([folder, tmp], [*sorted(pythons), *library, *system, os.path.dirname(os.path.abspath(answer))])
