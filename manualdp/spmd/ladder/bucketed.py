@@ -33,16 +33,28 @@ class BucketedDDP(OverlappedDDP):
     def __init__(self, module, *, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, **kwargs):
         self.bucket_cap_mb = positive_number("bucket_cap_mb", bucket_cap_mb)  # compared at construction (`settings`)
         super().__init__(module, **kwargs)
-        layout = assign_buckets(self.params, bucket_cap_mb)
+        self.build_buckets()
+        self.next = 0  # the next bucket to start: they start in order
+
+    def build_buckets(self) -> None:
+        """The buckets, of the parameters' dtypes and devices as they are now."""
+        layout = assign_buckets(self.params, self.bucket_cap_mb)
         self.buckets = [Bucket([self.params[i] for i in b], extra=len(self.params) if k == len(layout) - 1 else 0)
                         for k, b in enumerate(layout)]
         last = self.buckets[-1]
         self.flags = last.flat[last.offsets[-1]:]  # after the last bucket's gradients: the ranks' "used" flags
         self.where = {id(p): (k, i) for k, b in enumerate(self.buckets) for i, p in enumerate(b.params)}
-        self.next = 0  # the next bucket to start: they start in order
 
     def settings(self) -> dict:
         return super().settings() | {"bucket_cap_mb": self.bucket_cap_mb}
+
+    def forward(self, *args, **kwargs):
+        # model.double() (or .to(device)) after wrapping: buckets anew, or the gradients would be rounded to float32;
+        # a rank that alone cast its model sends another dtype, which the step check names on every rank
+        if torch.is_grad_enabled() and any((p.dtype, p.device) != (b.flat.dtype, b.flat.device)
+                                           for b in self.buckets for p in b.params):
+            self.build_buckets()
+        return super().forward(*args, **kwargs)
 
     def grad_ready(self, p: torch.Tensor) -> None:
         k, i = self.where[id(p)]
