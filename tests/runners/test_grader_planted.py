@@ -12,9 +12,13 @@ import torch
 
 from manualdp.allreduce import allreduce
 from manualdp.runners.cli import main
-from manualdp.runners.grader.properties import Mismatch, allreduce_property, allreduce_sizes_property
+from manualdp.runners.grader.properties import (Mismatch, allreduce_property, allreduce_sizes_property,
+                                                cost_sweep_property, schedule_property, split_devices_property,
+                                                split_property, split_sizes_property, zero1_property,
+                                                zero1_sizes_property)
 from manualdp.runners.grader.properties.diloco import outer_step_property, outer_step_sizes_property, strategies
 from manualdp.schedule import ALGORITHMS
+from manualdp.split import split_batch
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLANTED = ROOT / "tests" / "answers" / "planted"
@@ -130,3 +134,53 @@ def test_a_wrong_outer_step_fails_and_its_slip_is_named(name, told):
 def test_an_outer_step_right_on_5_replicas_fails_on_16_even_when_hypothesis_draws_few():
     with pytest.raises(Mismatch, match=r"on 16 replica\(s\) .* the first 5 replicas only, of 16"):
         outer_step_sizes_property(answer("diloco_first_five").outer_step)
+
+
+def test_a_split_right_on_device_0_only_fails_where_shard_1_lies():
+    wrong = answer_at(ROOT / "tests" / "answers" / "split_batch_device0.py").split_batch
+    split_property(wrong, 2, 1, 2, torch.float32)  # its slices are right: only where shard 1 lies is wrong
+    with pytest.raises(Mismatch, match=r"expected shard 1 on devices\[1\] = meta; X's is on cpu"):
+        split_devices_property(wrong, 2, 1, 2, torch.float32)
+
+
+def test_a_split_wrong_past_1000_rows_fails_at_a_million_told_in_one_line():
+    wrong = answer("split_batch_small_only").split_batch
+    split_property(wrong, 8, 40, 4, torch.float64)  # the most hypothesis draws: right
+    split_sizes_property(split_batch)
+    with pytest.raises(Mismatch, match=r"X of shape \(1000001, 1\).*: expected the shards of y to be \[\[0, \.\.\., "
+                                       r"333333\] \(333334 rows\), .* got \[\[0, \.\.\., 333333\] \(333334 rows\), "
+                                       r"\[333334, \.\.\., 666668\] \(333335 rows\)") as told:
+        split_sizes_property(wrong)
+    assert len(str(told.value)) < 600, str(told.value)
+
+
+def test_a_zero1_step_right_on_device_0_only_fails_on_another_device():
+    wrong = answer_at(ROOT / "tests" / "answers" / "zero1_gather_to_device0.py").zero1_step
+    with pytest.raises(Mismatch, match=r"on 3 devices, .* device [12]'s element \d+ \(in device \d's chunk\) .* not "
+                                       r"updated on this device"):
+        zero1_property(wrong, 3, 7, 1, 0.1, 0.9, 0)
+
+
+def test_a_zero1_step_wrong_past_1000_parameters_fails_at_a_million():
+    wrong = answer("zero1_small_only").zero1_step
+    zero1_property(wrong, 8, 64, 3, 0.1, 0.9, 0)  # the most hypothesis draws: right
+    zero1_sizes_property(answer_at(ROOT / "book" / "solutions" / "zero1.py").zero1_step)
+    with pytest.raises(Mismatch, match=r"on 3 devices, 1000001 parameters, step 2 of 2: expected device 0's momentum"):
+        zero1_sizes_property(wrong)
+
+
+def test_a_zero1_step_off_by_1e8_relative_fails():
+    with pytest.raises(Mismatch, match=r"expected every device's parameters to be plain data parallelism's; device 0's "
+                                       r"element \d+ .* is (\S+), expected (?!\1)"):
+        zero1_property(answer("zero1_off_by_1e8").zero1_step, 2, 5, 1, 0.1, 0.9, 0)
+
+
+def test_a_reduce_to_device_0_without_the_broadcast_is_not_an_allreduce():
+    with pytest.raises(Mismatch, match=r"schedule\(2\): after its 1 rounds, device 1 holds b0 in chunk 0, expected the "
+                                       r"sum of every device's chunk 0, a0\+b0: it misses device 0"):
+        schedule_property(answer("schedule_reduce_only").schedule, 2)
+
+
+def test_a_cost_that_times_device_0_alone_fails_on_a_schedule_where_another_is_busier():
+    with pytest.raises(Mismatch, match=r"for \S+\(\d+\): expected \S+ s \(manualdp.cost.cost\), got \S+ s"):
+        cost_sweep_property(answer("cost_device0_only").cost)

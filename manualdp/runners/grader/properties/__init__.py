@@ -24,14 +24,14 @@ from .cost import book_schedules, cost_property, cost_sweep_property, schedules
 from .ddp import Twice, batches, ddp_job, ddp_mismatch, torch_ddp_job, train_steps
 from .hook import LOSS_SCALE, hook_job, hook_mismatch, torch_hook_job
 from .schedule import as_schedule, schedule_property
-from .split_batch import split_devices_property, split_property
-from .zero1 import zero1_property
+from .split_batch import split_devices_property, split_property, split_sizes_property
+from .zero1 import zero1_property, zero1_sizes_property
 
 __all__ = ["Mismatch", "STRATEGIES", "apart", "hint_for", "split_property", "split_devices_property",
-           "allreduce_property", "allreduce_sizes_property", "schedule_property", "as_schedule", "cost_property", "cost_sweep_property",
-           "book_schedules", "schedules", "zero1_property", "resume_property", "resume_in_a_new_process_property",
-           "hook_job", "torch_hook_job", "hook_mismatch", "LOSS_SCALE",
-           "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
+           "split_sizes_property", "allreduce_property", "allreduce_sizes_property", "schedule_property", "as_schedule",
+           "cost_property", "cost_sweep_property", "book_schedules", "schedules", "zero1_property",
+           "zero1_sizes_property", "resume_property", "resume_in_a_new_process_property", "hook_job", "torch_hook_job",
+           "hook_mismatch", "LOSS_SCALE", "make_tensors", "Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job",
            "torch_ddp_job", "buckets_job", "buckets_mismatch"]
 
 STRATEGIES = {  # exercise -> what hypothesis draws for its property (the ddp and hook checks draw nothing)

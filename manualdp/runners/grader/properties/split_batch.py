@@ -9,7 +9,7 @@ from ....devices import cpu_devices
 from ....split import shard_sizes
 from .common import FLOATS, Mismatch, called, n_devices, show
 
-__all__ = ["split_property", "split_devices_property", "DRAWN"]
+__all__ = ["split_property", "split_devices_property", "split_sizes_property", "DRAWN", "SIZES"]
 
 
 def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.dtype) -> None:
@@ -43,11 +43,12 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
     expected = [list(range(sum(sizes[:i]), sum(sizes[:i + 1]))) for i in range(n)]
     got = [s.tolist() for s in y_shards]
     if got != expected:
-        raise Mismatch(f"{call}: expected the shards of y to be {expected} (sizes {sizes}: near-equal, the first "
-                       f"batch % n shards one longer); got {got}")
+        raise Mismatch(f"{call}: expected the shards of y to be {_rows(expected)} (sizes {sizes}: near-equal, the "
+                       f"first batch % n shards one longer); got {_rows(got)}")
     for i, (s, rows) in enumerate(zip(X_shards, expected)):
         if s.shape != X_kept[rows].shape or not torch.equal(s.cpu(), X_kept[rows]):
-            raise Mismatch(f"{call}: expected X_shards[{i}] to be rows {rows} of X, {X_kept[rows].tolist()}; "
+            raise Mismatch(f"{call}: expected X_shards[{i}] to be rows {_rows([rows])[1:-1]} of X, "
+                           f"{show(X_kept[rows])}; "
                            f"got {show(s)}")
     for name, shards in (("X_shards", X_shards), ("y_shards", y_shards)):
         for i, s in enumerate(shards):
@@ -57,6 +58,11 @@ def split_property(split_batch, n: int, extra: int, features: int, dtype: torch.
                                "the shard is a view of it. "
                                "Copy each shard (`.to(device, copy=True)`): on simulated devices, all of them `cpu`, "
                                "`.to(device)` returns the very same memory")
+
+
+def _rows(shards: list[list[int]]) -> str:
+    """Shards of row numbers as read: each listed when short, else as its first..last row and its length."""
+    return "[" + ", ".join(str(r) if len(r) <= 12 else f"[{r[0]}, ..., {r[-1]}] ({len(r)} rows)" for r in shards) + "]"
 
 
 def split_devices_property(split_batch, n: int, extra: int, features: int, dtype: torch.dtype) -> None:
@@ -82,3 +88,13 @@ def split_devices_property(split_batch, n: int, extra: int, features: int, dtype
 
 
 DRAWN = dict(n=st.integers(1, 8), extra=st.integers(0, 40), features=st.integers(1, 4), dtype=st.sampled_from(FLOATS))
+SIZES = [dict(n=3, extra=10**6 - 2, features=1, dtype=torch.float32),
+         dict(n=16, extra=5, features=2, dtype=torch.float64)]
+"""Checked once by `split_sizes_property` (a million rows once, not for every example hypothesis draws)."""
+
+
+def split_sizes_property(split_batch) -> None:
+    """The sizes checked once, beside what hypothesis draws: a million rows on 3 devices, and 16 devices (the
+    shards' slices and memory; where they lie is told by `split_devices_property`, whatever the size)."""
+    for case in SIZES:
+        split_property(split_batch, **case)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from .common import Mismatch, apart, called, n_devices, seconds, show
 
-__all__ = ["zero1_property", "DRAWN"]
+__all__ = ["zero1_property", "zero1_sizes_property", "DRAWN", "SIZES"]
 
 
 def zero1_property(zero1_step, n: int, numel: int, steps: int, lr: float, momentum: float, seed: int) -> None:
@@ -91,3 +91,12 @@ def _chunk_range(numel: int, device: int, n: int) -> tuple[int, int]:
 
 DRAWN = dict(n=st.integers(1, 8), numel=st.integers(0, 64), steps=st.integers(1, 3), lr=st.floats(0.001, 1.0),
              momentum=st.sampled_from([0.0, 0.9]) | st.floats(0.0, 0.99), seed=st.integers(0, 2**31 - 1))
+SIZES = [dict(n=3, numel=10**6 + 1, steps=2, lr=0.1, momentum=0.9, seed=1), dict(n=16, numel=37, steps=2, lr=0.1,
+                                                                                  momentum=0.9, seed=2)]
+"""Checked once by `zero1_sizes_property` (a million parameters once, not for every example hypothesis draws)."""
+
+
+def zero1_sizes_property(zero1_step) -> None:
+    """The sizes checked once, beside what hypothesis draws: a million parameters on 3 devices, and 16 devices."""
+    for case in SIZES:
+        zero1_property(zero1_step, **case)
