@@ -21,7 +21,8 @@ One role a file, as FSDP2's `torch/distributed/fsdp/_fully_shard/`: this page is
 `fsdp_collectives.py` moves their bytes (the book's schedules); `fsdp_hooks.py` hooks a unit's
 forward and backward; `fsdp_step.py` is the step under way of a tree of units; `fsdp_state_dict.py`
 keeps `state_dict()` to the shards; `fsdp_norm.py` gives an empty shard its infinity norm;
-`fsdp_meta.py` initialises a meta-device model as one process would (`init_full`).
+`fsdp_meta.py` initialises a meta-device model as one process would (`init_full`); `fsdp_hsdp.py` all-reduces
+across HSDP's replicas.
 
 As torch's: a sharded module is torch's `FSDPModule` too (`isinstance`, `register_fsdp_forward_method`);
 `requires_grad_` after sharding takes effect at the next forward; the hook that gathers a unit again for
@@ -42,8 +43,11 @@ Where it differs from torch's FSDP2:
   ranks) reshards over all of them: the same numbers, less memory, one more all-gather's latency;
 - ranks that run other units, or one unit more, or use a parameter on some ranks only, all raise
   naming the unit (torch's pairs the collectives up, or hangs).
-Not supported (each refused in one line): a mesh of more than one dimension (HSDP),
-`shard_placement_fn`, `offload_policy`, custom all-gather and reduce-scatter.
+HSDP, as torch's: on a 2-D mesh (replicate, shard) each parameter is sharded over dim 1 (a DTensor placed
+`(Replicate(), Shard(0))`), and a unit's gradients are reduce-scattered there, then all-reduced across the
+replicas over dim 0 (`fsdp_hsdp.py`); `set_requires_all_reduce(False)` keeps the sums for a later backward.
+Not supported (each refused in one line): a mesh of more than two dimensions,
+`shard_placement_fn`, `offload_policy`, custom all-gather, reduce-scatter and all-reduce.
 
 The book's ZeRO-3 (`manualdp.zero3.Zero3`) keeps one flat shard per unit instead: it teaches the idea
 on one page. Per-parameter shards cost a copy in and out of the flat buffer each all-gather and
@@ -226,8 +230,9 @@ def _fsdp_class(cls: type) -> type:
     return _classes[cls]
 
 
-def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None, reshard_after_forward: bool | int | None = None,
-                shard_placement_fn=None, mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None,
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int | None = None, shard_placement_fn=None,
+                mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None,
                 ignored_params: set[nn.Parameter] | None = None, group=None, timeout: float | None = None,
                 recorder=None) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters over the ranks of `mesh` (or `group`; default: all), in place; returns `module`.
@@ -235,8 +240,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     Apply it to submodules first, then to their parents and the root, as torch's `fully_shard`. A list of
     modules (torchtitan's `fully_shard([model.norm, model.output])`) is one unit, as torch's: one all-gather
     before the first of them runs forward, one reshard after the last, one reduce-scatter of all their gradients.
-    Keywords as torch's: `mesh` (a 1-D DeviceMesh), `reshard_after_forward` (free a unit's full
-    parameters after its forward and gather them again for backward; None: every unit but the
+    Keywords as torch's: `mesh` (a 1-D DeviceMesh, or HSDP's 2-D (replicate, shard)), `reshard_after_forward`
+    (free a unit's full parameters after its forward and gather them again for backward; None: every unit but the
     outermost), `mp_policy` (torch's `MixedPrecisionPolicy`: gather and compute in `param_dtype`,
     reduce in `reduce_dtype`, cast outputs to `output_dtype`), `ignored_params` (left whole, not
     sharded, not synchronised). Ours: `group` (instead of `mesh`), `timeout` (seconds to wait for a

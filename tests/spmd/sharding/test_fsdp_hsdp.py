@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -26,12 +27,13 @@ def _mesh(shape=(2, 2)):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard")[-len(shape):])
 
 
-def _train(shard_fn, rank, n, mesh, steps=3, micro=1, between=None, **kwargs):
-    """torchtitan's shape on `mesh`: Adam, `micro` micro-batches a step (`between(model, i)` before each)."""
+def _train(shard_fn, rank, n, mesh, steps=3, micro=1, between=None, sgd=False, lr=0.5, **kwargs):
+    """torchtitan's shape on `mesh`: Adam (or SGD, which sees the gradients' scale), `micro` micro-batches a step
+    (`between(model, i)` before each)."""
     torch.manual_seed(0)
     model = Titan()
     _apply_fsdp(shard_fn, model, mesh=mesh, **kwargs)
-    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    opt = torch.optim.SGD(model.parameters(), lr=lr) if sgd else torch.optim.Adam(model.parameters(), lr=0.05)
     losses = []
     for step in range(steps):
         for i in range(micro):
@@ -76,6 +78,62 @@ def results():
     return launch(_job, 4, timeout=300.0)
 
 
+def _accumulate(model, i):
+    model.set_requires_all_reduce(i == 1)  # torchtitan: all-reduce across replicas at the last micro-batch only
+
+
+def _divide(factor):
+    def between(model, i):
+        for m in model.modules():
+            if isinstance(m, TorchFSDPModule):  # ours are torch's FSDPModule too
+                m.set_gradient_divide_factor(factor)
+    return between
+
+
+def _settings(shard_fn, rank, n):
+    """Mixed precision, all-reduce skipped at the first of two micro-batches, divide factors: (losses, full)."""
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    runs = {"bf16": _train(shard_fn, rank, n, _mesh(), mp_policy=bf16),
+            "accumulate": _train(shard_fn, rank, n, _mesh(), micro=2, between=_accumulate, sgd=True),
+            "divide 2": _train(shard_fn, rank, n, _mesh(), between=_divide(2.0), sgd=True)}
+    if shard_fn is torch_fully_shard:  # torch's sums need PREMUL_SUM, which gloo lacks: the sum is 4 times the
+        # mean (exactly), so SGD at 4 times the rate is the same run bitwise
+        runs["divide 1"] = _train(shard_fn, rank, n, _mesh(), sgd=True, lr=2.0)
+    else:
+        runs["divide 1"] = _train(shard_fn, rank, n, _mesh(), between=_divide(1.0), sgd=True)
+    for run in runs.values():
+        del run["model"]
+    return runs
+
+
+def _reshard(shard_fn, rank, n, folder):
+    """A DCP checkpoint saved on the 2 x 2 mesh, loaded on a 1 x 4 mesh and on a 1-D mesh of 4, and back."""
+    import torch.distributed.checkpoint as dcp
+    saved = _train(shard_fn, rank, n, _mesh(), sgd=True)
+    dcp.save(saved["model"].state_dict(), checkpoint_id=f"{folder}/{shard_fn is fully_shard}")
+    out = {}
+    for shape in ((1, 4), (4,)):
+        model = Titan()
+        _apply_fsdp(shard_fn, model, mesh=_mesh(shape))
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=f"{folder}/{shard_fn is fully_shard}")
+        model.load_state_dict(state)
+        out[shape] = all(torch.equal(v, saved["full"][k]) for k, v in _full(model).items())
+    return out
+
+
+def _soak_job(folder):
+    torch.set_num_threads(1)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return {impl: {"settings": _case(_settings, fn, rank, n), "reshard": _case(_reshard, fn, rank, n, folder)}
+            for impl, fn in SHARD_FNS.items()}
+
+
+@pytest.fixture(scope="module")
+def soak_results(tmp_path_factory):
+    return launch(_soak_job, 4, args=(str(tmp_path_factory.mktemp("hsdp")),), timeout=600.0)
+
+
 def _equal(ours, theirs, what):
     assert isinstance(ours, dict) and isinstance(theirs, dict), (what, ours, theirs)
     assert ours["losses"] == theirs["losses"], what
@@ -92,3 +150,20 @@ def test_hsdp_on_a_2x2_mesh_equals_torchs_bitwise_and_refuses_a_3d_mesh_in_one_l
         assert len(set(got["ours"]["losses"])) > 1, "it trains"
         assert got["refused"]["3-D mesh"].startswith("NotImplementedError: mesh has 3 dimensions")
     assert results[0]["ours"]["losses"] != results[2]["ours"]["losses"], "the replicas see other data"
+
+
+@pytest.mark.soak
+def test_hsdp_mixed_precision_all_reduce_switch_and_divide_factor_equal_torchs_bitwise(soak_results):
+    for r, got in enumerate(soak_results):
+        ours, theirs = got["ours"]["settings"], got["torch"]["settings"]
+        assert isinstance(ours, dict), ours
+        for case in ("bf16", "accumulate", "divide 2", "divide 1"):
+            _equal(ours[case], theirs[case], f"rank {r} {case}")
+        assert ours["divide 1"]["full"]["layers.0.weight"].ne(ours["divide 2"]["full"]["layers.0.weight"]).any()
+
+
+@pytest.mark.soak
+def test_an_hsdp_checkpoint_loads_on_a_1x4_and_a_1d_mesh(soak_results):
+    for r, got in enumerate(soak_results):
+        for impl in ("ours", "torch"):
+            assert got[impl]["reshard"] == {(1, 4): True, (4,): True}, f"rank {r} {impl}: {got[impl]['reshard']}"

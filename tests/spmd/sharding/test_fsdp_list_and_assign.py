@@ -64,7 +64,8 @@ def _steps(model, opt, rank, n, first, count):
 
 
 def _full(model):
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in model.state_dict().items()}
+    state = model.state_dict()
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
 
 
 def _list_unit(shard_fn, rank, n):
