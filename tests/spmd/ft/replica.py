@@ -158,6 +158,7 @@ def main(config: dict) -> None:
         quorum = ft.start_step()
         waited = time.monotonic() - started
         b = ft.batch_index
+        sent_before = sent()  # FaultTolerantDDP's buckets go during backward
         X, y = my_shard(b, index)
         hidden = model[1](model[0](X))
         if fault in ("kill_forward", "stop_forward") and b == at:
@@ -174,7 +175,6 @@ def main(config: dict) -> None:
         mine = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True) if config.get("grads") else None
         loss.backward()  # FaultTolerantDDP's buckets are averaged during it: .grad holds the averages
         averaged = [p.grad.reshape(-1).tolist() for p in model.parameters()] if mine is not None else None
-        sent_before = sent()
         committed = ft.step()
         if committed is None:  # inside a block of local SGD or DiLoCo: nothing was sent
             continue
