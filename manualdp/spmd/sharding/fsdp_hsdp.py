@@ -18,6 +18,7 @@ naming the unit on every rank.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..collectives import allreduce
 from ..transport.peers import group_ranks, refused_alike
@@ -47,8 +48,8 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int, 
         per_replica = "; ".join(f"replica {r}: unit {int(a)}, reduce-scatter {int(c) // 2}, divide factor {f}"
                                 for r, (a, c, f) in enumerate(tails))
         raise refused_alike(RuntimeError(
-            f"rank {unit.rank} of replica {replica}: fully_shard's all-reduce across replicas of unit "
-            f"{unit.number} ({type(unit.module).__name__}) met other units, counts or divide factors on other "
+            f"rank {dist.get_rank()} (replica {replica}): fully_shard's all-reduce across replicas of unit "
+            f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''}) met other units, counts or divide factors on other "
             f"replicas ({per_replica}; counts mod 64): every replica must run the same units, the same number of "
             "times, and call set_gradient_divide_factor alike"))
     return flat[:n]

@@ -67,6 +67,7 @@ class Step:
             if u.gathering is None:
                 u.free()
             u.accumulating = False
+            u.partial.clear()  # HSDP's sums kept without all-reduce: gradients of the step that raised
             u.forget_step(keep_gradients=False)
         self._next_order()
 

@@ -122,11 +122,40 @@ def _reshard(shard_fn, rank, n, folder):
     return out
 
 
+class Pair(nn.Module):
+    """Two same-shaped units; replica 1 applies them in the other order (each replica agrees within itself)."""
+
+    def __init__(self, swapped):
+        super().__init__()
+        self.a, self.b, self.swapped = nn.Linear(4, 4), nn.Linear(4, 4), swapped
+
+    def forward(self, x):
+        first, second = (self.b, self.a) if self.swapped else (self.a, self.b)
+        return second(torch.tanh(first(x)))
+
+
+def _replicas_apart(rank):
+    """Replica 1 runs the units in another order: every rank raises, naming the unit, instead of mixing them."""
+    torch.manual_seed(0)
+    model = Pair(swapped=rank >= 2)
+    mesh = _mesh()
+    fully_shard(model.a, mesh=mesh)
+    fully_shard(model.b, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        model(torch.ones(2, 4)).sum().backward()
+    except Exception as e:  # the parent asserts on the message
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
 def _soak_job(folder):
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
-    return {impl: {"settings": _case(_settings, fn, rank, n), "reshard": _case(_reshard, fn, rank, n, folder)}
-            for impl, fn in SHARD_FNS.items()}
+    out = {impl: {"settings": _case(_settings, fn, rank, n), "reshard": _case(_reshard, fn, rank, n, folder)}
+           for impl, fn in SHARD_FNS.items()}
+    out["replicas apart"] = _replicas_apart(rank)  # last: it leaves the ranks out of step
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -167,3 +196,12 @@ def test_an_hsdp_checkpoint_loads_on_a_1x4_and_a_1d_mesh(soak_results):
     for r, got in enumerate(soak_results):
         for impl in ("ours", "torch"):
             assert got[impl]["reshard"] == {(1, 4): True, (4,): True}, f"rank {r} {impl}: {got[impl]['reshard']}"
+
+
+@pytest.mark.soak
+def test_replicas_that_run_units_in_another_order_all_raise_naming_the_unit(soak_results):
+    for r, got in enumerate(soak_results):
+        message = got["replicas apart"]
+        assert message.startswith(f"RuntimeError: rank {r} (replica {r // 2}): fully_shard's all-reduce across "
+                                  f"replicas of unit {3 - r // 2} (FSDPLinear {'ba'[r // 2]})"), message
+        assert "replica 0: unit 3, reduce-scatter 1" in message and "replica 1: unit 2" in message, message
