@@ -133,6 +133,54 @@ def test_no_sync_accumulates_locally_and_the_synced_backward_averages_the_sum(co
         assert ft.step()
 
 
+def test_a_quorum_that_must_be_entered_first_is_averaged_after_backward_on_the_main_thread(coordinator):
+    """Entering may load a received state, which would break backward: the buckets wait for step()."""
+    net, plain = make(), make()
+    with Manager("one", "127.0.0.1", coordinator.port, timeout=10) as manager:
+        ft = FaultTolerantDDP(net, torch.optim.SGD(net.parameters(), lr=0.1), manager, bucket_cap_mb=None)
+        calls = two_members(manager)
+        ft.start_step()
+        manager.quorum_ready = lambda: False  # as a quorum asked ahead that is not on the fast path answers
+        loss_of(ft, 0).backward()
+        assert calls == []
+        assert all(torch.equal(p.grad, q) for p, q in zip(net.parameters(), torch.autograd.grad(
+            loss_of(plain, 0), list(plain.parameters()))))  # this replica's own, until the step averages them
+        mine = [p.grad.clone() for p in net.parameters()]
+        entered = []
+        manager._settle = lambda enter=True: entered.append(enter)  # what `average_late` asks for first
+        assert ft.step()
+        assert entered[0] is True and all(t == threading.main_thread().name for t, _ in calls)
+        assert [n for _, n in calls] == [p.numel() for p in reversed(list(net.parameters()))] + [1]
+        for q, g in zip(plain.parameters(), mine):
+            q.grad = 2 * g  # (x + 3x) / 2
+        torch.optim.SGD(plain.parameters(), lr=0.1).step()
+        assert all(torch.equal(p, q) for p, q in zip(net.parameters(), plain.parameters()))
+
+
+class Branches(nn.Module):
+    """A layer used only where the input says so: unused on this replica in a step, maybe used on another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.always, self.sometimes = nn.Linear(3, 2), nn.Linear(3, 2)
+
+    def forward(self, x, both: bool):
+        return self.always(x) + (self.sometimes(x) if both else 0)
+
+
+def test_a_parameter_unused_here_gets_the_members_average_as_the_flat_path_gave_it(coordinator):
+    net = Branches()
+    with Manager("one", "127.0.0.1", coordinator.port, timeout=10) as manager:
+        ft = FaultTolerantDDP(net, torch.optim.SGD(net.parameters(), lr=0.1), manager, bucket_cap_mb=None)
+        calls = two_members(manager)
+        ft.start_step()
+        ft(torch.randn(4, 3), both=False).sum().backward()
+        assert len(calls) == 4  # its buckets went too: the members' calls match whoever used what
+        # zeros from this replica, averaged: a gradient, never None (the others' shards may have used it)
+        assert all(p.grad is not None and not p.grad.any() for p in net.sometimes.parameters())
+        assert ft.step()
+
+
 def test_misuse_is_one_line_naming_it(coordinator):
     net = make()
     with Manager("one", "127.0.0.1", coordinator.port, timeout=10) as manager:
