@@ -1,6 +1,7 @@
 """The buckets exercise (book chapter 5, rung 4 by hand): a right answer passes; each wrong one in tests/answers/
 is told its own slip (sent at the end only, one flat buffer over the cap, averaged twice, a bucket never sent, a
-blocking all_reduce, the frozen layer bucketed). The judge's verdicts are checked here on records made by hand (fast);
+blocking all_reduce, the frozen layer bucketed). The judge's verdicts are checked here on records made by hand (fast;
+a decoy sent early and a wait during backward too);
 the answers' ranks start in the soak."""
 import functools
 import pathlib
@@ -66,10 +67,27 @@ def test_the_judge_passes_a_right_record_and_names_each_slip_in_a_record_made_by
     over = [("ready", "out.bias"), ("send", 101, 808, True), ("ready", "inp.weight"), ("backward returned",)]
     assert "an all_reduce of 101 elements (808 bytes) is over the bucket cap" in judged(events_of_step=lambda s: over)
     # one gradient larger than the cap goes alone, as in torch's DDP: 64 elements is the model's largest
-    alone = [("ready", "out.bias"), ("send", 64, 900, True), ("ready", "inp.weight"), ("backward returned",)]
+    alone = [("ready", "shared.weight"), ("send", 64, 900, True), ("ready", "inp.weight"), ("backward returned",)]
     buckets_mismatch(_records(events_of_step=lambda s: alone), NAME)
+    # a decoy: one element sent early, to look overlapped, the buckets at the end
+    decoy = [("ready", "out.bias"), ("send", 1, 8, True), ("ready", "inp.weight"), ("backward returned",),
+             ("send", 72, 576, True)]
+    told = judged(events_of_step=lambda s: decoy)
+    assert "no overlap: before the last gradient was ready only an all_reduce of 1 elements went out" in told, told
+    waited = [("ready", "shared.weight"), ("send", 64, 512, True), ("wait",), ("ready", "inp.weight"),
+              ("backward returned",)]
+    assert "a handle was waited on during backward" in judged(events_of_step=lambda s: waited)
     silent = [("ready", "x"), ("backward returned",)]
     assert "no torch.distributed.all_reduce" in judged(events_of_step=lambda s: silent)
+
+    other_order = _records()
+    for step in other_order[1][NAME]["steps"]:  # rank 1 sends its two early buckets the other way round
+        step["events"] = [("ready", "shared.weight"), ("ready", "inp.weight"), ("send", 48, 384, True),
+                          ("send", 72, 576, True), ("ready", "inp.bias"), ("backward returned",),
+                          ("send", 80, 640, True)]
+    with pytest.raises(Mismatch, match=r"the ranks sent their buckets in other orders \(elements per all_reduce: "
+                                       r"\[\[72, 48, 80\], \[48, 72, 80\]\]\)"):
+        buckets_mismatch(other_order, NAME)
 
     def scaled(factor):
         return lambda step, r: {k: None if g is None else g * factor for k, g in ref[step]["grads"].items()}

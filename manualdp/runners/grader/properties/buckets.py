@@ -41,17 +41,35 @@ def _loss(model, X, y, rows: int, n: int) -> torch.Tensor:
     return nn.functional.cross_entropy(model(X), y, reduction="sum") / rows * n
 
 
+class _Watched:
+    """An all_reduce's handle that notes when it is waited on: a wait during backward stops backward there."""
+
+    def __init__(self, work, events: list, on: list) -> None:
+        self._work, self._events, self._on = work, events, on
+
+    def wait(self, *args, **kwargs):
+        if self._on[0]:
+            self._events.append(("wait",))
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+
 def _recording(events: list, on: list) -> None:
-    """Record every `dist.all_reduce` made while `on[0]`: its elements, bytes and whether it was asynchronous."""
+    """Record every `dist.all_reduce` made while `on[0]`: its elements, bytes and whether it was asynchronous; and
+    every wait on its handle."""
     real = dist.all_reduce
 
     def all_reduce(tensor, *args, **kwargs):
-        if on[0]:
-            asynchronous = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
-            events.append(("send", tensor.numel(), tensor.numel() * tensor.element_size(), asynchronous))
-        return real(tensor, *args, **kwargs)
+        if not on[0]:
+            return real(tensor, *args, **kwargs)
+        asynchronous = bool(kwargs.get("async_op", args[2] if len(args) > 2 else False))
+        events.append(("send", tensor.numel(), tensor.numel() * tensor.element_size(), asynchronous))
+        work = real(tensor, *args, **kwargs)
+        return _Watched(work, events, on) if work is not None else None
 
-    dist.all_reduce = all_reduce
+    dist.all_reduce = dist.distributed_c10d.all_reduce = all_reduce
 
 
 def _train(cls, net: nn.Module, events: list, on: list) -> dict:
@@ -167,8 +185,18 @@ def _gradient_slip(n: int, where: str, k: str, got, want, own) -> str | None:
     return told
 
 
-def _timing_slip(events: list, largest: int) -> str | None:
-    """What is wrong with when and how the buckets went out on one rank in one step, or None."""
+def _holds_gradients(numel: int, ready: list[str], sizes: dict) -> bool:
+    """Whether `numel` elements are the gradients of some of the parameters in `ready` (a bucket, not a decoy)."""
+    sums = {0}
+    for k in ready:
+        sums |= {t + sizes[k] for t in sums}
+    return numel in sums - {0}
+
+
+def _timing_slip(events: list, sizes: dict) -> str | None:
+    """What is wrong with when and how the buckets went out on one rank in one step, or None; `sizes` gives each
+    parameter's number of elements."""
+    largest = max(sizes.values())
     sends = [i for i, e in enumerate(events) if e[0] == "send"]
     if not sends:
         return ("no torch.distributed.all_reduce was made during the step: send each bucket with "
@@ -181,12 +209,23 @@ def _timing_slip(events: list, largest: int) -> str | None:
     if any(events[i][3] is False for i in sends if i < ended):
         return ("an all_reduce during backward was made with async_op=False: backward stops until it ends; pass "
                 "async_op=True, keep the handle, and wait on it in finish_gradient_synchronization()")
+    if ("wait",) in events[:ended]:
+        return ("a handle was waited on during backward: backward stops there until the bucket has travelled; wait "
+                "on the handles in finish_gradient_synchronization()")
     last_ready = max(i for i, e in enumerate(events) if e[0] == "ready")
-    if sends[0] > last_ready:
-        when = "after backward returned" if sends[0] > ended else "after the last gradient was ready"
-        return (f"no overlap: every bucket was sent {when}; send each bucket from a gradient hook "
-                "(register_post_accumulate_grad_hook) as soon as its last gradient has arrived, while backward "
-                "computes the others")
+    early = [i for i in sends if i < last_ready
+             and _holds_gradients(events[i][1], [e[1] for e in events[:i] if e[0] == "ready"], sizes)]
+    if not early:
+        first = sends[0]
+        if first < last_ready:  # something went out early, but not the gradients ready by then
+            what = (f"before the last gradient was ready only an all_reduce of {events[first][1]} elements went out, "
+                    "which holds no bucket of the gradients ready by then")
+        elif first > ended:
+            what = "every bucket was sent after backward returned"
+        else:
+            what = "every bucket was sent after the last gradient was ready"
+        return (f"no overlap: {what}; send each bucket from a gradient hook (register_post_accumulate_grad_hook) as "
+                "soon as its last gradient has arrived, while backward computes the others")
     return None
 
 
@@ -196,7 +235,7 @@ def buckets_mismatch(results: list[dict], name: str) -> None:
     n = len(results)
     reference = reference_steps(n)
     net = Buckets(seed=0).double()
-    largest = max(p.numel() for p in net.parameters())
+    sizes = {k: p.numel() for k, p in net.named_parameters()}
     start = {k: p.detach() for k, p in net.named_parameters()}
     for r, res in enumerate(results):
         diff = _first_difference(res[name]["start"], start, ATOL)
@@ -217,10 +256,10 @@ def buckets_mismatch(results: list[dict], name: str) -> None:
             if diff:
                 raise Mismatch(f"{at}: the parameters after the optimizer step differ from one process's: "
                                f"{diff.replace('torch', 'one process')}")
-            slip = _timing_slip(mine["events"], largest)
+            slip = _timing_slip(mine["events"], sizes)
             if slip:
                 raise Mismatch(f"{at}: {slip}")
-        sizes = [[e[1] for e in res[name]["steps"][step]["events"] if e[0] == "send"] for res in results]
-        if any(s != sizes[0] for s in sizes):
+        sent = [[e[1] for e in res[name]["steps"][step]["events"] if e[0] == "send"] for res in results]
+        if any(s != sent[0] for s in sent):
             raise Mismatch(f"{name} on {n} ranks, step {step}: the ranks sent their buckets in other orders (elements "
-                           f"per all_reduce: {sizes}): send bucket k+1 only after bucket k, on every rank")
+                           f"per all_reduce: {sent}): send bucket k+1 only after bucket k, on every rank")
