@@ -13,9 +13,9 @@ import torch
 from manualdp.allreduce import allreduce
 from manualdp.runners.cli import main
 from manualdp.runners.grader.properties import (Mismatch, allreduce_property, allreduce_sizes_property,
-                                                cost_sweep_property, schedule_property, split_devices_property,
-                                                split_property, split_sizes_property, zero1_property,
-                                                zero1_sizes_property)
+                                                cost_sweep_property, ddp_mismatch, hook_mismatch, schedule_property,
+                                                split_devices_property, split_property, split_sizes_property,
+                                                zero1_property, zero1_sizes_property)
 from manualdp.runners.grader.properties.diloco import outer_step_property, outer_step_sizes_property, strategies
 from manualdp.schedule import ALGORITHMS
 from manualdp.split import split_batch
@@ -184,3 +184,32 @@ def test_a_reduce_to_device_0_without_the_broadcast_is_not_an_allreduce():
 def test_a_cost_that_times_device_0_alone_fails_on_a_schedule_where_another_is_busier():
     with pytest.raises(Mismatch, match=r"for \S+\(\d+\): expected \S+ s \(manualdp.cost.cost\), got \S+ s"):
         cost_sweep_property(answer("cost_device0_only").cost)
+
+
+def rank_results(name: str, world: int, off: dict) -> list[dict]:
+    """What the ranks of the ddp or hook check send back, `name`'s equal to torch's but where `off` says: (rank, step)
+    -> the relative error of that rank's gradients and parameters at that step (built here, not run)."""
+    g = torch.Generator().manual_seed(0)
+    start = {"w": torch.randn(3, 2, generator=g, dtype=torch.float64)}
+    steps = [{"grads": {"w": torch.randn(3, 2, generator=g, dtype=torch.float64)},
+              "params": {"w": torch.randn(3, 2, generator=g, dtype=torch.float64)}} for _ in range(3)]
+    return [{"torch": {"start": start, "steps": steps},
+             name: {"start": start, "steps": [{k: {"w": v["w"] * (1 + off.get((r, s), 0.0))} for k, v in step.items()}
+                                              for s, step in enumerate(steps)]}} for r in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_ddp_right_on_rank_0_only_or_off_by_1e9_is_told_at_the_rank_that_differs(world):
+    ddp_mismatch(rank_results("DDP", world, {}), "DDP")
+    with pytest.raises(Mismatch, match=rf"DDP on {world} ranks, step 0, rank {world - 1}: the gradients when backward "
+                                       r"returned differ from torch's DDP's"):
+        ddp_mismatch(rank_results("DDP", world, {(world - 1, 0): 1e-9}), "DDP")
+
+
+def test_a_hook_right_on_rank_0_only_or_off_by_1e5_is_told_at_the_rank_that_differs():
+    hook = "fp16_compress_hook"
+    hook_mismatch(rank_results(hook, 2, {(0, 1): 1e-7}), hook)  # float16's rounding in another order: right
+    with pytest.raises(Mismatch, match=rf"{hook} on 2 ranks, step 1 \(the step with the loss scaled by 8192\), rank 1"):
+        hook_mismatch(rank_results(hook, 2, {(1, 1): 1e-5}), hook)
+    with pytest.raises(Mismatch, match=rf"{hook} on 3 ranks, step 0, rank 2"):
+        hook_mismatch(rank_results(hook, 3, {(2, 0): 0.05}), hook)
