@@ -1,8 +1,8 @@
 """The drop-in's debug checks: the ranks compare their calls, as each bucket goes out, or in more words in debug mode.
 
-On gloo each bucket's allreduce carries the call check with its data (`call_check.make_check`:
-size, dtype, algorithm, call number and the step): at two ranks as the tag the data travels on,
-so nothing more is sent while the ranks agree; from three ranks on as fixed-size headers beside
+On gloo each bucket's allreduce carries the call check with its data (`call_check.make_check`: size,
+dtype, algorithm, call number, the step, and the wrapper's number as its identity): at two ranks as the tag
+the data travels on, so nothing more is sent while the ranks agree; from three ranks on as fixed-size headers beside
 its first round. Where a bucket cannot carry it (NCCL, a comm hook, the buffers' copy before a
 forward, which has no check of its own), the forward pass (or else the first gradient hook)
 queues `check_same_call` for the whole step ahead of the buckets, and they go out unchecked.
@@ -27,7 +27,7 @@ from .graph import refuse_in_backward_optimizers
 from .comm_hook import check_same_hook
 from .init_sync import kept_named
 from .feature import Feature
-from ..ladder.identity import BuiltWith, naming_wrappers, replaced_line, stamped
+from ..ladder.identity import BuiltWith, naming_wrappers, replaced_line
 
 __all__ = ["CallCheck", "Desync"]
 
@@ -92,7 +92,7 @@ class CallCheck(Feature):
             if index > 0 and (error := r.buckets[index - 1].future.exception()) is not None:
                 raise error  # every rank refused the bucket before (or the worker stopped): send nothing more
             bucket.check = _Named(make_check(r.state, bucket.flat, algorithm, r.segment_bytes, r.timeout,
-                                             schedule=algorithm, step=stamped(self.number, self.steps)), self.names)
+                                             schedule=algorithm, step=self.steps, identity=self.number), self.names)
 
     def reset(self) -> None:
         self.future, self.queued, self.alone = None, False, False
@@ -109,7 +109,7 @@ class CallCheck(Feature):
             return None
         first, total = r.buckets[0].flat, sum(b.flat.numel() for b in r.buckets)
         recorder, call = r.recorder, (first, r.algorithms[0], r.segment_bytes, r.group, r.timeout)
-        comm_hook, step = self.comm_hook, stamped(self.number, self.steps)
+        comm_hook, step, number = self.comm_hook, self.steps, self.number
 
         def run() -> None:
             with naming_wrappers(self.names):  # the hooks' comparison is a checked call too: out of step, named
@@ -118,7 +118,7 @@ class CallCheck(Feature):
                 if calls:
                     with (recorder.span("step check", "comm", cat="comm") if recorder is not None
                           else contextlib.nullcontext()):
-                        check_same_call(*call, numel=total, step=step)
+                        check_same_call(*call, numel=total, step=step, identity=number)
         return r.submit(run)
 
     def refuse_replaced(self) -> list:
@@ -133,7 +133,7 @@ class CallCheck(Feature):
             def run() -> None:
                 with naming_wrappers(self.names):
                     check_same_call(r.buckets[0].flat, r.algorithms[0], r.segment_bytes, r.group, r.timeout,
-                                    step=stamped(self.number, self.steps), identity=mark)
+                                    step=self.steps, identity=mark)
             try:
                 r.submit(run).result()
             except ValueError as e:

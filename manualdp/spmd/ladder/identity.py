@@ -1,12 +1,16 @@
-"""A wrapper's identity across ranks: its number among the wrappers built on its group, carried in its step check.
+"""A wrapper's identity across ranks: its number among the wrappers built on its group, the `identity=` of its calls.
 
 Two wrappers over two same-shaped modules, called `a(b(x))` on one rank and `b(a(x))` on another,
 send calls of equal sizes at equal steps: compared by size and step alone, one rank's `a` pairs with
 another's `b` and each averages the other's gradients, silently. So each wrapper takes a number when
 it is built (`take_number`: the count of wrappers built on its group so far, the same on every rank,
-since every rank builds its wrappers together, comparing them as it goes), and its step check
-compares the number with the step (`stamped`: both in the check's one "step" field). When the ranks
-differ, `naming_wrappers` rewrites the check's error to name both numbers and both steps.
+since every rank builds its wrappers together, comparing them as it goes), and its step checks pass
+it as the call check's `identity` (its "wrapper" field, beside the "step" field, which is the step).
+When the ranks differ, `naming_wrappers` rewrites the check's error to name both wrappers.
+
+A wrapper's parameters have an identity too (`BuiltWith`): a rank whose module no longer holds one it
+was built with sends `replaced_mark` (a negative identity, never a wrapper's) in its next check, which
+refuses its peers' calls, and every rank raises `replaced_line` naming the parameter and the rank.
 """
 from __future__ import annotations
 
@@ -18,10 +22,8 @@ import torch.distributed as dist
 from ..transport.call_check import differs
 from ..transport.group import GroupState
 
-__all__ = ["take_number", "stamped", "naming_wrappers", "replaced_mark", "replaced_line", "BuiltWith"]
+__all__ = ["take_number", "naming_wrappers", "replaced_mark", "replaced_line", "BuiltWith"]
 
-_STRIDE = 2 ** 40  # a wrapper's steps stay below this; its number above (at most 2**22, the check's step < 2**62)
-_STEP = re.compile(r"step [^;(]*\(per rank: ([^)]*)\)")
 _WRAPPER = re.compile(r"wrapper [^;(]*\(per rank: ([^)]*)\)")
 
 
@@ -30,14 +32,6 @@ def take_number(state: GroupState) -> int:
     number = getattr(state, "wrappers_built", 0) + 1
     state.wrappers_built = number  # kept with the group: a number means nothing on another group
     return number
-
-
-def stamped(number: int, steps: int) -> int:
-    """The value a wrapper's step check compares: its number and its step count, in one integer.
-
-    The first wrapper's is its step count alone: where it meets a call of the user's own, the call
-    check's error shows the step as it is."""
-    return (number - 1) * _STRIDE + steps
 
 
 def replaced_mark(index: int) -> int:
@@ -57,8 +51,9 @@ def replaced_line(rank: int, who: str, marks: dict[int, int], names: list[str]) 
 
 
 @contextlib.contextmanager
-def naming_wrappers(names=None, who: str = "DistributedDataParallel"):
-    """Rewrite a refused step check's "step" field as the wrappers' numbers and steps (the error keeps its type).
+def naming_wrappers(names: list[str] | None = None, who: str = "DistributedDataParallel"):
+    """Rewrite a refused check's "wrapper" field (each rank's `identity`) as the wrappers' numbers (the error keeps
+    its type).
 
     `names` (the wrapper's parameter names, in the order it was built with): a rank that sent
     `replaced_mark` makes the whole error `replaced_line`, on every rank."""
@@ -66,32 +61,25 @@ def naming_wrappers(names=None, who: str = "DistributedDataParallel"):
         yield
     except ValueError as error:
         message = str(error.args[0]) if error.args else ""
-        marked = _WRAPPER.search(message) if names is not None else None
-        values = [v.strip() for v in marked.group(1).split(",")] if marked else []
-        marks = {r: int(v) for r, v in enumerate(values) if v.startswith("-")}
-        if marks:
-            error.args = (replaced_line(dist.get_rank(), who, marks, names), *error.args[1:])
+        match = _WRAPPER.search(message)
+        if match is None:
             raise
-        match = _STEP.search(message)
-        if match is not None:
-            error.args = (message[:match.start()] + _named(match.group(1)) + message[match.end():], *error.args[1:])
+        values = [int(v) for v in match.group(1).split(",")]
+        marks = {r: v for r, v in enumerate(values) if v < 0}
+        if marks and names is not None:
+            error.args = (replaced_line(dist.get_rank(), who, marks, names), *error.args[1:])
+        else:
+            error.args = (message[:match.start()] + _named(values) + message[match.end():], *error.args[1:])
         raise
 
 
-def _named(per_rank: str) -> str:
-    """`per_rank` (each rank's stamped step, or "none") as which wrapper, and which of its steps, each rank was at."""
-    values = [v.strip() for v in per_rank.split(",")]
-    numbers = [f"#{int(v) // _STRIDE + 1}" if v.isdigit() else "none" for v in values]
-    steps = [str(int(v) % _STRIDE) if v.isdigit() else "none" for v in values]
-    if "none" in values:  # a wrapper's check met a call of the user's own
-        return differs("step", [s if s == "none" else f"{s} of wrapper {n}" for n, s in zip(numbers, steps)])
-    parts = []
-    if len(set(numbers)) > 1:
-        parts.append(differs("wrapper", numbers) + " (wrappers numbered in the order each rank built them: the "
-                     "ranks called different wrappers here, as a(b(x)) on one rank and b(a(x)) on another does)")
-    if len(set(steps)) > 1 or not parts:
-        parts.append(differs("step", steps))
-    return "; ".join(parts)
+def _named(values: list[int]) -> str:
+    """Each rank's identity as which wrapper it called ("none": a call of the user's own)."""
+    named = differs("wrapper", [f"#{v}" if v > 0 else "none" if v == 0 else "a replaced parameter" for v in values])
+    if any(v <= 0 for v in values):
+        return named
+    return named + (" (wrappers numbered in the order each rank built them: the ranks called different wrappers "
+                    "here, as a(b(x)) on one rank and b(a(x)) on another does)")
 
 
 class BuiltWith:

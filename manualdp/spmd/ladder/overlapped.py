@@ -78,17 +78,18 @@ class OverlappedDDP(FlatDDP):
 
     def submit(self, tensor: torch.Tensor) -> concurrent.futures.Future:
         """Queue the allreduce of `tensor` on the worker; the step's first carries the step's check."""
-        future = self.worker.submit(self.reduce, tensor, self.checked, self.stamp)
+        future = self.worker.submit(self.reduce, tensor, self.checked, self.steps)
         if self.checked is None:
             self.checked = future
         return future
 
     def reduce(self, tensor: torch.Tensor, checked: concurrent.futures.Future | None, step: int) -> None:
-        """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps (`step`: the
-        wrapper's number and its step count, `Rung.stamp`)."""
+        """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps and wrappers
+        (`step`: this wrapper's step count, its number the call's identity)."""
         if checked is None:  # the step's first: every rank raises if the ranks are at different steps
             with naming_wrappers():
-                allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step)
+                allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step,
+                          identity=self.number)
         else:
             checked.result()  # done (the worker runs in order); raises if the check refused: nothing is sent
             allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=False)

@@ -51,7 +51,7 @@ from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 from .drift import DRIFT_CHECK_EVERY, DriftCheck
-from .identity import naming_wrappers, stamped, take_number
+from .identity import naming_wrappers, take_number
 
 __all__ = ["Rung", "weak_hook"]
 
@@ -194,12 +194,8 @@ class Rung(nn.Module):
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
         with naming_wrappers():
             return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
-                             numel=sum(p.numel() for p in self.params), step=self.stamp, flag=flag)
-
-    @property
-    def stamp(self) -> int:
-        """What the step checks compare: this wrapper's number and its count of steps (`identity.stamped`)."""
-        return stamped(self.number, self.steps)
+                             numel=sum(p.numel() for p in self.params), step=self.steps, identity=self.number,
+                             flag=flag)
 
     def copy_buffers(self) -> None:
         """Before a forward pass with grad: rank 0's buffers to every rank, with the step compared on the way.
@@ -224,7 +220,8 @@ class Rung(nn.Module):
                 for b, at in zip(same, places):
                     flat[at:at + b.numel() * b.element_size()].copy_(b.reshape(-1).view(torch.uint8))
                 with naming_wrappers():
-                    broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.stamp)
+                    broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.steps,
+                              identity=self.number)
                 for b, at in zip(same, places):  # .data: autograd may have saved them (two forwards, one backward)
                     b.data.copy_(flat[at:at + b.numel() * b.element_size()].view(b.dtype).view(b.shape))
 
