@@ -100,10 +100,10 @@ def test_the_grader_checks_a_million_elements_once(capsys):
 
 def grade_diloco(fn, examples: int = 100) -> None:
     """The diloco check as `manualdp check diloco` runs it, on a function of this process."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
 
     @settings(database=None, derandomize=True, deadline=None, max_examples=examples,
-              suppress_health_check=list(HealthCheck))
+              suppress_health_check=list(HealthCheck), phases=[p for p in Phase if p.name != "explain"])
     @given(**strategies())
     def drawn(inputs, lr, mu):
         outer_step_property(fn, *inputs, lr, mu)

@@ -52,8 +52,8 @@ def outer_step_property(fn, theta, replicas, momentum, lr, mu) -> None:
     for name, got, want in (("theta", out[0], want_theta), ("momentum", out[1], want_b)):
         if got.shape != want.shape or not _close(got, want):
             shown = apart(want, got, _show)
-            raise Mismatch(f"{told}: expected new {name} {shown[0]}, got {shown[1]}"
-                           + _slip(name, got, theta, replicas, momentum, lr, mu))
+            raise Mismatch(f"{told}: expected new {name} {shown[0]}, got {shown[1]}",  # the slip named when read
+                           hint=lambda: _slip(name, got, theta, replicas, momentum, lr, mu))
     if any(not torch.equal(a, b) for a, b in zip(after[1], replicas)):
         raise Mismatch(f"{told}: it changed the replicas' parameters; only return new tensors")
 
