@@ -63,10 +63,8 @@ class Phases:
             received = self._exchange_state(quorum)
             if self._group is None or self._group[0] != quorum.group:
                 self._leave_group()
-                form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
+                self._join_group(quorum)
                 self._group = (quorum.group, len(quorum.members))
-                agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
-                      hint="every replica must be started with the same settings")
                 admission.publish(self.store, self.id, settings)  # the first quorum's are the run's
         except RuntimeError as e:  # RecoveryError, and torch.distributed's errors (a member gone meanwhile)
             if getattr(e, "final", False) or isinstance(e, StoreLost):  # a state that cannot load; no coordinator
@@ -86,6 +84,12 @@ class Phases:
             publish_mark(self.store, self.id, None)
         self._ok = True
         return None
+
+    def _join_group(self, quorum: Quorum) -> None:
+        """Join `quorum`'s process group and compare the settings over it (a replica group's leader: `ft/group.py`)."""
+        form_group(self.store, quorum.group, quorum.rank(self.id), len(quorum.members), self.timeout)
+        agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
+              hint="every replica must be started with the same settings")
 
     def _ask_ahead(self) -> Quorum:
         """In `AskAhead`'s thread: make the last step durable (without a disk), ask for this step's quorum, hold it."""

@@ -29,7 +29,7 @@ from torch.distributed import distributed_c10d
 
 from . import keys
 
-__all__ = ["form_group", "drop_group"]
+__all__ = ["form_group", "meeting", "drop_group"]
 
 
 def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: float) -> None:
@@ -42,10 +42,14 @@ def form_group(store: dist.Store, group: int, rank: int, size: int, timeout: flo
     # trainers that recover from failure re-create the same names"; an init_process_group that failed (a member gone
     # during the rendezvous) leaves it one up, and the next group's members would wait on different keys
     distributed_c10d._world.group_count = 0
-    name = keys.group(group)  # a `SignedStore` meets below a secret-derived prefix, that a stranger cannot compute
-    meeting = store.meeting(name) if hasattr(store, "meeting") else dist.PrefixStore(name, store.clone())
-    dist.init_process_group("gloo", store=meeting, rank=rank, world_size=size,
+    dist.init_process_group("gloo", store=meeting(store, keys.group(group)), rank=rank, world_size=size,
                             timeout=datetime.timedelta(seconds=timeout))
+
+
+def meeting(store: dist.Store, name: str) -> dist.Store:
+    """A connection of its own to `store`, below `name`, where a gloo group's rendezvous meets."""
+    # a `SignedStore` meets below a secret-derived prefix, that a stranger cannot compute
+    return store.meeting(name) if hasattr(store, "meeting") else dist.PrefixStore(name, store.clone())
 
 
 def drop_group() -> None:
