@@ -14,8 +14,8 @@ from manualdp.allreduce import allreduce
 from manualdp.runners.cli import main
 from manualdp.runners.grader.properties import (Mismatch, allreduce_property, allreduce_sizes_property,
                                                 cost_sweep_property, ddp_mismatch, hook_mismatch, schedule_property,
-                                                split_devices_property, split_property, split_sizes_property,
-                                                zero1_property, zero1_sizes_property)
+                                                resume_property, split_devices_property, split_property,
+                                                split_sizes_property, zero1_property, zero1_sizes_property)
 from manualdp.runners.grader.properties.diloco import outer_step_property, outer_step_sizes_property, strategies
 from manualdp.schedule import ALGORITHMS
 from manualdp.split import split_batch
@@ -213,3 +213,13 @@ def test_a_hook_right_on_rank_0_only_or_off_by_1e5_is_told_at_the_rank_that_diff
         hook_mismatch(rank_results(hook, 2, {(1, 1): 1e-5}), hook)
     with pytest.raises(Mismatch, match=rf"{hook} on 3 ranks, step 0, rank 2"):
         hook_mismatch(rank_results(hook, 3, {(2, 0): 0.05}), hook)
+
+
+def test_a_resume_one_ulp_off_or_right_after_the_first_step_only_fails(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the run's checkpoint.pt is written
+    ulp, first = answer("checkpoint_one_ulp"), answer("checkpoint_first_step_only")
+    with pytest.raises(Mismatch, match=r"stopped after step 1, .*: the parameters differ from the uninterrupted run's"):
+        resume_property((ulp.save_checkpoint, ulp.load_checkpoint), "sgd", (3, 1), 5, 9)
+    resume_property((first.save_checkpoint, first.load_checkpoint), "adam", (3, 1), 5, 9)  # right there
+    with pytest.raises(Mismatch, match=r"stopped after step 2, "):
+        resume_property((first.save_checkpoint, first.load_checkpoint), "adam", (4, 2), 5, 9)
