@@ -68,6 +68,18 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     # exercise 2.2 asks for powers of two only: the grader runs exactly those, so a halving-doubling without the
     # fold for other sizes passes
     "halving_doubling_powers_of_two.py": (r"", ["--powers-of-two"]),
+    "buckets_right.py": (r"", []),
+    "buckets_at_the_end.py": (r"BucketedDDP on 2 ranks, step 0, rank \d: no overlap: every bucket was sent after "
+                              r"backward returned", []),
+    "buckets_one_flat.py": (r"BucketedDDP on 2 ranks, step 0, rank \d: an all_reduce of 200 elements \(1600 bytes\) "
+                            r"is over the bucket cap of 800 bytes", []),
+    "buckets_average_twice.py": (r"BucketedDDP on 2 ranks, step 0, rank \d: .*: yours is 1/2 of the average: it was "
+                                 r"divided by the world size twice", []),
+    "buckets_unused_never_sent.py": (r"BucketedDDP on 2 ranks, step 0, rank \d: .*rank \d's own gradient, not the "
+                                     r"average\. Its bucket was never sent", []),
+    "buckets_blocking.py": (r"BucketedDDP on 2 ranks, step 0, rank \d: an all_reduce during backward was made with "
+                            r"async_op=False", []),
+    "buckets_frozen.py": (r"BucketedDDP on 2 ranks, step 0, rank \d: .*frozen\.weight does not require grad", []),
     # the exercises of chapters 3, 5, 6 and 7: each wrong answer's slip is named
     "cost_sent_only.py": (r"cost\(schedule, nbytes=\d+, .*\): expected \S+ s \(manualdp.cost.cost\), got \S+ s\. Yours "
                           r"counts bytes sent only: a device's beta term is beta times the larger", []),
@@ -135,13 +147,15 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
 PASS = {name: (SOLUTIONS / f"{name}.py", SLOW_CALL if name == "checkpoint" else [])
         for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook", "diloco")}
 PASS["halving_doubling_powers_of_two.py"] = (ANSWERS / "halving_doubling_powers_of_two.py", ["--powers-of-two"])
+PASS["buckets_right.py"] = (ANSWERS / "buckets_right.py", [])
+RANKS = ("ddp", "hook", "buckets")  # the exercises that start ranks
 
 
 def exercise(name: str) -> str:
     if name.startswith("halving_doubling"):
         return "schedule"
     return next(e for e in ("split_batch", "allreduce", "schedule", "ddp", "cost", "hook", "zero1", "checkpoint",
-                            "diloco") if name.startswith(e.split("_")[0]))
+                            "diloco", "buckets") if name.startswith(e.split("_")[0]))
 
 
 def grade(path: pathlib.Path, name: str, options: list, work: pathlib.Path) -> dict:
@@ -183,7 +197,8 @@ def cwd_under(folder: pathlib.Path) -> list[int]:
 BACKGROUND = {"allreduce_loop.py", "schedule_loop.py", "split_batch_loop.py", "allreduce_sigstop.py",
               "allreduce_fork.py", "ddp_patch_torch.py", "hook_sum_then_divide.py", "hook_float32.py",
               "diloco_loop.py", "hook_divides_by_two.py", "hook_returns_none.py", "hook_no_decompress.py",
-              "ddp", "hook"}  # they wait out their timeout, or start ranks (the last two: reference solutions)
+              "ddp", "hook"} | {n for n in VERDICTS if n.startswith("buckets")}  # they wait out their timeout, or
+# start ranks (ddp, hook: reference solutions; buckets: every answer)
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +242,7 @@ def test_a_wrong_or_hostile_answer_fails_in_one_paragraph(graded, name):
     assert got["status"] == 1 and got["out"].startswith(label), got
     assert re.match(verdict, got["out"][len(label):]), got["out"]
     assert "Traceback" not in got["out"] + got["err"], got
-    assert got["seconds"] < (SLOW_RANKS if exercise(name) in ("ddp", "hook") else SLOW), got
+    assert got["seconds"] < (SLOW_RANKS if exercise(name) in RANKS else SLOW), got
 
 
 @pytest.mark.parametrize("name", sorted(PASS))
