@@ -10,6 +10,7 @@ else uses the same store. Who writes each:
 - `commit.py`: `round/R/vote/ID` ("1" or "0") and `round/R/outcome` ("commit" or "discard");
 - `recovery.py`: `state/R/SOURCE` (the state's `torch.save` bytes) and `state/R/SOURCE/sha256`;
 - `quorum_group.py`: `group/N`, below which gloo's rendezvous of the quorum's group N meets;
+- `group_lanes.py`: `group/N/lane/I`, where rank I of each replica group of quorum group N meets (lane I);
 - `admission.py`: `settings/ID` (a replica's settings, JSON), `settings` (the run's: its first quorum's) and
   `refused` (one line per joiner refused, that the running replicas log);
 - `durable.py`: `committed` (the run's highest committed step count that a replica holds, never lowered) and
@@ -23,7 +24,7 @@ With a secret every name is signed too (`signed_store.py`): the store holds HMAC
 from __future__ import annotations
 
 __all__ = ["PREFIX", "REPLICAS", "LATEST", "MODE", "HELLO", "heartbeat", "held", "asks", "quorum", "vote",
-           "outcome", "state", "state_sha256", "group",
+           "outcome", "state", "state_sha256", "group", "lane",
            "SETTINGS", "REFUSED", "settings_of", "COMMITTED", "FINISHED"]
 
 PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it
@@ -71,6 +72,10 @@ def state_sha256(round_: int, source: str) -> str:
 
 def group(number: int) -> str:
     return f"group/{number}"
+
+
+def lane(number: int, index: int) -> str:
+    return f"group/{number}/lane/{index}"
 
 
 
