@@ -24,6 +24,7 @@ from torch import nn
 from .collectives import all_gather, chunk
 from .lockstep import LockStep
 from .shards import ShardPlan
+from .zero import storage_bytes
 
 __all__ = ["Collective", "Units", "choose_units"]
 NO_FORWARD = (nn.ParameterList, nn.ParameterDict)
@@ -191,6 +192,6 @@ class Units:
         for i, r in enumerate(self.replicas):
             tensors = [*r.parameters(), *(s for unit in self.shards[i] for s in unit),
                        *(f for fs in self.held[i].values() for f in fs)]
-            out.append(sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
+            out.append(storage_bytes(tensors))
         return out
 

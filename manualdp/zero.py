@@ -49,6 +49,10 @@ def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 def storage_bytes(tensors) -> int:
     """Bytes of the storages behind `tensors`, each storage counted once (views of one flat buffer share one)."""
+    tensors = list(tensors)
+    bad = next((t for t in tensors if not isinstance(t, torch.Tensor)), None)
+    if bad is not None:
+        raise TypeError(f"tensors must hold tensors only, got {type(bad).__name__} {bad!r:.60}")
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 

@@ -87,3 +87,11 @@ def test_zero_3_with_one_unit_holds_the_whole_model_during_its_step_and_with_a_u
     assert all(model <= p["parameters"] <= model + model / n + 16 for p in one_unit)  # the whole model gathered
     assert all(p["parameters"] <= model / n + 2 * largest + 16 * 3 for p in per_layer)  # its shards and two units
     assert max(p["parameters"] for p in per_layer) < min(p["parameters"] for p in one_unit)
+
+
+def test_storage_bytes_counts_a_storage_once_and_names_what_is_not_a_tensor():
+    from manualdp.zero import storage_bytes
+    flat = torch.zeros(10, dtype=torch.float64)
+    assert storage_bytes([flat[:4], flat[4:], torch.zeros(3)]) == 8 * 10 + 4 * 3
+    with pytest.raises(TypeError, match="tensors must hold tensors only, got list"):
+        storage_bytes([flat, [1, 2]])
