@@ -89,12 +89,18 @@ def test_the_judge_passes_a_right_record_and_names_each_slip_in_a_record_made_by
                                        r"\[\[72, 48, 80\], \[48, 72, 80\]\]\)"):
         buckets_mismatch(other_order, NAME)
 
+    right = _records()[0][NAME]["steps"][0]["events"]
+    stale = judged(events_of_step=lambda s: right if s == 0 else at_the_end)  # counts never reset after step 0
+    assert "step 1, rank 0: no overlap" in stale and "start again after each step" in stale, stale
+
     def scaled(factor):
         return lambda step, r: {k: None if g is None else g * factor for k, g in ref[step]["grads"].items()}
     assert "yours is 1/2 of the average: it was divided by the world size twice" in judged(grads=scaled(0.5))
     assert "yours is 2 times the average: divide each bucket's sum by the world size" in judged(grads=scaled(2))
     own = judged(grads=lambda step, r: {**ref[step]["grads"], **ref[step]["own"][r]})
     assert "rank 0's own gradient, not the average" in own, own
+    second = judged(grads=lambda step, r: {**ref[step]["grads"], **(ref[step]["own"][r] if r == 1 else {})})
+    assert "rank 1: the gradients" in second and "rank 1's own gradient" in second, second  # right on rank 0 only
     frozen = judged(grads=lambda step, r: {**ref[step]["grads"], "frozen.bias": torch.zeros(8, dtype=torch.float64)})
     assert "frozen.bias does not require grad" in frozen, frozen
     unused = judged(grads=lambda step, r: {**ref[step]["grads"], "unused.bias": torch.zeros(4, dtype=torch.float64)})

@@ -258,7 +258,9 @@ def buckets_mismatch(results: list[dict], name: str) -> None:
                                f"{diff.replace('torch', 'one process')}")
             slip = _timing_slip(mine["events"], sizes)
             if slip:
-                raise Mismatch(f"{at}: {slip}")
+                again = (" (step 0 went out in time: do the buckets' counts start again after each step?)"
+                         if step and slip.startswith("no overlap") else "")
+                raise Mismatch(f"{at}: {slip}{again}")
         sent = [[e[1] for e in res[name]["steps"][step]["events"] if e[0] == "send"] for res in results]
         if any(s != sent[0] for s in sent):
             raise Mismatch(f"{name} on {n} ranks, step {step}: the ranks sent their buckets in other orders (elements "
