@@ -1,0 +1,80 @@
+"""A replica group's lanes: rank i of every member group in one gloo group, and the state that travels along it.
+
+Lane i of quorum group N meets in the coordinator's store under `group/N/lane/i` (`keys.lane`),
+as `quorum_group.py`'s groups do, and holds one member per replica group, ranked by the group's
+index in the quorum. It is a `ProcessGroupGloo` built by hand, not the process's default group:
+that one is the replica group's own (torchrun's world), which its ranks keep using inside. Its
+allreduce is therefore gloo's (our collectives find a group's ranks through torch's registry,
+which a hand-built group is not in). A lane is formed again whenever the quorum's group number
+changes (members changed, or a step failed), so a failed lane is never reused.
+
+A lane's state (model shard and optimizer shard of rank i) goes through the store as
+`recovery.py`'s states do, under the source name `GROUP/lane/i`, checked by its SHA-256.
+"""
+from __future__ import annotations
+
+import datetime
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import keys
+from .quorum_group import meeting
+from .recovery import check_loadable, forget_state, receive_state, send_state
+
+__all__ = ["Lane", "lane_source"]
+
+
+def lane_source(group_id: str, index: int) -> str:
+    """The name lane `index` of replica group `group_id` sends its state under (a replica id holds no '/')."""
+    return f"{group_id}/lane/{index}"
+
+
+class Lane:
+    """This rank's lane: its gloo group with rank `index` of the other member groups, and the state it sent."""
+
+    def __init__(self, store: dist.Store, group_id: str, index: int, timeout: float) -> None:
+        self.store, self.index, self.timeout = store, index, timeout
+        self.name = lane_source(group_id, index)
+        self.number: int | None = None            # the quorum group this lane was formed for; None: none held
+        self.size = 0                             # how many replica groups it joins
+        self._pg: dist.ProcessGroup | None = None  # the hand-built gloo group
+        self._sent: int | None = None             # the round whose state this lane wrote to the store
+
+    def form(self, number: int, rank: int, size: int) -> None:
+        """Join lane `index` of quorum group `number` as `rank` of `size` (a group of one needs no peer)."""
+        self.drop()
+        store = meeting(self.store, keys.lane(number, self.index))
+        self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
+        self.number, self.size = number, size
+
+    def drop(self) -> None:
+        """Leave the lane held, if any (its peers are not told: their next collective on it fails)."""
+        self._pg, self.number, self.size = None, None, 0
+
+    def sum(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` in place over the lane; RuntimeError if a peer failed or the lane is not held."""
+        if self._pg is None:
+            raise RuntimeError(f"lane {self.name!r} is not held (its last step failed)")
+        self._pg.allreduce([tensor]).wait()
+
+    def send(self, round_: int, state: dict) -> str:
+        """Write this lane's `state` for the receivers of `round_`; return its SHA-256."""
+        check_loadable(state, self.name)
+        digest = send_state(self.store, round_, self.name, state)
+        self._sent = round_
+        return digest
+
+    def forget(self) -> None:
+        """Remove the state this lane sent last (its receivers have read it, or given up)."""
+        if self._sent is not None:
+            forget_state(self.store, self._sent, self.name)
+            self._sent = None
+
+    def receive(self, round_: int, source_group: str, load: Callable[[dict], object]) -> dict:
+        """Receive lane `index`'s state from `source_group` for `round_`, check it, load it; the record of it."""
+        source = lane_source(source_group, self.index)
+        state, digest = receive_state(self.store, round_, source, self.timeout)
+        load(state)
+        return {"round": round_, "source": source, "sha256": digest}

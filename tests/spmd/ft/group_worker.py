@@ -1,0 +1,93 @@
+"""One rank of a replica group in the replica-group tests: `python -m tests.spmd.ft.group_worker CONFIG_JSON`.
+
+Groups "A" and "B" of `size` ranks train a float64 MLP with momentum SGD; step s's global batch
+holds a shard per (group, rank) (`shard`), the same whichever groups commit it. Inside a group
+the gradients are summed and divided by the group size (plain data parallelism), then averaged
+over the lane (`GroupManager.average`). The config: `kill_at` (this rank SIGKILLs itself at that
+step, right before the cross-group average: its peers are in it), `together` (train on until
+`steps` are committed and this many of them with two groups after a step alone, or from the start
+when `rejoin`: a group started again), `sleep` (seconds per step alone). Each committed step appends a line
+to OUT: the step, the member groups, the parameters; the end writes the recoveries (OUT + ".end").
+"""
+import datetime
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+GROUPS = ("A", "B")
+ROWS = 3  # rows per (group, rank) shard
+
+
+def build() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def shard(step: int, group: str, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    n = len(GROUPS) * size * ROWS
+    X, y = torch.randn(n, 5, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
+    k = (GROUPS.index(group) * size + rank) * ROWS
+    return X[k:k + ROWS], y[k:k + ROWS]
+
+
+def shard_grads(model: nn.Module, step: int, group: str, rank: int, size: int) -> list[torch.Tensor]:
+    """This rank's gradients on its shard (the loss summed, divided by the shard's rows)."""
+    X, y = shard(step, group, rank, size)
+    model.zero_grad()
+    ((model(X) - y) ** 2).sum().div(ROWS).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def main(config: dict) -> None:
+    torch.set_num_threads(1)
+    from manualdp.spmd.ft.group import GroupManager
+    gid, rank, size = config["group"], config["rank"], config["size"]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['group_port']}", rank=rank,
+                            world_size=size, timeout=datetime.timedelta(seconds=120))
+    model = build()
+    opt = optimizer(model)
+    manager = GroupManager(gid, "127.0.0.1", config["port"], timeout=20, quorum_timeout=5, heartbeat_timeout=1.0)
+    manager.register_state("model", model.state_dict, model.load_state_dict)
+    manager.register_state("optim", opt.state_dict, opt.load_state_dict)
+    out = open(config["out"], "a")
+    alone, together = False, 0
+    while manager.step < config["steps"] or together < config.get("together", 0):
+        quorum = manager.start_step()
+        step = manager.step
+        if len(quorum.members) == 1:
+            alone = True
+            time.sleep(config.get("sleep", 0))
+        grads = shard_grads(model, step, gid, rank, size)
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)  # inside the group: plain data parallelism
+        flat.div_(size)
+        if config.get("kill_at") == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ok = manager.average(flat)
+        if manager.should_commit(ok):
+            for p, g in zip(model.parameters(), flat.split([p.numel() for p in model.parameters()])):
+                p.grad = g.view_as(p).clone()
+            opt.step()
+            if len(quorum.members) == 2 and (alone or config.get("rejoin")):
+                together += 1
+            params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            out.write(json.dumps({"step": step, "members": quorum.ids, "params": params.tolist()}) + "\n")
+            out.flush()
+    manager.close()
+    with open(config["out"] + ".end", "w") as end:
+        json.dump({"recoveries": manager.recoveries, "step": manager.step}, end)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
