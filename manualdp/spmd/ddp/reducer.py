@@ -59,6 +59,7 @@ class Reducer:
         algorithm, segment_bytes, timeout: how each bucket is allreduced (`collectives.allreduce`).
         gradient_as_bucket_view: `.grad` is a view into its bucket; rebuild: rebuild after the first step.
     """
+    group_state = staticmethod(group_state)  # ft/'s reducer, whose group changes each quorum, brings its own
 
     def __init__(self, params: list[nn.Parameter], module: nn.Module, layout: list[list[int]], caps, *, group,
                  rank: int, peers: list[int], device: torch.device, algorithm: str, segment_bytes: int,
@@ -90,7 +91,8 @@ class Reducer:
         self.ready_order = [] if rebuild else None  # ids of the parameters in the order their gradients came
         self._next = 0  # buckets launch strictly in order, the same on every rank
         self.in_backward = False
-        self.state, self.worker = self.group_worker()  # the group's state (scratch space, byte counter), its worker
+        self.state = self.group_state(self.group)  # the group's worker, scratch space, byte counter
+        self.worker = self.state.worker
         self.reduce = self.allreduce_bucket
         self.reduces_to_average = False  # True where `reduce` hands back averages (a comm hook), not sums
         self.use([])
@@ -114,11 +116,6 @@ class Reducer:
                     bucket.view(i).copy_(p.grad)
                     p.grad = bucket.view(i)
         self.names = [[self._names[id(p)] for p in bucket.params] for bucket in self.buckets]  # for error messages
-
-    def group_worker(self) -> tuple:
-        """The group's state and the worker that reduces the buckets (`ft/`'s reducer, over changing groups, its own)."""
-        state = group_state(self.group)
-        return state, state.worker
 
     def __getstate__(self):
         return {k: v for k, v in self.__dict__.items() if k not in _NOT_COPIED}
@@ -299,6 +296,5 @@ def _recorded(fn, recorder, b: int):
 
 
 def _waiting(recorder, b: int):
-    if recorder is None:
-        return contextlib.nullcontext()
-    return recorder.span(f"bucket {b} wait", "compute", cat="wait", bucket=b)
+    none = recorder is None
+    return contextlib.nullcontext() if none else recorder.span(f"bucket {b} wait", "compute", cat="wait", bucket=b)

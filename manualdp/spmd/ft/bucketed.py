@@ -22,6 +22,8 @@ out-of-line contribution has then been averaged, but the step is discarded: it i
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 from torch import nn
 
@@ -47,8 +49,9 @@ class QuorumReducer(Reducer):
         self.reduce, self.reduces_to_average = self.average_bucket, True
         self.use([_TakeQuorum(self)])
 
-    def group_worker(self) -> tuple:
-        return None, SerialWorker("manualdp-ft-buckets")
+    def group_state(self, group) -> SimpleNamespace:
+        """No group's state: only a worker, a thread of this reducer's own, whatever the quorum's group is."""
+        return SimpleNamespace(worker=SerialWorker("manualdp-ft-buckets"))
 
     def begin(self, started: bool = True) -> None:
         """A step starts (`start_step`): no bucket averaged, no norm, nothing deferred."""
