@@ -136,3 +136,12 @@ def test_manualdp_check_buckets_passes_the_right_answer_and_fails_a_wrong_one(ca
     assert "PASS buckets" in capsys.readouterr().out
     assert main(["check", "buckets", str(ANSWERS / "buckets_at_the_end.py")]) == 1
     assert re.search("FAIL buckets .*no overlap", capsys.readouterr().out.replace("\n", " "))
+
+
+@pytest.mark.soak
+def test_the_librarys_own_rung_4_handed_in_is_refused(tmp_path, capsys):
+    taken = tmp_path / "taken.py"
+    taken.write_text("from manualdp.spmd.ladder.bucketed import BucketedDDP  # noqa: F401\n")
+    assert main(["check", "buckets", str(taken)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "BucketedDDP is not written in it but taken from manualdp.spmd.ladder.bucketed" in out, out
