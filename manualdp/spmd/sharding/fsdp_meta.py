@@ -65,8 +65,10 @@ def init_full(module: nn.Module, init: Callable[[nn.Module], object]) -> nn.Modu
         init(module)
         root = units[0]  # every rank must have made the same model: compare a sum of each parameter, in line
         sums = {f"parameter {name} (sum)": float(full.double().sum()) for name, full in zip(names, fulls)}
-        root.worker.submit(functools.partial(agree, "init_full", sums, root.group, timeout=root.timeout,
-                                             hint="seed every rank alike, and make init set every parameter")).result()
+        for group in [root.group] + ([root.replicate] if root.replicate is not None else []):  # HSDP: replicas too
+            root.worker.submit(functools.partial(agree, "init_full", sums, group, timeout=root.timeout,
+                                                 hint="seed every rank alike, and make init set every parameter")
+                               ).result()
         for p, full in zip(params, fulls):  # this rank's rows, as torch.chunk cuts them
             p.sharded.to_local().copy_(full[p.start:p.start + p.local_rows])
     finally:

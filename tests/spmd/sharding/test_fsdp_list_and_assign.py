@@ -125,10 +125,18 @@ def _case(fn, *args):
         return f"{type(e).__name__}: {e}"
 
 
+def _lists_apart(rank):
+    """Rank 1 leaves the norm out of the list: every rank raises, naming the field, before anything changes."""
+    model = Titan()
+    return _case(fully_shard, [model.norm, model.output] if rank == 0 else [model.output])
+
+
 def _job():
     rank, n = dist.get_rank(), dist.get_world_size()
-    return {name: {"list": _case(_list_unit, fn, rank, n), "assign": _case(_assign_resume, fn, rank, n)}
-            for name, fn in SHARD_FNS.items()}
+    out = {name: {"list": _case(_list_unit, fn, rank, n), "assign": _case(_assign_resume, fn, rank, n)}
+           for name, fn in SHARD_FNS.items()}
+    out["apart"] = _lists_apart(rank)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +174,9 @@ def test_a_bad_list_of_modules_is_refused_naming_it():
         fully_shard([])
     with pytest.raises(TypeError, match=r"got \[Linear, int\]"):
         fully_shard([nn.Linear(2, 2), 3])
+
+
+def test_ranks_that_shard_other_lists_all_raise_naming_the_field(results):
+    for r, got in enumerate(results):
+        assert isinstance(got["apart"], str) and "differs across ranks" in got["apart"], f"rank {r}: {got['apart']}"
+        assert "fully_shard([LayerNorm, Linear])" in got["apart"] or "fully_shard(Linear)" in got["apart"]
