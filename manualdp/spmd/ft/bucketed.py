@@ -22,6 +22,7 @@ out-of-line contribution has then been averaged, but the step is discarded: it i
 """
 from __future__ import annotations
 
+import concurrent.futures
 from types import SimpleNamespace
 
 import torch
@@ -80,6 +81,11 @@ class QuorumReducer(Reducer):
                 bucket.copy_in(i, p.grad)
             self.average_bucket(b, bucket)
             self.write_grads(bucket)
+        self.reset()
+
+    def abandon(self) -> None:
+        """A backward that raised part-way: wait for the buckets it sent, then forget it."""
+        concurrent.futures.wait([b.future for b in self.buckets if b.future is not None])
         self.reset()
 
     def close(self) -> None:

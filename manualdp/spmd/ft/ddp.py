@@ -92,10 +92,14 @@ class FaultTolerantDDP(nn.Module):
         r.started = False
         if r.error is not None:
             raise r.error
-        if r.late or not r.averaged:  # the quorum entered after backward, or no backward reached the buckets
-            r.average_late()
-        norms = torch.tensor(r.norms, dtype=torch.float64)  # the guard judges the whole contribution by them
-        committed = average_and_vote(self.manager, [], also, judged=[norms])
+        if r.in_backward:  # backward raised part-way: some buckets went, others never will; nobody can commit it
+            r.abandon()
+            committed = self.manager.should_commit(False)
+        else:
+            if r.late or not r.averaged:  # the quorum entered after backward, or no backward reached the buckets
+                r.average_late()
+            norms = torch.tensor(r.norms, dtype=torch.float64)  # the guard judges the whole contribution by them
+            committed = average_and_vote(self.manager, [], also, judged=[norms])
         if committed:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -157,6 +157,26 @@ def test_a_quorum_that_must_be_entered_first_is_averaged_after_backward_on_the_m
         assert all(torch.equal(p, q) for p, q in zip(net.parameters(), plain.parameters()))
 
 
+def test_a_backward_that_raises_part_way_is_discarded_by_step_and_the_next_one_commits(coordinator):
+    net = make()
+    before = [p.detach().clone() for p in net.parameters()]
+    with Manager("one", "127.0.0.1", coordinator.port, timeout=10) as manager:
+        ft = FaultTolerantDDP(net, torch.optim.SGD(net.parameters(), lr=0.1), manager, bucket_cap_mb=None)
+        calls = two_members(manager)
+        ft.start_step()
+        X, y = data(0)
+        hidden = net[1](net[0](X))
+        hidden.register_hook(lambda g: (_ for _ in ()).throw(RuntimeError("a user's hook")))
+        with pytest.raises(RuntimeError, match="a user's hook"):
+            ((net[2](hidden) - y) ** 2).mean().backward()
+        assert [n for _, n in calls] == [2, 8]  # the last layer's buckets went; the first layer's never will
+        assert ft.step() is False and manager.step == 0
+        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+        ft.start_step()
+        loss_of(ft, 0).backward()
+        assert ft.step() and manager.step == 1
+
+
 class Branches(nn.Module):
     """A layer used only where the input says so: unused on this replica in a step, maybe used on another."""
 
