@@ -43,9 +43,10 @@ By design the partition is not torch's, so code that reads which rank holds what
 answers: a rank steps near-equal slices of the trainable elements, in the buckets' (backward)
 order, where torch's deals whole parameters, frozen ones included, largest first (`.optim`'s
 groups list other tensors, a frozen tensor is in no rank's until it is unfrozen, and a rank that steps
-with its own unaveraged gradient moves other elements); and replicas that differ at the first
-step (ranks built from other seeds, without DDP) are refused by the drift check, where torch's
-steps a mix of them.
+with its own unaveraged gradient moves other elements). Ranks built from other seeds (without DDP)
+start from the group's rank 0's parameters, copied at construction as torch's DDP copies them,
+where torch's steps a mix of the models; a rank that changes its parameters afterwards is named by
+the drift check.
 """
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ from ...shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from ...zero import make_optimizer, state_bytes
 from ..collectives import all_gather, allreduce
 from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
+from ..transport.agree import broadcast_from_rank0
 from ..transport.peers import group_ranks
 from .zero_grad_shards import GradientShards, holders_of, plan_buckets, real_grad
 from .zero_guards import ZeroGuards, refuse_mixed_types, refuse_sparse
@@ -138,6 +140,10 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         # optimizer work in place and a checkpoint loaded into the model is what they see.
         self.flats = self.plan.bind(self.params)
         self._record_binding()
+        # the group's rank 0's parameters on every rank, as torch's DDP copies them at construction: ranks seeded
+        # apart (pytorch's test_nondefault_process_group) train one model, never a mix; the drift check then
+        # watches what changes between steps
+        broadcast_from_rank0([*self.flats, *(p for _, p in self._frozen)], group, self.timeout)
         self._notified = False  # whether this step has told a Join that this rank trains
         self.grad_shards = self._gradient_shards(buckets) if self.stage == 2 else None
         self._left_behind = self._take_over(holders)  # sums the older ones held that we could not carry over

@@ -1,6 +1,7 @@
 """Replicas that drift apart raise on every rank naming the first parameter that differs (torch's DDP and ZeRO go
 on silently): one rank loads other weights between steps; a parameter unfrozen after wrapping is never averaged;
-ZeRO over ranks that built their models from other seeds. `drift_check_every=0` turns the check off.
+ZeRO over ranks of which one loads other weights after construction (built from other seeds, the ranks start from rank
+0's model, as DDP copies it). `drift_check_every=0` turns the check off.
 """
 import functools
 
@@ -58,12 +59,19 @@ def _job():
         del model
         model = make(_net(), timeout=20, drift_check_every=0)
         out[name, "off"] = _train(model, x, 4, functools.partial(load, model=model))
-    for every in (None, 0):  # ZeRO over models built from other seeds: the default checks at the first step
+    for every in (None, 0):  # ZeRO over models built from other seeds: rank 0's is copied at construction, as DDP's
         net = _net(seed=rank)
         kwargs = {} if every is None else {"drift_check_every": every}
         opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1, timeout=20, **kwargs)
+        out["zero start", every] = [p.detach().clone() for p in net.parameters()]
         net(x).pow(2).sum().backward()
         out["zero", every] = error_of(opt.step)
+    net = _net()
+    opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.SGD, lr=0.1, timeout=20)
+    if rank == 1:  # after construction, rank 1 alone loads other weights: the default checks at the first step
+        net.load_state_dict(_net(seed=7).state_dict())
+    net(x).pow(2).sum().backward()
+    out["zero loaded"] = error_of(opt.step)
     return out
 
 
@@ -81,8 +89,11 @@ def test_replicas_that_drift_apart_raise_on_every_rank_naming_the_first_paramete
             _raised(out[who, "loaded"], rank, who, 2, "0.weight")  # checked at every step: the step after the load
             _raised(out[who, "unfrozen"], rank, who, 2, "0.weight")  # every 2 steps: 0, then 2
             assert out[who, "off"] is None, (who, rank, out[who, "off"])
-        _raised(out["zero", None], rank, "ZeroRedundancyOptimizer", 0, "0")
-        assert out["zero", 0] is None, (rank, out["zero", 0])
+        _raised(out["zero loaded"], rank, "ZeroRedundancyOptimizer", 0, "0")
+        for every in (None, 0):
+            assert out["zero", every] is None, (rank, out["zero", every])
+            for got, want in zip(out["zero start", every], _net(seed=0).parameters()):
+                assert torch.equal(got, want.detach()), (rank, every)
 
 
 def _permuted_job():
