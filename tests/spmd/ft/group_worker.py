@@ -3,13 +3,14 @@
 Groups "A" and "B" of `size` ranks train a float64 MLP with momentum SGD; step s's global batch
 holds a shard per (group, rank) (`shard`), the same whichever groups commit it. Inside a group
 the gradients are summed and divided by the group size (plain data parallelism), then averaged
-over the lane (`GroupManager.average`). The config: `kill_at` (this rank SIGKILLs itself at that
-step, right before the cross-group average: its peers are in it), `together` (train on until
+over the lane (`GroupManager.average`). The config: `kill_at` (rank `kill_rank`, the last by default,
+SIGKILLs itself in the step of two groups of that index (0: the first), right before the cross-group average: its peers are in it), `together` (train on until
 `steps` are committed and this many of them with two groups after a step alone, or from the start
 when `rejoin`: a group started again), `sleep` (seconds per step alone). Each committed step appends a line
 to OUT: the step, the member groups, the parameters; the end writes the recoveries (OUT + ".end").
 """
 import datetime
+import faulthandler
 import json
 import os
 import signal
@@ -51,6 +52,7 @@ def shard_grads(model: nn.Module, step: int, group: str, rank: int, size: int) -
 
 def main(config: dict) -> None:
     torch.set_num_threads(1)
+    faulthandler.register(signal.SIGUSR1)  # a hung rank tells where, when the test asks
     from manualdp.spmd.ft.group import GroupManager
     gid, rank, size = config["group"], config["rank"], config["size"]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{config['group_port']}", rank=rank,
@@ -61,10 +63,11 @@ def main(config: dict) -> None:
     manager.register_state("model", model.state_dict, model.load_state_dict)
     manager.register_state("optim", opt.state_dict, opt.load_state_dict)
     out = open(config["out"], "a")
-    alone, together = False, 0
+    alone, together, joint = False, 0, -1
     while manager.step < config["steps"] or together < config.get("together", 0):
         quorum = manager.start_step()
         step = manager.step
+        joint += len(quorum.members) == 2
         if len(quorum.members) == 1:
             alone = True
             time.sleep(config.get("sleep", 0))
@@ -72,7 +75,7 @@ def main(config: dict) -> None:
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)  # inside the group: plain data parallelism
         flat.div_(size)
-        if config.get("kill_at") == step:
+        if len(quorum.members) == 2 and config.get("kill_at") == joint and rank == config.get("kill_rank", size - 1):
             os.kill(os.getpid(), signal.SIGKILL)
         ok = manager.average(flat)
         if manager.should_commit(ok):

@@ -140,7 +140,7 @@ def test_two_groups_of_two_ranks_equal_the_one_process_reference(groups):
 
 @pytest.mark.soak
 def test_a_rank_killed_mid_average_its_group_leaves_and_comes_back_with_its_lanes(groups):
-    first = groups.start("A", 2, steps=5, kill_at=2, together=2)
+    first = groups.start("A", 2, steps=5, kill_at=1, together=2)  # dies in the second step of both groups
     others = groups.start("B", 2, steps=5, together=2, sleep=0.3)
     codes = wait(first, timeout=120)
     assert codes[1] == -9, log(first[1][1])
@@ -149,8 +149,9 @@ def test_a_rank_killed_mid_average_its_group_leaves_and_comes_back_with_its_lane
     again = groups.start("A", 2, steps=5, together=2, rejoin=True)  # torchrun's restart: all the group's ranks
     assert wait(again + others) == [0, 0, 0, 0], [log(out)[-2000:] for _, out in again + others]
     b_runs = [records(out) for _, out in others]
-    assert b_runs[0][2]["members"] == ["B"]  # the step A's rank died in was discarded; B took it again alone
-    assert all(records(out).get(1, {}).get("members") == ["A", "B"] for _, out in first)  # before: together
+    killed = max(records(first[1][1])) + 1  # the step A's rank died in
+    assert all(records(out)[killed - 1]["members"] == ["A", "B"] for _, out in first)  # before it: together
+    assert all(run[killed]["members"] == ["B"] for run in b_runs)  # discarded, then taken again by B alone
     runs = [records(out) for _, out in first + again] + b_runs
     steps = max(b_runs[0]) + 1
     members = check_against_reference(runs, steps)
