@@ -95,7 +95,9 @@ def _settings(shard_fn, rank, n):
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     runs = {"bf16": _train(shard_fn, rank, n, _mesh(), mp_policy=bf16),
             "accumulate": _train(shard_fn, rank, n, _mesh(), micro=2, between=_accumulate, sgd=True),
-            "divide 2": _train(shard_fn, rank, n, _mesh(), between=_divide(2.0), sgd=True)}
+            "divide 2": _train(shard_fn, rank, n, _mesh(), between=_divide(2.0), sgd=True),
+            "4x1": _train(shard_fn, rank, n, _mesh((4, 1)), sgd=True),  # replicas only: DDP's shape
+            "1x4": _train(shard_fn, rank, n, _mesh((1, 4)), sgd=True)}  # shards only
     if shard_fn is torch_fully_shard:  # torch's sums need PREMUL_SUM, which gloo lacks: the sum is 4 times the
         # mean (exactly), so SGD at 4 times the rate is the same run bitwise
         runs["divide 1"] = _train(shard_fn, rank, n, _mesh(), sgd=True, lr=2.0)
@@ -182,13 +184,18 @@ def test_hsdp_on_a_2x2_mesh_equals_torchs_bitwise_and_refuses_a_3d_mesh_in_one_l
 
 
 @pytest.mark.soak
-def test_hsdp_mixed_precision_all_reduce_switch_and_divide_factor_equal_torchs_bitwise(soak_results):
+def test_hsdp_mixed_precision_all_reduce_switch_divide_factor_and_other_shapes_equal_torchs(soak_results):
     for r, got in enumerate(soak_results):
         ours, theirs = got["ours"]["settings"], got["torch"]["settings"]
         assert isinstance(ours, dict), ours
         for case in ("bf16", "accumulate", "divide 2", "divide 1"):
             _equal(ours[case], theirs[case], f"rank {r} {case}")
         assert ours["divide 1"]["full"]["layers.0.weight"].ne(ours["divide 2"]["full"]["layers.0.weight"]).any()
+        for case in ("4x1", "1x4"):  # sums of four in another order than gloo's: to float32 rounding
+            for k, v in theirs[case]["full"].items():
+                torch.testing.assert_close(ours[case]["full"][k], v, rtol=0, atol=1e-5, msg=f"rank {r} {case} {k}")
+        torch.testing.assert_close(ours["4x1"]["full"], ours["1x4"]["full"], rtol=0, atol=1e-5,
+                                   msg="both shapes train the same model")
 
 
 @pytest.mark.soak
