@@ -31,7 +31,8 @@ checkpointing recomputes a unit without resharding it; `set_gradient_divide_fact
 
 Where it differs from torch's FSDP2:
 - every rank starts from rank 0's parameters and buffers (a broadcast, as `DistributedDataParallel`
-  does; on HSDP's mesh, across the replicas and then within each); a model built on the meta device is not broadcast: initialise it after `to_empty`, with
+  does; on HSDP's mesh, across the replicas and then within each); a model built on the meta device is
+  not broadcast: initialise it after `to_empty`, with
   `init_full(model, init)` to start where one process would (torch's draws every rank's shard alike);
 - `clip_grad_norm_(..., norm_type=inf)` where a rank's shard is empty (fewer rows than ranks) gives the
   norm (torch's raises there, and the other ranks wait);
