@@ -194,7 +194,7 @@ CALL_COST = r"cost\(schedule, nbytes=\d+, alpha=\S+, beta=\S+, gamma=\S+\) for .
 NUMBERS = r"expected (?P<want>\S+) s \(manualdp.cost.cost\), got (?!(?P=want) s)\S+ s"  # numbers that read apart
 CALL_ZERO1 = (r"zero1_step\(params, grads, momenta, lr=\S+, momentum=\S+\) on \d devices?, \d+ parameters?, "
               r"step \d of \d(: grads .*?)?")
-CALL_DILOCO = r"outer_step\(theta, replicas, momentum, lr=\S+, mu=\S+\) on \d+ replica\(s\) of shape \(.*\)"
+CALL_DILOCO = r"outer_step\(theta, replicas, buffer, lr=\S+, momentum=\S+\) on \d+ replica\(s\) of shape \(.*\)"
 RUN = r"a run of \d steps \((SGD with momentum 0.9|Adam).*\) stopped after step \d"
 CK = ["--timeout", "30"]  # a whole training run per call: 3 s is too tight on a busy machine
 FORGE = '''

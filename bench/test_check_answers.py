@@ -136,7 +136,7 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
                                    []),
     "diloco_selftest_exit.py": (r"importing the file raised SystemExit: 0 \(at .*diloco_selftest_exit.py, line 14\)\. "
                                 r"Is there a self-test at the end of the file\?", []),
-    "diloco_loop.py": (r"outer_step\(theta, replicas, momentum, lr=\S+, mu=\S+\) on \d+ replica\(s\) .* " + NEVER,
+    "diloco_loop.py": (r"outer_step\(theta, replicas, buffer, lr=\S+, momentum=\S+\) on \d+ replica\(s\) .* " + NEVER,
                        []),
     "checkpoint_step_as_tensor.py": (r"a run of \d steps .*: load_checkpoint returned \d, a tensor, not an int: "
                                      r"return the step as a Python int", SLOW_CALL),

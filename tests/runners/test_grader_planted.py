@@ -119,11 +119,11 @@ def test_the_reference_outer_step_passes():
 @pytest.mark.parametrize("name, told", [
     ("diloco_first_five", r"on (\d+) replica\(s\) .* Yours equals the average of the first 5 replicas only, of \1"),
     ("diloco_off_by_1e6", r"expected new theta (\[.*\]), got (?!\1)\["),
-    ("diloco_old_buffer", r"expected new momentum .* Yours equals the old momentum buffer returned"),
+    ("diloco_old_buffer", r"expected new buffer .* Yours equals the old momentum buffer returned"),
     # heavy-ball and no momentum at all step alike from a zero buffer: the first failure has a running one
-    ("diloco_heavy_ball", r", momentum \[[^\]]*[1-9][^\]]*\]: expected new theta .* Yours equals heavy-ball momentum, "
+    ("diloco_heavy_ball", r", buffer \[[^\]]*[1-9][^\]]*\]: expected new theta .* Yours equals heavy-ball momentum, "
                           r"theta - lr \* b .*: DiLoCo's outer step is Nesterov"),
-    ("diloco_no_momentum", r", momentum \[[^\]]*[1-9][^\]]*\]: expected new theta .* Yours equals SGD without "
+    ("diloco_no_momentum", r", buffer \[[^\]]*[1-9][^\]]*\]: expected new theta .* Yours equals SGD without "
                            r"momentum, theta - lr \* delta: DiLoCo's outer step is Nesterov"),
 ])
 def test_a_wrong_outer_step_fails_and_its_slip_is_named(name, told):

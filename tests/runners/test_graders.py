@@ -59,7 +59,7 @@ def test_a_zero1_step_that_returns_new_lists_is_told_to_update_in_place():
                                       r"yourself, in the file", []),
     ("diloco", "diloco_selftest_exit", r"importing the file raised SystemExit: 0 \(at .*, line 14\)\. Is there a "
                                        r"self-test at the end of the file\?", []),
-    ("diloco", "diloco_loop", r"outer_step\(theta, replicas, momentum, lr=\S+, mu=\S+\) on \d+ replica\(s\) of "
+    ("diloco", "diloco_loop", r"outer_step\(theta, replicas, buffer, lr=\S+, momentum=\S+\) on \d+ replica\(s\) of "
                               r"shape .* did not return within the 1 s it may take", ["--timeout", "1"]),
 ])
 def test_what_the_sandbox_tells_is_told_as_for_every_exercise(exercise, name, told, options, capsys):

@@ -50,7 +50,7 @@ EXERCISES = {  # name -> what FILE.py must define
     "zero1": "a function zero1_step(params, grads, momenta, lr, momentum): one ZeRO-1 step of SGD with momentum",
     "checkpoint": "functions save_checkpoint(path, model, optimizer, step) and load_checkpoint(path, model, optimizer) "
                   "-> step, whose resume equals the uninterrupted run bitwise",
-    "diloco": "a function outer_step(theta, replicas, momentum, lr, mu) -> (new_theta, new_momentum), DiLoCo's outer "
+    "diloco": "a function outer_step(theta, replicas, buffer, lr, momentum) -> (new_theta, new_buffer), DiLoCo's outer "
               "step",
 }
 NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "schedule", "ddp": "DDP", "cost": "cost",

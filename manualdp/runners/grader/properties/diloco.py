@@ -1,13 +1,14 @@
 """`manualdp check diloco FILE.py`: grade DiLoCo's outer step (chapter 8) against the formula.
 
-FILE.py defines `outer_step(theta, replicas, momentum, lr, mu) -> (new_theta, new_momentum)`:
+FILE.py defines `outer_step(theta, replicas, buffer, lr, momentum) -> (new_theta, new_buffer)`:
 `theta` the parameters every replica started the block from, `replicas` each replica's
-parameters after its H steps, `momentum` the outer momentum buffer (zeros before the first
-block), `lr` and `mu` the outer learning rate and momentum. The formula (`manualdp.spmd.ft.DiLoCo`):
+parameters after its H steps, `buffer` the outer momentum buffer (zeros before the first
+block), `lr` and `momentum` the outer learning rate and momentum coefficient (torch's
+names). The formula (`manualdp.spmd.ft.DiLoCo`):
 
     delta = (1/|M|) sum_i (theta - theta_i)
-    b     = mu * b + delta
-    theta = theta - lr * (delta + mu * b)
+    b     = momentum * b + delta
+    theta = theta - lr * (delta + momentum * b)
 
 As the other exercises, FILE.py runs only in a sandboxed child (`sandbox.Child`), which `check.check_diloco`
 loads; this process draws the inputs with hypothesis (`strategies`), computes the expected values and judges
@@ -37,8 +38,8 @@ def outer_step_property(fn, theta, replicas, momentum, lr, mu) -> None:
     """`fn` (a sandbox child, or a function) returns the formula's theta and momentum, to float64 rounding, and
     changes no replica."""
     want_theta, want_b = expected_outer_step(theta, replicas, momentum, lr, mu)
-    told = (f"outer_step(theta, replicas, momentum, lr={lr:g}, mu={mu:g}) on {len(replicas)} replica(s) of shape "
-            f"{tuple(theta.shape)}, theta {_show(theta)}, replicas [{', '.join(_show(t) for t in replicas)}], momentum "
+    told = (f"outer_step(theta, replicas, buffer, lr={lr:g}, momentum={mu:g}) on {len(replicas)} replica(s) of shape "
+            f"{tuple(theta.shape)}, theta {_show(theta)}, replicas [{', '.join(_show(t) for t in replicas)}], buffer "
             f"{_show(momentum)}")
     try:
         _, after, out = _call(fn, theta, replicas, momentum, lr, mu)
@@ -48,8 +49,8 @@ def outer_step_property(fn, theta, replicas, momentum, lr, mu) -> None:
     except Stopped as e:  # it did not return: name the call that did not
         raise Stopped(f"{told} {e}") from None
     if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(x, torch.Tensor) for x in out)):
-        raise Mismatch(f"{told}: expected a pair of tensors (new theta, new momentum), got {str(out)[:200]}")
-    for name, got, want in (("theta", out[0], want_theta), ("momentum", out[1], want_b)):
+        raise Mismatch(f"{told}: expected a pair of tensors (new theta, new buffer), got {str(out)[:200]}")
+    for name, got, want in (("theta", out[0], want_theta), ("buffer", out[1], want_b)):
         if got.shape != want.shape or not _close(got, want):
             shown = apart(want, got, _show)
             raise Mismatch(f"{told}: expected new {name} {shown[0]}, got {shown[1]}",  # the slip named when read
@@ -73,7 +74,8 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 def _slips(theta, replicas, momentum, lr, mu) -> dict:
     """A slip a student makes -> (the theta and momentum it returns, what to write instead)."""
-    n, fix = len(replicas), "DiLoCo's outer step is Nesterov: b = mu * b + delta, then theta - lr * (delta + mu * b)"
+    n, fix = len(replicas), ("DiLoCo's outer step is Nesterov: b = momentum * b + delta, "
+                             "then theta - lr * (delta + momentum * b)")
     delta = torch.stack([theta - t for t in replicas]).mean(0)
     b = mu * momentum + delta
     slips = {"heavy-ball momentum, theta - lr * b (which is also Nesterov's step taken with the buffer before its "
@@ -83,7 +85,7 @@ def _slips(theta, replicas, momentum, lr, mu) -> dict:
                  _nesterov(theta, n * delta, momentum, lr, mu) if n > 1 else None,
                  f"divide the sum by the number of replicas ({n} here)"),
              "the old momentum buffer returned": ((theta - lr * (delta + mu * b), momentum),
-                                                  "return the new buffer, mu * b + delta")}
+                                                  "return the new buffer, momentum * b + delta")}
     for k in range(1, n):  # an average over the first k replicas only
         slips[f"the average of the first {k} replicas only, of {n}"] = (
             expected_outer_step(theta, replicas[:k], momentum, lr, mu), "average over every replica of the list")
@@ -91,7 +93,7 @@ def _slips(theta, replicas, momentum, lr, mu) -> dict:
 
 
 def _slip(name: str, got: torch.Tensor, theta, replicas, momentum, lr, mu) -> str:
-    """Which slip an answer's `name` ("theta" or "momentum") shows, if one of `_slips` gives it."""
+    """Which slip an answer's `name` ("theta" or "buffer") shows, if one of `_slips` gives it."""
     for what, (out, fix) in _slips(theta, replicas, momentum, lr, mu).items():
         want = None if out is None else out[0 if name == "theta" else 1]
         if want is not None and got.shape == want.shape and _close(got, want):
