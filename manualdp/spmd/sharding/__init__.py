@@ -9,6 +9,7 @@
   `fsdp_init.py`: its checks; `fsdp_param.py`: one parameter as a shard and in full;
   `fsdp_unit.py`: what one unit does in a step (gather, free, gather again, reduce-scatter);
   `fsdp_collectives.py`: its all-gathers and reduce-scatters, and their tails check;
+  `fsdp_hsdp.py`: HSDP's all-reduce of the reduce-scattered rows across the replicas;
   `fsdp_hooks.py`: the hooks around a unit's forward and backward (prefetch included);
   `fsdp_step.py`: the step under way of a tree of units (their order, the end of backward).
 """
