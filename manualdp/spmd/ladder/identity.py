@@ -62,9 +62,10 @@ def naming_wrappers(names: list[str] | None = None, who: str = "DistributedDataP
     except ValueError as error:
         message = str(error.args[0]) if error.args else ""
         match = _WRAPPER.search(message)
-        if match is None:
+        values = [v.strip() for v in match.group(1).split(",")] if match else []
+        if not values or not all(v.lstrip("-").isdigit() for v in values):  # not a call check's identities
             raise
-        values = [int(v) for v in match.group(1).split(",")]
+        values = [int(v) for v in values]
         marks = {r: v for r, v in enumerate(values) if v < 0}
         if marks and names is not None:
             error.args = (replaced_line(dist.get_rank(), who, marks, names), *error.args[1:])

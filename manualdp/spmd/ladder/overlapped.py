@@ -87,7 +87,7 @@ class OverlappedDDP(FlatDDP):
         """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps and wrappers
         (`step`: this wrapper's step count, its number the call's identity)."""
         if checked is None:  # the step's first: every rank raises if the ranks are at different steps
-            with naming_wrappers():
+            with naming_wrappers(self.built.names, type(self).__name__):
                 allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step,
                           identity=self.number)
         else:

@@ -51,7 +51,7 @@ from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 from .drift import DRIFT_CHECK_EVERY, DriftCheck
-from .identity import naming_wrappers, take_number
+from .identity import BuiltWith, naming_wrappers, replaced_line, take_number
 
 __all__ = ["Rung", "weak_hook"]
 
@@ -122,7 +122,8 @@ class Rung(nn.Module):
         broadcast_from_rank0([*module.parameters(), *module.buffers()], group, self.timeout)
         # copied from rank 0 before each forward pass (torch's DDP also lists them once, at construction)
         self.synced_buffers = list(module.buffers()) if broadcast_buffers else []
-        self.built_with = list(module.parameters())  # a parameter replaced after wrapping is refused (`forward`)
+        named = list(module.named_parameters())  # a parameter replaced after wrapping is refused (`forward`)
+        self.built = BuiltWith([(n, p) for n, p in named if p.requires_grad], named)
         self.position = {id(p): k for k, p in enumerate(self.params)}  # where each parameter sits in `params`
         self.reached = [False] * len(self.params)  # whose hook this backward pass fired on this rank
         self.steps = 0  # forward passes with grad enabled so far: compared at every backward (`check_step`)
@@ -158,7 +159,7 @@ class Rung(nn.Module):
             return self.module(*args, **kwargs)
         self._refuse_replaced()
         self.drift.tick(self.module.named_parameters, self.group, who=type(self).__name__, timeout=self.timeout,
-                        number=self.number)
+                        number=self.number, names=self.built.names)
         self.steps += 1
         if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
             self.copy_buffers()
@@ -167,19 +168,18 @@ class Rung(nn.Module):
         return out
 
     def _refuse_replaced(self) -> None:
-        """Raise if a parameter of the module is no longer the one the rung was built with: it would never be averaged.
-
-        torch's DDP (and the drop-in) find the old parameter unused and raise at the next forward pass.
-        """
-        now = list(self.module.named_parameters())
-        if len(now) == len(self.built_with) and all(p is q for (_, p), q in zip(now, self.built_with)):
+        """Raise on every rank if a parameter of some rank's module is no longer the one the rung was built with: it
+        would never be averaged (`identity.BuiltWith`: this rank's check carries the mark, which refuses the peers'
+        next call; torch's DDP finds the old parameter unused and raises at the next forward pass)."""
+        mark, who = self.built.mark(self.module.named_parameters()), type(self).__name__
+        if mark is None:
             return
-        name = next((n for (n, p), q in zip(now, self.built_with) if p is not q), "(a parameter added or removed)")
-        raise RuntimeError("Expected to have finished reduction in the prior iteration before starting a new one. "
-                           f"rank {self.rank}: {type(self).__name__}: parameter {name} is not the one the rung was "
-                           "built with (replaced after wrapping, e.g. module.weight = nn.Parameter(...)): the rung "
-                           "averages the parameters it was built with, and would never average this one; replace "
-                           "parameters before wrapping, or assign to .data to keep the parameter itself")
+        if self.world_size > 1:
+            timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
+            with naming_wrappers(self.built.names, who):
+                same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout, step=self.steps,
+                          identity=mark)
+        raise RuntimeError(replaced_line(self.rank, who, dict.fromkeys(range(self.world_size), mark), self.built.names))
 
     def check_step(self, flag: bool = False) -> bool:
         """Before a backward pass's first allreduce: every rank is at the same step, or every rank raises.
@@ -192,7 +192,7 @@ class Rung(nn.Module):
         if self.world_size == 1:
             return flag
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
-        with naming_wrappers():
+        with naming_wrappers(self.built.names, type(self).__name__):
             return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
                              numel=sum(p.numel() for p in self.params), step=self.steps, identity=self.number,
                              flag=flag)
@@ -219,7 +219,7 @@ class Rung(nn.Module):
                 flat = torch.empty(end, dtype=torch.uint8, device=device)
                 for b, at in zip(same, places):
                     flat[at:at + b.numel() * b.element_size()].copy_(b.reshape(-1).view(torch.uint8))
-                with naming_wrappers():
+                with naming_wrappers(self.built.names, type(self).__name__):
                     broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.steps,
                               identity=self.number)
                 for b, at in zip(same, places):  # .data: autograd may have saved them (two forwards, one backward)
