@@ -572,7 +572,7 @@ def _wrapping(shard_fn, rank, n):
     return {"twice": _try(lambda: fully_shard(twice.l1)),
             "top-down": _try(lambda: fully_shard(top_down.l1)),
             "two roots share a layer": _try(lambda: fully_shard(b)),
-            "a list": _try(lambda: fully_shard([nn.Linear(2, 2)])),
+            "a list with a non-module": _try(lambda: fully_shard([nn.Linear(2, 2), "x"])),
             "not a module": _try(lambda: fully_shard(torch.ones(3))),
             "ignored_params a tensor": _try(lambda: fully_shard(nn.Linear(2, 2), ignored_params=torch.ones(2)))}
 
