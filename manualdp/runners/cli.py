@@ -382,11 +382,13 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
     for option, value in (("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum)):
         if value is not None and args.diloco is None:
             return f"{option} {value:g} needs --diloco H: only DiLoCo has an outer optimizer"
-    if world_size > 1:
-        return ("--fault-tolerant under torchrun: torchrun stops every rank when one dies; start each replica "
-                "with its own `manualdp train --fault-tolerant` instead")
     if args.replica_id is None:
         return "--fault-tolerant needs --replica-id NAME, unique among the replicas"
+    if world_size > 1:  # a replica group: torchrun's ranks (ft_group_train.py)
+        from .ft_group_train import group_problem
+        problem = group_problem(args)
+        if problem:
+            return problem
     refused = [("--zero", args.zero is not None, "the replicas hold whole copies"),
                ("--devices", args.devices not in (None, 1), "each replica is one process and one device"),
                ("--algorithm auto", args.algorithm == "auto", "each new quorum would measure the link again; "
@@ -627,13 +629,17 @@ def _run_replica(args) -> int:
     except ValueError as e:  # before anything starts
         _error(_one_line(e))
         return 2
-    torch.set_num_threads(cpu_threads(args.threads, 1))
+    group_size = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun: a replica group of its ranks
+    torch.set_num_threads(cpu_threads(args.threads, group_size))
     loaded = _load(args)
     if loaded is None:
         return 2
     lr, train_iter, test_iter, epochs, net = loaded
     host, port = args.fault_tolerant
     timeout = args.timeout if args.timeout is not None else 60.0
+    if group_size > 1:
+        from .ft_group_train import run_group_rank
+        return run_group_rank(args, loaded, token, timeout)
     try:
         manager = Manager(args.replica_id, host, port, checkpoint_dir=args.checkpoint_dir,
                           min_replicas=args.min_replicas, timeout=timeout,

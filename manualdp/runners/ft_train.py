@@ -98,13 +98,9 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
     members and whether it was committed (with the global batch's mean loss), and the state
     this replica received.
     """
-    trainable("net", nn_module("net", net))
-    iterable("test_iter", test_iter)
-    positive_int("num_epochs", num_epochs)
+    check_loop_args(net, train_iter, test_iter, num_epochs)
     if not isinstance(manager, Manager):
         raise TypeError(f"manager must be a manualdp.spmd.ft.Manager, got {type(manager).__name__}")
-    if getattr(train_iter, "batch_sampler", None) is None:
-        raise TypeError(f"train_iter must be a torch DataLoader with a batch sampler, got {type(train_iter).__name__}")
     one_of("sync", sync, SYNC_METHODS)
     if positive_int("sync_every", sync_every) != 1 and sync == "ddp":
         raise ValueError(f"sync_every must be 1 for sync='ddp' (it averages every step), got {sync_every}")
@@ -162,6 +158,15 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
         "steps": run.records,
         "recoveries": manager.recoveries, "parameters_sha256": parameters_sha256(net)}
     return run.history
+
+
+def check_loop_args(net: nn.Module, train_iter, test_iter, num_epochs: int) -> None:
+    """What a replica's loop (one process or a group's rank) needs of its arguments; the error names the bad one."""
+    trainable("net", nn_module("net", net))
+    iterable("test_iter", test_iter)
+    positive_int("num_epochs", num_epochs)
+    if getattr(train_iter, "batch_sampler", None) is None:
+        raise TypeError(f"train_iter must be a torch DataLoader with a batch sampler, got {type(train_iter).__name__}")
 
 
 def shared_settings(manager: Manager, train_iter, num_epochs: int, settings: dict | None = None) -> dict:

@@ -163,6 +163,16 @@ class GroupManager:
         """The quorum of groups of the step under way, or of the last one; None before any."""
         return self._quorum
 
+    @property
+    def capacity(self) -> int:
+        """The most groups this one can train with (its smallest global batch per rank); 0: any. Rank 0's counts."""
+        return self._manager.capacity if self._manager is not None else 0
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        if self._manager is not None:
+            self._manager.capacity = value
+
     def start_step(self) -> Quorum:
         """Agree on this step's quorum of groups; receive each lane's state if behind; join the lanes. The quorum."""
         if self._in_step:

@@ -55,13 +55,6 @@ def test_the_fault_tolerant_options_are_refused_in_one_line_naming_the_argument_
     assert "error:" in last and all(w in last for w in words), last
 
 
-def test_fault_tolerant_under_torchrun_is_refused(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit):
-        main(FT)
-    assert "--fault-tolerant under torchrun" in capsys.readouterr().err.strip().splitlines()[-1]
-
-
 def test_parse_address_and_replica_id():
     assert parse_address("127.0.0.1:29510") == ("127.0.0.1", 29510)
     assert parse_address("[::1]:80") == ("::1", 80)

@@ -1,0 +1,174 @@
+"""One rank of a replica group: `manualdp train --fault-tolerant HOST:PORT --replica-id A` under torchrun.
+
+    manualdp coordinator --port 29510
+    torchrun --nproc-per-node 2 -m manualdp train --fault-tolerant 127.0.0.1:29510 --replica-id A --min-replicas 2
+    torchrun --nproc-per-node 2 --master-port 29600 -m manualdp train --fault-tolerant 127.0.0.1:29510 \
+        --replica-id B --min-replicas 2
+
+A replica is then a group of ranks (torchrun's world), each holding the whole model: plain data
+parallelism inside the group, fault tolerance across the groups (`spmd/ft/group.py`'s
+`GroupManager`, one per rank). Step `s` trains on global batch `s`, split among the step's
+quorum of groups as `ft_train.py` splits it among replicas, then the group's share among its
+ranks. A rank's loss is its shard's sum divided by the global batch, times the groups and the
+ranks: the sum inside the group divided by its size, then the average over the lane, is the whole
+global batch's gradient, whoever is in (the one-process reference: `ft_reference.py`, "split").
+
+A rank that dies takes its group out of the quorum: its other ranks raise `GroupBroken` and exit;
+start the whole group again (torchrun's restart does), and rank i receives its state from rank i
+of a healthy group. Not yet with a group of more than one rank: `--checkpoint-dir`, `--local-sgd`,
+`--diloco`, the contribution guard (`--nonfinite raise` or `skip`), `--zero`.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..loss import count_correct, logits_of, summed_loss
+from ..spmd.ft.group import GroupManager
+from ..spmd.launch import shard
+from ..validate import learning_rate
+from .ft_train import _Run, _progress, _write, check_loop_args, parameters_sha256
+from .options import optimizer_factory
+
+__all__ = ["group_problem", "train_group_rank", "init_group", "run_group_rank"]
+
+
+def group_problem(args) -> str | None:
+    """What `manualdp train --fault-tolerant` under torchrun (a replica group) cannot do yet, in one line; None."""
+    why = {"--checkpoint-dir": (args.checkpoint_dir is not None, "a group keeps no checkpoint yet"),
+           "--local-sgd": (args.local_sgd is not None, "a group averages its gradients every step"),
+           "--diloco": (args.diloco is not None, "a group averages its gradients every step"),
+           f"--nonfinite {args.nonfinite}": (args.nonfinite in ("raise", "skip"),
+                                             "a group has no contribution guard yet: pass --nonfinite off"),
+           "--zero": (args.zero is not None, "each rank of a group holds the whole model (no --zero 3 yet)"),
+           "--devices": (args.devices is not None, "every rank of the group is one device"),
+           "--algorithm": (args.algorithm is not None, "the groups average by gloo's own allreduce")}
+    bad = [f"{option} with --fault-tolerant under torchrun (a replica group): {text}"
+           for option, (refused, text) in why.items() if refused]
+    return bad[0] if bad else None
+
+
+def init_group(timeout: float) -> None:
+    """Join the replica group's own process group (torchrun's env), waiting longer than a quorum takes."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=4 * timeout))
+
+
+def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: float, manager: GroupManager, *,
+                     loss_fn=None, optimizer=None, progress: bool = True, log=print, settings: dict | None = None):
+    """Train `net` as this rank of `manager`'s replica group for `num_epochs`; the History, the same on every rank."""
+    check_loop_args(net, train_iter, test_iter, num_epochs)
+    learning_rate("lr", lr)
+    if not isinstance(manager, GroupManager):
+        raise TypeError(f"manager must be a manualdp.spmd.ft.group.GroupManager, got {type(manager).__name__}")
+    make, kwargs = optimizer_factory(optimizer, lr, 0.0, 0.0)
+    opt = make(net.parameters(), **kwargs)
+    run = _Run(train_iter, num_epochs, summed_loss(loss_fn))
+    manager.require_same(**{"num_epochs": num_epochs, "batch_size": train_iter.batch_size, "lr": lr,
+                            "optimizer": type(opt).__name__, **(settings or {})})
+    manager.register_state("model", net.state_dict, net.load_state_dict)
+    manager.register_state("optim", opt.state_dict, opt.load_state_dict)
+    manager.register_state("loop", run.state_dict, run.load_state_dict)
+    size = train_iter.batch_size or 1
+    manager.capacity = max(1, size // manager.size)  # every rank of every group needs an example
+    bar = _progress(run.total, progress and manager.rank == 0, manager.id)
+    members = None
+    try:
+        while manager.step < run.total:
+            quorum = manager.start_step()
+            if quorum.ids != members and log and manager.rank == 0:
+                _write(bar, log, f"replica group {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
+                                 f"{', '.join(quorum.ids)} (round {quorum.round})")
+            members = quorum.ids
+            record = _group_step(run, net, opt, manager, quorum)
+            if record["committed"] and manager.step % run.per_epoch == 0:
+                run.end_epoch(net, test_iter, manager.step // run.per_epoch, bar, log if manager.rank == 0 else None)
+            if bar is not None:
+                bar.n = manager.step
+                bar.refresh()
+    finally:
+        if bar is not None:
+            bar.close()
+    run.history.config["fault_tolerant"] = {
+        "replica_id": manager.id, "group_size": manager.size, "group_rank": manager.rank, "sync": "ddp",
+        "steps": run.records, "recoveries": manager.recoveries, "parameters_sha256": parameters_sha256(net)}
+    return run.history
+
+
+def _group_step(run: _Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum) -> dict:
+    """Train on this rank's shard of global batch `manager.step`: sum in the group, average in the lane; the record."""
+    b = manager.step
+    X, y = run.batches.get(b // run.per_epoch, b % run.per_epoch)
+    n, groups = len(X), len(quorum.ids)
+    Xg, yg = shard(X, y, quorum.rank(manager.id), groups)
+    Xs, ys = shard(Xg, yg, manager.rank, manager.size)
+    opt.zero_grad(set_to_none=True)
+    out = net(Xs)
+    loss = run.loss_fn(out, ys)
+    (loss / n * groups * manager.size).backward()
+    params = [p for p in net.parameters() if p.requires_grad]
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    # this rank's loss and correct count ride along, in float64: summed over the group and the lane, the batch's
+    totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
+    try:
+        for t in (flat, totals):
+            dist.all_reduce(t)  # inside the group: plain data parallelism
+    except RuntimeError:  # a rank of the group died: voting down raises GroupBroken on every rank left
+        manager.should_commit(False)
+        raise
+    flat.div_(manager.size)
+    ok = manager.average(flat) and manager.average(totals)
+    committed = manager.should_commit(ok)
+    if committed:
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+        opt.step()
+    record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
+    return run._record(record, totals * groups, n)
+
+
+def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> int:
+    """`manualdp train --fault-tolerant` under torchrun: this rank of replica group `--replica-id`; an exit status.
+
+    `loaded` is `cli._load`'s (lr, train_iter, test_iter, epochs, model), the same on every rank of every group.
+    """
+    from .cli import _error, _one_line, _optimizer_args, _write_outputs, run_config
+    from ..spmd.ft.admission import Misfit
+    from ..spmd.ft.group import GroupBroken
+
+    lr, train_iter, test_iter, epochs, net = loaded
+    host, port = args.fault_tolerant
+    world_size = int(os.environ["WORLD_SIZE"])
+    who = f"replica group {args.replica_id!r}, rank {os.environ.get('RANK', '?')}"
+    manager = None
+    try:
+        init_group(timeout)
+        manager = GroupManager(args.replica_id, host, port, min_groups=args.min_replicas, timeout=timeout,
+                               quorum_timeout=min(10.0, timeout), token=token)
+        history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
+                                   settings=run_config(args),
+                                   **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
+    except (GroupBroken, Misfit, ConnectionError, TimeoutError, ValueError, RuntimeError, OSError) as e:
+        _error(_one_line(e) if isinstance(e, (GroupBroken, Misfit)) else f"{who}: {_one_line(e)}")
+        return 2 if isinstance(e, Misfit) else 1
+    finally:
+        if manager is not None:
+            manager.close()
+    if dist.get_rank() != 0:
+        return 0  # rank 0 speaks for the group: its outputs are every rank's
+    ft = history.config["fault_tolerant"]
+    print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
+          f"test acc {history.test_acc[-1]:.3f}")
+    print(f"replica group {args.replica_id} ({world_size} ranks): {sum(r['committed'] for r in ft['steps'])} steps "
+          f"committed, {sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) "
+          f"received; parameters sha256 {ft['parameters_sha256'][:16]}")
+    return _write_outputs(args, history)
+
+
+def _optimizer_args(args) -> dict:
+    from .cli import _optimizer_args
+    return _optimizer_args(args)

@@ -1,0 +1,88 @@
+"""`manualdp train --fault-tolerant` under torchrun: a replica group of ranks (`runners/ft_group_train.py`).
+
+What a group cannot do yet is refused in one line (in this process); 2 groups of 2 ranks, started as
+torchrun starts them (its environment variables), end on equal parameters and on the one-process run
+(soak: 4 rank processes).
+"""
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from manualdp.runners.cli import build_parser, check_train_args
+from manualdp.spmd.ft import Coordinator
+from tests.spmd.ft.cli_harness import RUN, check_against_reference, committed, reference
+
+ROOT = pathlib.Path(__file__).resolve().parents[3]
+FT = ["train", "--fault-tolerant", "127.0.0.1:29510", "--replica-id", "A"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--checkpoint-dir", "c"], ["--checkpoint-dir with --fault-tolerant under torchrun", "no checkpoint"]),
+    (["--local-sgd", "2"], ["--local-sgd with --fault-tolerant under torchrun"]),
+    (["--diloco", "2"], ["--diloco with --fault-tolerant under torchrun"]),
+    (["--nonfinite", "raise"], ["--nonfinite raise with --fault-tolerant under torchrun", "--nonfinite off"]),
+    (["--nonfinite", "skip"], ["--nonfinite skip", "guard"]),
+    (["--zero", "3"], ["--zero with --fault-tolerant under torchrun", "no --zero 3"]),
+    (["--devices", "2"], ["--devices with --fault-tolerant under torchrun"]),
+    (["--algorithm", "ring"], ["--algorithm with --fault-tolerant under torchrun"]),
+    (["--bucket-mb", "1"], ["--bucket-mb with --fault-tolerant"]),
+])
+def test_what_a_replica_group_cannot_do_yet_is_refused_in_one_line(extra, words, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    problem = check_train_args(build_parser().parse_args([*FT, *extra]))
+    assert problem and "\n" not in problem and all(w in problem for w in words), problem
+
+
+def test_a_replica_group_still_needs_its_id_and_is_otherwise_let_through(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "--fault-tolerant needs --replica-id" in check_train_args(build_parser().parse_args(FT[:3]))
+    assert check_train_args(build_parser().parse_args([*FT, "--nonfinite", "off", "--min-replicas", "2"])) is None
+
+
+def start_group(gid: str, size: int, coordinator_port: int, tmp: pathlib.Path, epochs: int) -> list:
+    """The ranks of replica group `gid`, started as `torchrun --nproc-per-node SIZE -m manualdp train ...` would."""
+    master, procs = free_port(), []
+    for rank in range(size):
+        env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
+                   LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
+        argv = ["train", "--fault-tolerant", f"127.0.0.1:{coordinator_port}", "--replica-id", gid, *RUN,
+                "--epochs", str(epochs), "--timeout", "20", "--min-replicas", "2", "--json", str(tmp / f"{gid}.json")]
+        with open(tmp / f"{gid}-{rank}.log", "w") as log:
+            procs.append(subprocess.Popen([sys.executable, "-m", "manualdp", *argv], cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+@pytest.mark.soak
+def test_two_groups_of_two_ranks_from_the_command_line_equal_the_one_process_run(tmp_path):
+    coordinator = Coordinator(0)
+    procs = []
+    try:
+        for gid in "AB":
+            procs += start_group(gid, 2, coordinator.port, tmp_path, epochs=1)
+        codes = [p.wait(timeout=240) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()  # nothing, for a rank that ended (its exit status was read)
+            p.wait()
+        coordinator.close()
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    assert codes == [0, 0, 0, 0], logs
+    results = {gid: json.loads((tmp_path / f"{gid}.json").read_text()) for gid in "AB"}
+    for gid, h in results.items():
+        ft = h["config"]["fault_tolerant"]
+        assert (ft["replica_id"], ft["group_size"], ft["group_rank"]) == (gid, 2, 0)
+    steps = committed(results)
+    assert sorted(steps) == list(range(8)) and all(m == ["A", "B"] for m in steps.values()), steps
+    check_against_reference(results, reference(tmp_path, 1))
