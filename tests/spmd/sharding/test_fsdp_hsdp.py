@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -121,6 +122,10 @@ def _reshard(shard_fn, rank, n, folder):
         dcp.load(state, checkpoint_id=f"{folder}/{shard_fn is fully_shard}")
         model.load_state_dict(state)
         out[shape] = all(torch.equal(v, saved["full"][k]) for k, v in _full(model).items())
+    model = Titan()  # torch's utilities: a full state dict into a fresh 2 x 2 model
+    _apply_fsdp(shard_fn, model, mesh=_mesh())
+    set_model_state_dict(model, dict(saved["full"]), options=StateDictOptions(full_state_dict=True))  # it cuts in place
+    out["full"] = all(torch.equal(v, saved["full"][k]) for k, v in _full(model).items())
     return out
 
 
@@ -199,10 +204,10 @@ def test_hsdp_mixed_precision_all_reduce_switch_divide_factor_and_other_shapes_e
 
 
 @pytest.mark.soak
-def test_an_hsdp_checkpoint_loads_on_a_1x4_and_a_1d_mesh(soak_results):
+def test_an_hsdp_checkpoint_loads_on_a_1x4_and_a_1d_mesh_and_a_full_state_dict_on_2x2(soak_results):
     for r, got in enumerate(soak_results):
         for impl in ("ours", "torch"):
-            assert got[impl]["reshard"] == {(1, 4): True, (4,): True}, f"rank {r} {impl}: {got[impl]['reshard']}"
+            assert got[impl]["reshard"] == {(1, 4): True, (4,): True, "full": True}, f"rank {r} {impl}"
 
 
 @pytest.mark.soak
