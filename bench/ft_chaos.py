@@ -3,6 +3,7 @@
     python bench/ft_chaos.py                 # about 100 kills
     python bench/ft_chaos.py --quick         # about 10 kills, under 2 minutes
     python bench/ft_chaos.py --kills 40 --epochs 30 --json chaos.json
+    python bench/ft_chaos.py --group-size 2 --kills 100   # 2 groups of 2 ranks: bench/ft_chaos_groups.py
 
 Starts `manualdp coordinator` and 3 replicas (`manualdp train --fault-tolerant ... --checkpoint-dir`)
 as processes, then kills a random replica every 0.3-2.5 s (two at once one time in five) and
@@ -41,7 +42,7 @@ import time
 
 import torch
 
-__all__ = ["main", "chaos", "check"]
+__all__ = ["main", "chaos", "check", "against_reference", "start_coordinator"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REPLICAS = ("a", "b", "c")
@@ -51,8 +52,8 @@ RUN = ["--model", "mlp", "--num-train", "2048", "--num-test", "256", "--batch-si
 STEPS_PER_EPOCH = 64
 
 
-def _manualdp(args: list[str], log: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def _manualdp(args: list[str], log: str, env: dict | None = None) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **(env or {}))
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, "-m", "manualdp", *args], cwd=ROOT, env=env, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -70,6 +71,18 @@ def _lines(path: str) -> list[dict]:
             return [json.loads(line) for line in f if line.endswith("\n")]  # a line being written is not whole yet
     except FileNotFoundError:
         return []
+
+
+def start_coordinator(workdir: str, port: int) -> subprocess.Popen:
+    """`manualdp coordinator --port PORT`, once it listens (its log: WORKDIR/coordinator.log, appended)."""
+    log = os.path.join(workdir, "coordinator.log")
+    proc = _manualdp(["coordinator", "--port", str(port)], log)
+    deadline = time.monotonic() + 60
+    while "listening" not in open(log).read().split("coordinator stopped")[-1]:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"the coordinator did not start: {open(log).read()[-2000:]}")
+        time.sleep(0.05)
+    return proc
 
 
 class Chaos:
@@ -92,13 +105,7 @@ class Chaos:
             self.start(rid)
 
     def start_coordinator(self) -> None:
-        log = os.path.join(self.dir, "coordinator.log")
-        self.coordinators.append(_manualdp(["coordinator", "--port", str(self.port)], log))
-        deadline = time.monotonic() + 60
-        while "listening" not in open(log).read().split("coordinator stopped")[-1]:
-            if time.monotonic() > deadline or self.coordinators[-1].poll() is not None:
-                raise RuntimeError(f"the coordinator did not start: {open(log).read()[-2000:]}")
-            time.sleep(0.05)
+        self.coordinators.append(start_coordinator(self.dir, self.port))
 
     def start(self, rid: str) -> None:
         n = len(self.procs[rid])
@@ -256,15 +263,18 @@ def check(summary: dict, epochs: int, reference: dict | None = None) -> list[str
     if len(set(shas.values())) > 1:
         problems.append(f"the replicas' final parameters differ: {shas}")
     if reference is not None and finals:
-        first = next(iter(finals.values()))
-        got, want = torch.tensor(first["train_loss"]), torch.tensor(reference["train_loss"])
-        if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=0):
-            problems.append(f"the losses differ from the one-process run: {first['train_loss']} != "
-                            f"{reference['train_loss']}")
-        elif first["test_acc"] != reference["test_acc"]:
-            problems.append(f"test accuracy differs from the one-process run: {first['test_acc']} != "
-                            f"{reference['test_acc']}")
+        problems += against_reference(next(iter(finals.values())), reference)
     return problems
+
+
+def against_reference(first: dict, reference: dict) -> list[str]:
+    """What differs between a replica's --json and the one-process run's: losses to float32 rounding, accuracy."""
+    got, want = torch.tensor(first["train_loss"]), torch.tensor(reference["train_loss"])
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=1e-5, atol=0):
+        return [f"the losses differ from the one-process run: {first['train_loss']} != {reference['train_loss']}"]
+    if first["test_acc"] != reference["test_acc"]:
+        return [f"test accuracy differs from the one-process run: {first['test_acc']} != {reference['test_acc']}"]
+    return []
 
 
 def reference_run(workdir: str, epochs: int) -> dict:
@@ -288,7 +298,8 @@ def report(summary: dict) -> str:
     r, rec = summary["rounds"], summary["recoveries"]
     return (f"kills {summary['kills']} (+ coordinator {summary['coordinator_kills']}), rounds committed "
             f"{r.get('commit', 0)} and discarded {r.get('discard', 0)}, {len(rec)} recoveries: p50 "
-            f"{_percentile(rec, 50):.2f} s, p99 {_percentile(rec, 99):.2f} s, {summary['state_bytes']} bytes per "
+            f"{_percentile(rec, 50):.2f} s, p99 {_percentile(rec, 99):.2f} s, "
+            f"{summary['state_bytes'] if summary['state_bytes'] is not None else 'unmeasured'} bytes per "
             f"recovery (the state), {summary['seconds']:.0f} s in all")
 
 
@@ -302,15 +313,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None, help="where the logs and checkpoints go (default: a new temp folder)")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="ranks per replica: 2 groups of that many ranks, started as torchrun starts them, one rank "
+                        "of one killed at a time (default 1: 3 replicas of one process, the coordinator killed once)")
     args = p.parse_args(argv)
     kills = 10 if args.quick else args.kills
     if kills < 0:
         p.error(f"--kills must be >= 0, got {kills}")
-    epochs = args.epochs or max(2, kills // 4)  # a kill every 1.4 s on average; a quiet epoch takes about 2 s
+    if not 1 <= args.group_size <= 4:
+        p.error(f"--group-size must be from 1 to 4, got {args.group_size}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ft-chaos-")
-    summary = chaos(workdir, kills, epochs, args.seed, progress=not args.no_progress,
-                    timeout=args.timeout or 60 + 6 * kills + 4 * epochs)
-    problems = check(summary, epochs, reference_run(workdir, epochs))
+    if args.group_size > 1:  # a group restarts all its ranks (imports included): kills come more slowly
+        if not __package__:  # run as `python bench/ft_chaos.py`: `import bench.*` needs the repository root
+            sys.path.insert(0, ROOT)
+        from bench.ft_chaos_groups import check_groups, group_chaos
+        epochs = args.epochs or max(4, kills)
+        summary = group_chaos(workdir, kills, epochs, args.group_size, args.seed,
+                              timeout=args.timeout or 120 + 20 * kills + 4 * epochs)
+        problems = check_groups(summary, reference_run(workdir, epochs))
+    else:
+        epochs = args.epochs or max(2, kills // 4)  # a kill every 1.4 s on average; a quiet epoch takes about 2 s
+        summary = chaos(workdir, kills, epochs, args.seed, progress=not args.no_progress,
+                        timeout=args.timeout or 60 + 6 * kills + 4 * epochs)
+        problems = check(summary, epochs, reference_run(workdir, epochs))
     print(report(summary))
     for line in problems:
         print(f"FAILED: {line}")
