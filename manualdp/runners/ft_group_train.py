@@ -90,6 +90,7 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
             if bar is not None:
                 bar.n = manager.step
                 bar.refresh()
+        manager.finish()  # a group started after the end is told that the run has ended
     finally:
         if bar is not None:
             bar.close()
@@ -138,6 +139,7 @@ def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> in
     """
     from .cli import _error, _one_line, _optimizer_args, _write_outputs, run_config
     from ..spmd.ft.admission import Misfit
+    from ..spmd.ft.durable import RunFinished
     from ..spmd.ft.group import GroupBroken
 
     lr, train_iter, test_iter, epochs, net = loaded
@@ -152,6 +154,10 @@ def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> in
         history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
                                    settings=run_config(args),
                                    **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
+    except RunFinished as e:  # started after its run ended: nothing to do, nothing wrong
+        if dist.get_rank() == 0:
+            print(_one_line(e), flush=True)
+        return 0
     except (GroupBroken, Misfit, ConnectionError, TimeoutError, ValueError, RuntimeError, OSError) as e:
         _error(_one_line(e) if isinstance(e, (GroupBroken, Misfit)) else f"{who}: {_one_line(e)}")
         return 2 if isinstance(e, Misfit) else 1

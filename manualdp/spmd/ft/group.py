@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from ...validate import a_callable, positive_int, timeout_seconds
 from .coordinator import connect
+from .durable import RunFinished
 from .group_lanes import Lane
 from .manager import Manager
 from .phases import without_traceback
@@ -52,7 +53,8 @@ from .recovery import plan_recovery
 
 __all__ = ["GroupManager", "GroupBroken"]
 
-_RAISED = {"ValueError": ValueError, "TimeoutError": TimeoutError, "TypeError": TypeError}  # else RuntimeError
+_RAISED = {"ValueError": ValueError, "TimeoutError": TimeoutError, "TypeError": TypeError,
+           "RunFinished": RunFinished}  # else RuntimeError
 
 
 def _stop(error: BaseException) -> tuple:
@@ -314,6 +316,12 @@ class GroupManager:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         return GroupBroken(f"replica group {self.id!r}, rank {self.rank}: another rank of the group failed ({first}); "
                            f"the group left the quorum as a whole: start all its ranks again")
+
+    def finish(self) -> None:
+        """The run took its last step: rank 0 marks it finished (a group started later is told so), and all leave."""
+        self._lane.drop()
+        if self._manager is not None:
+            self._manager.finish()
 
     def close(self) -> None:
         """Leave: rank 0 stops heartbeating (the other groups stop waiting for this one); the lane is dropped."""

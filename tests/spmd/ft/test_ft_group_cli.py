@@ -68,17 +68,24 @@ def start_group(gid: str, size: int, coordinator_port: int, tmp: pathlib.Path, e
 def test_two_groups_of_two_ranks_from_the_command_line_equal_the_one_process_run(tmp_path):
     coordinator = Coordinator(0)
     procs = []
+    (tmp_path / "late").mkdir()
     try:
         for gid in "AB":
             procs += start_group(gid, 2, coordinator.port, tmp_path, epochs=1)
         codes = [p.wait(timeout=240) for p in procs]
+        late = start_group("A", 2, coordinator.port, tmp_path / "late", epochs=1)  # the run has ended meanwhile
+        procs += late
+        told = [p.wait(timeout=120) for p in late]
     finally:
         for p in procs:
             p.kill()  # nothing, for a rank that ended (its exit status was read)
             p.wait()
         coordinator.close()
-    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("**/*.log")))
     assert codes == [0, 0, 0, 0], logs
+    assert told == [0, 0], logs
+    assert "the run ended" in (tmp_path / "late" / "A-0.log").read_text().strip().splitlines()[-1], logs
+    assert not (tmp_path / "late" / "A.json").exists()
     results = {gid: json.loads((tmp_path / f"{gid}.json").read_text()) for gid in "AB"}
     for gid, h in results.items():
         ft = h["config"]["fault_tolerant"]
