@@ -141,6 +141,7 @@ def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> in
     from ..spmd.ft.admission import Misfit
     from ..spmd.ft.durable import RunFinished
     from ..spmd.ft.group import GroupBroken
+    from .agree import agree_on_settings
 
     lr, train_iter, test_iter, epochs, net = loaded
     host, port = args.fault_tolerant
@@ -149,6 +150,12 @@ def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> in
     manager = None
     try:
         init_group(timeout)
+        # the group's ranks train one model: each must be given the same command (a rank with another --lr
+        # would step apart from its group, and the lanes would average replicas that differ)
+        agree_on_settings({**run_config(args), "lr": lr, "epochs": epochs, "optimizer": args.optimizer,
+                           "fault_tolerant": f"{host}:{port}", "replica_id": args.replica_id,
+                           "min_replicas": args.min_replicas, "timeout": timeout, "token": token is not None},
+                          timeout)
         manager = GroupManager(args.replica_id, host, port, min_groups=args.min_replicas, timeout=timeout,
                                quorum_timeout=min(10.0, timeout), token=token)
         history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
@@ -159,7 +166,10 @@ def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> in
             print(_one_line(e), flush=True)
         return 0
     except (GroupBroken, Misfit, ConnectionError, TimeoutError, ValueError, RuntimeError, OSError) as e:
-        _error(_one_line(e) if isinstance(e, (GroupBroken, Misfit)) else f"{who}: {_one_line(e)}")
+        line = _one_line(e)
+        if not isinstance(e, (GroupBroken, Misfit)):  # name the group and the rank once ("rank r: ..." from agree)
+            line = f"replica group {args.replica_id!r}, {line}" if line.startswith("rank ") else f"{who}: {line}"
+        _error(line)
         return 2 if isinstance(e, Misfit) else 1
     finally:
         if manager is not None:
@@ -173,8 +183,3 @@ def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> in
           f"committed, {sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) "
           f"received; parameters sha256 {ft['parameters_sha256'][:16]}")
     return _write_outputs(args, history)
-
-
-def _optimizer_args(args) -> dict:
-    from .cli import _optimizer_args
-    return _optimizer_args(args)

@@ -50,14 +50,17 @@ def test_a_replica_group_still_needs_its_id_and_is_otherwise_let_through(monkeyp
     assert check_train_args(build_parser().parse_args([*FT, "--nonfinite", "off", "--min-replicas", "2"])) is None
 
 
-def start_group(gid: str, size: int, coordinator_port: int, tmp: pathlib.Path, epochs: int) -> list:
-    """The ranks of replica group `gid`, started as `torchrun --nproc-per-node SIZE -m manualdp train ...` would."""
+def start_group(gid: str, size: int, coordinator_port: int, tmp: pathlib.Path, epochs: int,
+                extra: dict | None = None) -> list:
+    """The ranks of replica group `gid`, started as `torchrun --nproc-per-node SIZE -m manualdp train ...` would;
+    `extra[rank]`: more arguments for that rank alone."""
     master, procs = free_port(), []
     for rank in range(size):
         env = dict(os.environ, OMP_NUM_THREADS="1", RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(size),
                    LOCAL_WORLD_SIZE=str(size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
         argv = ["train", "--fault-tolerant", f"127.0.0.1:{coordinator_port}", "--replica-id", gid, *RUN,
-                "--epochs", str(epochs), "--timeout", "20", "--min-replicas", "2", "--json", str(tmp / f"{gid}.json")]
+                "--epochs", str(epochs), "--timeout", "20", "--min-replicas", "2", "--json", str(tmp / f"{gid}.json"),
+                *(extra or {}).get(rank, [])]
         with open(tmp / f"{gid}-{rank}.log", "w") as log:
             procs.append(subprocess.Popen([sys.executable, "-m", "manualdp", *argv], cwd=ROOT, env=env, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True))
@@ -93,3 +96,18 @@ def test_two_groups_of_two_ranks_from_the_command_line_equal_the_one_process_run
     steps = committed(results)
     assert sorted(steps) == list(range(8)) and all(m == ["A", "B"] for m in steps.values()), steps
     check_against_reference(results, reference(tmp_path, 1))
+
+
+@pytest.mark.soak
+def test_ranks_of_one_group_given_other_settings_each_refuse_in_one_line_naming_the_field(tmp_path):
+    procs = start_group("A", 2, free_port(), tmp_path, epochs=1, extra={1: ["--lr", "0.2"]})  # before any coordinator
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for rank in (0, 1):
+        last = (tmp_path / f"A-{rank}.log").read_text().strip().splitlines()[-1]
+        assert last.startswith("manualdp train: error: replica group 'A', rank") and "lr" in last, last
+    assert codes == [1, 1]
