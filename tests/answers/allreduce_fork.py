@@ -1,5 +1,6 @@
 """Forks on every call: one child sleeps forever in its process group, another leaves it (setsid); each writes
-its pid into pids.txt beside this file, so that the test can see it was killed. The sum is right."""
+its pid into pids.txt in its working folder (the only one it may write in); the test finds them by their working
+folder. The sum is right."""
 import os
 import time
 
@@ -8,7 +9,7 @@ def _fork_sleeper(leave_group):
     if os.fork() == 0:
         if leave_group:
             os.setsid()
-        with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "pids.txt"), "a") as f:
+        with open("pids.txt", "a") as f:  # in its own folder: the grader refuses writes elsewhere
             f.write(f"{os.readlink('/proc/self')}\n")  # its pid as /proc names it, in a pid namespace too
         while True:
             time.sleep(1)

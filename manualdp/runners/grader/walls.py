@@ -116,6 +116,8 @@ class Walls:
     def audit(self, programs: bool) -> None:
         """Install the audit hook; `programs`: refuse running programs too (where no wall of the kernel holds)."""
         busy = [False]
+        # the folders it may read, for a quick look at a path as given (a link may lead out: Landlock judges that)
+        self.quick = tuple(root.rstrip("/") + "/" for root in [*self.readable, *self.writable])
 
         def hook(event: str, args: tuple) -> None:
             if busy[0] or not (event == "open" or event in WRITES or event in READS or event.startswith(PROGRAMS)):
@@ -164,9 +166,13 @@ class Walls:
             f"/dev/{d}" for d in DEVICES) else (what, full)
 
     def _read(self, what: str, path) -> tuple[str, str] | None:
+        if isinstance(path, str) and path.startswith(self.quick):  # the common case, without a system call
+            return None
         full = _full(path, True)
         return None if full is None or _under(full, [*self.readable, *self.writable, "/dev/shm"]) or full in (
             f"/dev/{d}" for d in DEVICES) else (what, full)
+
+
 
     def named(self) -> str:
         """The walls in force, in words."""
