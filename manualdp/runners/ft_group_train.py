@@ -30,7 +30,7 @@ from torch import nn
 from ..loss import count_correct, logits_of, summed_loss
 from ..spmd.ft.group import GroupManager
 from ..spmd.launch import shard
-from ..validate import learning_rate
+from ..validate import learning_rate, timeout_seconds
 from .ft_train import _Run, _progress, _write, check_loop_args, parameters_sha256
 from .options import optimizer_factory
 
@@ -54,6 +54,8 @@ def group_problem(args) -> str | None:
 
 def init_group(timeout: float) -> None:
     """Join the replica group's own process group (torchrun's env), waiting longer than a quorum takes."""
+    if timeout_seconds("timeout", timeout) is None:
+        raise ValueError("timeout must be a positive number of seconds, got None")
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=datetime.timedelta(seconds=4 * timeout))
 

@@ -12,8 +12,10 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from manualdp.runners.cli import build_parser, check_train_args
+from manualdp.runners.ft_group_train import init_group, train_group_rank
 from manualdp.spmd.ft import Coordinator
 from tests.spmd.ft.cli_harness import RUN, check_against_reference, committed, reference
 
@@ -48,6 +50,27 @@ def test_a_replica_group_still_needs_its_id_and_is_otherwise_let_through(monkeyp
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "--fault-tolerant needs --replica-id" in check_train_args(build_parser().parse_args(FT[:3]))
     assert check_train_args(build_parser().parse_args([*FT, "--nonfinite", "off", "--min-replicas", "2"])) is None
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"manager": "A"}, TypeError, ["manager must be a manualdp.spmd.ft.group.GroupManager", "str"]),
+    ({"lr": -1.0}, ValueError, ["lr", "-1"]),
+    ({"num_epochs": 0}, ValueError, ["num_epochs", "0"]),
+    ({"train_iter": [(torch.zeros(2, 4), torch.zeros(2).long())]}, TypeError, ["train_iter", "DataLoader"]),
+])
+def test_train_group_rank_names_a_bad_argument_before_it_trains(kwargs, error, words):
+    net = torch.nn.Linear(4, 2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4), torch.zeros(8).long()),
+                                         batch_size=4)
+    given = {"net": net, "train_iter": loader, "test_iter": loader, "num_epochs": 1, "lr": 0.1, "manager": None,
+             **kwargs}
+    before = [p.detach().clone() for p in net.parameters()]
+    with pytest.raises(error) as info:
+        train_group_rank(**given, progress=False, log=None)
+    assert "\n" not in str(info.value) and all(w in str(info.value) for w in words), info.value
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    with pytest.raises(ValueError, match="timeout .* got -1"):
+        init_group(-1)
 
 
 def start_group(gid: str, size: int, coordinator_port: int, tmp: pathlib.Path, epochs: int,
