@@ -8,8 +8,10 @@ Its files, in the order a reader meets them:
   `diloco.py`), each with what hypothesis draws for it, and what they share in `common.py`; the same properties hold
   manualdp's own code in tests/;
 - `sandbox.py`: the child process the file runs in, which cannot hang, fool or outlive the grader (`Child`);
-- `processes.py`: the operating system's side of the sandbox: namespaces, the grader not dumpable, the child's
-  session found and killed, its folder removed;
+- `processes.py`: the operating system's side of the sandbox: user, mount and pid namespaces, the grader not
+  dumpable, the child's session found and killed, its folder removed, the bytes it wrote counted;
+- `walls.py`: the child's walls on disk: a read-only mount namespace, Landlock, an audit hook that names what it
+  refused; what it may read and write;
 - `sandbox_child.py`: that child's side: loads the file, calls its functions, starts the ranks of the ddp and hook
   checks;
 - `jobs.py`: what the child runs with the file's functions (the checkpoint exercise's run).
