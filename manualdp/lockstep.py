@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["LockStep", "check_own_gpus"]
+__all__ = ["DeviceShard", "LockStep", "check_own_gpus"]
 
 
 def check_own_gpus(devices: list[torch.device]) -> None:
@@ -71,3 +71,25 @@ class LockStep:
         if raised:
             raise (real or raised)[0]
         return results
+
+
+class DeviceShard:
+    """Device `device`'s view of a ShardedOptimizer (`manualdp.zero`): `step` on the last device runs the step.
+
+    The single controller steps the devices one after another; the collectives need every
+    device's gradients at once, so the step waits until every device has asked for it.
+    Checkpoints hold the whole optimizer (`zero.state_dict()`), never one device's handle.
+    """
+
+    def __init__(self, zero, device: int) -> None:
+        self.zero, self.device = zero, device
+        self.reduces_gradients = zero.reduces_gradients
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero.zero_grad_on(self.device, set_to_none)
+
+    def step(self) -> None:
+        self.zero._stepped.add(self.device)
+        if len(self.zero._stepped) == self.zero.num_devices:
+            self.zero._stepped.clear()
+            self.zero.step()

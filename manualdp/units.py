@@ -23,8 +23,8 @@ from torch import nn
 
 from .collectives import all_gather, chunk
 from .lockstep import LockStep
+from .memory import storage_bytes
 from .shards import ShardPlan
-from .zero import storage_bytes
 
 __all__ = ["Collective", "Units", "choose_units"]
 NO_FORWARD = (nn.ParameterList, nn.ParameterDict)

@@ -28,11 +28,12 @@ import torch
 from torch import nn
 
 from .collectives import all_gather, reduce_scatter
+from .lockstep import DeviceShard
+from .memory import HeldBytes, peak_of, state_bytes, storage_bytes
 from .shards import ShardPlan, check_shard_fits, options_of, param_groups_of
 from .validate import factory, no_closure, one_of
 
 __all__ = ["ShardedOptimizer", "make_optimizer", "state_bytes", "storage_bytes"]
-KINDS = ("parameters", "gradients", "optimizer_state")  # what `peak_bytes` reports, per device
 
 
 def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer:
@@ -41,27 +42,7 @@ def make_optimizer(optimizer_class, params, **defaults) -> torch.optim.Optimizer
     return no_closure("optimizer_class", factory("optimizer_class", optimizer_class)(params, **defaults))
 
 
-def state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes held in `optimizer`'s state tensors (momentum, exp_avg, ...), counted from the tensors themselves."""
-    return sum(v.numel() * v.element_size() for s in (optimizer.state.values() if optimizer else ()) for v in s.values()
-               if isinstance(v, torch.Tensor))
-
-
-def storage_bytes(tensors) -> int:
-    """Bytes of the storages behind `tensors`, each storage counted once (views of one flat buffer share one)."""
-    tensors = list(tensors)
-    bad = next((t for t in tensors if not isinstance(t, torch.Tensor)), None)
-    if bad is not None:
-        raise TypeError(f"tensors must hold tensors only, got {type(bad).__name__} {bad!r:.60}")
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
-
-
-def peak_of(reports: list[list[dict]]) -> list[dict]:
-    """Per device, the largest value of each kind over `reports` (one list of per-device dicts per moment)."""
-    return [{k: max(r[i][k] for r in reports) for k in KINDS} for i in range(len(reports[0]))]
-
-
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(HeldBytes, torch.optim.Optimizer):
     """A sharded optimizer for `replicas` (one model per device, as from `manualdp.replicate`).
 
     Args:
@@ -77,9 +58,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     learning-rate schedulers work: their options reach every device's optimizer at `step`.
     `train_batch` takes `zero.per_device()` in place of its list of optimizers.
 
-    Memory, counted from the tensors each device holds: `param_bytes()`, `gradient_bytes()` (after
-    `step`: the whole summed gradient at stage 1, only the device's chunk of it at stage 2),
-    `state_bytes()`, and `peak_bytes()`, the most of each held at once from the reduction to the end of `step`.
+    Memory (`manualdp.memory`): every device holds the whole model (`param_bytes()`); after `step`, the whole summed
+    gradient at stage 1, only its chunk of it at stage 2 (`gradient_bytes()`); `state_bytes()`; and `peak_bytes()`,
+    the most of each held at once from the reduction to the end of `step`.
     """
 
     def __init__(self, replicas: list[nn.Module], optimizer_class, *, stage: int = 1, algorithm: str = "ring",
@@ -117,7 +98,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__([{"params": g["params"], **options_of(t)} for g, t in zip(groups, template.param_groups)], {})
         self._stepped: set[int] = set()
         self.grad_shards: list[list[torch.Tensor]] = [[] for _ in range(n)]  # stage 2: device i's chunk of the sum
-        self._peak: list[dict] | None = None  # what `peak_bytes` reports, measured in the last step
 
     @property
     def reduces_gradients(self) -> bool:
@@ -185,31 +165,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.grad = None
         return self.grad_shards
 
-    def held_bytes(self) -> list[dict]:
-        """What each device holds now, in bytes, by kind: parameters, gradients and optimizer state."""
-        return [{"parameters": storage_bytes(r.parameters()),
-                 "gradients": storage_bytes([*(p.grad for p in r.parameters() if p.grad is not None), *shards]),
-                 "optimizer_state": state_bytes(opt)}
-                for r, shards, opt in zip(self.replicas, self.grad_shards, self.optimizers)]
-
-    def param_bytes(self) -> list[int]:
-        """Parameter bytes on each device: every device holds the whole model at stages 1 and 2."""
-        return [h["parameters"] for h in self.held_bytes()]
-
-    def gradient_bytes(self) -> list[int]:
-        """Gradient bytes on each device: after `step`, the whole sum at stage 1, the device's chunk at stage 2."""
-        return [h["gradients"] for h in self.held_bytes()]
-
-    def peak_bytes(self) -> list[dict]:
-        """Per device and kind, the most bytes held at once from the reduction to the end of the last `step`."""
-        if self._peak is None:
-            raise RuntimeError("peak_bytes is measured in step(): call it after a step")
-        return self._peak
-
-    def state_bytes(self) -> list[int]:
-        """Optimizer-state bytes on each device."""
-        return [state_bytes(opt) for opt in self.optimizers]
-
     def state_dict(self) -> dict:
         """Every device's shard of the state, and the options of `param_groups` (a scheduler's `lr`)."""
         return {"stage": self.stage, "num_devices": self.num_devices,
@@ -239,24 +194,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """One handle per device with an optimizer's `zero_grad` and `step`, for `train_batch`."""
         return [DeviceShard(self, i) for i in range(self.num_devices)]
 
-
-class DeviceShard:
-    """Device `device`'s view of a ShardedOptimizer: `step` on the last device runs the collective step.
-
-    The single controller steps the devices one after another; the collectives need every
-    device's gradients at once, so the step waits until every device has asked for it.
-    Checkpoints hold the whole optimizer (`zero.state_dict()`), never one device's handle.
-    """
-
-    def __init__(self, zero: ShardedOptimizer, device: int) -> None:
-        self.zero, self.device = zero, device
-        self.reduces_gradients = zero.reduces_gradients
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero.zero_grad_on(self.device, set_to_none)
-
-    def step(self) -> None:
-        self.zero._stepped.add(self.device)
-        if len(self.zero._stepped) == self.zero.num_devices:
-            self.zero._stepped.clear()
-            self.zero.step()

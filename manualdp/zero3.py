@@ -45,12 +45,13 @@ from .split import split_batch
 from .train import StepResult
 from .units import Collective, Units, choose_units
 from .validate import one_of, same_replicas, trainable
-from .zero import KINDS, make_optimizer, peak_of, state_bytes, storage_bytes
+from .memory import KINDS, HeldBytes, peak_of
+from .zero import make_optimizer
 
 __all__ = ["Zero3", "traffic_of"]
 
 
-class Zero3:
+class Zero3(HeldBytes):
     """ZeRO-3 over `replicas` (one model per device, as from `manualdp.replicate`): each device keeps its shards.
 
     Args:
@@ -63,8 +64,11 @@ class Zero3:
     `train_batch(X, y)` is the step; `collectives` lists what the last one ran (`traffic_of` counts
     its bytes) and `planned()` what every step runs; `full_parameters()` puts the model together.
     `param_bytes()` and `state_bytes()` count what a device holds between steps, `peak_bytes()` the most
-    it held at once during the last step.
+    it held at once during the last step (`manualdp.memory`): parameters peak while a unit is gathered, and the
+    whole gradient is held from backward's end until the step's.
     """
+
+    _measured_in = "train_batch"
 
     def __init__(self, replicas: list[nn.Module], optimizer_class, *, units=None, algorithm: str = "ring",
                  **defaults) -> None:
@@ -101,7 +105,7 @@ class Zero3:
             opt = make_optimizer(optimizer_class, [v for *_, v in pieces], **defaults) if pieces else None
             self.optimizers.append(opt)
         self.units = Units(replicas, [name for name, _ in chosen], self.plans, self.params, self.shards, algorithm)
-        self._peak: list[dict] | None = None  # what `peak_bytes` reports, measured in the last step
+        self.grad_shards: list = [() for _ in range(n)]  # during a step: device i's chunks of the summed gradients
 
     @property
     def collectives(self) -> list[Collective]:
@@ -142,13 +146,15 @@ class Zero3:
     @torch.no_grad()
     def _reduce_scatter_and_step(self, guard: NonFiniteGuard, step: int | None) -> bool:
         summed = [{} for _ in range(self.num_devices)]  # device i: (unit, buffer) -> its chunk of the sum
-        held = [self._held(summed)]  # backward is done: every device holds its whole gradient
+        self.grad_shards = [chunks.values() for chunks in summed]  # views: `held_bytes` sees each chunk once added
+        held = [self.held_bytes()]  # backward is done: every device holds its whole gradient
         try:
             return self._step(guard, step, summed)
         finally:
             gathered = [dict(zip(KINDS, (max(c.held[i] for c in self.collectives), 0, 0)))
                         for i in range(self.num_devices)] if self.collectives else []
-            self._peak = peak_of(held + [self._held(summed)] + ([gathered] if gathered else []))
+            self._peak = peak_of(held + [self.held_bytes()] + ([gathered] if gathered else []))
+            self.grad_shards = [() for _ in range(self.num_devices)]  # the chunks are let go of with `summed`
 
     def _step(self, guard: NonFiniteGuard, step: int | None, summed: list[dict]) -> bool:
         used = {(u, j): any(ps[u][j].grad is not None for ps in self.params) for u, j in self.order}
@@ -172,27 +178,9 @@ class Zero3:
                 piece.grad = None
         return True
 
-    def _held(self, summed: list[dict]) -> list[dict]:
-        """What each device holds now, by kind; `summed` holds the chunks of the summed gradients."""
-        return [{"parameters": pb, "optimizer_state": state_bytes(opt),
-                 "gradients": storage_bytes([*(p.grad for unit in ps for p in unit if p.grad is not None),
-                                             *chunks.values()])}
-                for pb, ps, opt, chunks in zip(self.param_bytes(), self.params, self.optimizers, summed)]
-
-    def peak_bytes(self) -> list[dict]:
-        """Per device and kind (parameters, gradients, optimizer_state), the most bytes held at once in the last step.
-        Parameters peak while a unit is gathered; the whole gradient is held from backward's end until the step's."""
-        if self._peak is None:
-            raise RuntimeError("peak_bytes is measured in train_batch: call it after a step")
-        return self._peak
-
     def param_bytes(self) -> list[int]:
         """Parameter bytes each device holds, counted from its tensors (`manualdp.units.Units.param_bytes`)."""
         return self.units.param_bytes()
-
-    def state_bytes(self) -> list[int]:
-        """Optimizer-state bytes on each device."""
-        return [state_bytes(opt) for opt in self.optimizers]
 
     def state_dict(self) -> dict:
         """Every device's shards and optimizer state: what a checkpoint holds (`load_state_dict` takes it back)."""
