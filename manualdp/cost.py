@@ -49,10 +49,8 @@ def check_schedule(schedule: Schedule) -> None:
 
 
 def traffic(schedule: Schedule, nbytes: int, element_size: int = 1) -> dict[str, list[int]]:
-    """Bytes each device sends, receives and reduces, for a buffer of `nbytes` bytes.
-
-    Chunks are cut in whole elements of `element_size` bytes, as the executors cut them.
-    """
+    """Bytes each device sends, receives and reduces, for a buffer of `nbytes` bytes; chunks are cut in whole
+    elements of `element_size` bytes, as the executors cut them."""
     non_negative_int("nbytes", nbytes)
     positive_int("element_size", element_size)
     if nbytes % element_size:
