@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .common import Mismatch
-from .ddp import _first_difference, batches
+from .ddp import first_difference, batches
 
 __all__ = ["CAP_BYTES", "Buckets", "buckets_job", "reference_steps", "buckets_mismatch"]
 
@@ -238,7 +238,7 @@ def buckets_mismatch(results: list[dict], name: str) -> None:
     sizes = {k: p.numel() for k, p in net.named_parameters()}
     start = {k: p.detach() for k, p in net.named_parameters()}
     for r, res in enumerate(results):
-        diff = _first_difference(res[name]["start"], start, ATOL)
+        diff = first_difference(res[name]["start"], start, ATOL)
         if diff:
             raise Mismatch(f"{name} on {n} ranks: right after construction, rank {r}'s parameters differ from rank "
                            f"0's: {diff.replace('torch', 'rank 0')}. Broadcast rank 0's parameters at construction, "
@@ -252,7 +252,7 @@ def buckets_mismatch(results: list[dict], name: str) -> None:
                 if slip:
                     raise Mismatch(f"{at}: the gradients when finish_gradient_synchronization() returned differ from "
                                    f"the average (one process's gradient of the whole batch): {slip}")
-            diff = _first_difference(mine["params"], want["params"], ATOL)
+            diff = first_difference(mine["params"], want["params"], ATOL)
             if diff:
                 raise Mismatch(f"{at}: the parameters after the optimizer step differ from one process's: "
                                f"{diff.replace('torch', 'one process')}")

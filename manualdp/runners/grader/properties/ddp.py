@@ -11,7 +11,7 @@ from torch import nn
 
 from .common import Mismatch, show
 
-__all__ = ["Twice", "batches", "train_steps", "ddp_mismatch", "ddp_job", "torch_ddp_job"]
+__all__ = ["Twice", "batches", "first_difference", "train_steps", "ddp_mismatch", "ddp_job", "torch_ddp_job"]
 
 
 class Twice(nn.Module):
@@ -64,7 +64,8 @@ def train_steps(models: dict, steps: int = 3) -> dict:
     return out
 
 
-def _first_difference(mine: dict, theirs: dict, atol: float) -> str | None:
+def first_difference(mine: dict, theirs: dict, atol: float) -> str | None:
+    """The first tensor of `theirs` (torch's) that `mine` lacks or misses by more than `atol`, in one line; else None."""
     for p_name, ref in theirs.items():
         got = mine.get(p_name)
         if got is None:
@@ -85,7 +86,7 @@ def ddp_mismatch(results: list[dict], name: str, ref: str = "torch", atol: float
     after construction, the gradients when backward returned, the parameters after the step."""
     n = len(results)
     for r, res in enumerate(results):
-        diff = _first_difference(res[name]["start"], res[ref]["start"], atol)
+        diff = first_difference(res[name]["start"], res[ref]["start"], atol)
         if diff:
             raise Mismatch(f"{name} on {n} ranks: right after construction, rank {r}'s parameters differ from torch's "
                            f"DDP's, which starts every rank from rank 0's: {diff}")
@@ -94,7 +95,7 @@ def ddp_mismatch(results: list[dict], name: str, ref: str = "torch", atol: float
             mine, theirs = res[name]["steps"][step], res[ref]["steps"][step]
             for what, key in (("the gradients when backward returned", "grads"),
                               ("the parameters after the step", "params")):
-                diff = _first_difference(mine[key], theirs[key], atol)
+                diff = first_difference(mine[key], theirs[key], atol)
                 if diff:
                     hint = (f" Rank {r} holds {n} times the average: divide the sum by the world size."
                             if f"= {n:.3g})" in diff else "")
