@@ -120,7 +120,7 @@ MAP = {
     "ddp": ["ddp/"],
     "sharding": ["sharding/"],
     "launch": ["launch.py", "sampler.py"],
-    "ft": ["ft/"],  # fault tolerance: on transport, the collectives and the ladder; nothing in the engine imports it
+    "ft": ["ft/"],  # fault tolerance: on transport, the collectives, the ladder and ddp's reducer; nothing imports it
 }
 ROOMS = list(MAP)
 ROOM_OF = {entry.rstrip("/").removesuffix(".py"): name for name, entries in MAP.items() for entry in entries}
