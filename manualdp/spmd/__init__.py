@@ -13,7 +13,7 @@ ARCHITECTURE.md's and to the imports):
 - `sharding/`: ZeRO-1/2 (`ZeroRedundancyOptimizer`) and ZeRO-3 (`fully_shard`, in FSDP2's roles);
 - `launch.py`, `sampler.py`: starting ranks (torchrun or on this machine), each rank's shard of the data;
 - `ft/`: fault tolerance: replicas that agree on a quorum each step, commit or discard it together, and take a
-  restarted replica back in (`manualdp.spmd.ft`, imported on its own).
+  restarted replica back in, one process or a group of ranks per replica (`manualdp.spmd.ft`, imported on its own).
 
 The drop-ins users swap for torch's are also importable from `manualdp.distributed`.
 """
