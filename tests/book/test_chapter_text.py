@@ -26,7 +26,7 @@ def test_chapter_3_states_naives_beta_term_against_the_rings_as_cost_computes_it
     S, beta = n * 3 * 1024, 1e-9  # a multiple of n: chunks of equal size
     computed = cost(naive(n), S, 0, beta, 0) / cost(ring(n), S, 0, beta, 0)
     stated = eval(stated_ratio(chapter("03")), {}, {"n": n})  # noqa: S307 (the book's own text)
-    assert stated == pytest.approx(computed, rel=1e-12), f"at n = {n} the chapter says {stated}, cost() gives {computed}"
+    assert stated == pytest.approx(computed, rel=1e-12), f"at n = {n} the chapter says {stated}, cost() says {computed}"
 
 
 def test_the_check_of_the_stated_ratio_refuses_the_old_statement():

@@ -54,8 +54,8 @@ EXERCISES = {  # name -> what FILE.py must define
               "step",
 }
 NAMES = {"split_batch": "split_batch", "allreduce": "allreduce", "schedule": "schedule", "ddp": "DDP", "cost": "cost",
-         "hook": "fp16_compress_hook", "buckets": "BucketedDDP", "zero1": "zero1_step", "checkpoint": ("save_checkpoint", "load_checkpoint"),
-         "diloco": "outer_step"}
+         "hook": "fp16_compress_hook", "buckets": "BucketedDDP", "zero1": "zero1_step",
+         "checkpoint": ("save_checkpoint", "load_checkpoint"), "diloco": "outer_step"}
 OWN = ("cost", "hook", "buckets", "diloco")  # exercises whose answer the library holds: the file must write its own
 SIZE = 1 << 20  # the buffer whose bytes a schedule's report counts (divisible by 4 and 8 devices)
 DDP_TIMEOUT = 90.0  # seconds for the ranks of the ddp and hook checks

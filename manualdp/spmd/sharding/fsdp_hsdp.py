@@ -49,7 +49,8 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int, 
                                 for r, (a, c, f) in enumerate(tails))
         raise refused_alike(RuntimeError(
             f"rank {dist.get_rank()} (replica {replica}): fully_shard's all-reduce across replicas of unit "
-            f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''}) met other units, counts or divide factors on other "
-            f"replicas ({per_replica}; counts mod 64): every replica must run the same units, the same number of "
+            f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''}) met other units, "
+            f"counts or divide factors on other replicas ({per_replica}; counts mod 64): every replica must run the "
+            "same units, the same number of "
             "times, and call set_gradient_divide_factor alike"))
     return flat[:n]

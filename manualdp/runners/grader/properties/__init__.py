@@ -10,8 +10,9 @@ dependency (`pip install hypothesis`).
 
 One file per exercise, in the book's order, each with what hypothesis draws for it (`DRAWN`):
 `split_batch.py` and `allreduce.py` (chapter 1), `schedule.py` (2), `cost.py` (3), `ddp.py` (4, on 2 ranks),
-`hook.py` (5, on 2 and 3 ranks), `buckets.py` (5, rung 4 by hand, on 2 ranks), `zero1.py` (6), `checkpoint.py` (7), `diloco.py` (8); what they share (`Mismatch`,
-the call of the function under test, the hints, how values are shown) is in `common.py`.
+`hook.py` (5, on 2 and 3 ranks), `buckets.py` (5, rung 4 by hand, on 2 ranks), `zero1.py` (6), `checkpoint.py` (7),
+`diloco.py` (8); what they share (`Mismatch`, the call of the function under test, the hints, how values are
+shown) is in `common.py`.
 """
 from __future__ import annotations
 

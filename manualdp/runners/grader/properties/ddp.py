@@ -65,7 +65,7 @@ def train_steps(models: dict, steps: int = 3) -> dict:
 
 
 def first_difference(mine: dict, theirs: dict, atol: float) -> str | None:
-    """The first tensor of `theirs` (torch's) that `mine` lacks or misses by more than `atol`, in one line; else None."""
+    """The first tensor of `theirs` (torch's) that `mine` lacks or misses by more than `atol`; else None."""
     for p_name, ref in theirs.items():
         got = mine.get(p_name)
         if got is None:
