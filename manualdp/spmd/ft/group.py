@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from ...validate import a_callable, positive_int, timeout_seconds
+from .admission import Misfit
 from .coordinator import connect
 from .durable import RunFinished
 from .group_lanes import Lane
@@ -53,8 +54,9 @@ from .recovery import plan_recovery
 
 __all__ = ["GroupManager", "GroupBroken"]
 
-_RAISED = {"ValueError": ValueError, "TimeoutError": TimeoutError, "TypeError": TypeError,
-           "RunFinished": RunFinished}  # else RuntimeError
+# what rank 0 raised, raised again on its ranks by name (subclasses before their bases); else RuntimeError
+_RAISED = {"Misfit": Misfit, "RunFinished": RunFinished, "ValueError": ValueError, "TimeoutError": TimeoutError,
+           "TypeError": TypeError}
 
 
 def _stop(error: BaseException) -> tuple:

@@ -10,6 +10,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -134,3 +135,31 @@ def test_ranks_of_one_group_given_other_settings_each_refuse_in_one_line_naming_
         last = (tmp_path / f"A-{rank}.log").read_text().strip().splitlines()[-1]
         assert last.startswith("manualdp train: error: replica group 'A', rank") and "lr" in last, last
     assert codes == [1, 1]
+
+
+@pytest.mark.soak
+def test_a_group_joining_a_run_of_one_process_replicas_is_refused_alone_in_one_line(tmp_path):
+    coordinator = Coordinator(0)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    argv = ["train", "--fault-tolerant", f"127.0.0.1:{coordinator.port}", "--replica-id", "a", *RUN, "--epochs",
+            "1000", "--timeout", "20", "--min-replicas", "1"]  # far longer than the test: stopped at its end
+    with open(tmp_path / "a.log", "w") as log:
+        alone = subprocess.Popen([sys.executable, "-m", "manualdp", *argv], cwd=ROOT, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+    procs = [alone]
+    try:
+        while "quorum of" not in (tmp_path / "a.log").read_text() and alone.poll() is None:
+            time.sleep(0.2)  # a is in the run: B comes to a run under way
+        procs += start_group("B", 2, coordinator.port, tmp_path, epochs=1000)
+        codes = [p.wait(timeout=240) for p in procs[1:]]
+        still = alone.poll()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        coordinator.close()
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted(tmp_path.glob("*.log")))
+    assert still is None and codes == [2, 2], logs  # a trains on
+    for rank in (0, 1):
+        last = (tmp_path / f"B-{rank}.log").read_text().strip().splitlines()[-1]
+        assert last.startswith("manualdp train: error:") and "group_size" in last, last
