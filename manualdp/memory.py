@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["KINDS", "HeldBytes", "held", "peak_of", "state_bytes", "storage_bytes"]
+__all__ = ["KINDS", "HeldBytes", "gathered_bytes", "held", "peak_of", "state_bytes", "storage_bytes"]
 KINDS = ("parameters", "gradients", "optimizer_state")  # what `peak_bytes` reports, per device
 
 
@@ -34,6 +34,12 @@ def held(parameters: int, gradients, optimizer: torch.optim.Optimizer | None) ->
     if isinstance(parameters, bool) or not isinstance(parameters, int) or parameters < 0:
         raise ValueError(f"parameters must be a number of bytes (an int >= 0), got {parameters!r:.60}")
     return dict(zip(KINDS, (parameters, storage_bytes(gradients), state_bytes(optimizer))))
+
+
+def gathered_bytes(collectives: list, n: int) -> list[list[dict]]:
+    """The parameter bytes each of `n` devices held at most after a collective (each has `held`, per device), as one
+    report for `peak_of`; none if no collective ran."""
+    return [[dict(zip(KINDS, (max(c.held[i] for c in collectives), 0, 0))) for i in range(n)]] if collectives else []
 
 
 def peak_of(reports: list[list[dict]]) -> list[dict]:

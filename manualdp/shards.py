@@ -9,11 +9,15 @@ parameter without a gradient and apply each group's options, exactly as on whole
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from .collectives import chunk
 from .schedule import chunk_bounds, owned_chunk
 
-__all__ = ["ShardPlan", "check_shard_fits", "options_of", "param_groups_of"]
+__all__ = ["ShardPlan", "check_shard_fits", "full_from_shards", "load_shards", "options_of", "param_groups_of",
+           "shards_state"]
 
 
 def param_groups_of(params, name: str = "params", *, keep_frozen: bool = False,
@@ -130,3 +134,37 @@ def check_shard_fits(saved: dict | None, optimizer: torch.optim.Optimizer | None
 def options_of(group: dict) -> dict:
     """A parameter group's options (`lr`, `momentum`, ...): everything but its parameters."""
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def shards_state(shards: list, optimizers: list) -> dict:
+    """Every device's shards ([device][unit][buffer]) and optimizer state, copied: what a checkpoint holds."""
+    return {"shards": [[[t.clone() for t in unit] for unit in device] for device in shards],
+            "optimizers": [opt.state_dict() if opt is not None else None for opt in optimizers]}
+
+
+@torch.no_grad()
+def load_shards(shards: list, optimizers: list, state: dict) -> None:
+    """Put back what `shards_state` gave, in place; a state of other shapes is refused, changing nothing."""
+    shapes = lambda held: [[[tuple(t.shape) for t in unit] for unit in device] for device in held]
+    if not isinstance(state, dict) or shapes(state.get("shards", [])) != shapes(shards):
+        raise ValueError("state does not hold this model's shards on this many devices")
+    for mine, saved in zip(shards, state["shards"]):
+        for unit, saved_unit in zip(mine, saved):
+            for t, v in zip(unit, saved_unit):
+                t.copy_(v)  # in place: the optimizers' pieces are views of the shards
+    for opt, saved in zip(optimizers, state["optimizers"]):
+        if opt is not None:
+            opt.load_state_dict(copy.deepcopy(saved))
+
+
+@torch.no_grad()
+def full_from_shards(plans: list[ShardPlan], shards: list, like: list[torch.Tensor], order: list) -> list[torch.Tensor]:
+    """Whole parameters put together from every device's shards: parameter k is unit u's j-th, `order[k] = (u, j)`,
+    shaped as `like[k]`."""
+    n, fulls = len(shards), {}
+    for u, plan in enumerate(plans):
+        for b, size in enumerate(plan.sizes):
+            fulls[u, b] = torch.empty(size, dtype=shards[0][u][b].dtype, device=shards[0][u][b].device)
+            for i in range(n):
+                chunk(fulls[u, b], i, n).copy_(shards[i][u][b])
+    return [fulls[u, plans[u].where[j][0]][slice(*plans[u].where[j][1:])].view_as(t) for (u, j), t in zip(order, like)]

@@ -28,8 +28,6 @@ Between steps the parameters read NaN: the values are in the shards.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
 
@@ -40,12 +38,12 @@ from .lockstep import check_own_gpus
 from .loss import correct_tensor, logits_of, summed_loss
 from .replicate import broadcast_buffers
 from .schedule import COLLECTIVES
-from .shards import ShardPlan
+from .shards import ShardPlan, full_from_shards, load_shards, shards_state
 from .split import split_batch
 from .train import StepResult
 from .units import Collective, Units, choose_units
+from .memory import HeldBytes, gathered_bytes, peak_of
 from .validate import one_of, same_replicas, trainable
-from .memory import KINDS, HeldBytes, peak_of
 from .zero import make_optimizer
 
 __all__ = ["Zero3", "traffic_of"]
@@ -151,9 +149,7 @@ class Zero3(HeldBytes):
         try:
             return self._step(guard, step, summed)
         finally:
-            gathered = [dict(zip(KINDS, (max(c.held[i] for c in self.collectives), 0, 0)))
-                        for i in range(self.num_devices)] if self.collectives else []
-            self._peak = peak_of(held + [self.held_bytes()] + ([gathered] if gathered else []))
+            self._peak = peak_of(held + [self.held_bytes()] + gathered_bytes(self.collectives, self.num_devices))
             self.grad_shards = [() for _ in range(self.num_devices)]  # the chunks are let go of with `summed`
 
     def _step(self, guard: NonFiniteGuard, step: int | None, summed: list[dict]) -> bool:
@@ -184,31 +180,12 @@ class Zero3(HeldBytes):
 
     def state_dict(self) -> dict:
         """Every device's shards and optimizer state: what a checkpoint holds (`load_state_dict` takes it back)."""
-        return {"shards": [[[t.clone() for t in unit] for unit in device] for device in self.shards],
-                "optimizers": [opt.state_dict() if opt is not None else None for opt in self.optimizers]}
+        return shards_state(self.shards, self.optimizers)
 
-    @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Put back what `state_dict` gave; a state of other shapes or devices is refused, changing nothing."""
-        shapes = lambda shards: [[[tuple(t.shape) for t in unit] for unit in device] for device in shards]
-        if not isinstance(state, dict) or shapes(state.get("shards", [])) != shapes(self.shards):
-            raise ValueError("state does not hold this model's shards on this many devices")
-        for mine, saved in zip(self.shards, state["shards"]):
-            for unit, saved_unit in zip(mine, saved):
-                for t, v in zip(unit, saved_unit):
-                    t.copy_(v)  # in place: the optimizers' pieces are views of the shards
-        for opt, saved in zip(self.optimizers, state["optimizers"]):
-            if opt is not None:
-                opt.load_state_dict(copy.deepcopy(saved))
+        load_shards(self.shards, self.optimizers, state)
 
-    @torch.no_grad()
     def full_parameters(self) -> list[torch.Tensor]:
         """The model's parameters in `replicas[0].parameters()` order, put together from every device's shards."""
-        fulls = {}
-        for u, plan in enumerate(self.plans):
-            for b, size in enumerate(plan.sizes):
-                fulls[u, b] = torch.empty(size, dtype=self.shards[0][u][b].dtype, device=self.devices[0])
-                for i in range(self.num_devices):
-                    chunk(fulls[u, b], i, self.num_devices).copy_(self.shards[i][u][b])
-        return [fulls[u, self.plans[u].where[j][0]][slice(*self.plans[u].where[j][1:])].view_as(self.params[0][u][j])
-                for u, j in self.order]
+        return full_from_shards(self.plans, self.shards, [self.params[0][u][j] for u, j in self.order], self.order)
