@@ -14,7 +14,8 @@ then both groups run to the end.
 Checked at the end (a line each; the exit status 1 if one fails): every step of the run was
 committed in exactly one round (the coordinator's store: each committed round's step); the last
 ranks of every group ended with 0, a killed rank with SIGKILL and its group's other ranks naming
-the broken group; the groups' final parameters are bitwise equal, and their losses equal the
+the broken group; a group started again received its rank 0's state from another group's rank 0 (its
+--json's recoveries); the groups' final parameters are bitwise equal, and their losses equal the
 one-process run on the same batches (each step is the whole global batch's, whoever is in).
 """
 from __future__ import annotations
@@ -185,6 +186,12 @@ def check_groups(summary: dict, reference: dict | None = None) -> list[str]:
                 finals[gid] = json.load(f)
         else:
             problems.append(f"group {gid} wrote no --json: its last ranks did not train to the end")
+    for gid, h in finals.items():  # a group started again received rank 0's state from a survivor's rank 0
+        sources = [r["source"] for r in h["config"]["fault_tolerant"]["recoveries"]]
+        from_others = [s for s in sources if s.endswith("/lane/0") and not s.startswith(f"{gid}/")]
+        if len(summary["procs"][gid]) > 1 and not from_others:
+            problems.append(f"group {gid} was started again but its rank 0 received no state from another group's "
+                            f"rank 0: {sources}")
     shas = {g: h["config"]["fault_tolerant"]["parameters_sha256"] for g, h in finals.items()}
     if len(set(shas.values())) > 1:
         problems.append(f"the groups' final parameters differ: {shas}")

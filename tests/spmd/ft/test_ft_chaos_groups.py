@@ -13,7 +13,9 @@ from bench.ft_chaos_groups import GROUPS, check_groups, group_chaos
 def _run(tmp_path, shas=("ab", "ab"), last_line: str = "another rank of the group failed (gloo)") -> dict:
     """One epoch, every step committed once by A and B; B's rank 1 killed once, its rank 0 leaving with `last_line`."""
     for gid, sha in zip(GROUPS, shas):
-        record = {"config": {"fault_tolerant": {"parameters_sha256": sha}}, "train_loss": [1.0], "test_acc": 0.5}
+        recoveries = [{"source": "A/lane/0", "round": 9, "sha256": "ef"}] if gid == "B" else []
+        record = {"config": {"fault_tolerant": {"parameters_sha256": sha, "recoveries": recoveries}},
+                  "train_loss": [1.0], "test_acc": 0.5}
         (tmp_path / f"{gid}.json").write_text(json.dumps(record))
         for n in range(2 if gid == "B" else 1):
             for rank in (0, 1):
@@ -38,6 +40,15 @@ def test_a_peer_of_the_killed_rank_that_did_not_name_the_broken_group_is_named(t
     problems = check_groups(_run(tmp_path, last_line="Traceback: something else"))
     assert problems == ["group B's rank 0 (start 0) ended with 1, not naming the broken group: "
                         "Traceback: something else"]
+
+
+def test_a_group_started_again_that_received_no_state_is_named(tmp_path):
+    summary = _run(tmp_path)
+    record = json.loads((tmp_path / "B.json").read_text())
+    record["config"]["fault_tolerant"]["recoveries"] = [{"source": "B/lane/0", "round": 9, "sha256": "ef"}]
+    (tmp_path / "B.json").write_text(json.dumps(record))
+    assert check_groups(summary) == ["group B was started again but its rank 0 received no state from another "
+                                     "group's rank 0: ['B/lane/0']"]
 
 
 def test_groups_ending_on_other_parameters_are_named(tmp_path):
