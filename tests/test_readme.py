@@ -41,7 +41,7 @@ FAST = {
     # the coordinator serves until Ctrl-C: a free port, then SIGINT after a few seconds
     "manualdp coordinator --port 29510 --token-file run.token":
         ("cd $TMP && head -c 32 /dev/urandom | base64 > run.token && "
-         "timeout -s INT 5 manualdp coordinator --port 0 --token-file run.token; true",
+         "timeout -s INT 15 manualdp coordinator --port 0 --token-file run.token; true",
          "coordinator listening on 127.0.0.1:", 60),
     # one replica alone (--min-replicas 1) on a coordinator started here, with a secret and a checkpoint folder
     "manualdp train --fault-tolerant 127.0.0.1:29510 --token-file run.token --replica-id a --checkpoint-dir ckpt":

@@ -638,8 +638,7 @@ def _run_replica(args) -> int:
     host, port = args.fault_tolerant
     timeout = args.timeout if args.timeout is not None else 60.0
     if group_size > 1:
-        from .ft_group_train import run_group_rank
-        return run_group_rank(args, loaded, token, timeout)
+        return _run_group_rank(args, loaded, token, timeout)
     try:
         manager = Manager(args.replica_id, host, port, checkpoint_dir=args.checkpoint_dir,
                           min_replicas=args.min_replicas, timeout=timeout,
@@ -728,3 +727,58 @@ def _save_partial(args, history) -> None:
         print(f"wrote the {len(history.train_loss)} finished epoch(s) to {args.json}", file=sys.stderr)
     except OSError as e:
         _error(f"--json: cannot write {args.json} either: {_one_line(e)}")
+
+
+def _run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> int:
+    """`manualdp train --fault-tolerant` under torchrun: this rank of replica group `--replica-id`; an exit status.
+
+    `loaded` is `cli._load`'s (lr, train_iter, test_iter, epochs, model), the same on every rank of every group.
+    """
+    import torch.distributed as dist
+
+    from ..spmd.ft.admission import Misfit
+    from ..spmd.ft.durable import RunFinished
+    from ..spmd.ft.group import GroupBroken, GroupManager
+    from .agree import agree_on_settings
+    from .ft_group_train import init_group, train_group_rank
+
+    lr, train_iter, test_iter, epochs, net = loaded
+    host, port = args.fault_tolerant
+    world_size = int(os.environ["WORLD_SIZE"])
+    who = f"replica group {args.replica_id!r}, rank {os.environ.get('RANK', '?')}"
+    manager = None
+    try:
+        init_group(timeout)
+        # the group's ranks train one model: each must be given the same command (a rank with another --lr
+        # would step apart from its group, and the lanes would average replicas that differ)
+        agree_on_settings({**run_config(args), "lr": lr, "epochs": epochs, "optimizer": args.optimizer,
+                           "fault_tolerant": f"{host}:{port}", "replica_id": args.replica_id,
+                           "min_replicas": args.min_replicas, "timeout": timeout, "token": token is not None},
+                          timeout)
+        manager = GroupManager(args.replica_id, host, port, min_groups=args.min_replicas, timeout=timeout,
+                               quorum_timeout=min(10.0, timeout), token=token)
+        history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
+                                   settings=run_config(args),
+                                   **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
+    except RunFinished as e:  # started after its run ended: nothing to do, nothing wrong
+        if dist.get_rank() == 0:
+            print(_one_line(e), flush=True)
+        return 0
+    except (GroupBroken, Misfit, ConnectionError, TimeoutError, ValueError, RuntimeError, OSError) as e:
+        line = _one_line(e)
+        if not isinstance(e, (GroupBroken, Misfit)):  # name the group and the rank once ("rank r: ..." from agree)
+            line = f"replica group {args.replica_id!r}, {line}" if line.startswith("rank ") else f"{who}: {line}"
+        _error(line)
+        return 2 if isinstance(e, Misfit) else 1
+    finally:
+        if manager is not None:
+            manager.close()
+    if dist.get_rank() != 0:
+        return 0  # rank 0 speaks for the group: its outputs are every rank's
+    ft = history.config["fault_tolerant"]
+    print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
+          f"test acc {history.test_acc[-1]:.3f}")
+    print(f"replica group {args.replica_id} ({world_size} ranks): {sum(r['committed'] for r in ft['steps'])} steps "
+          f"committed, {sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) "
+          f"received; parameters sha256 {ft['parameters_sha256'][:16]}")
+    return _write_outputs(args, history)

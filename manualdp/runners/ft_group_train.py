@@ -21,7 +21,6 @@ of a healthy group. Not yet with a group of more than one rank: `--checkpoint-di
 from __future__ import annotations
 
 import datetime
-import os
 
 import torch
 import torch.distributed as dist
@@ -31,10 +30,10 @@ from ..loss import count_correct, logits_of, summed_loss
 from ..spmd.ft.group import GroupManager
 from ..spmd.launch import shard
 from ..validate import learning_rate, timeout_seconds
-from .ft_train import _Run, _progress, _write, check_loop_args, parameters_sha256
+from .ft_train import Run, check_loop_args, parameters_sha256, progress_bar, write_line
 from .options import optimizer_factory
 
-__all__ = ["group_problem", "train_group_rank", "init_group", "run_group_rank"]
+__all__ = ["group_problem", "train_group_rank", "init_group"]
 
 
 def group_problem(args) -> str | None:
@@ -69,7 +68,7 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
         raise TypeError(f"manager must be a manualdp.spmd.ft.group.GroupManager, got {type(manager).__name__}")
     make, kwargs = optimizer_factory(optimizer, lr, 0.0, 0.0)
     opt = make(net.parameters(), **kwargs)
-    run = _Run(train_iter, num_epochs, summed_loss(loss_fn))
+    run = Run(train_iter, num_epochs, summed_loss(loss_fn))
     manager.require_same(**{"num_epochs": num_epochs, "batch_size": train_iter.batch_size, "lr": lr,
                             "optimizer": type(opt).__name__, **(settings or {})})
     manager.register_state("model", net.state_dict, net.load_state_dict)
@@ -77,13 +76,13 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     size = train_iter.batch_size or 1
     manager.capacity = max(1, size // manager.size)  # every rank of every group needs an example
-    bar = _progress(run.total, progress and manager.rank == 0, manager.id)
+    bar = progress_bar(run.total, progress and manager.rank == 0, manager.id)
     members = None
     try:
         while manager.step < run.total:
             quorum = manager.start_step()
             if quorum.ids != members and log and manager.rank == 0:
-                _write(bar, log, f"replica group {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
+                write_line(bar, log, f"replica group {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
             members = quorum.ids
             record = _group_step(run, net, opt, manager, quorum)
@@ -102,7 +101,7 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
     return run.history
 
 
-def _group_step(run: _Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum) -> dict:
+def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum) -> dict:
     """Train on this rank's shard of global batch `manager.step`: sum in the group, average in the lane; the record."""
     b = manager.step
     X, y = run.batches.get(b // run.per_epoch, b % run.per_epoch)
@@ -131,57 +130,4 @@ def _group_step(run: _Run, net: nn.Module, opt: torch.optim.Optimizer, manager: 
             p.grad = g.view_as(p).clone()
         opt.step()
     record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
-    return run._record(record, totals * groups, n)
-
-
-def run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> int:
-    """`manualdp train --fault-tolerant` under torchrun: this rank of replica group `--replica-id`; an exit status.
-
-    `loaded` is `cli._load`'s (lr, train_iter, test_iter, epochs, model), the same on every rank of every group.
-    """
-    from .cli import _error, _one_line, _optimizer_args, _write_outputs, run_config
-    from ..spmd.ft.admission import Misfit
-    from ..spmd.ft.durable import RunFinished
-    from ..spmd.ft.group import GroupBroken
-    from .agree import agree_on_settings
-
-    lr, train_iter, test_iter, epochs, net = loaded
-    host, port = args.fault_tolerant
-    world_size = int(os.environ["WORLD_SIZE"])
-    who = f"replica group {args.replica_id!r}, rank {os.environ.get('RANK', '?')}"
-    manager = None
-    try:
-        init_group(timeout)
-        # the group's ranks train one model: each must be given the same command (a rank with another --lr
-        # would step apart from its group, and the lanes would average replicas that differ)
-        agree_on_settings({**run_config(args), "lr": lr, "epochs": epochs, "optimizer": args.optimizer,
-                           "fault_tolerant": f"{host}:{port}", "replica_id": args.replica_id,
-                           "min_replicas": args.min_replicas, "timeout": timeout, "token": token is not None},
-                          timeout)
-        manager = GroupManager(args.replica_id, host, port, min_groups=args.min_replicas, timeout=timeout,
-                               quorum_timeout=min(10.0, timeout), token=token)
-        history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
-                                   settings=run_config(args),
-                                   **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
-    except RunFinished as e:  # started after its run ended: nothing to do, nothing wrong
-        if dist.get_rank() == 0:
-            print(_one_line(e), flush=True)
-        return 0
-    except (GroupBroken, Misfit, ConnectionError, TimeoutError, ValueError, RuntimeError, OSError) as e:
-        line = _one_line(e)
-        if not isinstance(e, (GroupBroken, Misfit)):  # name the group and the rank once ("rank r: ..." from agree)
-            line = f"replica group {args.replica_id!r}, {line}" if line.startswith("rank ") else f"{who}: {line}"
-        _error(line)
-        return 2 if isinstance(e, Misfit) else 1
-    finally:
-        if manager is not None:
-            manager.close()
-    if dist.get_rank() != 0:
-        return 0  # rank 0 speaks for the group: its outputs are every rank's
-    ft = history.config["fault_tolerant"]
-    print(f"loss {history.train_loss[-1]:.3f}, train acc {history.train_acc[-1]:.3f}, "
-          f"test acc {history.test_acc[-1]:.3f}")
-    print(f"replica group {args.replica_id} ({world_size} ranks): {sum(r['committed'] for r in ft['steps'])} steps "
-          f"committed, {sum(not r['committed'] for r in ft['steps'])} discarded, {len(ft['recoveries'])} state(s) "
-          f"received; parameters sha256 {ft['parameters_sha256'][:16]}")
-    return _write_outputs(args, history)
+    return run.record(record, totals * groups, n)

@@ -114,29 +114,30 @@ def train_replica(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: fl
         ft = LocalSGD(net, inner, manager, sync_every)
     else:
         ft = DiLoCo(net, inner, manager, sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum)
-    run = _Run(train_iter, num_epochs, summed_loss(loss_fn), sync_every if sync != "ddp" else None)
+    run = Run(train_iter, num_epochs, summed_loss(loss_fn), sync_every if sync != "ddp" else None)
     manager.require_same(**shared_settings(manager, train_iter, num_epochs, settings))
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     size, n = train_iter.batch_size or 0, len(getattr(train_iter, "dataset", ()))
     manager.capacity = size if train_iter.drop_last or not n % max(size, 1) else n % size  # a member needs an example
-    bar = _progress(run.total, progress, manager.id)
+    bar = progress_bar(run.total, progress, manager.id)
     members = None
     try:
         _, seen = refusals(manager.store, 0)  # the refusals before this replica came are not news
         while manager.step < run.total:
             quorum = ft.start_step()
             if members is None and manager.resumed and log:
-                _write(bar, log, f"replica {manager.id}: resumed from {manager.resumed['path']} at step {manager.step}")
+                write_line(bar, log,
+                           f"replica {manager.id}: resumed from {manager.resumed['path']} at step {manager.step}")
             if manager.step >= run.total:  # resumed from a checkpoint of the run's last step: nothing to take
                 manager.should_commit(False)
                 break
             if quorum.ids != members and log:
-                _write(bar, log, f"replica {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
+                write_line(bar, log, f"replica {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
             members = quorum.ids
             notes, seen = refusals(manager.store, seen)
             for note in notes if log else ():
-                _write(bar, log, note)  # e.g. "replica c refused: lr 0.2 != 0.1": the run goes on
+                write_line(bar, log, note)  # e.g. "replica c refused: lr 0.2 != 0.1": the run goes on
             record = run.step(ft, quorum) if run.sync_every is None else run.block(ft, quorum)
             if record["committed"] and manager.step % run.per_epoch == 0:
                 run.end_epoch(net, test_iter, manager.step // run.per_epoch, bar, log)
@@ -184,7 +185,7 @@ def shared_settings(manager: Manager, train_iter, num_epochs: int, settings: dic
             "algorithm": manager.algorithm, "guard": guard_settings(manager.guard), **(settings or {})}
 
 
-class _Run:
+class Run:
     """The loop's state: the run's batches, this epoch's running sums, the history; a joiner receives the last two."""
 
     def __init__(self, train_iter, num_epochs: int, loss_fn, sync_every: int | None = None):
@@ -222,7 +223,7 @@ class _Run:
         totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
         committed = ft.step(also=(totals,))
         record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
-        return self._record(record, totals * size, n)
+        return self.record(record, totals * size, n)
 
     def block(self, ft: LocalSGD, quorum) -> dict:
         """Take block `manager.step` (up to H batches, alone on this replica's shards), then combine; its record."""
@@ -245,9 +246,9 @@ class _Run:
             committed = ft.step(end_block=j == length - 1, also=(totals,))
         record = {"step": k, "batch": epoch * self.batches_per_epoch + first, "local_steps": length,
                   "round": quorum.round, "members": quorum.ids, "committed": committed}
-        return self._record(record, totals * size, seen)
+        return self.record(record, totals * size, seen)
 
-    def _record(self, record: dict, totals: torch.Tensor, seen: int) -> dict:
+    def record(self, record: dict, totals: torch.Tensor, seen: int) -> dict:
         """Keep `record`; if it was committed, add its `totals` (loss, correct count of `seen` examples) to the sums."""
         if record["committed"]:
             record["loss"] = totals[0].item() / seen
@@ -266,7 +267,7 @@ class _Run:
         self.sums = {"loss": 0.0, "correct": 0.0, "seen": 0, "seconds": 0.0}
         if log:
             h = self.history
-            _write(bar, log, f"epoch {epoch}: loss {h.train_loss[-1]:.3f}, train acc {h.train_acc[-1]:.3f}, "
+            write_line(bar, log, f"epoch {epoch}: loss {h.train_loss[-1]:.3f}, train acc {h.train_acc[-1]:.3f}, "
                              f"test acc {h.test_acc[-1]:.3f}")
 
 
@@ -300,14 +301,14 @@ class _Batches:
         return self.current
 
 
-def _progress(total: int, enabled: bool, replica_id: str):
+def progress_bar(total: int, enabled: bool, replica_id: str):
     if not enabled:
         return None
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=f"replica {replica_id}", leave=False, dynamic_ncols=True)
 
 
-def _write(bar, log, line: str) -> None:
+def write_line(bar, log, line: str) -> None:
     if bar is not None and log is print:
         bar.write(line)
     else:

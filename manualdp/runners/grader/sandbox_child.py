@@ -32,7 +32,8 @@ from . import walls
 from .processes import ENDED, die_with_parent
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
-RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job", "buckets": "buckets_job"}  # what each rank runs, given the file's path and name
+# what each rank runs, given the file's path and name
+RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job", "buckets": "buckets_job"}
 PR_CAPBSET_DROP, CAP_SYS_PTRACE, CAPABILITY_VERSION_3 = 24, 19, 0x20080522
 WORLD_SIZES = (2, 3, 4)  # how many ranks a `ranks` request may start (2 unless it says `world_size`)
 

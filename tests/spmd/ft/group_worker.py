@@ -4,9 +4,10 @@ Groups "A" and "B" of `size` ranks train a float64 MLP with momentum SGD; step s
 holds a shard per (group, rank) (`shard`), the same whichever groups commit it. Inside a group
 the gradients are summed and divided by the group size (plain data parallelism), then averaged
 over the lane (`GroupManager.average`). The config: `kill_at` (rank `kill_rank`, the last by default,
-SIGKILLs itself in the step of two groups of that index (0: the first), right before the cross-group average: its peers are in it), `together` (train on until
-`steps` are committed and this many of them with two groups after a step alone, or from the start
-when `rejoin`: a group started again), `sleep` (seconds per step alone). Each committed step appends a line
+SIGKILLs itself in the step of two groups of that index (0: the first), right before the cross-group
+average: its peers are in it), `together` (train on until `steps` are committed and this many of them
+with two groups after a step alone, or from the start when `rejoin`: a group started again), `sleep`
+(seconds per step alone). Each committed step appends a line
 to OUT: the step, the member groups, the parameters; the end writes the recoveries (OUT + ".end").
 """
 import datetime
