@@ -6,7 +6,8 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   So the state dict holds the DTensor shards, which the optimizer steps in place, never a gathered copy that
   goes stale;
 - before its `load_state_dict()`: a full tensor where the model holds a shard (a one-process state dict),
-  or a shard cut for another world size, is refused in one line that says what loads it; and a unit
+  a shard cut for another world size, or a DTensor on another mesh or with other placements (whose step
+  would meet the optimizer's state on the model's mesh), is refused in one line that says what loads it; and a unit
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
   them again (torch's FSDP2 does the same);
 - after it: a DTensor that `load_state_dict(..., assign=True)` put in a parameter's place becomes its shard
@@ -76,6 +77,11 @@ def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys,
                              f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
                              "torch.distributed.checkpoint (dcp.save, then dcp.load into model.state_dict()), "
                              "which reshards")
+        if value.device_mesh != p.sharded.device_mesh or value.placements != p.sharded.placements:
+            raise ValueError(f"load_state_dict: {key} is a DTensor on {value.device_mesh} with {value.placements}, "
+                             f"and the model shards it on {p.sharded.device_mesh} with {p.sharded.placements}: "
+                             "build the state dict on the model's mesh (distribute_tensor(full, "
+                             "model_param.device_mesh, model_param.placements)), or load with dcp.load")
     for attr, p in held:  # the values load into the shards; a backward still to come gathers them again (as torch's)
         if p.full is not None and sub._parameters.get(attr) is p.full:
             sub.__dict__[SLOTS][attr].free()

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from manualdp.spmd import launch, shard
 from manualdp.spmd.sharding.fsdp import FSDPModule, fully_shard
@@ -118,6 +119,15 @@ def _assign_resume(shard_fn, rank, n):
             "same": all(torch.equal(v, want[k]) for k, v in _full(resumed).items())}
 
 
+def _assign_other_mesh(rank, n):
+    """DTensors of a (1, 2) mesh (the same local rows) assigned into a model sharded on a 1-D mesh of 2."""
+    model = _meta_model(fully_shard)
+    other = init_device_mesh("cpu", (1, n), mesh_dim_names=("replicate", "shard"))
+    full = Titan().state_dict()
+    state = {k: nn.Parameter(distribute_tensor(v, other, [Replicate(), Shard(0)])) for k, v in full.items()}
+    return _case(model.load_state_dict, state, True, True)
+
+
 def _case(fn, *args):
     try:
         return fn(*args)
@@ -136,6 +146,7 @@ def _job():
     out = {name: {"list": _case(_list_unit, fn, rank, n), "assign": _case(_assign_resume, fn, rank, n)}
            for name, fn in SHARD_FNS.items()}
     out["apart"] = _lists_apart(rank)
+    out["other mesh"] = _assign_other_mesh(rank, n)
     return out
 
 
@@ -180,3 +191,12 @@ def test_ranks_that_shard_other_lists_all_raise_naming_the_field(results):
     for r, got in enumerate(results):
         assert isinstance(got["apart"], str) and "differs across ranks" in got["apart"], f"rank {r}: {got['apart']}"
         assert "fully_shard([LayerNorm, Linear])" in got["apart"] or "fully_shard(Linear)" in got["apart"]
+
+
+def test_dtensors_of_another_mesh_assigned_are_refused_naming_both_meshes(results):
+    """Same local rows on a (1, 2) mesh: refused at load_state_dict, not at the optimizer's step three lines deep."""
+    for r, got in enumerate(results):
+        line = got["other mesh"]
+        head = "ValueError: load_state_dict: tok_embeddings.weight is a DTensor on DeviceMesh((replicate=1, shard=2)"
+        assert isinstance(line, str) and line.startswith(head), f"rank {r}: {line}"
+        assert "the model shards it on DeviceMesh((2,)" in line and "\n" not in line, f"rank {r}: {line}"
