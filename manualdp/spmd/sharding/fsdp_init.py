@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from ...validate import initialized, nn_module, timeout_seconds
 from ..transport.agree import agree
-from ..transport.peers import group_ranks
+from ..transport.peers import group_ranks, group_timeout
 from .fsdp_param import SLOTS, Param, owner_of
 from .fsdp_unit import UNIT
 
@@ -64,6 +64,8 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
                              "apply it once per module")
     taken, nested, buffers = _walk(modules, ignored)
     meta, device_type = _device(modules, taken, mesh, group)
+    if timeout is None and mesh is not None:  # a mesh's sub-groups get torch's default timeout, not the world's
+        timeout = group_timeout()
     mesh, group, replicate = _mesh_and_group(mesh, group, device_type)
     reshard = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     for p, _, name in taken.values():

@@ -217,3 +217,49 @@ def test_replicas_that_run_units_in_another_order_all_raise_naming_the_unit(soak
         assert message.startswith(f"RuntimeError: rank {r} (replica {r // 2}): fully_shard's all-reduce across "
                                   f"replicas of unit {3 - r // 2} (FSDPLinear {'ba'[r // 2]})"), message
         assert "replica 0: unit 3, reduce-scatter 1" in message and "replica 1: unit 2" in message, message
+
+
+STOP_TIMEOUT = 6.0  # the world group's timeout in the stopped-rank test: torch's mesh sub-groups get 30 minutes
+
+
+def _stopped_rank():
+    """2 x 2, world group timeout `STOP_TIMEOUT`: rank 2 SIGSTOPs itself before step 1's backward (a helper wakes
+    it 4 timeouts later); each other rank returns (seconds until it raised, its error), rank 2 "woken"."""
+    import datetime
+    import os
+    import signal
+    import subprocess
+    import time
+
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=n, timeout=datetime.timedelta(seconds=STOP_TIMEOUT))
+    torch.manual_seed(0)
+    model = Titan()
+    _apply_fsdp(fully_shard, model, mesh=_mesh())
+    for step in range(2):
+        x = _batch(rank, n, step)
+        loss = nn.functional.cross_entropy(model(x)[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+        if step == 1 and rank == 2:
+            subprocess.Popen(["sh", "-c", f"sleep {4 * STOP_TIMEOUT}; kill -CONT {os.getpid()}"])
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return "woken"
+        start = time.monotonic()
+        try:
+            loss.backward()
+        except Exception as e:  # the parent asserts on the message
+            return time.monotonic() - start, f"{type(e).__name__}: {e}"
+    return "finished"
+
+
+@pytest.mark.soak
+def test_a_stopped_rank_on_a_2x2_mesh_is_named_within_the_world_groups_timeout():
+    """Issue 46 F04: the mesh's sub-groups waited torch's default 30 minutes; now the world group's timeout."""
+    got = launch(_stopped_rank, 4, timeout=120.0, init=False)
+    assert got[2] == "woken"
+    for r in (0, 1, 3):
+        assert isinstance(got[r], tuple), f"rank {r}: {got[r]}"
+        seconds, line = got[r]
+        assert seconds < 3 * STOP_TIMEOUT and "\n" not in line, f"rank {r} after {seconds:.1f} s: {line}"
+        assert f"rank {r}" in line, f"rank {r}: {line}"
+    for r in (0, 3):  # rank 2's peers: rank 0 across the replicas, rank 3 in its shard group
+        assert "rank 2" in got[r][1].replace(f"rank {r}", ""), f"rank {r}: {got[r][1]}"
