@@ -246,7 +246,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     outermost), `mp_policy` (torch's `MixedPrecisionPolicy`: gather and compute in `param_dtype`,
     reduce in `reduce_dtype`, cast outputs to `output_dtype`), `ignored_params` (left whole, not
     sharded, not synchronised). Ours: `group` (instead of `mesh`), `timeout` (seconds to wait for a
-    silent peer; default: the group's, or on a mesh the world group's), `recorder` (a `manualdp.support.trace.Trace` that gets every collective).
+    silent peer; default: the group's, or on a mesh the world group's), `recorder` (a
+    `manualdp.support.trace.Trace` that gets every collective).
     Every rank must call it alike; it compares the ranks' calls first.
     """
     call = checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
