@@ -43,11 +43,25 @@ def replaced_mark(index: int) -> int:
 def replaced_line(rank: int, who: str, marks: dict[int, int], names: list[str]) -> str:
     """The one line every rank raises when `marks` (group rank -> `replaced_mark`) says which ranks replaced which
     parameter after wrapping; `names`: the parameters the wrapper was built with, in order."""
-    said = [f"{names[-1 - m] if -1 - m < len(names) else 'a parameter added after wrapping'} on rank {r}"
-            for r, m in sorted(marks.items())]
-    return (f"rank {rank}: {who}: parameter {'; '.join(said)} is not the one the wrapper was built with (replaced or "
+    ranks: dict[int, list[int]] = {}  # mark -> the ranks that sent it: ranks that replaced the same one, said once
+    for r, m in sorted(marks.items()):
+        ranks.setdefault(m, []).append(r)
+    said = [f"{_parameter(-1 - m, names)} on {_ranks(rs)}" for m, rs in ranks.items()]
+    return (f"rank {rank}: {who}: {'; '.join(said)} is not the one the wrapper was built with (replaced or "
             "resized after wrapping, e.g. module.weight = nn.Parameter(...)): it would never be averaged; replace "
             "parameters before wrapping, or assign to .data to keep the parameter itself")
+
+
+def _parameter(index: int, names: list[str]) -> str:
+    """Parameter `index` of the wrapper as built, or, past the end, one added after."""
+    return f"parameter {names[index]}" if index < len(names) else "a parameter added after wrapping"
+
+
+def _ranks(ranks: list[int]) -> str:
+    """`rank 2`, `ranks 0 and 1`, `ranks 0, 1 and 2`."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {', '.join(map(str, ranks[:-1]))} and {ranks[-1]}"
 
 
 @contextlib.contextmanager

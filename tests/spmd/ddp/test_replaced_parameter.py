@@ -8,6 +8,7 @@ from torch import nn
 
 from manualdp.distributed import DistributedDataParallel
 from manualdp.spmd import launch
+from manualdp.spmd.ladder.identity import replaced_line, replaced_mark
 
 # (how rank 1 changes its model, before which step, the wrapper's flags)
 CASES = [("replace", 1, {"find_unused_parameters": True}), ("replace", 1, {"static_graph": True}),
@@ -46,7 +47,8 @@ def test_a_parameter_replaced_on_one_rank_after_wrapping_raises_on_every_rank_na
     for rank, message in enumerate(launch(_job, n, (how, at, flags), timeout=120)):
         assert message is not None and message.startswith(f"ValueError: rank {rank}: DistributedDataParallel:"), \
             message
-        assert f"{said} on rank 1 is not the one the wrapper was built with" in message, message
+        assert message.startswith(f"ValueError: rank {rank}: DistributedDataParallel: {said} on rank 1 is not the one "
+                                  "the wrapper was built with ("), message
         assert "\n" not in message
 
 
@@ -67,4 +69,19 @@ def _everywhere():
 def test_the_same_parameter_replaced_on_every_rank_raises_on_each_naming_every_rank():
     for rank, message in enumerate(launch(_everywhere, 2, timeout=120)):
         assert message is not None and message.startswith(f"rank {rank}: DistributedDataParallel: parameter bias "
-                                                          "on rank 0; bias on rank 1 is not the one"), message
+                                                          "on ranks 0 and 1 is not the one"), message
+
+
+NAMES = ["0.weight", "0.bias"]
+TAIL = " is not the one the wrapper was built with ("
+
+
+@pytest.mark.parametrize("marks,said", [
+    ({2: replaced_mark(2)}, "a parameter added after wrapping on rank 2"),
+    ({0: replaced_mark(0), 1: replaced_mark(0)}, "parameter 0.weight on ranks 0 and 1"),
+    ({0: replaced_mark(1), 1: replaced_mark(1), 3: replaced_mark(1)}, "parameter 0.bias on ranks 0, 1 and 3"),
+    ({2: replaced_mark(0), 0: replaced_mark(5), 1: replaced_mark(0)},
+     "a parameter added after wrapping on rank 0; parameter 0.weight on ranks 1 and 2")])
+def test_the_replaced_line_names_each_parameter_once_with_the_ranks_that_replaced_it(marks, said):
+    line = replaced_line(1, "DistributedDataParallel", marks, NAMES)
+    assert line.startswith(f"rank 1: DistributedDataParallel: {said}{TAIL}"), line
