@@ -359,8 +359,14 @@ def differs(field: str, values: list[str], wildcard: str | None = None) -> str:
 
     `wildcard`: a value that matches every other (shown per rank, left out of the range).
     """
-    seen = sorted({v for v in values if v != wildcard}, key=lambda v: (len(v), v))
+    seen = sorted({v for v in values if v != wildcard}, key=_order)
     return f"{field} {'..'.join(seen)} (per rank: {', '.join(values)})"
+
+
+def _order(value: str) -> tuple:
+    """Integers (digests, sizes; negative ones too) numerically, then other values by length and text."""
+    integer = value.lstrip("-").isdecimal() and value.count("-") <= 1
+    return (0, int(value), "") if integer else (1, len(value), value)
 
 
 def _differences(rows: list[list[int]]) -> str:

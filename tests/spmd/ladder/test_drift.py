@@ -12,7 +12,7 @@ from torch import nn
 
 from manualdp.distributed import DistributedDataParallel, ZeroRedundancyOptimizer
 from manualdp.spmd import BucketedDDP, FlatDDP, NaiveDDP, OverlappedDDP, launch
-from manualdp.spmd.ladder.drift import DRIFT_CHECK_EVERY, DriftCheck, digests
+from manualdp.spmd.ladder.drift import DRIFT_CHECK_EVERY, DriftCheck, check_replicas, digests
 from tests.helpers import error_of
 
 WRAPPERS = {"NaiveDDP": NaiveDDP, "FlatDDP": FlatDDP, "OverlappedDDP": OverlappedDDP, "BucketedDDP": BucketedDDP,
@@ -158,6 +158,21 @@ def test_a_digest_changes_with_one_bit_of_any_dtype_or_layout():
         if not changed.is_contiguous():
             changed = flat.view(changed.t().shape).t()
         assert digests([(name, changed)])[name] != before[name], name
+
+
+NEGATIVE = [torch.tensor([-5]), torch.tensor([-40])]  # each rank's weight: its digest is its value, negative
+
+
+def _negative_job():
+    torch.set_num_threads(1)
+    return error_of(lambda: check_replicas([("w", NEGATIVE[dist.get_rank()])], who="W", step=0, timeout=20))
+
+
+def test_the_drift_message_orders_negative_digests_numerically():
+    low, high = sorted(digests([("w", t)])["w"] for t in NEGATIVE)  # the expectation: numbers, not strings
+    assert low < high < 0 and len(str(low)) > len(str(high))  # sorted as text (shorter first), the range reads back
+    for rank, message in enumerate(launch(_negative_job, 2, timeout=120)):
+        assert message is not None and f"parameter w {low}..{high} (per rank: {high}, {low})" in message, message
 
 
 def test_the_check_is_on_by_default_and_refuses_a_bad_interval():
