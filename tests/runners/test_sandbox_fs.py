@@ -71,7 +71,7 @@ def places(tmp_path):
     pathlib.Path(paths["tmp"]).unlink(missing_ok=True)
 
 
-def run_check(tmp_path: pathlib.Path, source: str, mode: str, home: str, cwd: str) -> tuple[int, str]:
+def run_check(tmp_path: pathlib.Path, source: str, mode: str, home: str, cwd: str, **env: str) -> tuple[int, str]:
     """`manualdp check allreduce` of `source` in `mode`'s walls: (exit status, output as one line)."""
     path = tmp_path / "answer.py"
     path.write_text(source)
@@ -80,7 +80,7 @@ def run_check(tmp_path: pathlib.Path, source: str, mode: str, home: str, cwd: st
         done = subprocess.run([sys.executable, "-m", "manualdp", "check", "allreduce", str(path), "--examples", "2",
                                "--timeout", "30", "--total", "120"], capture_output=True, text=True, cwd=cwd,
                               timeout=300, env=dict(os.environ, TMPDIR=tmp, HOME=home, MANUALDP_NAMESPACES=names,
-                                                    MANUALDP_LANDLOCK=landlock))
+                                                    MANUALDP_LANDLOCK=landlock, **env))
         assert os.listdir(tmp) == [], done  # its folder is removed
     return done.returncode, " ".join(done.stdout.split())
 
@@ -220,3 +220,29 @@ def test_the_audit_hook_names_each_operation_it_refuses(tmp_path):
     assert eval(done.stdout) == [("write", f"{t}/x"), ("delete", f"{t}/y"), ("rename", f"{t}/b"),
                                  ("make the folder", f"{t}/d"), ("delete the tree", t), ("run", "true")]
     assert (tmp_path / "mine" / "ok").exists()
+
+
+LEAK = """
+def allreduce(tensors):
+    raise RuntimeError("LEAK " + open({secret!r}).read())
+"""
+
+
+def test_a_checkout_of_manualdp_is_listed_not_read_so_its_git_stays_out(tmp_path):
+    root = os.path.dirname(os.path.realpath(os.path.join(os.path.dirname(walls.__file__), "..", "..")))
+    secret = os.path.join(root, ".git", "config") if os.path.isdir(os.path.join(root, ".git")) else os.path.join(
+        root, "pyproject.toml")
+    assert os.path.isfile(secret)
+    # the checkout on PYTHONPATH, as in a clone: its root must not become readable for it
+    code, out = run_check(tmp_path, LEAK.format(secret=secret), "namespaces", str(tmp_path), str(tmp_path),
+                          PYTHONPATH=root)
+    assert code == 1 and f"it tried to read {secret}, outside its own folder" in out and "LEAK" not in out, out
+
+
+def test_the_audit_hook_alone_resolves_a_link_in_the_answers_folder_before_it_judges(tmp_path, tmp_path_factory):
+    secret = tmp_path_factory.mktemp("secret") / "shadow"
+    secret.write_text("the secret")
+    (tmp_path / "shadow_link").symlink_to(secret)
+    code, out = run_check(tmp_path, LEAK.format(secret=str(tmp_path / "shadow_link")), "audit", str(tmp_path),
+                          str(tmp_path))
+    assert code == 1 and f"it tried to read {secret}, outside its own folder" in out and "LEAK" not in out, out

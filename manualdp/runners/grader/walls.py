@@ -1,7 +1,8 @@
 """The walls around the grader's child (`sandbox_child`): what a student's file may read and write on disk.
 
 It may write in its own folder, its TMPDIR and /dev/shm only, and read only what it must: Python and its libraries
-(torch, site-packages, manualdp), its answer's folder, /proc, /sys, a few files of /etc and /dev. Up to three
+(torch, site-packages, manualdp's package folder: in a checkout, its root may be listed, never read, so that .git
+stays out), its answer's folder, /proc, /sys, a few files of /etc and /dev. Up to three
 walls hold that, each where the machine allows it, and the grader names those in force (`Walls.held`):
 
 - `mount`: in the mount namespace `processes.UNSHARE` gives the child (where user namespaces are allowed), every
@@ -14,7 +15,11 @@ walls hold that, each where the machine allows it, and the grader names those in
   delete, rename, mkdir, chmod... outside its folders, reading outside the paths above, and (where neither wall above
   holds) running a program. Always on: it records the first thing refused (`refused`), so that the grader fails the
   answer naming the path and the operation even where its code caught the error. Alone (no namespaces, no
-  Landlock) it is a fallback a determined answer gets round (ctypes, a rank's process, which it does not reach).
+  Landlock) it is a fallback a determined answer gets round (ctypes, a rank's process, which it does not reach). It
+  resolves every link before it judges a path.
+
+Writes made through ctypes or a program it runs are stopped by the kernel's walls (mount, Landlock), but not named:
+the audit hook does not see them, so the answer fails on what they broke, without the path.
 
 Standard library only.
 """
@@ -58,9 +63,10 @@ def _under(path: str, roots: list[str]) -> bool:
 class Walls:
     """The paths the child may write (`writable`) and read (`readable`, besides those), and the walls in force."""
 
-    def __init__(self, writable: list[str], readable: list[str]):
+    def __init__(self, writable: list[str], readable: list[str], listable: list[str] = ()):
         self.writable = [os.path.realpath(p) for p in writable]
         self.readable = [os.path.realpath(p) for p in readable if os.path.exists(p)]
+        self.listable = [os.path.realpath(p) for p in listable if os.path.isdir(p)]  # listed, none of their files read
         self.held: list[str] = []  # the walls in force, in `NAMES`' words
         self.refused: list[tuple[str, str]] = []  # (operation, path) the audit hook refused, first first
 
@@ -102,6 +108,7 @@ class Walls:
         try:
             read = FS_EXECUTE | FS_READ_FILE | FS_READ_DIR
             rules = [(p, read) for p in self.readable] + [(p, handled) for p in self.writable]
+            rules += [(p, FS_READ_DIR) for p in self.listable]  # beneath them too: Landlock has no rule for one folder
             rules += [(f"/dev/{d}", FS_READ_FILE | FS_WRITE | FS_IOCTL_DEV) for d in DEVICES] + [("/dev/shm", handled)]
             if not all(_rule(libc, ruleset, path, access & handled) for path, access in rules if os.path.exists(path)):
                 return False
@@ -116,8 +123,6 @@ class Walls:
     def audit(self, programs: bool) -> None:
         """Install the audit hook; `programs`: refuse running programs too (where no wall of the kernel holds)."""
         busy = [False]
-        # the folders it may read, for a quick look at a path as given (a link may lead out: Landlock judges that)
-        self.quick = tuple(root.rstrip("/") + "/" for root in [*self.readable, *self.writable])
 
         def hook(event: str, args: tuple) -> None:
             if busy[0] or not (event == "open" or event in WRITES or event in READS or event.startswith(PROGRAMS)):
@@ -166,13 +171,9 @@ class Walls:
             f"/dev/{d}" for d in DEVICES) else (what, full)
 
     def _read(self, what: str, path) -> tuple[str, str] | None:
-        if isinstance(path, str) and path.startswith(self.quick):  # the common case, without a system call
-            return None
-        full = _full(path, True)
+        full = _full(path, True)  # every link resolved first: one in its own folder may lead to /etc/shadow
         return None if full is None or _under(full, [*self.readable, *self.writable, "/dev/shm"]) or full in (
-            f"/dev/{d}" for d in DEVICES) else (what, full)
-
-
+            f"/dev/{d}" for d in DEVICES) or what == "list" and full in self.listable else (what, full)
 
     def named(self) -> str:
         """The walls in force, in words."""
@@ -218,6 +219,15 @@ def build(folder: str, tmp: str, answer: str) -> Walls:
     """The walls for a child working in `folder` with TMPDIR `tmp` that loads the file `answer`: what it may read is
     Python's and its libraries' folders, manualdp's, the answer's folder, /proc, /sys and a few files of /etc."""
     pythons = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
-    library = [p for p in sys.path if p and os.path.isabs(p)] + [_PACKAGE]
+    checkout = _checkout()
+    library = [p for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != checkout] + [_PACKAGE]
     system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/proc", "/sys", *(f"/etc/{f}" for f in ETC)]
-    return Walls([folder, tmp], [*sorted(pythons), *library, *system, os.path.dirname(os.path.abspath(answer))])
+    return Walls([folder, tmp], [*sorted(pythons), *library, *system, os.path.dirname(os.path.abspath(answer))],
+                 [checkout] if checkout else [])
+
+
+def _checkout() -> str | None:
+    """The folder that holds manualdp's where it is a checkout (its .git, its tests...), not site-packages: a rank
+    imports manualdp by listing it, and needs none of its other files."""
+    root = os.path.dirname(os.path.realpath(_PACKAGE))
+    return None if os.path.basename(root) in ("site-packages", "dist-packages") else root
