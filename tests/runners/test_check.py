@@ -142,3 +142,26 @@ def test_the_books_sample_message_is_what_the_grader_says(tmp_path, monkeypatch,
     status, out = check(capsys, "allreduce", "my_allreduce.py")
     sample = re.search(r"```text\n(FAIL allreduce.*?)```", (SOLUTIONS.parent / "README.md").read_text(), re.S).group(1)
     assert status == 1 and out == " ".join(sample.split())
+
+
+LIBRARYS_OWN = {  # exercise -> (an answer that is the library's own code passed off as the student's, what is told)
+    "ddp": ("from torch.nn.parallel import DistributedDataParallel\n\nclass DDP(DistributedDataParallel):\n"
+            "    pass\n", r"the file's DDP is built on torch\.nn\.parallel\.distributed\.DistributedDataParallel, "
+            r"the library's own: write it yourself"),
+    "cost": ("def cost(schedule, nbytes, alpha, beta, gamma):\n    from manualdp import cost as c\n"
+             "    return c.cost(schedule, nbytes, alpha, beta, gamma)\n",
+             r"raised RuntimeError: write it yourself: manualdp\.cost\.cost is what this exercise asks you to write"),
+    "hook": ("from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as d\n\n"
+             "def fp16_compress_hook(process_group, bucket):\n    return d.fp16_compress_hook(process_group, bucket)\n",
+             r"RuntimeError: write it yourself: torch's fp16_compress_hook is what this exercise asks you to write"),
+}
+
+
+@pytest.mark.parametrize("exercise", [pytest.param(e, marks=pytest.mark.soak) if e == "hook" else e
+                                      for e in LIBRARYS_OWN])
+def test_the_librarys_own_code_called_or_subclassed_fails_naming_it(exercise, tmp_path, capsys):
+    code, message = LIBRARYS_OWN[exercise]
+    path = tmp_path / f"{exercise}.py"
+    path.write_text(code)
+    status, out = check(capsys, exercise, path, "--examples", 5)
+    assert status == 1 and out.startswith(f"FAIL {exercise} ({path}): ") and re.search(message, out), out

@@ -97,6 +97,10 @@ def load(path: str, name: str | tuple[str, ...], args) -> Child:
     if "error" in loaded:
         child.close()
         raise Failed(loaded["error"])
+    if "own" in loaded:
+        child.close()
+        raise Failed(f"the file's {loaded['own'][0]} is built on {loaded['own'][1]}, the library's own: write it "
+                     f"yourself, in the file (the exercise asks for {EXERCISES[_exercise(name)]})")
     taken = _taken(loaded, child.path) if _exercise(name) in OWN else None
     if taken:
         child.close()

@@ -14,6 +14,11 @@ with the file's functions (a training run that saves and resumes), or start `ran
 `world_size`, up to 4) that run a job of the grader's with the file (train its DDP, register its comm hook). It
 judges nothing: it sends back the inputs and the output as they are after the call, in one `torch.save`, so that the
 grader sees which tensors share memory, and judges them itself.
+
+Before it loads the file, the library's function the exercise asks for (`LIBRARY`) is made to raise "write it
+yourself" when called, and a class built on torch's or manualdp's DDP is refused at load. What it cannot stop: the
+file runs in the process that measures it, so an answer that patches the grader's own functions inside a rank can
+forge that rank's results; the checks that matter compare against references computed where the file never runs.
 """
 from __future__ import annotations
 
@@ -35,6 +40,12 @@ LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
 # what each rank runs, given the file's path and name
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job", "buckets": "buckets_job"}
 PR_CAPBSET_DROP, CAP_SYS_PTRACE, CAPABILITY_VERSION_3 = 24, 19, 0x20080522
+# the library's own functions that an exercise asks for (its name -> module, function, in words): made to raise when
+# called, before the file loads, so that a file whose function only calls them fails naming them
+LIBRARY = {"cost": ("manualdp.cost", "cost", "manualdp.cost.cost"),
+           "fp16_compress_hook": ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "fp16_compress_hook",
+                                  "torch's fp16_compress_hook")}
+TORCH_DDP = "torch.nn.parallel.distributed.DistributedDataParallel"
 WORLD_SIZES = (2, 3, 4)  # how many ranks a `ranks` request may start (2 unless it says `world_size`)
 
 
@@ -172,6 +183,29 @@ def _raised(e: BaseException, path: str) -> dict:
             "at": f"{frame.filename}, line {frame.lineno}" if frame else ""}
 
 
+def write_it_yourself(names: list[str]) -> None:
+    """Make the library's function that each of `names` stands for (`LIBRARY`) raise when called, naming it: its code
+    replaced, so that every reference to it (an import, a `partial`, torch's enum of hooks) raises too."""
+    import importlib
+
+    for name in names:
+        if name in LIBRARY:
+            module, attr, words = LIBRARY[name]
+            fn = getattr(importlib.import_module(module), attr)
+            message, ns = f"write it yourself: {words} is what this exercise asks you to write", {}
+            exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n", ns)  # no closure: as fn's
+            fn.__code__ = ns["refused"].__code__
+
+
+def _built_on(cls) -> str | None:
+    """The library's DDP class that the class `cls` is built on (torch's or manualdp's), or None."""
+    for base in cls.__mro__[1:]:
+        name = f"{base.__module__}.{base.__qualname__}"
+        if name == TORCH_DDP or base.__module__.startswith("manualdp.spmd."):
+            return name
+    return None
+
+
 def _load(path: str, names: list[str]) -> dict:
     sys.path.insert(0, os.path.dirname(path))  # as `python FILE.py` would: the file's neighbours import
     spec = importlib.util.spec_from_file_location("exercise", path)
@@ -187,6 +221,9 @@ def _load(path: str, names: list[str]) -> dict:
     if missing:
         return {"missing": missing[0]}
     fns = [getattr(module, name) for name in names]
+    built = [(name, _built_on(fn)) for name, fn in zip(names, fns) if isinstance(fn, type)]
+    if any(base for _, base in built):
+        return {"own": next([name, base] for name, base in built if base)}
     origins = [_origin(fn) for fn in fns]
     return {"ok": True, "fns": fns, "defined_in": {name: file for name, (file, _) in zip(names, origins)},
             "module": {name: module for name, (_, module) in zip(names, origins)}}
@@ -247,6 +284,7 @@ def main() -> None:
         req = recv()
         if req["op"] == "load":
             path, names = req["path"], req["names"]
+            write_it_yourself(names)
             walled = _walled(wanted, mounted, path, refused)
             got = _load(path, names)
             fns = got.pop("fns", [])

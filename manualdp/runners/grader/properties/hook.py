@@ -56,6 +56,9 @@ def hook_job(path: str, name: str) -> dict:
 
     broken: list[str] = []  # what the hook did that DDP cannot take, in words
     try:
+        from ..sandbox_child import write_it_yourself
+
+        write_it_yourself([name])  # torch's own hook raises, naming itself, if the file's only calls it
         spec = importlib.util.spec_from_file_location("exercise", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
