@@ -43,12 +43,28 @@ def test_an_allreduce_right_on_device_0_only_fails_on_device_1():
         allreduce_property(wrong, 2, (3,), torch.float32, 0)
 
 
-def test_an_allreduce_wrong_only_from_50000_elements_fails_at_a_million():
+def test_an_allreduce_wrong_only_from_50000_elements_fails_past_a_million():
     wrong = answer("allreduce_small_only").allreduce
     for n, shape in ((1, (10**5,)), (2, (49_999,)), (8, (3, 4))):  # where hypothesis draws, it is right
         allreduce_property(wrong, n, shape, torch.float32, 0)
-    with pytest.raises(Mismatch, match=r"on 2 tensors of shape \(1000000,\) and dtype float32: .*; device 0 holds .* "
-                                       r"\(element 999999 of 1000000 is \S+, expected \S+\)"):
+    with pytest.raises(Mismatch, match=r"on 2 tensors of shape \(1048579,\) and dtype float32: .*; device 0 holds .* "
+                                       r"\(element 1048578 of 1048579 is \S+, expected \S+\)"):
+        allreduce_sizes_property(wrong)
+
+
+def test_an_allreduce_that_drops_the_partial_last_2_20_chunk_fails_at_2_20_plus_3():
+    wrong = answer("allreduce_drops_partial_chunk").allreduce
+    allreduce_property(wrong, 2, (10**6,), torch.float32, 0)  # below one chunk: right
+    with pytest.raises(Mismatch, match=r"on 2 tensors of shape \(1048579,\) and dtype float32: .*; device 0 holds .* "
+                                       r"\(element 104857\d of 1048579 is "):
+        allreduce_sizes_property(wrong)
+
+
+def test_an_allreduce_that_sums_the_first_8_devices_only_fails_on_16():
+    wrong = answer("allreduce_first_8_devices").allreduce
+    allreduce_property(wrong, 8, (5,), torch.float32, 0)  # as many devices as hypothesis draws: right
+    with pytest.raises(Mismatch, match=r"on 16 tensors of shape \(5,\) and dtype float32, holding .*: expected every "
+                                       r"device to hold the sum .*; device 0 holds "):
         allreduce_sizes_property(wrong)
 
 
@@ -95,7 +111,7 @@ def test_an_allreduce_that_rebinds_its_loop_name_is_told_nothing_was_written():
 def test_the_grader_checks_a_million_elements_once(capsys):
     status = main(["check", "allreduce", str(PLANTED / "allreduce_small_only.py"), "--examples", "5"])
     out = " ".join(capsys.readouterr().out.split())
-    assert status == 1 and re.search(r"shape \(1000000,\) .* \(element 999999 of 1000000", out), out
+    assert status == 1 and re.search(r"shape \(1048579,\) .* \(element 1048578 of 1048579", out), out
 
 
 def grade_diloco(fn, examples: int = 100) -> None:

@@ -109,7 +109,7 @@ def _overflows(tensors: list[torch.Tensor]) -> bool:
 
 def allreduce_sizes_property(allreduce) -> None:
     """The sizes checked once, beside what hypothesis draws: a million elements on 2 and 3 devices (an answer may
-    take another path past some size), and integer sums that overflow int16 and int32 on 2 and 8 devices."""
+    take another path past some size), integer sums that overflow int16 and int32 on 2 and 8 devices, 16 devices."""
     for case in SIZES:
         allreduce_property(allreduce, **case)
 
@@ -118,10 +118,13 @@ SHAPES = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 DRAWN = dict(n=st.integers(1, 8), shape=st.one_of(SHAPES, st.integers(0, 10**5).map(lambda k: (k,))),
              dtype=st.sampled_from(INTS + FLOATS), seed=st.integers(0, 2**31 - 1), transpose=st.booleans(),
              wide=st.booleans())
-SIZES = [dict(n=2, shape=(10**6,), dtype=torch.float32, seed=1), dict(n=3, shape=(1000, 1001), dtype=torch.int64,
+SIZES = [dict(n=2, shape=(2**20 + 3,), dtype=torch.float32, seed=1), dict(n=3, shape=(1000, 1001), dtype=torch.int64,
                                                                         seed=2, transpose=True),
          dict(n=2, shape=(10**6,), dtype=torch.int16, seed=3, wide=True),
          dict(n=8, shape=(5,), dtype=torch.int16, seed=4, wide=True),
          dict(n=2, shape=(100,), dtype=torch.int32, seed=5, wide=True),
-         dict(n=8, shape=(5,), dtype=torch.int32, seed=6, wide=True)]
-"""Checked once by `allreduce_sizes_property` (a million elements once, not for every example hypothesis draws)."""
+         dict(n=8, shape=(5,), dtype=torch.int32, seed=6, wide=True),
+         dict(n=16, shape=(5,), dtype=torch.float32, seed=7)]
+"""Checked once by `allreduce_sizes_property` (a million elements once, not for every example hypothesis draws):
+2**20 + 3 elements, past a power-of-two chunk with a partial one left over (an answer that works in 2**20-element
+chunks must sum the tail), and 16 devices, twice what hypothesis draws (an answer with a table of 8 must grow it)."""
