@@ -80,6 +80,20 @@ def test_an_allreduce_off_by_1e8_relative_fails_in_float64():
         allreduce_property(wrong, 3, (4,), torch.float64, 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_allreduce_biased_by_4e6_or_4e11_fails_beyond_what_any_order_of_summation_rounds(dtype):
+    wrong = answer("allreduce_biased_4e6").allreduce
+    orders = (lambda ts: sum(ts), lambda ts: sum(reversed(ts)), lambda ts: torch.stack(ts).double().sum(0).to(dtype),
+              lambda ts: sum(ts[i] + ts[i + 1] if i + 1 < len(ts) else ts[i] for i in range(0, len(ts), 2)))
+    for n in (1, 2, 3, 8):  # every order of summation passes: forwards, backwards, pairwise, in float64 then rounded
+        for order in orders:
+            allreduce_property(lambda ts, order=order: [t.copy_(s) for s in [order(ts)] for t in ts], n, (1000,),
+                               dtype, n)
+    with pytest.raises(Mismatch, match=rf"(?s)on 2 tensors of shape \(1000,\) and dtype {str(dtype)[6:]}: expected "
+                                       r"every device to hold the sum .*; device 0 holds "):
+        allreduce_property(wrong, 2, (1000,), dtype, 0)
+
+
 @pytest.mark.parametrize("name, dtype", [("allreduce_saturates", torch.int16), ("allreduce_saturates", torch.int32),
                                          ("allreduce_through_float32", torch.int32)])
 def test_an_integer_sum_that_overflows_is_the_sum_wrapped_around(name, dtype):

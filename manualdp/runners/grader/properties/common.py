@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-__all__ = ["FLOATS", "Mismatch", "called", "hint_for", "show", "seconds", "apart", "n_devices"]
+__all__ = ["FLOATS", "Mismatch", "called", "hint_for", "show", "seconds", "apart", "n_devices", "sum_within"]
 
 FLOATS = [torch.float32, torch.float64]
 TORCH = os.path.dirname(torch.__file__)
@@ -114,3 +114,15 @@ def apart(want, got, show=show) -> tuple[str, str]:
 
 def n_devices(n: int) -> str:
     return f"{n} device{'s' * (n != 1)}"
+
+
+def sum_within(got: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Per element, whether floating `got` is the sum of `tensors` as some order of summation in their dtype may
+    round it: |got - exact| <= (n - 1) * eps * sum_i |x_i|.
+
+    Each of the n - 1 additions of any order rounds by at most eps / 2 of a partial sum, itself at most sum_i |x_i|;
+    `exact`, taken in float64, rounds as much again for float64 tensors (nothing that counts for narrower ones), so
+    eps, not eps / 2, covers both. A bias of a few eps on every element (a scaled sum) fails."""
+    wide = torch.stack([t.to(torch.float64) for t in tensors])
+    bound = (len(tensors) - 1) * torch.finfo(tensors[0].dtype).eps * wide.abs().sum(0)
+    return (got.to(torch.float64) - wide.sum(0)).abs() <= bound
