@@ -234,7 +234,7 @@ class GroupManager:
         if not self._ok:
             return False
         try:
-            self._lane.sum(tensor)
+            self._lane.sum(tensor, self._quorum.ids)  # ValueError (another tensor on a peer group) goes up
         except RuntimeError as e:  # gloo's: a peer of the lane died or hangs
             self.last_error, self._ok = without_traceback(e), False
             return False

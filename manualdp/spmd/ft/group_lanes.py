@@ -10,6 +10,11 @@ changes (members changed, or a step failed), so a failed lane is never reused.
 
 A lane's state (model shard and optimizer shard of rank i) goes through the store as
 `recovery.py`'s states do, under the source name `GROUP/lane/i`, checked by its SHA-256.
+
+Gloo aborts the process when the members of an allreduce pass tensors of other sizes, so a
+lane's sum first sums a header of fixed size (each member's element count and dtype, in its
+own row) and raises a ValueError on every member when the rows differ, as the call check does
+for `Manager.average`.
 """
 from __future__ import annotations
 
@@ -25,6 +30,9 @@ from .recovery import check_loadable, forget_state, receive_state, send_state
 
 __all__ = ["Lane", "lane_source"]
 
+# every dtype torch has, each its own number in the header (a dtype's name travels as its index)
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
 
 def lane_source(group_id: str, index: int) -> str:
     """The name lane `index` of replica group `group_id` sends its state under (a replica id holds no '/')."""
@@ -39,6 +47,7 @@ class Lane:
         self.name = lane_source(group_id, index)
         self.number: int | None = None            # the quorum group this lane was formed for; None: none held
         self.size = 0                             # how many replica groups it joins
+        self._rank = 0                            # this group's place among them (its row in the sum's header)
         self._pg: dist.ProcessGroup | None = None  # the hand-built gloo group
         self._sent: int | None = None             # the round whose state this lane wrote to the store
 
@@ -47,17 +56,34 @@ class Lane:
         self.drop()
         store = meeting(self.store, keys.lane(number, self.index))
         self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
-        self.number, self.size = number, size
+        self.number, self.size, self._rank = number, size, rank
 
     def drop(self) -> None:
         """Leave the lane held, if any (its peers are not told: their next collective on it fails)."""
         self._pg, self.number, self.size = None, None, 0
 
-    def sum(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` in place over the lane; RuntimeError if a peer failed or the lane is not held."""
+    def sum(self, tensor: torch.Tensor, names: list[str] | None = None) -> None:
+        """Sum `tensor` in place over the lane; RuntimeError if a peer failed or the lane is not held.
+
+        ValueError on every member if the members' tensors differ in size or dtype; `names`: the
+        member groups' ids in lane order, for that message.
+        """
         if self._pg is None:
             raise RuntimeError(f"lane {self.name!r} is not held (its last step failed)")
+        self._check_alike(tensor, names or [f"member {i}" for i in range(self.size)])
         self._pg.allreduce([tensor]).wait()
+
+    def _check_alike(self, tensor: torch.Tensor, names: list[str]) -> None:
+        """Sum every member's (elements, dtype) row; ValueError on every member, naming each row, if they differ."""
+        code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
+        table = torch.zeros(self.size, 2, dtype=torch.int64)
+        table[self._rank] = torch.tensor([tensor.numel(), code])
+        self._pg.allreduce([table]).wait()
+        rows = [tuple(row) for row in table.tolist()]
+        if len(set(rows)) > 1:
+            named = "; ".join(f"{names[i]!r}: {n} elements of {_dtype_name(d)}" for i, (n, d) in enumerate(rows))
+            raise ValueError(f"lane {self.name!r}: the groups average tensors of other sizes or dtypes ({named}); "
+                             "each group's rank must pass the same tensor (the same model and arguments)")
 
     def send(self, round_: int, state: dict) -> str:
         """Write this lane's `state` for the receivers of `round_`; return its SHA-256."""
@@ -78,3 +104,8 @@ class Lane:
         state, digest = receive_state(self.store, round_, source, self.timeout)
         load(state)
         return {"round": round_, "source": source, "sha256": digest}
+
+
+def _dtype_name(code: int) -> str:
+    """The dtype a header's `code` stands for."""
+    return str(_DTYPES[code]) if code < len(_DTYPES) else "an unknown dtype"
