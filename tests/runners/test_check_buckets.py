@@ -145,3 +145,11 @@ def test_the_librarys_own_rung_4_handed_in_is_refused(tmp_path, capsys):
     assert main(["check", "buckets", str(taken)]) == 1
     out = " ".join(capsys.readouterr().out.split())
     assert "BucketedDDP is not written in it but taken from manualdp.spmd.ladder.bucketed" in out, out
+
+
+@pytest.mark.soak
+def test_torchs_ddp_inside_the_answer_with_a_decoy_send_is_refused(capsys):
+    # torch's DDP does the work in C++, a decoy async all_reduce fakes the overlap: nothing of rung 4 is written
+    assert main(["check", "buckets", str(ANSWERS / "planted" / "buckets_torch_decoy.py")]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "write it yourself: torch's DistributedDataParallel (its buckets and hooks)" in out, out

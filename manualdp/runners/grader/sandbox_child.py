@@ -44,7 +44,9 @@ PR_CAPBSET_DROP, CAP_SYS_PTRACE, CAPABILITY_VERSION_3 = 24, 19, 0x20080522
 # called, before the file loads, so that a file whose function only calls them fails naming them
 LIBRARY = {"cost": ("manualdp.cost", "cost", "manualdp.cost.cost"),
            "fp16_compress_hook": ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "fp16_compress_hook",
-                                  "torch's fp16_compress_hook")}
+                                  "torch's fp16_compress_hook"),
+           "torch_ddp": ("torch.nn.parallel.distributed", "DistributedDataParallel.__init__",
+                         "torch's DistributedDataParallel (its buckets and hooks)")}
 TORCH_DDP = "torch.nn.parallel.distributed.DistributedDataParallel"
 WORLD_SIZES = (2, 3, 4)  # how many ranks a `ranks` request may start (2 unless it says `world_size`)
 
@@ -191,10 +193,17 @@ def write_it_yourself(names: list[str]) -> None:
     for name in names:
         if name in LIBRARY:
             module, attr, words = LIBRARY[name]
-            fn = getattr(importlib.import_module(module), attr)
+            owner = importlib.import_module(module)
+            *path, last = attr.split(".")  # a method too: "Class.__init__"
+            for part in path:
+                owner = getattr(owner, part)
+            fn = getattr(owner, last)
             message, ns = f"write it yourself: {words} is what this exercise asks you to write", {}
             exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n", ns)  # no closure: as fn's
-            fn.__code__ = ns["refused"].__code__
+            if fn.__code__.co_freevars:  # a method that calls super(): its class takes the refusal in its place
+                setattr(owner, last, ns["refused"])
+            else:
+                fn.__code__ = ns["refused"].__code__
 
 
 def _built_on(cls) -> str | None:
