@@ -18,20 +18,21 @@ __all__ = ["average_and_vote"]
 
 
 def average_and_vote(manager: Manager, tensors: list[torch.Tensor], also: tuple[torch.Tensor, ...] = (), *,
-                     judged: list[torch.Tensor] | None = None) -> bool:
+                     judged: list[torch.Tensor] | None = None, ok: bool = True) -> bool:
     """Average `tensors` over `manager`'s quorum and vote; True, and the averages written back, if every member commits.
 
     `tensors` go as one flat buffer per dtype (rung 2 of the ladder), each tensor of `also` as a
     buffer of its own, first. On False (a member failed, or the guard found a contribution out of
     line: then no buffer is sent) every tensor is left as it was. `judged`: what the guard judges
     in place of `tensors` (`FaultTolerantDDP`'s bucket norms: its buckets were averaged during backward).
+    `ok`: False votes discard, after the guard (every member judges alike, and counts the same offences).
     """
     groups = [[t] for t in also] + by_dtype(tensors)
     flats = [flatten(group) for group in groups]
     guard = getattr(manager, "guard", None)
     judged = flats[len(also):] if judged is None else judged
-    ok = guard is None or guard.passes(manager, judged, flats[:len(also)])  # the same answer on all
-    ok = ok and all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
+    passed = guard is None or guard.passes(manager, judged, flats[:len(also)])  # the same answer on all
+    ok = ok and passed and all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
     if not manager.should_commit(ok):
         return False
     for flat, group in zip(flats, groups):

@@ -15,7 +15,10 @@ the current quorum's group. Where it departs from the drop-in, and why:
   loaded under autograd would break it. `average_late` averages every bucket after backward, once
   the quorum is entered; the step is voted down anyway, but a newcomer is not left waiting;
 - a member gone mid-bucket makes `Manager.average` return False: the later buckets go nowhere,
-  and the vote discards the step on every member.
+  and the vote discards the step on every member;
+- an average that comes back NaN or Inf from finite norms (corrupted on the way, or a sum that
+  overflowed) is noted (`nonfinite`): the guard judged the norms before it, so `step()` votes
+  discard, and every member does, holding the same averages.
 The guard (`guard.py`) judges every member's whole contribution, known only once every bucket is
 in: each bucket's norm is taken before its average, and the guard judges them in `step()`. An
 out-of-line contribution has then been averaged, but the step is discarded: it is never applied.
@@ -61,6 +64,7 @@ class QuorumReducer(Reducer):
         self.averaged = False     # a bucket was averaged during a backward pass of this step
         self.norms: list[float] = []  # the norm of each bucket this replica contributed, for the guard
         self.error: BaseException | None = None  # what taking the quorum raised in backward, raised by step()
+        self.nonfinite: int | None = None  # the first bucket whose average came back NaN or Inf: step() discards
 
     def average_bucket(self, index: int, bucket) -> None:
         """On the worker (or late, on the main thread): average `bucket`'s gradients over the quorum."""
@@ -68,7 +72,10 @@ class QuorumReducer(Reducer):
         if self.late:
             return
         self.norms.append(float(torch.linalg.vector_norm(bucket.grads, dtype=torch.float64)))
-        self.manager.average(bucket.grads)  # False (a member failed): the manager votes discard, later buckets skip
+        # False (a member failed): the manager votes discard, later buckets skip. True: every member holds the
+        # same average, so a NaN in it (a fault on the way, a sum of finite buckets that overflowed) is seen by all
+        if self.manager.average(bucket.grads) and self.nonfinite is None and not torch.isfinite(bucket.grads).all():
+            self.nonfinite = index
         self.averaged = True
 
     @torch.no_grad()

@@ -25,6 +25,8 @@ this step's batch, an unbiased step on a smaller batch, with a little more noise
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -37,6 +39,8 @@ from .manager import Manager
 from .quorum import Quorum
 
 __all__ = ["FaultTolerantDDP", "check_wrapped", "optimizer_settings"]
+
+_log = logging.getLogger("manualdp.spmd.ft")  # the guard's: one line a discarded step
 
 
 class FaultTolerantDDP(nn.Module):
@@ -99,7 +103,10 @@ class FaultTolerantDDP(nn.Module):
             if r.late or not r.averaged:  # the quorum entered after backward, or no backward reached the buckets
                 r.average_late()
             norms = torch.tensor(r.norms, dtype=torch.float64)  # the guard judges the whole contribution by them
-            committed = average_and_vote(self.manager, [], also, judged=[norms])
+            if r.nonfinite is not None:  # the guard judged the norms before the average: it cannot see this
+                _log.warning(f"replica {self.manager.id}: step {self.manager.step} discarded: bucket {r.nonfinite}'s "
+                             f"average came back non-finite (NaN or Inf), the same on every member")
+            committed = average_and_vote(self.manager, [], also, judged=[norms], ok=r.nonfinite is None)
         if committed:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

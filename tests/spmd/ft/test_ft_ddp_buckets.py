@@ -35,10 +35,11 @@ def data(k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 3, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
 
 
-def two_members(manager: Manager, fail_at: int | None = None) -> list[tuple[str, int]]:
+def two_members(manager: Manager, fail_at: int | None = None, nan_at: int | None = None) -> list[tuple[str, int]]:
     """Make `manager.average` stand for two members; each call's (thread, elements) goes into the list returned.
 
-    `fail_at`: that call (0: the first) fails, as a member gone mid-bucket makes it.
+    `fail_at`: that call (0: the first) fails, as a member gone mid-bucket makes it. `nan_at`: that call's
+    average comes back with a NaN (corrupted on the way, after its norm was taken), and True.
     """
     calls, real = [], manager.average
 
@@ -50,6 +51,8 @@ def two_members(manager: Manager, fail_at: int | None = None) -> list[tuple[str,
         if not real(t):  # the quorum of one's own (it refuses a step not under way)
             return False
         t.add_(t * 3).div_(2)
+        if len(calls) - 1 == nan_at:
+            t.view(-1)[0] = float("nan")
         return True
 
     manager.average = average
@@ -111,6 +114,30 @@ def test_a_bucket_whose_average_fails_discards_the_step_and_the_next_one_commits
         ft.start_step()  # the same batch again
         loss_of(ft, 0).backward()
         assert ft.step() and manager.step == 1
+        assert not any(torch.equal(p, b) for p, b in zip(net.parameters(), before))
+
+
+def test_a_bucket_whose_average_comes_back_non_finite_discards_the_step_and_the_next_one_commits(coordinator, caplog):
+    net = make()
+    before = [p.detach().clone() for p in net.parameters()]
+    with Manager("one", "127.0.0.1", coordinator.port, timeout=10) as manager:
+        ft = FaultTolerantDDP(net, torch.optim.SGD(net.parameters(), lr=0.1), manager, bucket_cap_mb=None)
+        calls = two_members(manager, nan_at=2)  # the third bucket: its norm, taken before, was finite
+        ft.start_step()
+        loss_of(ft, 0).backward()
+        totals = torch.tensor([1.0], dtype=torch.float64)
+        with caplog.at_level("WARNING", logger="manualdp.spmd.ft"):
+            assert ft.step(also=(totals,)) is False
+        assert "step 0 discarded: bucket 2's average came back non-finite" in caplog.text
+        # every bucket went, then the guard's norms (it judged them finite), not `also`: the vote discards
+        assert [n for _, n in calls] == [2, 8, 4, 12, 1]
+        assert manager.step == 0 and totals.tolist() == [1.0]
+        assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before)) and all(
+            p.grad is None for p in net.parameters())
+        ft.start_step()  # the same batch again, averaged whole this time
+        loss_of(ft, 0).backward()
+        assert ft.step() and manager.step == 1
+        assert all(torch.isfinite(p).all() for p in net.parameters())
         assert not any(torch.equal(p, b) for p, b in zip(net.parameters(), before))
 
 
