@@ -182,23 +182,27 @@ def connect(host: str, port: int, timeout: float, token: str | None = None, name
             client = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=seconds))
     except (RuntimeError, OSError):
         raise ConnectionError(f"cannot reach the coordinator at {host}:{port} within {seconds:g} s") from None
-    mode = f"{PREFIX}/{MODE}"
-    signed = client.check([mode]) and client.get(mode) == b"signed"
-    if secret is None and signed:
-        raise ValueError(f"the coordinator at {host}:{port} asks for the run's secret: give this replica the same "
-                         f"--token-file (or ${TOKEN_ENV}) as the coordinator")
-    if secret is not None and not signed:
-        raise ValueError(f"the coordinator at {host}:{port} runs without a secret (open): start it with the same "
-                         f"--token-file (or ${TOKEN_ENV}) as this replica, or give this replica none")
-    if secret is not None:
-        nonce = SignedStore(client, secret, PREFIX).peek(HELLO)  # this coordinator's life (a signed, random nonce)
-        if nonce is None:
-            raise ValueError(f"the coordinator at {host}:{port} does not hold this secret: start it and every "
-                             f"replica with the same --token-file (or ${TOKEN_ENV})")
-        secret = life_key(secret, nonce)
-    else:
+    mode, prefix = f"{PREFIX}/{MODE}", PREFIX if namespace is None else f"{PREFIX}/{namespace}"
+    said = client.get(mode) if client.check([mode]) else None  # not signed: anyone on the port can write it
+    if secret is None:
+        if said == b"signed":
+            raise ValueError(f"the coordinator at {host}:{port} asks for the run's secret (so says its mode key, "
+                             f"which is not signed): give this replica the same --token-file (or ${TOKEN_ENV}) as "
+                             "the coordinator")
         LOG.warning(OPEN)
-    return SignedStore(client, secret, PREFIX if namespace is None else f"{PREFIX}/{namespace}")
+        return SignedStore(client, None, prefix)
+    # the signed nonce, not the mode key, decides: a stranger's mode key neither admits nor refuses a replica
+    nonce = SignedStore(client, secret, PREFIX).peek(HELLO)  # this coordinator's life (a signed, random nonce)
+    if nonce is None and said != b"signed":
+        said = "nothing" if said is None else repr(said.decode(errors="replace"))
+        raise ValueError(f"the coordinator at {host}:{port} holds nothing signed with this secret, and its mode key "
+                         f"(not signed) says {said}: it runs without a secret (open), or a stranger wrote that key; "
+                         f"start it with the same --token-file (or ${TOKEN_ENV}) as this replica, or give "
+                         "this replica none")
+    if nonce is None:
+        raise ValueError(f"the coordinator at {host}:{port} does not hold this secret: start it and every "
+                         f"replica with the same --token-file (or ${TOKEN_ENV})")
+    return SignedStore(client, life_key(secret, nonce), prefix)
 
 
 @contextlib.contextmanager

@@ -458,3 +458,21 @@ def test_two_replicas_with_a_token_file_train_alike_while_a_stranger_forges(tmp_
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_strangers_mode_key_neither_refuses_a_replica_with_the_secret_nor_is_called_the_coordinators():
+    with Coordinator(0, token=TOKEN) as c:  # its own: the mode key of the module's coordinator stays as it is
+        stranger(c).set(f"{keys.PREFIX}/{keys.MODE}", b"junk")
+        store = honest(c, "t")  # the signed nonce decides, not the unsigned mode key
+        store.set("k", b"v")
+        assert store.get("k") == b"v"
+    with Coordinator(0) as c:  # an open coordinator with a stranger's "signed": what is known, not a false claim
+        with pytest.raises(ValueError, match="asks for the run's secret \\(so says its mode key, which is not signed"):
+            stranger(c).set(f"{keys.PREFIX}/{keys.MODE}", b"signed")
+            honest(c, "t", token=None)
+
+
+def test_a_replica_with_a_secret_at_an_open_coordinator_is_told_the_mode_key_is_unsigned(open_):
+    with pytest.raises(ValueError, match="holds nothing signed with this secret, and its mode key \\(not signed\\) "
+                                         "says 'open': it runs without a secret \\(open\\), or a stranger wrote"):
+        honest(open_, "t")
