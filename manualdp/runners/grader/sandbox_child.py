@@ -15,7 +15,7 @@ with the file's functions (a training run that saves and resumes), or start `ran
 judges nothing: it sends back the inputs and the output as they are after the call, in one `torch.save`, so that the
 grader sees which tensors share memory, and judges them itself.
 
-Before it loads the file, the library's function the exercise asks for (`LIBRARY`) is made to raise "write it
+Before it loads the file, the library's function the exercise asks for (`own.LIBRARY`) is made to raise "write it
 yourself" when called, and a class built on torch's or manualdp's DDP is refused at load. What it cannot stop: the
 file runs in the process that measures it, so an answer that patches the grader's own functions inside a rank can
 forge that rank's results; the checks that matter compare against references computed where the file never runs.
@@ -34,19 +34,13 @@ import traceback
 import types
 
 from . import walls
+from .own import write_it_yourself
 from .processes import ENDED, die_with_parent
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
 # what each rank runs, given the file's path and name
 RANK_JOBS = {"ddp": "ddp_job", "hook": "hook_job", "buckets": "buckets_job"}
 PR_CAPBSET_DROP, CAP_SYS_PTRACE, CAPABILITY_VERSION_3 = 24, 19, 0x20080522
-# the library's own functions that an exercise asks for (its name -> module, function, in words): made to raise when
-# called, before the file loads, so that a file whose function only calls them fails naming them
-LIBRARY = {"cost": ("manualdp.cost", "cost", "manualdp.cost.cost"),
-           "fp16_compress_hook": ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "fp16_compress_hook",
-                                  "torch's fp16_compress_hook"),
-           "torch_ddp": ("torch.nn.parallel.distributed", "DistributedDataParallel.__init__",
-                         "torch's DistributedDataParallel (its buckets and hooks)")}
 TORCH_DDP = "torch.nn.parallel.distributed.DistributedDataParallel"
 WORLD_SIZES = (2, 3, 4)  # how many ranks a `ranks` request may start (2 unless it says `world_size`)
 
@@ -183,27 +177,6 @@ def _raised(e: BaseException, path: str) -> dict:
         message = "(its message cannot be printed)"
     return {"raised": type(e).__name__, "message": message,
             "at": f"{frame.filename}, line {frame.lineno}" if frame else ""}
-
-
-def write_it_yourself(names: list[str]) -> None:
-    """Make the library's function that each of `names` stands for (`LIBRARY`) raise when called, naming it: its code
-    replaced, so that every reference to it (an import, a `partial`, torch's enum of hooks) raises too."""
-    import importlib
-
-    for name in names:
-        if name in LIBRARY:
-            module, attr, words = LIBRARY[name]
-            owner = importlib.import_module(module)
-            *path, last = attr.split(".")  # a method too: "Class.__init__"
-            for part in path:
-                owner = getattr(owner, part)
-            fn = getattr(owner, last)
-            message, ns = f"write it yourself: {words} is what this exercise asks you to write", {}
-            exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n", ns)  # no closure: as fn's
-            if fn.__code__.co_freevars:  # a method that calls super(): its class takes the refusal in its place
-                setattr(owner, last, ns["refused"])
-            else:
-                fn.__code__ = ns["refused"].__code__
 
 
 def _built_on(cls) -> str | None:

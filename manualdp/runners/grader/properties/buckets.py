@@ -108,7 +108,7 @@ def buckets_job(path: str, name: str = "BucketedDDP") -> dict:
     events, on = [], [False]
     try:
         _recording(events, on)  # before the file is loaded: `from torch.distributed import all_reduce` sees it too
-        from ..sandbox_child import write_it_yourself
+        from ..own import write_it_yourself
 
         write_it_yourself(["torch_ddp"])  # a file that wraps torch's DDP has written nothing of rung 4
         spec = importlib.util.spec_from_file_location("exercise", path)

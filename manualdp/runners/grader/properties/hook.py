@@ -56,13 +56,16 @@ def hook_job(path: str, name: str) -> dict:
 
     broken: list[str] = []  # what the hook did that DDP cannot take, in words
     try:
-        from ..sandbox_child import write_it_yourself
+        from ..own import write_it_yourself
 
-        write_it_yourself([name])  # torch's own hook raises, naming itself, if the file's only calls it
-        spec = importlib.util.spec_from_file_location("exercise", path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        out = {name: _hooked_steps(_held_to_the_contract(getattr(module, name), name, broken))}
+        put_back = write_it_yourself([name])  # torch's own hook raises, naming itself, if the file's only calls it
+        try:
+            spec = importlib.util.spec_from_file_location("exercise", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            out = {name: _hooked_steps(_held_to_the_contract(getattr(module, name), name, broken))}
+        finally:
+            put_back()  # this process may run torch's own hook next (`torch_hook_job`)
     except Exception as e:  # noqa: BLE001
         frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
         where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
