@@ -102,3 +102,19 @@ def test_a_hook_that_breaks_the_contract_is_told_and_one_right_on_2_ranks_only_f
     with pytest.raises(Mismatch, match=f"{HOOK} on 3 ranks, step 0, .* Yours is 3/2 times torch's: divide by the "
                                        r"world size \(3 here"):
         hook_mismatch([{HOOK: mine[HOOK], **torch} for mine, torch in zip(by_two, theirs)], HOOK)
+
+
+def right_and_off_by_half_a_percent() -> list[dict]:
+    """One rank: the book's hook, one that scales the average by 1.005 from 3 ranks on, then torch's own hook."""
+    return [hook_job(str(path), HOOK) for path in (ROOT / "book" / "solutions" / "hook.py",
+                                                   ANSWERS / "planted" / "hook_wrong_from_3.py")] + [torch_hook_job()]
+
+
+def test_a_hook_off_by_half_a_percent_on_3_ranks_fails_and_the_books_and_torchs_pass():
+    ranks = launch(right_and_off_by_half_a_percent, 3, timeout=90)
+    book, off, theirs = zip(*ranks)
+    hook_mismatch([{HOOK: mine[HOOK], **torch} for mine, torch in zip(book, theirs)], HOOK)
+    hook_mismatch([{HOOK: t["torch"], **t} for t in theirs], HOOK)  # torch's own hook against itself
+    with pytest.raises(Mismatch, match=f"{HOOK} on 3 ranks, step 0, rank 0: the gradients when backward returned "
+                                       "differ from those with torch's fp16_compress_hook beyond float16 rounding"):
+        hook_mismatch([{HOOK: mine[HOOK], **torch} for mine, torch in zip(off, theirs)], HOOK)

@@ -29,7 +29,8 @@ def _hooked_steps(hook) -> dict:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 4))
     model = TorchDDP(net, bucket_cap_mb=0.0002)  # 200 bytes: a bucket per layer or two
-    model.register_comm_hook(None, hook)
+    local: dict = {}  # this rank's gradients as the hook is handed them, by parameter name
+    model.register_comm_hook(None, _recording(hook, {id(p): k for k, p in net.named_parameters()}, local))
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(3)
     X, y = torch.randn(8, 6, generator=g), torch.randint(0, 4, (8,), generator=g)  # 4 rows a rank
@@ -41,11 +42,33 @@ def _hooked_steps(hook) -> dict:
             loss = nn.functional.cross_entropy(model(Xs), ys, reduction="sum") / len(X) * n
         else:
             loss = model(0.1 * Xs).sum() * LOSS_SCALE
+        local.clear()
         loss.backward()
         out["steps"].append({"grads": {k: p.grad.detach().clone() for k, p in net.named_parameters()},
-                             "params": None})
+                             "params": None, "local": _over_the_ranks(local)})
         opt.step()
         out["steps"][-1]["params"] = {k: p.detach().clone() for k, p in net.named_parameters()}
+    return out
+
+
+def _recording(hook, names: dict, local: dict):
+    """`hook`, with each bucket's gradients recorded in `local` (by parameter name) before `hook` sees them."""
+    def recorded(state, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            local[names[id(p)]] = g.detach().clone()
+        return hook(state, bucket)
+
+    return recorded
+
+
+def _over_the_ranks(local: dict) -> dict:
+    """{name: (the ranks' gradients summed, their absolute values summed)}, in float64 over all ranks: what bounds
+    a right float16 hook's error (`_float16_bound`)."""
+    out = {}
+    for k in sorted(local):
+        both = torch.stack([local[k].double(), local[k].double().abs()])
+        dist.all_reduce(both)
+        out[k] = (both[0], both[1])
     return out
 
 
@@ -122,12 +145,29 @@ def torch_hook_job() -> dict:
     return {"torch": _hooked_steps(fp16_compress_hook)}
 
 
+U16 = 2.0 ** -11  # float16's unit roundoff: round to nearest with 11 bits of mantissa
+TINY16 = 2.0 ** -24  # float16's smallest subnormal: below 2^-14 its rounding error is absolute, up to half of this
+
+
+def _float16_bound(mine: tuple, theirs: tuple, n: int) -> torch.Tensor:
+    """How far two right float16 hooks' averages may lie apart, per element, given each run's (sum, sum of |x_i|) of
+    the ranks' local gradients x_i. One hook: each share is rounded to float16 (u |x_i|), divided by n and rounded
+    (u |x_i| / n after the first), and the n shares added in float16 in any order (n - 1 roundings, each at most
+    u times the shares' |sum| so far): (n + 1) u sum|x_i| / n to first order, plus 3n - 1 subnormal roundings of at
+    most 2^-25. Two hooks (yours and torch's) double it; and the exact averages themselves differ by how far the runs'
+    local gradients differ (step 1 starts from step 0's parameters, which the two hooks moved differently)."""
+    (sum_m, abs_m), (sum_t, abs_t) = mine, theirs
+    rounding = (n + 1) * U16 * (abs_m + abs_t) / n + (3 * n - 1) * TINY16
+    return (1 + 1e-6) * rounding + (sum_m - sum_t).abs() / n  # 1e-6: float32's rounding of the bound's terms
+
+
 def hook_mismatch(results: list[dict], name: str) -> None:
     """Raise `Mismatch` at the first step and rank where `name`'s gradients (or parameters) differ from those with
     torch's fp16_compress_hook. On 2 ranks to 1e-6 relatively, so that a hook that does not round to float16 is told:
-    there a right hook's float16 arithmetic is exact or has one order (x / 2, a + b). On more ranks to float16's
-    precision (1% of the tensor's largest value): a right hook may divide, or add the ranks' shares, in another order
-    and round otherwise than torch's."""
+    there a right hook's float16 arithmetic is exact or has one order (x / 2, a + b). On more ranks the gradients to
+    float16's rounding of the ranks' shares (`_float16_bound`): a right hook may divide, or add the shares, in another
+    order than torch's; the parameters (lr times the gradients) and results built without the ranks' local gradients
+    to 1% of the tensor's largest value."""
     n = len(results)
     tight = n <= 2
     for step in range(2):
@@ -135,10 +175,14 @@ def hook_mismatch(results: list[dict], name: str) -> None:
             for what, key in (("the gradients when backward returned", "grads"),
                               ("the parameters after the step", "params")):
                 mine, theirs = res[name]["steps"][step][key], res["torch"]["steps"][step][key]
+                bounds = (res[name]["steps"][step].get("local"), res["torch"]["steps"][step].get("local"))
                 for p_name, ref in theirs.items():
                     got = mine[p_name]
                     if tight:
                         close = torch.isclose(got, ref, rtol=1e-6, atol=1e-7)
+                    elif key == "grads" and all(b and p_name in b for b in bounds):
+                        close = (got.double() - ref.double()).abs() <= _float16_bound(bounds[0][p_name],
+                                                                                      bounds[1][p_name], n)
                     else:
                         close = (got - ref).abs() <= 1e-2 * (ref.abs() + ref.abs().max())
                     if close.all():
