@@ -20,6 +20,8 @@ Three gates, so that no race lets a misfit in:
    member's smallest global batch: a member needs an example), keeping those that hold the most
    of the run (`fit`).
 A replica left out by gate 2 or 3 is refused in one line (`left_out`); one merely late asks again.
+Askers that wait in vain before the run's settings are published, because their own differ, are
+told which fields differ between whom (`split`), not to start more replicas.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from . import keys
 _log = logging.getLogger("manualdp.spmd.ft")
 
 __all__ = ["Misfit", "canonical", "digest", "differences", "check", "publish", "refusals", "run_digest",
-           "admissible", "fit", "left_out"]
+           "admissible", "fit", "left_out", "split"]
 
 
 class Misfit(ValueError):
@@ -158,3 +160,33 @@ def left_out(store: dist.Store, me, quorum) -> None:
     if cap and len(quorum.members) >= cap:
         raise _refuse(store, me.id, f"the run's quorum is full: {len(quorum.members)} members already split "
                                     f"a global batch of {cap}", "join with a larger batch, or when a member leaves")
+
+
+def _own(store: dist.Store, member) -> dict | None:
+    """`member`'s settings under `settings/ID`, if they match its ask's digest (a stranger may write there)."""
+    text = _settings(store, keys.settings_of(member.id))
+    return json.loads(text) if text is not None and digest(text) == member.settings else None
+
+
+def _names(members: list) -> str:
+    """`a` for one member, `[a, c]` for several."""
+    return members[0].id if len(members) == 1 else "[" + ", ".join(m.id for m in members) + "]"
+
+
+def split(store: dist.Store, asks: list) -> str | None:
+    """Before the run's settings are published, the askers' differing settings in one line; None if they agree."""
+    if _settings(store, keys.SETTINGS) is not None:
+        return None
+    groups: dict[str, list] = {}
+    for m in sorted(asks, key=lambda m: m.id):
+        if m.settings:
+            groups.setdefault(m.settings, []).append(m)
+    if len(groups) < 2:
+        return None
+    first, *others = groups.values()
+    said = []
+    for group in others:
+        mine, theirs = _own(store, first[0]), _own(store, group[0])
+        why = differences(mine, theirs) if mine is not None and theirs is not None else "their settings digests differ"
+        said.append(f"replicas {_names(first)} and {_names(group)} ask with other settings: {why}")
+    return "; ".join(said) + "; start them with the same settings"

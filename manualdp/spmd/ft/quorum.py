@@ -48,7 +48,7 @@ import time
 import torch.distributed as dist
 
 from . import keys
-from .admission import admissible, fit, left_out, run_digest
+from .admission import Misfit, admissible, fit, left_out, run_digest, split
 from .heartbeat import Liveness, registered
 from .look import POLL, glance, look, peek
 from .signed_store import ignore
@@ -271,6 +271,9 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         now, need = time.monotonic(), max(1, guard, *(m.min_replicas for m in asks.values()))
         short_since = (short_since or now) if len(live) < need else None
         if (short_since is not None and now - short_since > timeout) or now - started > PATIENCE * timeout:
+            differ = split(store, list(asks.values()))  # every asker: the other may have raised and left first
+            if differ:  # more replicas would not help: the askers must agree first
+                raise Misfit(f"replica {me.id!r}: no quorum of at least {need} replicas within {timeout:g} s: {differ}")
             raise TimeoutError(
                 f"replica {me.id!r}: no quorum of at least {need} replicas within {timeout:g} s "
                 f"(round {round_}: asked {sorted(asks)}, alive {sorted(live)}): start more replicas, "

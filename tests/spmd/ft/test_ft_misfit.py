@@ -13,7 +13,7 @@ import torch
 
 from manualdp.spmd.ft import Coordinator, Manager
 from manualdp.spmd.ft.coordinator import connect
-from manualdp.spmd.ft.admission import Misfit, canonical, check, differences, digest, publish, refusals
+from manualdp.spmd.ft.admission import Misfit, canonical, check, differences, digest, publish, refusals, split
 from manualdp.spmd.ft.heartbeat import Liveness
 from manualdp.spmd.ft.quorum import decide, wait_for_quorum
 from tests.spmd.ft.cli_harness import check_against_reference, committed, reference, run
@@ -188,6 +188,61 @@ def test_a_manager_with_the_run_settings_is_not_refused():
         a.start_step()
         assert a.should_commit(torch.ones(1).item() == 1.0) and a.step == 2
         assert refusals(a.store, 0) == ([], 0)
+
+
+def test_askers_with_other_settings_and_no_run_settings_are_told_which_field_differs_not_to_start_more(store):
+    """Case 32 of issue 46's adversary: min_replicas 2, bucket_cap_mb None vs 25, both said 'start more replicas'."""
+    beats = registered_with_heartbeat(store, "ab")
+    s = store()
+    mine = {"a": {**RUN, "bucket_cap_mb": None}, "b": {**RUN, "bucket_cap_mb": 25}}
+    for rid, settings in mine.items():
+        check(s, rid, canonical(settings))
+
+    def ask(rid):
+        c = store()
+        return wait_for_quorum(c, signed(rid, mine[rid], min_replicas=2), Liveness(c, 1.0), 0, 0.5, 1.0,
+                               time.monotonic())
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            futures = {rid: pool.submit(ask, rid) for rid in mine}
+            for rid, future in futures.items():
+                with pytest.raises(Misfit, match=rf"^replica '{rid}': no quorum of at least 2 replicas within 1 s: "
+                                                 r"replicas a and b ask with other settings: bucket_cap_mb None != 25; "
+                                                 r"start them with the same settings$"):
+                    future.result(timeout=20)
+    finally:
+        for b in beats:
+            b.stop(leave=True)
+
+
+def test_split_names_each_group_and_says_so_when_the_settings_cannot_be_read(store):
+    s = store()
+    other = {**RUN, "lr": 0.2}
+    check(s, "a", canonical(RUN))
+    check(s, "c", canonical(RUN))
+    asks = [signed("a"), signed("b", other), signed("c")]  # b never wrote its settings
+    assert split(s, asks) == ("replicas [a, c] and b ask with other settings: their settings digests differ; "
+                              "start them with the same settings")
+    check(s, "b", canonical(other))
+    assert split(s, asks).startswith("replicas [a, c] and b ask with other settings: lr 0.1 != 0.2;")
+    assert split(s, [signed("a"), signed("c")]) is None  # they agree
+    publish(s, "a", canonical(RUN))
+    assert split(s, asks) is None  # the run's settings decide: gate 2 refuses b by name
+
+
+def test_two_managers_started_with_other_settings_both_raise_naming_the_field():
+    def start(rid, cap):
+        with Manager(rid, "127.0.0.1", c.port, min_replicas=2, timeout=1.5, quorum_timeout=0.5,
+                     heartbeat_timeout=1.0) as m:
+            m.require_same(**RUN, bucket_cap_mb=cap)
+            m.start_step()
+
+    with Coordinator(0) as c, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(start, "a", None), pool.submit(start, "b", 25)]
+        for future in futures:
+            with pytest.raises(Misfit, match=r"replicas a and b ask with other settings: bucket_cap_mb None != 25; "
+                                             r"start them with the same settings"):
+                future.result(timeout=30)
 
 
 # ---------------------------------------------------------------- by the command line (soak)
