@@ -34,7 +34,9 @@ def write_it_yourself(names: list[str]) -> Callable[[], None]:
             owner = getattr(owner, part)
         fn = getattr(owner, last)
         message, ns = f"write it yourself: {words} is what this exercise asks you to write", {}
-        exec(f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n", ns)  # no closure: as fn's
+        source = f"def refused(*args, **kwargs):\n    raise RuntimeError({message!r})\n"  # no closure: as fn's
+        # compiled as the library's file, so that the grader still tells the library's function taken for an answer
+        exec(compile(source, fn.__code__.co_filename, "exec"), ns)
         if fn.__code__.co_freevars:  # a method that calls super(): its class takes the refusal in its place
             setattr(owner, last, ns["refused"])
             undo.append(lambda owner=owner, last=last, fn=fn: setattr(owner, last, fn))

@@ -101,5 +101,5 @@ def test_a_parameter_that_autograd_gives_no_gradient_counts_as_unused_and_a_repl
         for rank, out in enumerate(results):
             message = out[name, "replaced"]
             assert message is not None and f"rank {rank}: " in message, (name, message)
-            assert ("parameter lin.weight on rank 0; lin.weight on rank 1 is not the one the wrapper was built "
+            assert ("parameter lin.weight on ranks 0 and 1 is not the one the wrapper was built "
                     "with") in message, message
