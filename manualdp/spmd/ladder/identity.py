@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import re
 
+import torch
 import torch.distributed as dist
 
 from ..transport.call_check import differs
@@ -114,7 +115,10 @@ class BuiltWith:
         """`replaced_mark` of the first averaged parameter that `named_now` no longer holds, or of a new one."""
         now = dict(named_now)
         for k, (name, p) in enumerate(zip(self.names, self.params)):
-            if now.get(name) is not p:
+            held = now.get(name)
+            if type(held) is torch.Tensor:  # a plain tensor in a parameter's place: torch.func.functional_call's
+                continue  # stateless call, for this forward only (nn.Module refuses one assigned by hand)
+            if held is not p:
                 return replaced_mark(k)
         if any(name not in self.known for name in now):
             return replaced_mark(len(self.names))

@@ -85,3 +85,27 @@ TAIL = " is not the one the wrapper was built with ("
 def test_the_replaced_line_names_each_parameter_once_with_the_ranks_that_replaced_it(marks, said):
     line = replaced_line(1, "DistributedDataParallel", marks, NAMES)
     assert line.startswith(f"rank 1: DistributedDataParallel: {said}{TAIL}"), line
+
+
+def _stateless(wrapper):
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net = nn.Linear(1, 1)
+    model = wrapper(net)
+    x = torch.rand(1, 1)
+    weight, bias = torch.tensor([[1.0]], requires_grad=True), torch.tensor([0.0], requires_grad=True)
+    before = net.weight.detach().clone()
+    out = torch.func.functional_call(model, {"module.weight": weight, "module.bias": bias}, x)
+    out.sum().backward()
+    return out.detach(), torch.equal(net.weight.detach(), before), weight.grad, bias.grad, net.weight.grad
+
+
+def test_a_stateless_call_through_the_wrapper_is_not_a_replaced_parameter_and_equals_torchs():
+    # torch.func.functional_call puts plain tensors in the parameters' places for one forward: torch's DDP runs it
+    # (its own test_stateless_api_with_ddp); a plain tensor cannot be assigned to a parameter by hand
+    ours = launch(_stateless, 2, (DistributedDataParallel,), timeout=120)
+    torchs = launch(_stateless, 2, (nn.parallel.DistributedDataParallel,), timeout=120)
+    for mine, theirs in zip(ours, torchs):
+        assert mine[1] and theirs[1]  # the module's own weight is unchanged
+        for a, b in zip(mine[:1] + mine[2:], theirs[:1] + theirs[2:]):
+            assert (a is None and b is None) or torch.equal(a, b), (mine, theirs)
