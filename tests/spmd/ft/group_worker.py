@@ -60,7 +60,8 @@ def main(config: dict) -> None:
                             world_size=size, timeout=datetime.timedelta(seconds=120))
     model = build()
     opt = optimizer(model)
-    manager = GroupManager(gid, "127.0.0.1", config["port"], timeout=20, quorum_timeout=5, heartbeat_timeout=1.0)
+    manager = GroupManager(gid, "127.0.0.1", config["port"], timeout=20, quorum_timeout=5, heartbeat_timeout=1.0,
+                           **({"min_groups": config["min_groups"]} if "min_groups" in config else {}))
     manager.register_state("model", model.state_dict, model.load_state_dict)
     manager.register_state("optim", opt.state_dict, opt.load_state_dict)
     out = open(config["out"], "a")

@@ -130,7 +130,8 @@ def test_group_manager_refuses_a_bad_group_id_and_a_missing_process_group():
 
 @pytest.mark.soak
 def test_two_groups_of_two_ranks_equal_the_one_process_reference(groups):
-    ranks = groups.start("A", 2, steps=4) + groups.start("B", 2, steps=4)
+    # both groups in every quorum: under load one group could otherwise take all 4 steps alone and leave
+    ranks = groups.start("A", 2, steps=4, min_groups=2) + groups.start("B", 2, steps=4, min_groups=2)
     assert wait(ranks) == [0, 0, 0, 0], [log(out)[-2000:] for _, out in ranks]
     runs = [records(out) for _, out in ranks]
     assert all(sorted(run) == [0, 1, 2, 3] for run in runs)
