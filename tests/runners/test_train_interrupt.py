@@ -19,7 +19,10 @@ def train_until(tmp_path, ready, *options: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     errors = tmp_path / "stderr"
     with open(errors, "w") as err_file:
-        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=err_file, text=True)
+        # SIGINT as a terminal gives it: a shell that starts the tests in the background ignores it, and its
+        # children would inherit that (Python then installs no handler, and Ctrl-C never arrives)
+        proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=err_file, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         try:
             deadline = time.monotonic() + 120
             while not ready(errors.read_text()) and proc.poll() is None and time.monotonic() < deadline:
