@@ -222,7 +222,8 @@ def build(folder: str, tmp: str, answer: str) -> Walls:
     checkout = _checkout()
     library = [p for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != checkout] + [_PACKAGE]
     system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/proc", "/sys", *(f"/etc/{f}" for f in ETC)]
-    return Walls([folder, tmp], [*sorted(pythons), *library, *system, os.path.dirname(os.path.abspath(answer))],
+    answers = {os.path.dirname(os.path.abspath(answer)), os.path.dirname(os.path.realpath(answer))}  # a link's too
+    return Walls([folder, tmp], [*sorted(pythons), *library, *system, *sorted(answers)],
                  [checkout] if checkout else [])
 
 
