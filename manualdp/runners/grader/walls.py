@@ -221,6 +221,8 @@ def build(folder: str, tmp: str, answer: str) -> Walls:
     pythons = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))}
     checkout = _checkout()
     library = [p for p in sys.path if p and os.path.isabs(p) and os.path.realpath(p) != checkout] + [_PACKAGE]
+    if checkout:  # an editable install's metadata beside the package: importlib.metadata reads its entry points
+        library += [os.path.join(checkout, f) for f in os.listdir(checkout) if f.endswith((".egg-info", ".dist-info"))]
     system = ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/proc", "/sys", *(f"/etc/{f}" for f in ETC)]
     answers = {os.path.dirname(os.path.abspath(answer)), os.path.dirname(os.path.realpath(answer))}  # a link's too
     return Walls([folder, tmp], [*sorted(pythons), *library, *system, *sorted(answers)],
