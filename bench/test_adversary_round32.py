@@ -367,7 +367,8 @@ def _close(got, want, atol=1e-10):
 
 
 @pytest.mark.parametrize("n", [2, 3])
-# mixed dtypes: refused since issue 43, as torch's ZeroRedundancyOptimizer refuses them (tests/spmd/sharding/test_zero.py)
+# mixed dtypes: refused since issue 43, as torch's ZeroRedundancyOptimizer refuses them
+# (tests/spmd/sharding/test_zero.py)
 @pytest.mark.parametrize("name", ["tiny_parameters", "tied_weight", "reentrant_checkpoint"])
 def test_zero2_odd_models_equal_plain_sgd(n, name):
     for got, want in _ok(n, name):

@@ -144,8 +144,9 @@ def test_the_librarys_own_rung_4_handed_in_is_refused(tmp_path, capsys):
     taken.write_text("from manualdp.spmd.ladder.bucketed import BucketedDDP  # noqa: F401\n")
     assert main(["check", "buckets", str(taken)]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert "the file's BucketedDDP is built on manualdp.spmd.ladder.overlapped.OverlappedDDP, the library's own: write " \
-           "it yourself" in out, out
+    expected = ("the file's BucketedDDP is built on manualdp.spmd.ladder.overlapped.OverlappedDDP, "
+                "the library's own: write it yourself")
+    assert expected in out, out
 
 
 @pytest.mark.soak
