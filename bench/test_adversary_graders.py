@@ -420,7 +420,7 @@ def zero1_step(params, grads, momenta, lr, momentum):   # no collectives: each c
                               CALL_DILOCO + r".*: expected new theta", []),
     "diloco_returns_dict": ("diloco", TYPES,
                             diloco(ret="{'theta': theta - lr * (delta + mu * new_momentum), 'momentum': new_momentum}"),
-                            CALL_DILOCO + r".*: expected a pair of tensors \(new theta, new momentum\), got", []),
+                            CALL_DILOCO + r".*: expected a pair of tensors \(new theta, new buffer\), got", []),
     "diloco_changes_the_replicas": ("diloco", TYPES, diloco(
         pre="for t in replicas:\n        t.sub_(theta).neg_()  # each replica's change, in place",
         delta="sum(replicas) / len(replicas)"), CALL_DILOCO + r".*: it changed the replicas' parameters", []),
