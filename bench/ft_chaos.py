@@ -4,6 +4,7 @@
     python bench/ft_chaos.py --quick         # about 10 kills, under 2 minutes
     python bench/ft_chaos.py --kills 40 --epochs 30 --json chaos.json
     python bench/ft_chaos.py --group-size 2 --kills 100   # 2 groups of 2 ranks: bench/ft_chaos_groups.py
+    python bench/ft_chaos.py --group-size 2 --kills 3 --epochs 2 --plot groups.png  # the membership, drawn
 
 Starts `manualdp coordinator` and 3 replicas (`manualdp train --fault-tolerant ... --checkpoint-dir`)
 as processes, then kills a random replica every 0.3-2.5 s (two at once one time in five) and
@@ -41,6 +42,8 @@ import tempfile
 import time
 
 import torch
+
+from manualdp.support.files import output_problem
 
 __all__ = ["main", "chaos", "check", "against_reference", "start_coordinator"]
 
@@ -316,8 +319,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=1,
                    help="ranks per replica: 2 groups of that many ranks, started as torchrun starts them, one rank "
                         "of one killed at a time (default 1: 3 replicas of one process, the coordinator killed once)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="with --group-size 2 or more: draw the groups in each step's quorum, and the kills, here")
     args = p.parse_args(argv)
     kills = 10 if args.quick else args.kills
+    if args.plot is not None and (args.group_size < 2 or output_problem(args.plot)):
+        p.error(f"--plot {args.plot!r}: " + (output_problem(args.plot) or "draws replica groups: add --group-size 2"))
     if kills < 0:
         p.error(f"--kills must be >= 0, got {kills}")
     if not 1 <= args.group_size <= 4:
@@ -336,6 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = chaos(workdir, kills, epochs, args.seed, progress=not args.no_progress,
                         timeout=args.timeout or 60 + 6 * kills + 4 * epochs)
         problems = check(summary, epochs, reference_run(workdir, epochs))
+    if args.plot:
+        from bench.ft_chaos_plot import plot_membership
+        plot_membership(summary, args.plot)
     print(report(summary))
     for line in problems:
         print(f"FAILED: {line}")

@@ -50,6 +50,7 @@ class GroupChaos:
         self.total = epochs * STEPS_PER_EPOCH
         self.procs: dict[str, list[list[subprocess.Popen]]] = {g: [] for g in GROUPS}  # a generation: its ranks
         self.killed: list[tuple[str, int, int]] = []  # (group, generation, rank killed)
+        self.kill_rounds: list[int] = []  # for each kill, the last round decided then
         self.pending: list[tuple[str, float, int]] = []  # (group, killed at, the last round decided then)
         self.recoveries: list[float] = []
         self.rounds: dict[int, tuple[str, int, list[str]]] = {}  # round -> (outcome, step, members)
@@ -86,6 +87,7 @@ class GroupChaos:
         rank = self.rng.randrange(self.size)
         os.killpg(ranks[rank].pid, signal.SIGKILL)
         self.killed.append((gid, n, rank))
+        self.kill_rounds.append(max(self.rounds, default=0))  # the last round decided before it: for --plot
         self.pending.append((gid, time.monotonic(), max(self.rounds, default=0)))
         deadline = time.monotonic() + timeout
         for p in ranks:
@@ -148,6 +150,8 @@ def group_chaos(workdir: str, kills: int, epochs: int, size: int = 2, seed: int 
     return {"kills": len(c.killed), "coordinator_kills": 0, "killed": c.killed, "recoveries": sorted(c.recoveries),
             "rounds": {"commit": outcomes.count("commit"), "discard": outcomes.count("discard")},
             "committed": {str(r): (s, ids) for r, (o, s, ids) in c.rounds.items() if o == "commit"},
+            "discarded": {str(r): (s, ids) for r, (o, s, ids) in c.rounds.items() if o != "commit"},
+            "kill_rounds": c.kill_rounds,
             "procs": {g: [[p.returncode for p in gen] for gen in c.procs[g]] for g in GROUPS},
             "seconds": time.monotonic() - started, "dir": workdir, "total": c.total, "state_bytes": None}
 
