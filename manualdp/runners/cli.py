@@ -758,7 +758,7 @@ def _run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> i
         manager = GroupManager(args.replica_id, host, port, min_groups=args.min_replicas, timeout=timeout,
                                quorum_timeout=min(10.0, timeout), token=token)
         history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
-                                   settings=run_config(args),
+                                   settings=run_config(args), guard=args.nonfinite != "off",
                                    **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
     except RunFinished as e:  # started after its run ended: nothing to do, nothing wrong
         if dist.get_rank() == 0:

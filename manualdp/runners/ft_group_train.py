@@ -16,7 +16,14 @@ global batch's gradient, whoever is in (the one-process reference: `ft_reference
 A rank that dies takes its group out of the quorum: its other ranks raise `GroupBroken` and exit;
 start the whole group again (torchrun's restart does), and rank i receives its state from rank i
 of a healthy group. Not yet with a group of more than one rank: `--checkpoint-dir`, `--local-sgd`,
-`--diloco`, the contribution guard (`--nonfinite raise` or `skip`), `--zero`.
+`--diloco`, `--zero`.
+
+The guard on every contribution (on unless `--nonfinite off`, as for a one-process replica): a
+group whose gradients or loss totals are non-finite after the sum inside the group (the same on
+its every rank) still takes its part in the lane's sum (its peers wait on it), then votes the step
+down, and its rank 0 says so in one line; a group whose own part is finite but whose average is
+not (another group's part) votes it down too. The step is taken again; a group non-finite
+`STRIKES` steps in a row is removed (`Removed`, one line on each of its ranks; the run goes on).
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from torch import nn
 
 from ..loss import count_correct, logits_of, summed_loss
 from ..spmd.ft.group import GroupManager
+from ..spmd.ft.guard import STRIKES, Removed
 from ..spmd.launch import shard
 from ..validate import learning_rate, timeout_seconds
 from .ft_train import Run, check_loop_args, parameters_sha256, progress_bar, write_line
@@ -41,8 +49,6 @@ def group_problem(args) -> str | None:
     why = {"--checkpoint-dir": (args.checkpoint_dir is not None, "a group keeps no checkpoint yet"),
            "--local-sgd": (args.local_sgd is not None, "a group averages its gradients every step"),
            "--diloco": (args.diloco is not None, "a group averages its gradients every step"),
-           f"--nonfinite {args.nonfinite}": (args.nonfinite in ("raise", "skip"),
-                                             "a group has no contribution guard yet: pass --nonfinite off"),
            "--zero": (args.zero is not None, "each rank of a group holds the whole model (no --zero 3 yet)"),
            "--devices": (args.devices is not None, "every rank of the group is one device"),
            "--algorithm": (args.algorithm is not None, "the groups average by gloo's own allreduce")}
@@ -60,24 +66,31 @@ def init_group(timeout: float) -> None:
 
 
 def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: float, manager: GroupManager, *,
-                     loss_fn=None, optimizer=None, progress: bool = True, log=print, settings: dict | None = None):
+                     loss_fn=None, optimizer=None, progress: bool = True, log=print, settings: dict | None = None,
+                     guard: bool = True):
     """Train `net` as this rank of `manager`'s replica group for `num_epochs`; the History, the same on every rank."""
     check_loop_args(net, train_iter, test_iter, num_epochs)
     learning_rate("lr", lr)
     if not isinstance(manager, GroupManager):
         raise TypeError(f"manager must be a manualdp.spmd.ft.group.GroupManager, got {type(manager).__name__}")
+    if not isinstance(guard, bool):
+        raise TypeError(f"guard must be True or False, got {guard!r}")
     make, kwargs = optimizer_factory(optimizer, lr, 0.0, 0.0)
     opt = make(net.parameters(), **kwargs)
     run = Run(train_iter, num_epochs, summed_loss(loss_fn))
     manager.require_same(**{"num_epochs": num_epochs, "batch_size": train_iter.batch_size, "lr": lr,
-                            "optimizer": type(opt).__name__, **(settings or {})})
+                            "optimizer": type(opt).__name__, "guard": guard, **(settings or {})})
     manager.register_state("model", net.state_dict, net.load_state_dict)
     manager.register_state("optim", opt.state_dict, opt.load_state_dict)
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     size = train_iter.batch_size or 1
     manager.capacity = max(1, size // manager.size)  # every rank of every group needs an example
     bar = progress_bar(run.total, progress and manager.rank == 0, manager.id)
-    members = None
+    members, strikes = None, 0
+
+    def say(line: str) -> None:
+        if log and manager.rank == 0:
+            write_line(bar, log, line)
     try:
         while manager.step < run.total:
             quorum = manager.start_step()
@@ -85,7 +98,11 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
                 write_line(bar, log, f"replica group {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
             members = quorum.ids
-            record = _group_step(run, net, opt, manager, quorum)
+            record = _group_step(run, net, opt, manager, quorum, guard, say)
+            strikes = strikes + 1 if record.get("nonfinite") else 0
+            if strikes >= STRIKES:
+                raise Removed(f"replica group {manager.id!r}, rank {manager.rank}: its contribution was non-finite "
+                              f"{strikes} steps in a row (NaN or Inf): removed from the run, which goes on without it")
             if record["committed"] and manager.step % run.per_epoch == 0:
                 run.end_epoch(net, test_iter, manager.step // run.per_epoch, bar, log if manager.rank == 0 else None)
             if bar is not None:
@@ -101,7 +118,8 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
     return run.history
 
 
-def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum) -> dict:
+def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum, guard: bool,
+                say) -> dict:
     """Train on this rank's shard of global batch `manager.step`: sum in the group, average in the lane; the record."""
     b = manager.step
     X, y = run.batches.get(b // run.per_epoch, b % run.per_epoch)
@@ -123,11 +141,22 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
         manager.should_commit(False)
         raise
     flat.div_(manager.size)
-    ok = manager.average(flat) and manager.average(totals)
-    committed = manager.should_commit(ok)
+    # after the sum inside the group every rank holds the same flat: its ranks judge alike
+    own_finite = not guard or bool(torch.isfinite(flat).all() and torch.isfinite(totals).all())
+    ok = manager.average(flat) and manager.average(totals)  # taken part in even when not finite: the lane waits
+    finite = not guard or bool(torch.isfinite(flat).all() and torch.isfinite(totals).all())
+    if not own_finite:
+        say(f"replica group {manager.id}: step {b}: its contribution is non-finite (NaN or Inf): "
+            f"the step is discarded on every member group and taken again")
+    elif not finite and ok:
+        say(f"replica group {manager.id}: step {b}: the average over {', '.join(quorum.ids)} is non-finite "
+            f"(another group's contribution): the step is discarded and taken again")
+    committed = manager.should_commit(ok and finite)
     if committed:
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()
         opt.step()
     record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
+    if not own_finite:
+        record["nonfinite"] = True
     return run.record(record, totals * groups, n)

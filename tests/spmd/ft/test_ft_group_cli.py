@@ -34,8 +34,6 @@ def free_port() -> int:
     (["--checkpoint-dir", "c"], ["--checkpoint-dir with --fault-tolerant under torchrun", "no checkpoint"]),
     (["--local-sgd", "2"], ["--local-sgd with --fault-tolerant under torchrun"]),
     (["--diloco", "2"], ["--diloco with --fault-tolerant under torchrun"]),
-    (["--nonfinite", "raise"], ["--nonfinite raise with --fault-tolerant under torchrun", "--nonfinite off"]),
-    (["--nonfinite", "skip"], ["--nonfinite skip", "guard"]),
     (["--zero", "3"], ["--zero with --fault-tolerant under torchrun", "no --zero 3"]),
     (["--devices", "2"], ["--devices with --fault-tolerant under torchrun"]),
     (["--algorithm", "ring"], ["--algorithm with --fault-tolerant under torchrun"]),
@@ -50,7 +48,8 @@ def test_what_a_replica_group_cannot_do_yet_is_refused_in_one_line(extra, words,
 def test_a_replica_group_still_needs_its_id_and_is_otherwise_let_through(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "--fault-tolerant needs --replica-id" in check_train_args(build_parser().parse_args(FT[:3]))
-    assert check_train_args(build_parser().parse_args([*FT, "--nonfinite", "off", "--min-replicas", "2"])) is None
+    for guard in ("off", "raise", "skip"):  # the contribution guard works in a group (test_ft_group_guard.py)
+        assert check_train_args(build_parser().parse_args([*FT, "--nonfinite", guard, "--min-replicas", "2"])) is None
 
 
 @pytest.mark.parametrize("kwargs, error, words", [
