@@ -297,6 +297,7 @@ def run_coordinator(port: int, host: str = "127.0.0.1", token_file: str | None =
 
     from ..spmd.ft import Coordinator
     from ..spmd.ft.coordinator import load_token
+    from .ft_train import replica_command
 
     try:
         coordinator = Coordinator(port, host, load_token(token_file), log_warnings=False)
@@ -311,8 +312,8 @@ def run_coordinator(port: int, host: str = "127.0.0.1", token_file: str | None =
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    print(f"coordinator listening on {host}:{coordinator.port}; replicas: manualdp train --fault-tolerant "
-          f"{host}:{coordinator.port} --replica-id NAME", flush=True)
+    print(f"coordinator listening on {host}:{coordinator.port}; replicas: "
+          f"{replica_command(host, coordinator.port, token_file)}", flush=True)
     for warning in coordinator.warnings:  # after the first line, which scripts read for the port
         sys.stderr.write(f"manualdp coordinator: warning: {warning}\n")
     coordinator.serve()  # returns on KeyboardInterrupt, and closes the store

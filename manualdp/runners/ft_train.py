@@ -30,6 +30,8 @@ there, as if nothing had happened; a replica started after the run ended says so
 from __future__ import annotations
 
 import hashlib
+import os
+import shlex
 import time
 
 import torch
@@ -48,7 +50,7 @@ from ..train import evaluate
 from ..validate import fraction, iterable, learning_rate, nn_module, one_of, positive_int, trainable, xy_pair
 from .options import optimizer_factory
 
-__all__ = ["parse_address", "check_replica_id", "train_replica", "shared_settings", "parameters_sha256"]
+__all__ = ["parse_address", "replica_command", "check_replica_id", "train_replica", "shared_settings", "parameters_sha256"]
 
 
 def parse_address(text: str) -> tuple[str, int]:
@@ -64,6 +66,14 @@ def parse_address(text: str) -> tuple[str, int]:
     if not 1 <= int(port) <= 65535:
         raise ValueError(f"the port must be from 1 to 65535, got {int(port)} in {text!r}")
     return host, int(port)
+
+
+def replica_command(host: str, port: int, token_file: str | None = None) -> str:
+    """The command that starts a replica of the coordinator at `host:port`, as a user copies it from its first line."""
+    command = f"manualdp train --fault-tolerant {host}:{port} --replica-id NAME"
+    if token_file is not None:  # absolute: the line works from any folder
+        command += f" --token-file {shlex.quote(os.path.abspath(token_file))}"
+    return command
 
 
 def check_replica_id(text: str) -> str:
