@@ -82,6 +82,7 @@ def measure_again(state: GroupState, timeout: float | None) -> Link:
     """`recalibrate` the group whose state is `state`; its drift records start afresh."""
     state.link = _agree(state, timeout, again=True)
     state.times.clear()
+    state.confirmed.clear()
     state.drifted = False
     state.drift_looks = 0
     state.remeasures += 1
@@ -303,17 +304,34 @@ def drift_flag(state: GroupState) -> bool:
 
     Only when its latest times have moved (`moved`) at this look and at the `DRIFT_LOOKS - 1`
     looks before it: a host busy for a moment moves one window of times, not several in a row.
+    And only against a first window that a later one confirmed (`_confirm`): a first window taken
+    while the host was busy for a moment would make every later look see a drift.
     `note` only records the times (judging them at every call cost each call a sort).
     """
+    _confirm(state)
     state.drift_looks = state.drift_looks + 1 if _has_drifted(state) else 0
     state.drifted = False
     return state.drift_looks >= DRIFT_LOOKS
 
 
+def _confirm(state: GroupState) -> None:
+    """At a look: each size's first window that the latest agrees with is confirmed; one it does not is replaced by
+    the latest, itself to be confirmed at a later look (a busy moment lasts one window, not two apart)."""
+    for nbytes, (first, latest) in state.times.items():
+        if nbytes in state.confirmed or len(first) < DRIFT_CALLS or len(latest) < DRIFT_CALLS:
+            continue
+        if moved(first, latest):
+            first[:] = latest
+            latest.clear()
+        else:
+            state.confirmed.add(nbytes)
+
+
 def _has_drifted(state: GroupState) -> bool:
-    """Whether the latest times of any size moved from its first (`moved`), or a drift was reported
+    """Whether the latest times of any size moved from its confirmed first (`moved`), or a drift was reported
     (`GroupState.drifted`)."""
-    return state.drifted or any(moved(first, latest) for first, latest in state.times.values())
+    return state.drifted or any(moved(first, latest) for nbytes, (first, latest) in state.times.items()
+                                if nbytes in state.confirmed)
 
 
 def drifted(group=None) -> bool:

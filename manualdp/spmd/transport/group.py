@@ -56,6 +56,7 @@ class GroupState:
         self.early = dist.get_backend(pg) == "gloo"  # the executor posts receives a round early (gloo) or not
         self.link = None         # (the agreed Link, where from: "given", "cached" or "measured"); None until agreed
         self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
+        self.confirmed: set = set()  # sizes whose first times a later window agreed with (`tune.drift_flag`)
         self.drifted = False     # a drift reported since the last look (`tune.drift_flag` also judges `times`)
         self.drift_looks = 0     # looks at the drift in a row that each saw it (`tune.drift_flag`)
         self.calls = 0           # checked calls made so far: the call check's counter

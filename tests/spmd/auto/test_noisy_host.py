@@ -121,7 +121,8 @@ def test_calls_stalled_on_a_busy_host_are_no_drift_however_many_of_them_a_window
 
 
 def _drift(cache: str, given: bool, windows: int):
-    """Rank 1 sees its times drift (planted) before `windows` looks in a row (one call in `DRIFT_EVERY`), then none."""
+    """Rank 1 sees its times drift (planted) before `windows` looks in a row (one call in `DRIFT_EVERY`) from the
+    second look on, then none."""
     from manualdp.spmd import allreduce
     from manualdp.spmd.auto import tune
     from manualdp.spmd.transport.group import group_state
@@ -146,10 +147,11 @@ def _drift(cache: str, given: bool, windows: int):
         first, latest = group_state().times[x.numel() * 4]
         latest.extend([100 * r for r in first])
         assert tune.moved(first, latest)
-    totals, planted = [], 0
+    totals, planted, looks = [], 0, 0
     for _ in range(4 * tune.DRIFT_EVERY):
         look = (state.calls + 1) % tune.DRIFT_EVERY == 0
-        if dist.get_rank() == 1 and not given and look and planted < windows:
+        looks += look  # the first look confirms the first window (`tune.drift_flag`): planted from the second on
+        if dist.get_rank() == 1 and not given and look and looks > 1 and planted < windows:
             first, latest = state.times[x.numel() * 4]  # the latest calls took 100 times as long as the first
             latest.extend([100 * r for r in first])
             planted += 1
