@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, default=1,
                    help="ranks per replica: 2 groups of that many ranks, started as torchrun starts them, one rank "
                         "of one killed at a time (default 1: 3 replicas of one process, the coordinator killed once)")
+    p.add_argument("--min-groups", type=int, default=2, choices=(1, 2),
+                   help="with --group-size: the groups a step needs (default 2: the survivor waits; 1: it trains on)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="with --group-size 2 or more: draw the groups in each step's quorum, and the kills, here")
     args = p.parse_args(argv)
@@ -335,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.path.insert(0, ROOT)
         from bench.ft_chaos_groups import check_groups, group_chaos
         epochs = args.epochs or max(4, kills)
-        summary = group_chaos(workdir, kills, epochs, args.group_size, args.seed,
+        summary = group_chaos(workdir, kills, epochs, args.group_size, args.seed, min_groups=args.min_groups,
                               timeout=args.timeout or 120 + 20 * kills + 4 * epochs)
         problems = check_groups(summary, reference_run(workdir, epochs))
     else:

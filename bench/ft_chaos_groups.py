@@ -8,8 +8,8 @@ ranks to exit by themselves (GroupBroken), and starts the whole group again. Nev
 at once, and never the coordinator: a group keeps no checkpoint yet (`--checkpoint-dir` is refused),
 so the run's state lives in the live groups. Each step's quorum is both groups (`--min-replicas 2`):
 the survivor waits for the group started again, whose ranks receive their state from the survivor's
-ranks (rank i from rank i). The kills stop once `--kills` are done or most of the run is committed;
-then both groups run to the end.
+ranks (rank i from rank i); with `--min-groups 1` the survivor trains on alone meanwhile. The kills
+stop once `--kills` are done or most of the run is committed; then both groups run to the end.
 
 Checked at the end (a line each; the exit status 1 if one fails): every step of the run was
 committed in exactly one round (the coordinator's store: each committed round's step); the last
@@ -40,13 +40,13 @@ GROUPS = ("A", "B")
 class GroupChaos:
     """The coordinator and the groups' rank processes, by generation; kills, restarts, and the store's rounds."""
 
-    def __init__(self, workdir: str, epochs: int, size: int, rng: random.Random) -> None:
+    def __init__(self, workdir: str, epochs: int, size: int, rng: random.Random, min_groups: int = 2) -> None:
         self.dir, self.size, self.rng, self.port = workdir, size, rng, _free_port()
         os.makedirs(workdir, exist_ok=True)
         # a quorum of both groups: the survivor waits for the group started again (its imports and data take
         # longer than what is left of a short run alone, and a run that ended cannot take a group back in)
         run = RUN[:RUN.index("--min-replicas")] + RUN[RUN.index("--timeout") + 2:]
-        self.options = [*run, "--min-replicas", str(len(GROUPS)), "--timeout", "90", "--epochs", str(epochs)]
+        self.options = [*run, "--min-replicas", str(min_groups), "--timeout", "90", "--epochs", str(epochs)]
         self.total = epochs * STEPS_PER_EPOCH
         self.procs: dict[str, list[list[subprocess.Popen]]] = {g: [] for g in GROUPS}  # a generation: its ranks
         self.killed: list[tuple[str, int, int]] = []  # (group, generation, rank killed)
@@ -126,10 +126,11 @@ class GroupChaos:
                 proc.wait()
 
 
-def group_chaos(workdir: str, kills: int, epochs: int, size: int = 2, seed: int = 0, timeout: float = 600) -> dict:
+def group_chaos(workdir: str, kills: int, epochs: int, size: int = 2, seed: int = 0, timeout: float = 600,
+                min_groups: int = 2) -> dict:
     """Run the chaos of replica groups in `workdir`; a summary for `check_groups` and `ft_chaos.report`."""
     rng, started = random.Random(seed), time.monotonic()
-    c = GroupChaos(workdir, epochs, size, rng)
+    c = GroupChaos(workdir, epochs, size, rng, min_groups)  # 1: the survivor trains on alone
     try:
         while c.committed() == 0 and time.monotonic() - started < timeout / 2:
             time.sleep(0.2)

@@ -46,3 +46,10 @@ def test_a_plot_that_cannot_be_drawn_is_refused_in_one_line_before_the_run(args,
     err = capsys.readouterr().err.strip().splitlines()
     assert info.value.code == 2 and err[-1].endswith(words.format(tmp=tmp_path)), err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_minimum_of_groups_other_than_1_or_2_is_refused_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--group-size", "2", "--min-groups", "3", "--workdir", str(tmp_path / "w")])
+    assert info.value.code == 2 and "--min-groups: invalid choice: 3" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
