@@ -27,7 +27,7 @@ from .graph import refuse_in_backward_optimizers
 from .comm_hook import check_same_hook
 from .init_sync import kept_named
 from .feature import Feature
-from ..ladder.identity import BuiltWith, naming_wrappers, replaced_line
+from ..ladder.identity import BuiltWith, frozen_alike, naming_wrappers, replaced_line
 
 __all__ = ["CallCheck", "Desync"]
 
@@ -126,7 +126,7 @@ class CallCheck(Feature):
         this rank's check (sent with its `replaced_mark`) refuses the peers' next call, and every rank raises naming
         it (also when every rank sent the same mark, and the check passed)."""
         named = kept_named(self.module.named_parameters(), self.ignored)
-        mark, r = self.built.mark(named), self.reducer
+        mark, r = self.built.mark(named, self.reducer.rank), self.reducer
         if mark is None:
             return named
         if self.world_size > 1:
@@ -138,6 +138,8 @@ class CallCheck(Feature):
                 r.submit(run).result()
             except ValueError as e:
                 raise r.logged(e) from None
+        if frozen_alike(mark):  # frozen on every rank: nobody waits for it
+            return named
         marks = dict.fromkeys(range(self.world_size), mark)
         raise r.logged(RuntimeError(replaced_line(r.rank, "DistributedDataParallel", marks, self.names)))
 

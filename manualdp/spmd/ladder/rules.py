@@ -51,7 +51,7 @@ from ..transport.group import group_state
 from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 from .drift import DRIFT_CHECK_EVERY, DriftCheck
-from .identity import BuiltWith, naming_wrappers, replaced_line, take_number
+from .identity import BuiltWith, frozen_alike, naming_wrappers, replaced_line, take_number
 
 __all__ = ["Rung", "weak_hook"]
 
@@ -171,7 +171,7 @@ class Rung(nn.Module):
         """Raise on every rank if a parameter of some rank's module is no longer the one the rung was built with: it
         would never be averaged (`identity.BuiltWith`: this rank's check carries the mark, which refuses the peers'
         next call; torch's DDP finds the old parameter unused and raises at the next forward pass)."""
-        mark, who = self.built.mark(self.module.named_parameters()), type(self).__name__
+        mark, who = self.built.mark(self.module.named_parameters(), self.rank), type(self).__name__
         if mark is None:
             return
         if self.world_size > 1:
@@ -179,6 +179,8 @@ class Rung(nn.Module):
             with naming_wrappers(self.built.names, who):
                 same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout, step=self.steps,
                           identity=mark)
+        if frozen_alike(mark):  # frozen on every rank: nobody waits for it
+            return
         raise RuntimeError(replaced_line(self.rank, who, dict.fromkeys(range(self.world_size), mark), self.built.names))
 
     def check_step(self, flag: bool = False) -> bool:
