@@ -631,8 +631,8 @@ def allreduce(tensors):
     here = os.getcwd()
     if os.path.basename(here).startswith("manualdp-check-"):
         os.chdir("/"); shutil.rmtree(here, ignore_errors=True)
-""" + RIGHT_SUM, r"FAIL .* it tried to delete /\S+, outside its own folder"),  # left: rmtree's paths relative to
-    # a folder's descriptor are read against the working folder, so this careless but right answer is refused
+""" + RIGHT_SUM, "PASS"),  # its own folder only: rmtree's paths relative to a folder's descriptor are read
+    # against that folder (tests/runners/test_check_walls.py)
     # files that are not an answer
     "empty_file": ("allreduce", "", r"defines no 'allreduce'"),
     "binary_file": ("allreduce", b"\x00\x01\x02\xff" * 64, r"importing the file raised"),

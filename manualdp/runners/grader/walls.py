@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import sys
 
 __all__ = ["Walls", "build"]
@@ -47,6 +48,14 @@ WRITES = {"os.remove": "delete", "os.rmdir": "delete the folder", "shutil.rmtree
           "os.setxattr": "set an attribute of", "os.removexattr": "remove an attribute of", "os.chflags": "chflags",
           "shutil.copyfile": "copy onto", "shutil.move": "move"}
 READS = {"os.listdir": "list", "os.scandir": "list"}
+# where an event's paths are in its audit arguments: (path, the descriptor of the folder it is relative to, or None)
+PATHS = {"os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)), "shutil.move": ((0, None), (1, None)),
+         "os.symlink": ((1, 2),), "shutil.copyfile": ((1, None),), "os.remove": ((0, 1),), "os.rmdir": ((0, 1),),
+         "shutil.rmtree": ((0, 1),), "os.mkdir": ((0, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
+         "os.utime": ((0, 3),)}
+# the "open" event has no descriptor: shutil.rmtree's opens of a folder's entries, relative to that folder's, the
+# local variable that holds it (Python 3.11-3.12, then 3.13 on)
+RMTREE_OPENS = {"_rmtree_safe_fd": "topfd", "_rmtree_safe_fd_step": "dirfd"}
 PROGRAMS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "pty.spawn")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # manualdp's folder
 NAMES = {"mount": "a read-only mount namespace", "landlock": "Landlock", "audit": "an audit hook"}
@@ -154,24 +163,24 @@ class Walls:
                 os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
             if writes:
                 return self._write("write", path, follow=True)
-            return self._read("read", path)
+            return self._read("read", path, _folder_of(_rmtree_fd()))
         if event in READS:
             return self._read(READS[event], args[0] if args else ".")
-        paths = (args[0], args[1]) if event in ("os.rename", "shutil.move", "os.link") else (
-            (args[1],) if event in ("os.symlink", "shutil.copyfile") else (args[0],))
-        for path in paths:
-            refused = self._write(WRITES[event], path, follow=event in ("os.truncate", "os.chmod", "shutil.copyfile"))
+        for at, fd_at in PATHS.get(event, ((0, None),)):
+            folder = _folder_of(args[fd_at] if fd_at is not None and fd_at < len(args) else None)
+            refused = self._write(WRITES[event], args[at], event in ("os.truncate", "os.chmod", "shutil.copyfile"),
+                                  folder)
             if refused:
                 return refused
         return None
 
-    def _write(self, what: str, path, follow: bool) -> tuple[str, str] | None:
-        full = _full(path, follow)
+    def _write(self, what: str, path, follow: bool, folder: str | None = None) -> tuple[str, str] | None:
+        full = _full(path, follow, folder)
         return None if full is None or _under(full, [*self.writable, "/dev/shm"]) or full in (
             f"/dev/{d}" for d in DEVICES) else (what, full)
 
-    def _read(self, what: str, path) -> tuple[str, str] | None:
-        full = _full(path, True)  # every link resolved first: one in its own folder may lead to /etc/shadow
+    def _read(self, what: str, path, folder: str | None = None) -> tuple[str, str] | None:
+        full = _full(path, True, folder)  # every link resolved first: one in its own folder may lead to /etc/shadow
         return None if full is None or _under(full, [*self.readable, *self.writable, "/dev/shm"]) or full in (
             f"/dev/{d}" for d in DEVICES) or what == "list" and full in self.listable else (what, full)
 
@@ -180,14 +189,33 @@ class Walls:
         return ", ".join(NAMES[w] for w in self.held) or "none"
 
 
-def _full(path, follow: bool) -> str | None:
-    """`path` absolute, its links resolved (the last one only if `follow`); None for a file descriptor."""
+def _full(path, follow: bool, folder: str | None = None) -> str | None:
+    """`path` absolute (relative to `folder` if given, else to the working folder), its links resolved (the last one
+    only if `follow`); None for a file descriptor."""
     if path is None or isinstance(path, int):
         return None
-    path = os.path.abspath(os.fsdecode(os.fspath(path)))
+    path = os.path.abspath(os.path.join(folder or os.getcwd(), os.fsdecode(os.fspath(path))))
     if follow:
         return os.path.realpath(path)
     return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
+def _folder_of(fd) -> str | None:
+    """The folder that the descriptor `fd` names (a path given with `dir_fd=fd` is relative to it), or None where
+    there is none (no descriptor, AT_FDCWD, the working folder)."""
+    if not isinstance(fd, int) or isinstance(fd, bool) or fd < 0:
+        return None
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def _rmtree_fd() -> int | None:
+    """The folder's descriptor that shutil.rmtree opens an entry relative to, where it is rmtree that opens."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:  # the hook's own frames
+        frame = frame.f_back
+    if frame is None or frame.f_code.co_name not in RMTREE_OPENS or frame.f_code.co_filename != shutil.__file__:
+        return None
+    return frame.f_locals.get(RMTREE_OPENS[frame.f_code.co_name])
 
 
 def _setattr(path: str, flags: int, attr_set: int, attr_clr: int) -> bool:
