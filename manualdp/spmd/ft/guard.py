@@ -38,6 +38,7 @@ import statistics
 import torch
 
 from .admission import Misfit
+from .bar import bar
 
 __all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "MIN_EXAMPLES", "Removed", "offenders", "ContributionGuard",
            "guard_settings"]
@@ -126,6 +127,8 @@ class ContributionGuard:
             _log.warning(f"replica {manager.id}: step {manager.step} discarded: replica {ids[i]}'s contribution is "
                          f"out of line: {why}" + (f"; removed after {self.strikes} in a row" if ids[i] in removed
                                                   else f" ({self.offences[ids[i]]} in a row)"))
+        for rid in removed:  # a removed member that does not leave is refused at its next ask (bar.py)
+            bar(manager.store, rid, f"its contribution was out of line {self.strikes} steps in a row")
         if manager.id in removed:
             manager.should_commit(False)
             raise Removed(f"replica {manager.id!r} removed from the run: its contribution was out of line "

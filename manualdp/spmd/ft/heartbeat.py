@@ -21,7 +21,7 @@ import torch.distributed as dist
 from . import keys
 from .signed_store import ignore
 
-__all__ = ["Heartbeat", "Liveness", "register", "registered"]
+__all__ = ["Heartbeat", "Liveness", "register", "registered", "nonce_of"]
 
 
 def register(store: dist.Store, replica_id: str) -> None:
@@ -40,6 +40,13 @@ def registered(store: dist.Store) -> list[str]:
     if bad:
         ignore(store, keys.REPLICAS, f"{len(bad)} id(s) that no replica can take, such as {bad[0][:40]!r}")
     return [r for r in dict.fromkeys(ids) if r not in bad]
+
+
+def nonce_of(store: dist.Store, replica_id: str) -> str | None:
+    """The nonce of the process now beating as `replica_id`, or None if it has no heartbeat (or a malformed one)."""
+    key = keys.heartbeat(replica_id)
+    beat = _beat(store.get(key)) if store.check([key]) else None
+    return beat[0] if beat is not None else None
 
 
 def _own_nonce(store: dist.Store, key: str) -> str:

@@ -15,6 +15,8 @@ else uses the same store. Who writes each:
   `refused` (one line per joiner refused, that the running replicas log);
 - `durable.py`: `committed` (the run's highest committed step count that a replica holds, never lowered) and
   `finished` (the step count at which the run ended);
+- `bar.py`: `barred` (one JSON a line: a removed member's id, the nonce of its process, why), by the members
+  whose guard removed it;
 - `coordinator.py`: `mode` ("signed" or "open": for a replica's one-line error only) and, with a secret,
   `hello` (this coordinator's life: a random nonce, signed with the bare secret, that keys every other
   signature; a replica with another secret finds that it does not verify).
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 __all__ = ["PREFIX", "REPLICAS", "LATEST", "MODE", "HELLO", "heartbeat", "held", "asks", "quorum", "vote",
            "outcome", "state", "state_sha256", "group", "lane",
-           "SETTINGS", "REFUSED", "settings_of", "COMMITTED", "FINISHED"]
+           "SETTINGS", "REFUSED", "settings_of", "COMMITTED", "FINISHED", "BARRED"]
 
 PREFIX = "manualdp-ft"  # every key of the fault-tolerant room lives below it
 REPLICAS = "replicas"
@@ -36,6 +38,7 @@ SETTINGS = "settings"
 REFUSED = "refused"
 COMMITTED = "committed"
 FINISHED = "finished"
+BARRED = "barred"
 
 
 def heartbeat(replica_id: str) -> str:

@@ -49,6 +49,8 @@ import torch.distributed as dist
 
 from . import keys
 from .admission import Misfit, admissible, fit, left_out, run_digest, split
+from .bar import barred
+from .guard import Removed
 from .heartbeat import Liveness, registered
 from .look import POLL, glance, look, peek
 from .signed_store import ignore
@@ -240,10 +242,17 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
             asked = time.monotonic()
             continue
         asks = checked_claims(store, _asks(store, round_), committed_record(store))
+        live = liveness.live(registered(store)) | {me.id}
+        out = barred(store, live)  # removed members whose process did not exit (bar.py)
+        if me.id in out:
+            raise Removed(f"replica {me.id!r} was removed from the run ({out[me.id]}): its asks are refused; its "
+                          f"process must exit (started again, it is let in as a new replica)")
+        if out:
+            ignore(store, keys.asks(round_), f"the asks of {sorted(out)}: removed from the run, barred")
+            live, asks = live - set(out), {rid: m for rid, m in asks.items() if rid not in out}
         if me.id not in asks:  # this replica's ask was overwritten (a stranger?): ask again
             store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
             asks[me.id] = me
-        live = liveness.live(registered(store)) | {me.id}
         run = run_digest(store, [m for m in asks.values() if m.id in live])
         members = decide(asks, live, time.monotonic() - asked >= quorum_timeout, run)
         previous = _decided(store, round_ - 1) if round_ > 1 else None
