@@ -226,6 +226,9 @@ def _fault_tolerance_options(t: argparse.ArgumentParser) -> None:
     f.add_argument("--min-replicas", type=_min_replicas, default=None, metavar="N",
                    help="train only in a quorum of at least N replicas; fewer, and wait (default: more than half of "
                         "the last quorum's replicas that did not leave, so that a run cut in two never trains twice)")
+    f.add_argument("--async-quorum", action="store_true", default=None,
+                   help="ask for each step's quorum in a thread while forward and backward run, as torchft's "
+                        "async quorum does (a replica of one process; default: ask before each step)")
     f.add_argument("--token-file", metavar="PATH",
                    help="a file holding the run's shared secret (one line, at least 16 characters; default: "
                         "$MANUALDP_FT_TOKEN), the coordinator's: every key and value in its store is signed with it")
@@ -375,7 +378,7 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
     """What does not go with `--fault-tolerant` (or needs it), in one line; None if nothing."""
     if not args.fault_tolerant:
         given = [o for o, v in (("--replica-id", args.replica_id), ("--min-replicas", args.min_replicas),
-                                ("--token-file", args.token_file),
+                                ("--token-file", args.token_file), ("--async-quorum", args.async_quorum),
                                 ("--local-sgd", args.local_sgd), ("--diloco", args.diloco),
                                 ("--outer-lr", args.outer_lr), ("--outer-momentum", args.outer_momentum))
                  if v is not None]
@@ -397,7 +400,8 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
                ("--bucket-mb", args.bucket_mb is not None, "the gradients go in one flat buffer per dtype"),
                ("--checkpoint-every", args.checkpoint_every is not None, "every committed step is kept"),
                ("--resume", args.resume, "a replica resumes from --checkpoint-dir by itself"),
-               ("--trace", args.trace is not None, "no timeline yet")]
+               ("--trace", args.trace is not None, "no timeline yet"),
+               ("--async-quorum", args.async_quorum and world_size > 1, "a replica group asks before each step")]
     for option, bad, why in refused:
         if bad:
             return f"{option} with --fault-tolerant: {why}"
@@ -643,7 +647,8 @@ def _run_replica(args) -> int:
     try:
         manager = Manager(args.replica_id, host, port, checkpoint_dir=args.checkpoint_dir,
                           min_replicas=args.min_replicas, timeout=timeout,
-                          quorum_timeout=min(10.0, timeout), algorithm=args.algorithm or "ring", token=token)
+                          quorum_timeout=min(10.0, timeout), algorithm=args.algorithm or "ring", token=token,
+                          async_quorum=bool(args.async_quorum))
     except ConnectionError as e:  # nobody answers there within the timeout: connect says so in one line
         _error(f"replica {args.replica_id!r}: {_one_line(e)}")
         return 1
