@@ -17,7 +17,6 @@ from ..validate import boolean, check_summable, int_between, one_of, positive_in
 from .transport.group import after_wrappers, group_state
 from .transport.call_check import make_check, same_call
 from .transport.p2p import DEFAULT_SEGMENT_BYTES, run_allreduce, run_schedule
-from .transport.peers import group_timeout
 from .auto.pick import choose
 from .auto.tune import DRIFT_EVERY, ENGINE_ALGORITHMS, agreed, drift_flag, measure_again, note
 
@@ -67,7 +66,7 @@ def allreduce(tensor: torch.Tensor, algorithm: str = "auto", group=None, *,
     state = group_state(group)
     if len(state.peers) == 1:
         return
-    timeout = timeout if timeout is not None else group_timeout(group)
+    timeout = timeout if timeout is not None else state.timeout
     after_wrappers(state)
     auto, requested = algorithm == "auto", algorithm
     # Every DRIFT_EVERY-th checked call of "auto" runs its check alone, carrying this rank's drift: all measure
@@ -117,7 +116,7 @@ def _run(collective: str, tensor, algorithm: str, group, root: int, segment_byte
     schedule = get_collective(collective, algorithm, len(state.peers), root)
     if len(state.peers) == 1:
         return state.rank
-    timeout = timeout if timeout is not None else group_timeout(group)
+    timeout = timeout if timeout is not None else state.timeout
     after_wrappers(state)
     carried = check and state.early and tensor.numel() > 0
     if check and not carried:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import sys
 import zlib
 from array import array
 
@@ -118,13 +119,29 @@ def make_check(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_
 
 
 def _fingerprint(state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int, *, numel: int | None,
-                 flag: bool, schedule: str | None, collective: str, root: int, step: int, identity: int) -> list[int]:
-    """This call's row: the compared fields (`_FIELDS`), the element size, the flag; counts the call."""
+                 flag: bool, schedule: str | None, collective: str, root: int, step: int,
+                 identity: int) -> tuple[list[int], int]:
+    """This call's row (the compared fields, `_FIELDS`, the element size, the flag) and its data's tag; counts the
+    call."""
     state.calls += 1
-    dtype = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-    return [tensor.numel() if numel is None else numel, dtype, _NAMES.index(algorithm), segment_bytes,
-            state.calls, -1 if schedule is None else _NAMES.index(schedule), _COLLECTIVES.index(collective),
-            root, step, identity, tensor.element_size(), int(flag)]
+    head, tail, crc, tail_bytes = _shape(tensor.numel() if numel is None else numel, tensor.dtype,
+                                         tensor.element_size(), algorithm, segment_bytes, schedule, collective, root,
+                                         step, identity, flag)
+    call = state.calls.to_bytes(8, sys.byteorder, signed=True)
+    # `_tag` of the row, from the CRC of the fields before the call number, cached: only the number is new
+    return [*head, state.calls, *tail], 2 ** 30 + zlib.crc32(tail_bytes, zlib.crc32(call, crc)) % (2 ** 30 - 1)
+
+
+@functools.lru_cache(maxsize=256)  # a loop calls with the same few shapes again and again
+def _shape(numel: int, dtype: torch.dtype, element_size: int, algorithm: str, segment_bytes: int,
+           schedule: str | None, collective: str, root: int, step: int, identity: int, flag: bool) -> tuple:
+    """A call's row without its number: the fields before it, those after it, the CRC of the first and the bytes
+    of the others (of the compared ones, as `_tag` hashes them)."""
+    head = (numel, _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES), _NAMES.index(algorithm), segment_bytes)
+    compared = (-1 if schedule is None else _NAMES.index(schedule), _COLLECTIVES.index(collective), root, step,
+                identity, element_size)
+    crc = zlib.crc32(array("q", head).tobytes())
+    return head, (*compared, int(flag)), crc, array("q", compared).tobytes()
 
 
 def _refused(collective: str, rows: list[list[int]]) -> ValueError:
@@ -151,12 +168,12 @@ class TagCheck:
     def __init__(self, state: GroupState, tensor: torch.Tensor, algorithm: str, segment_bytes: int,
                  timeout: float | None, *, numel: int | None = None, flag: bool = False, schedule: str | None = None,
                  collective: str = "allreduce", root: int = 0, step: int = -1, identity: int = 0) -> None:
-        self.row = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag, schedule=schedule,
-                                collective=collective, root=root, step=step, identity=identity)
+        self.row, self.tag = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag,
+                                          schedule=schedule, collective=collective, root=root, step=step,
+                                          identity=identity)
         self.compared = self.row[:_FLAG]
         self.waits_first = True  # the executor waits for the first round's first message, then calls `landed()`
         self.state, self.timeout, self.collective = state, timeout, collective
-        self.tag = _tag(self.row)
         self.flagged = False
 
     def start(self) -> None:
@@ -211,13 +228,13 @@ class HeaderCheck:
                  timeout: float | None, *, numel: int | None = None, flag: bool = False,
                  schedule: str | None = None, collective: str = "allreduce", root: int = 0, step: int = -1,
                  identity: int = 0) -> None:
-        self.row = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag, schedule=schedule,
-                                collective=collective, root=root, step=step, identity=identity)
+        self.row, self.tag = _fingerprint(state, tensor, algorithm, segment_bytes, numel=numel, flag=flag,
+                                          schedule=schedule, collective=collective, root=root, step=step,
+                                          identity=identity)
         self.collective = collective
         self.waits_first = False  # `__call__` knows: the executor needs to wait for nothing first
         self.state, self.timeout, self.device = state, timeout, tensor.device
         self.deadline = None if timeout is None else datetime.timedelta(seconds=timeout)
-        self.tag = _tag(self.row)
         self.flagged = False
 
     def landed(self) -> None:

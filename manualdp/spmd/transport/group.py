@@ -16,7 +16,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from .peers import group_ranks
+from .peers import group_ranks, group_timeout
 from .worker import InlineWorker, SerialWorker
 
 __all__ = ["GroupState", "group_state", "group_worker", "Traffic"]
@@ -53,6 +53,7 @@ class GroupState:
         # A weak reference: a process group held past destroy_process_group aborts the interpreter when freed at exit.
         self.pg = weakref.ref(pg)
         self.rank, self.peers = group_ranks(pg)  # this process's rank in the group, and every member's global rank
+        self.timeout = group_timeout(pg)  # seconds the group was made with (None: torch does not say), read once
         self.early = dist.get_backend(pg) == "gloo"  # the executor posts receives a round early (gloo) or not
         self.link = None         # (the agreed Link, where from: "given", "cached" or "measured"); None until agreed
         self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
