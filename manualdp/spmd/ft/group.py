@@ -37,6 +37,7 @@ word meanwhile): give `init_process_group` a timeout of a few times `timeout`.
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -50,9 +51,11 @@ from .group_lanes import Lane
 from .manager import Manager
 from .phases import without_traceback
 from .quorum import Quorum
-from .recovery import plan_recovery
+from .recovery import RecoveryError, plan_recovery
 
 __all__ = ["GroupManager", "GroupBroken"]
+
+_log = logging.getLogger("manualdp.spmd.ft")
 
 # what rank 0 raised, raised again on its ranks by name (subclasses before their bases); else RuntimeError
 _RAISED = {"Misfit": Misfit, "RunFinished": RunFinished, "ValueError": ValueError, "TimeoutError": TimeoutError,
@@ -135,7 +138,7 @@ class GroupManager:
         else:
             self._follow({"ready"})
             store = connect(host, port, timeout, token)
-        self._lane = Lane(store, group_id, self.rank, self.timeout)
+        self._lane = Lane(store, group_id, self.rank, self.timeout, heartbeat_timeout)
 
     # ------------------------------------------------------------ this rank's part of the state
 
@@ -223,6 +226,8 @@ class GroupManager:
         except RuntimeError as e:  # RecoveryError, gloo's rendezvous: a peer gone meanwhile
             self.last_error = without_traceback(e)
             self._lane.drop()
+            if isinstance(e, RecoveryError):  # a sender lost: said here, on every rank that waited for it
+                _log.warning(f"replica group {self.id!r}, rank {self.rank}: {str(e).strip().splitlines()[0]}")
             return False
 
     def average(self, tensor: torch.Tensor) -> bool:

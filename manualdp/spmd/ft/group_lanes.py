@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import keys
+from .heartbeat import Liveness
 from .quorum_group import meeting
 from .recovery import check_loadable, forget_state, receive_state, send_state
 
@@ -42,8 +43,11 @@ def lane_source(group_id: str, index: int) -> str:
 class Lane:
     """This rank's lane: its gloo group with rank `index` of the other member groups, and the state it sent."""
 
-    def __init__(self, store: dist.Store, group_id: str, index: int, timeout: float) -> None:
+    def __init__(self, store: dist.Store, group_id: str, index: int, timeout: float,
+                 heartbeat_timeout: float | None = None) -> None:
         self.store, self.index, self.timeout = store, index, timeout
+        # a sender's group whose heartbeat stops is lost: its state never comes (None: wait `timeout`)
+        self._liveness = Liveness(store, heartbeat_timeout) if heartbeat_timeout is not None else None
         self.name = lane_source(group_id, index)
         self.number: int | None = None            # the quorum group this lane was formed for; None: none held
         self.size = 0                             # how many replica groups it joins
@@ -101,7 +105,10 @@ class Lane:
     def receive(self, round_: int, source_group: str, load: Callable[[dict], object]) -> dict:
         """Receive lane `index`'s state from `source_group` for `round_`, check it, load it; the record of it."""
         source = lane_source(source_group, self.index)
-        state, digest = receive_state(self.store, round_, source, self.timeout)
+        live = self._liveness
+        gone = None if live is None else lambda: source_group not in live.live([source_group])
+        state, digest = receive_state(self.store, round_, source, self.timeout, gone,
+                                      f"replica group {source_group!r} (rank {self.index})")
         load(state)
         return {"round": round_, "source": source, "sha256": digest}
 

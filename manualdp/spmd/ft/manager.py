@@ -205,7 +205,9 @@ class Manager(Phases):
             check_loadable(state, self.id)  # after sending: the receivers do not wait for it
         if self.id not in plan:
             return None
-        state, digest = receive_state(self.store, quorum.round, plan[self.id], self.timeout)
+        source = plan[self.id]
+        state, digest = receive_state(self.store, quorum.round, source, self.timeout,
+                                      gone=lambda: source not in self._liveness.live([source]))
         return state, plan[self.id], digest
 
     def average(self, tensor: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ and the step's first call that needs the quorum takes it (`_settle`).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 from ..transport.agree import agree
@@ -16,10 +17,12 @@ from . import admission
 from .ahead import fast
 from .quorum import PATIENCE, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import form_group
-from .recovery import forget_state
+from .recovery import RecoveryError, forget_state
 from .signed_store import StoreLost
 
 __all__ = ["Phases", "without_traceback"]
+
+_log = logging.getLogger("manualdp.spmd.ft")
 
 
 class Phases:
@@ -70,6 +73,8 @@ class Phases:
             if getattr(e, "final", False) or isinstance(e, StoreLost):  # a state that cannot load; no coordinator
                 raise
             self.last_error = without_traceback(e)
+            if isinstance(e, RecoveryError):  # its sender lost, or its state late or damaged: said, and asked again
+                _log.warning(f"replica {self.id!r}: {str(e).strip().splitlines()[0]}")
             self.should_commit(False)
             return e
         if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does

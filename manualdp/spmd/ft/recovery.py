@@ -18,6 +18,7 @@ import hashlib
 import io
 import re
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -94,13 +95,22 @@ def forget_state(store: dist.Store, round_: int, source: str) -> None:
     store.delete_key(keys.state_sha256(round_, source))
 
 
-def receive_state(store: dist.Store, round_: int, source: str, timeout: float) -> tuple[dict, str]:
-    """The state `source` sent for `round_` and its SHA-256, checked; RecoveryError after `timeout` s or if damaged."""
+def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
+                  gone: Callable[[], bool] | None = None, who: str | None = None) -> tuple[dict, str]:
+    """The state `source` sent for `round_` and its SHA-256, checked; RecoveryError after `timeout` s or if damaged.
+
+    `gone()`: whether the sender died meanwhile (its heartbeat stopped): RecoveryError at once, naming
+    it (`who`, default "replica SOURCE"), so that the receiver asks again for another holder, or waits for one.
+    """
     key, sha256 = keys.state(round_, source), keys.state_sha256(round_, source)
     deadline = time.monotonic() + timeout
     while not store.check([sha256]):
         if time.monotonic() > deadline:
             raise RecoveryError(f"the state of replica {source!r} (round {round_}) did not come within {timeout:g} s")
+        if gone is not None and gone():
+            sender = who or f"replica {source!r}"
+            raise RecoveryError(f"{sender} was lost while sending its state (round {round_}): its heartbeat "
+                                f"stopped; asking again for another holder of the run's state")
         time.sleep(POLL)
     expected = store.get(sha256).decode(errors="replace")  # a stranger's bytes: a damaged state, not a crash
     blob = store.get(key)

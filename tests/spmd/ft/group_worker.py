@@ -7,7 +7,9 @@ over the lane (`GroupManager.average`). The config: `kill_at` (rank `kill_rank`,
 SIGKILLs itself in the step of two groups of that index (0: the first), right before the cross-group
 average: its peers are in it), `together` (train on until `steps` are committed and this many of them
 with two groups after a step alone, or from the start when `rejoin`: a group started again), `sleep`
-(seconds per step alone). Each committed step appends a line
+(seconds per step alone), `pace` (seconds per step, always), `with_group` ([GROUP, N]: train on until N steps
+were committed in a quorum with GROUP too), `die_on_send` (SIGKILL itself as its lane is
+about to send its state for the n-th time: a sender lost during recovery). Each committed step appends a line
 to OUT: the step, the member groups, the parameters; the end writes the recoveries (OUT + ".end").
 """
 import datetime
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-GROUPS = ("A", "B")
+GROUPS = ("A", "B", "C")
 ROWS = 3  # rows per (group, rank) shard
 
 
@@ -51,6 +53,19 @@ def shard_grads(model: nn.Module, step: int, group: str, rank: int, size: int) -
     return [p.grad.clone() for p in model.parameters()]
 
 
+def die_on_send(n: int) -> None:
+    """Make this process SIGKILL itself as its lane is about to send its state for the `n`-th time."""
+    from manualdp.spmd.ft.group_lanes import Lane
+    send, sent = Lane.send, [0]
+
+    def dying(self, round_, state):
+        sent[0] += 1
+        if sent[0] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return send(self, round_, state)
+    Lane.send = dying
+
+
 def main(config: dict) -> None:
     torch.set_num_threads(1)
     faulthandler.register(signal.SIGUSR1)  # a hung rank tells where, when the test asks
@@ -60,19 +75,23 @@ def main(config: dict) -> None:
                             world_size=size, timeout=datetime.timedelta(seconds=120))
     model = build()
     opt = optimizer(model)
+    if config.get("die_on_send"):
+        die_on_send(config["die_on_send"])
     manager = GroupManager(gid, "127.0.0.1", config["port"], timeout=20, quorum_timeout=5, heartbeat_timeout=1.0,
                            **({"min_groups": config["min_groups"]} if "min_groups" in config else {}))
     manager.register_state("model", model.state_dict, model.load_state_dict)
     manager.register_state("optim", opt.state_dict, opt.load_state_dict)
     out = open(config["out"], "a")
     alone, together, joint = False, 0, -1
-    while manager.step < config["steps"] or together < config.get("together", 0):
+    other, need = config.get("with_group", [None, 0])
+    while manager.step < config["steps"] or together < config.get("together", 0) or need > 0:
         quorum = manager.start_step()
         step = manager.step
         joint += len(quorum.members) == 2
         if len(quorum.members) == 1:
             alone = True
             time.sleep(config.get("sleep", 0))
+        time.sleep(config.get("pace", 0))
         grads = shard_grads(model, step, gid, rank, size)
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat)  # inside the group: plain data parallelism
@@ -86,6 +105,7 @@ def main(config: dict) -> None:
             opt.step()
             if len(quorum.members) == 2 and (alone or config.get("rejoin")):
                 together += 1
+            need -= other in quorum.ids
             params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             out.write(json.dumps({"step": step, "members": quorum.ids, "params": params.tolist()}) + "\n")
             out.flush()

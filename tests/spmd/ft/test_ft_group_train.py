@@ -98,7 +98,7 @@ def reference(members_per_step: list[list[str]], size: int = 2) -> list[torch.Te
     return after
 
 
-def check_against_reference(runs: list[dict[int, dict]], steps: int) -> list[list[str]]:
+def check_against_reference(runs: list[dict[int, dict]], steps: int, size: int = 2) -> list[list[str]]:
     """Every rank's committed steps agree and equal the reference bitwise; the members of each step."""
     members = []
     for step in range(steps):
@@ -106,7 +106,7 @@ def check_against_reference(runs: list[dict[int, dict]], steps: int) -> list[lis
         assert seen, f"step {step} committed by nobody"
         assert all(r["members"] == seen[0]["members"] and r["params"] == seen[0]["params"] for r in seen), step
         members.append(seen[0]["members"])
-    expected = reference(members)
+    expected = reference(members, size)
     for run in runs:
         for step, record in run.items():
             assert torch.equal(torch.tensor(record["params"], dtype=torch.float64), expected[step]), (step, record)
