@@ -1,8 +1,11 @@
 """`manualdp check`'s walls judge what an answer did, not how it named it: a path relative to a folder's descriptor
 (`dir_fd=`, as shutil.rmtree's) is read against that folder, so a right answer that removes a tree of its own from
-another working folder passes, and a careless one that removes a folder beside its own still fails naming it."""
+another working folder passes, and a careless one that removes a folder beside its own still fails naming it. A
+write outside that only the kernel's walls saw (torch.save, ctypes, a program) is named in the verdict too."""
+import errno
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -12,6 +15,9 @@ import pytest
 
 from manualdp.runners.cli import main
 from manualdp.runners.grader import sandbox, walls
+from manualdp.runners.grader.tried import outside
+
+from .test_sandbox_fs import machine_has
 
 ANSWERS = pathlib.Path(__file__).resolve().parents[1] / "answers"
 
@@ -76,3 +82,36 @@ def test_the_audit_hook_reads_a_path_relative_to_a_descriptor_against_its_folder
     assert eval(done.stdout) == [("delete", f"{other}/keep"), ("make the folder", f"{other}/d"),
                                  ("rename", f"{other}/moved")]
     assert not (mine / "tree").exists() and (mine / "moved").is_dir() and (other / "keep").read_text() == "keep"
+
+
+@pytest.mark.parametrize("answer, written", [("torch_save", "cache.pt"), ("ctypes", "log.txt"),
+                                             ("program", "stamp")])
+def test_a_write_outside_that_only_the_kernel_refused_is_named_in_the_verdict(answer, written, graded):
+    if not (sandbox.namespaces() or machine_has("landlock")):
+        pytest.fail("this machine has neither user namespaces nor Landlock: run it where it has one")
+    folder, check = graded
+    status, out = check(ANSWERS / f"allreduce_{answer}_outside.py")
+    named = rf"it tried to write (or read )?{re.escape(str(folder / written))}, outside its own folder"
+    assert status == 1 and re.search(named, out), out
+    assert not (folder / written).exists()
+
+
+def test_only_a_refused_path_outside_the_folders_is_named_and_an_error_raised_from_one_counts(tmp_path):
+    mine = str(tmp_path / "mine")
+    refused = OSError(errno.EROFS, "Read-only file system", "/srv/x")
+    try:
+        try:
+            raise refused
+        except OSError as e:
+            raise RuntimeError("the cache failed") from e
+    except RuntimeError as e:
+        wrapped = e
+    assert outside(wrapped, [mine]) == ("write", "/srv/x")
+    assert outside(OSError(errno.EACCES, "Permission denied", "/srv/x"), [mine]) == ("write or read", "/srv/x")
+    assert outside(OSError(errno.EACCES, "Permission denied", f"{mine}/x"), [mine]) is None  # its own: not the walls
+    assert outside(OSError(errno.ENOENT, "No such file or directory", "/srv/x"), [mine]) is None
+    assert outside(RuntimeError("shape mismatch"), [mine]) is None
+    told = subprocess.CalledProcessError(1, ["cp"], stderr=b"cp: cannot create regular file '/srv/y': Permission denied")
+    assert outside(told, [mine]) == ("write or read", "/srv/y")
+    assert outside(subprocess.CalledProcessError(1, ["cp"]), [mine], "touch: cannot touch '/srv/z': Read-only file "
+                   "system\n") == ("write", "/srv/z")

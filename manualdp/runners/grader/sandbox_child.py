@@ -28,6 +28,7 @@ import io
 import os
 import resource
 import signal
+import stat
 import struct
 import sys
 import traceback
@@ -36,6 +37,7 @@ import types
 from . import walls
 from .own import write_it_yourself
 from .processes import ENDED, die_with_parent
+from .tried import outside
 
 LOG_BYTES = 64 << 20  # what the student's code may print or write into one file
 # what each rank runs, given the file's path and name
@@ -165,8 +167,15 @@ def _numpy_number(obj) -> bool:
             and obj.ndim == 0 and obj.dtype.kind in "biuf")
 
 
-def _raised(e: BaseException, path: str) -> dict:
-    """What the grader needs to tell an exception: its type, message and the line of the student's file."""
+def _raised(e: BaseException, path: str, walled: walls.Walls | None = None) -> dict:
+    """What the grader needs to tell an exception: its type, message and the line of the student's file. Where it
+    says that a wall of the kernel refused a path outside the child's folders, that goes into `walled.refused`."""
+    try:
+        tried = walled and outside(e, [*walled.writable, "/dev/shm"], _printed(walled.writable[0]))
+    except Exception:  # noqa: BLE001 (an error of the student's whose attributes raise: told as it is)
+        tried = None
+    if tried:
+        walled.refused.append(tried)
     frames = traceback.extract_tb(e.__traceback__)
     torch_dir = os.path.dirname(sys.modules["torch"].__file__)
     frame = next((f for f in reversed(frames) if f.filename == path), None) or next(
@@ -179,6 +188,21 @@ def _raised(e: BaseException, path: str) -> dict:
             "at": f"{frame.filename}, line {frame.lineno}" if frame else ""}
 
 
+def _printed(folder: str) -> str:
+    """The last lines in the child's `output.txt` (in `folder`): what its programs said on stderr."""
+    try:  # without blocking or following a link: the answer may have put a FIFO or a link in its place
+        fd = os.open(os.path.join(folder, "output.txt"), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except OSError:
+        return ""
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return ""
+        os.lseek(fd, max(0, os.fstat(fd).st_size - 4000), os.SEEK_SET)
+        return os.read(fd, 4000).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def _built_on(cls) -> str | None:
     """The library's DDP class that the class `cls` is built on (torch's or manualdp's), or None."""
     for base in cls.__mro__[1:]:
@@ -188,7 +212,7 @@ def _built_on(cls) -> str | None:
     return None
 
 
-def _load(path: str, names: list[str]) -> dict:
+def _load(path: str, names: list[str], walled: walls.Walls) -> dict:
     sys.path.insert(0, os.path.dirname(path))  # as `python FILE.py` would: the file's neighbours import
     spec = importlib.util.spec_from_file_location("exercise", path)
     if spec is None or spec.loader is None:
@@ -198,7 +222,7 @@ def _load(path: str, names: list[str]) -> dict:
     try:
         spec.loader.exec_module(module)
     except BaseException as e:  # noqa: BLE001 (anything in a student's file, SystemExit and KeyboardInterrupt too)
-        return {"import_raised": _raised(e, path)}
+        return {"import_raised": _raised(e, path, walled)}
     missing = [name for name in names if not hasattr(module, name)]
     if missing:
         return {"missing": missing[0]}
@@ -261,14 +285,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     send({"ready": True})
-    fns, names, path = [], [], ""
+    fns, names, path, walled = [], [], "", None
     while True:
         req = recv()
         if req["op"] == "load":
             path, names = req["path"], req["names"]
             write_it_yourself(names)
             walled = _walled(wanted, mounted, path, refused)
-            got = _load(path, names)
+            got = _load(path, names, walled)
             fns = got.pop("fns", [])
             send({**got, "walls": walled.named()})
         elif req["op"] in ("call", "job"):
@@ -282,7 +306,7 @@ def main() -> None:
 
                     out = getattr(jobs, jobs.JOBS[req["job"]])(*fns, *args)
             except BaseException as e:  # noqa: BLE001
-                send(_raised(e, path))
+                send(_raised(e, path, walled))
                 continue
             send({"before": before, "after": _plain(args), "out": _plain(out)})
         elif req["op"] == "ranks":

@@ -18,8 +18,10 @@ walls hold that, each where the machine allows it, and the grader names those in
   Landlock) it is a fallback a determined answer gets round (ctypes, a rank's process, which it does not reach). It
   resolves every link before it judges a path.
 
-Writes made through ctypes or a program it runs are stopped by the kernel's walls (mount, Landlock), but not named:
-the audit hook does not see them, so the answer fails on what they broke, without the path.
+Writes made through ctypes, a program it runs or torch's C++ writer (`torch.save`) are stopped by the kernel's walls
+(mount, Landlock) only: the audit hook does not see them. Where the answer raised because of one, `tried.py` reads
+the path from the error, and the grader names it as the hook's refusals. A path relative to a folder's descriptor
+(`dir_fd=`, as shutil.rmtree gives) is judged against that folder (/proc/self/fd/N), not the working folder.
 
 Standard library only.
 """
