@@ -46,7 +46,7 @@ if not __package__:  # run as `python bench/NAME.py`: `import bench.*` needs the
 
 from bench.common import check_output_paths, save_outputs
 from bench.spread import add_load_option, format_load, measured_load, spread
-from manualdp.allreduce import allreduce
+from manualdp.allreduce import _swaps, allreduce
 from manualdp.schedule import ALGORITHMS, Schedule, chunk_sizes, get_schedule
 
 __all__ = [
@@ -105,16 +105,29 @@ def _chunk_bytes(schedule: Schedule, nbytes: int, element_size: int) -> list[int
 
 
 def memory_bytes(schedule: Schedule, nbytes: int, element_size: int) -> int:
-    """Bytes read and written by running `schedule` on `nbytes` per device: 3 per reduced byte, 2 per copied byte."""
-    sizes = _chunk_bytes(schedule, nbytes, element_size)
-    return sum((3 if t.reduce else 2) * sizes[t.chunk] for rnd in schedule.rounds for t in rnd)
+    """Bytes read and written by running `schedule` on `nbytes` per device: 3 per added byte, 2 per copied byte."""
+    return sum((3 if adds else 2) * size for size, adds in _executed(schedule, nbytes, element_size))
 
 
 def serial_features(schedule: Schedule, nbytes: int, element_size: int) -> tuple[int, int, int]:
     """(transfers, bytes moved, bytes added) over the whole schedule: the single controller does them one by one."""
+    done = _executed(schedule, nbytes, element_size)
+    return len(done), sum(size for size, _ in done), sum(size for size, adds in done if adds)
+
+
+def _executed(schedule: Schedule, nbytes: int, element_size: int) -> list[tuple[int, bool]]:
+    """(bytes, whether added) of each transfer as the single controller runs it: empty chunks skipped, and of two
+    partners that swap a chunk and both add it (recursive doubling), the second copies the first's sum back."""
     sizes = _chunk_bytes(schedule, nbytes, element_size)
-    transfers = [t for rnd in schedule.rounds for t in rnd if sizes[t.chunk]]  # the executor skips empty chunks
-    return (len(transfers), sum(sizes[t.chunk] for t in transfers), sum(sizes[t.chunk] for t in transfers if t.reduce))
+    out = []
+    for rnd in schedule.rounds:
+        swaps, added = _swaps(rnd), set()
+        for t in rnd:
+            if sizes[t.chunk]:
+                copied_back = (t.src, t.dst, t.chunk) in swaps and (t.dst, t.src, t.chunk) in added
+                out.append((sizes[t.chunk], t.reduce and not copied_back))
+                added.add((t.src, t.dst, t.chunk))
+    return out
 
 
 def fit_cost(features: np.ndarray, seconds: np.ndarray) -> np.ndarray:

@@ -48,10 +48,19 @@ def test_memory_bytes_is_three_per_reduced_byte_and_two_per_copied_byte():
             schedule = get_schedule(algorithm, n)
             t = traffic(schedule, 4096 * 4, 4)
             reduced, moved = sum(t["reduced"]), sum(t["received"])
-            assert memory_bytes(schedule, 4096 * 4, 4) == 3 * reduced + 2 * (moved - reduced)
+            # the executor adds a swapped chunk once and copies the sum back (recursive doubling's pairs)
+            p = 1 << (n.bit_length() - 1)  # half of its p devices copy back, in each of its log2(p) swapping rounds
+            swapped = 4096 * 4 * p // 2 * (n.bit_length() - 1) if algorithm == "recursive_doubling" else 0
+            assert memory_bytes(schedule, 4096 * 4, 4) == 3 * (reduced - swapped) + 2 * (moved - reduced + swapped)
             transfers, f_moved, f_reduced = serial_features(schedule, 4096 * 4, 4)
-            assert (f_moved, f_reduced) == (moved, reduced)
+            assert (f_moved, f_reduced) == (moved, reduced - swapped), (algorithm, n)
             assert transfers == sum(len(rnd) for rnd in schedule.rounds)
+
+
+def test_recursive_doublings_features_count_each_swap_as_one_addition_and_one_copy():
+    # 4 devices, 2 rounds of 2 pairs: each pair adds the whole buffer once and copies the sum back once
+    assert serial_features(get_schedule("recursive_doubling", 4), 1 << 20, 4) == (8, 8 << 20, 4 << 20)
+    assert memory_bytes(get_schedule("recursive_doubling", 4), 1 << 20, 4) == (3 * 4 + 2 * 4) << 20
 
 
 def test_the_timer_finds_wrong_results(monkeypatch):
