@@ -33,6 +33,7 @@ from ..transport.peers import group_ranks, group_timeout
 from .reducer import Reducer
 from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
 from ..ladder.identity import take_number
+from ..ladder.loading import check_loadable
 from ..auto.tune import ENGINE_ALGORITHMS
 
 __all__ = ["DistributedDataParallel", "NoParametersError"]
@@ -187,6 +188,11 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
                *([Desync(r, self.world_size, self.uneven.is_joined, self.calls)] if self.debug else []),
                self.buffer_sync,  # a buffer comm hook's futures, waited for at the end of backward
                self.graph])  # unused parameters and static graph, checked at the end of backward
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
+        check_loadable(self, state_dict, strict, "DistributedDataParallel")
+        return super().load_state_dict(state_dict, strict, assign)
 
     def __getstate__(self):
         if self.process_group is not dist.group.WORLD:  # the copy would average over another group

@@ -52,6 +52,7 @@ from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 from .drift import DRIFT_CHECK_EVERY, DriftCheck
 from .identity import BuiltWith, frozen_alike, naming_wrappers, replaced_line, take_number
+from .loading import check_loadable
 
 __all__ = ["Rung", "weak_hook"]
 
@@ -145,6 +146,11 @@ class Rung(nn.Module):
                                  f"{type(module).__name__} is already averaged by a {type(other).__name__}: "
                                  "wrap a module once, with one rung (a rung over a rung, or two rungs over one "
                                  "module, would average it twice)")
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
+        check_loadable(self, state_dict, strict, type(self).__name__)
+        return super().load_state_dict(state_dict, strict, assign)
 
     def __deepcopy__(self, memo):
         raise TypeError(f"rank {self.rank}: a {type(self).__name__} cannot be deep-copied (it holds the group's "

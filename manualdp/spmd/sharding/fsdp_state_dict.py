@@ -9,19 +9,23 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   a shard cut for another world size, or a DTensor on another mesh or with other placements (whose step
   would meet the optimizer's state on the model's mesh), is refused in one line that says what loads it; and a unit
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
-  them again (torch's FSDP2 does the same);
+  them again (torch's FSDP2 does the same); `check_whole` makes the same checks, and torch's, for the whole
+  tree before a sharded module's `load_state_dict` writes anything, so a refused load leaves the model as it was;
 - after it: a DTensor that `load_state_dict(..., assign=True)` put in a parameter's place becomes its shard
   (pytorch/examples' FSDP2 script resumes a model built on the meta device that way), as torch's does.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ..ladder.loading import check_loadable
 from .fsdp_param import SLOTS
 
-__all__ = ["install_state_dict_hooks"]
+__all__ = ["install_state_dict_hooks", "check_whole"]
 
 HOOKED = "_manualdp_fsdp_state_dict_hooks"  # in a submodule's __dict__: its hooks are registered
 
@@ -58,30 +62,46 @@ def _fulls_back(sub: nn.Module, state_dict, prefix: str, local_metadata) -> None
         sub._parameters[attr] = full
 
 
+def check_whole(module: nn.Module, state_dict, strict: bool) -> None:
+    """Every refusal of a load into `module` (the sharded ones below, torch's own: `ladder.loading`), before any
+    submodule's tensors are written: a refused load leaves the model as it was."""
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in _held(sub):
+            key = f"{prefix}.{attr}" if prefix else attr
+            value = state_dict.get(key) if isinstance(state_dict, Mapping) else None
+            if isinstance(value, torch.Tensor):
+                _refuse(key, value, p)
+    check_loadable(module, state_dict, strict, type(module).__name__, sharded=lambda sub, name: name in
+                   sub.__dict__.get(SLOTS, {}))
+
+
+def _refuse(key: str, value: torch.Tensor, p) -> None:
+    """A full tensor, a shard of another world size, or a DTensor on another mesh, where `p`'s shard sits."""
+    if not isinstance(value, DTensor):
+        raise ValueError(f"load_state_dict: {key} is a full tensor of shape {tuple(value.shape)}, and the model "
+                         "holds this rank's shard of it: load a full state dict with torch.distributed.checkpoint."
+                         "state_dict.set_model_state_dict(model, state, options=StateDictOptions("
+                         "full_state_dict=True))")
+    mine, theirs = p.sharded.to_local().shape, value.to_local().shape
+    if value.device_mesh.size() != p.sharded.device_mesh.size() or theirs != mine:
+        raise ValueError(f"load_state_dict: {key} is a shard cut for another world size (here {tuple(theirs)} "
+                         f"on a mesh of {value.device_mesh.size()}; this rank's is {tuple(mine)} on "
+                         f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
+                         "torch.distributed.checkpoint (dcp.save, then dcp.load into model.state_dict()), "
+                         "which reshards")
+    if value.device_mesh != p.sharded.device_mesh or value.placements != p.sharded.placements:
+        raise ValueError(f"load_state_dict: {key} is a DTensor on {value.device_mesh} with {value.placements}, "
+                         f"and the model shards it on {p.sharded.device_mesh} with {p.sharded.placements}: "
+                         "build the state dict on the model's mesh (distribute_tensor(full, "
+                         "model_param.device_mesh, model_param.placements)), or load with dcp.load")
+
+
 def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
     held = list(_held(sub))
     for attr, p in held:
-        key = prefix + attr
-        value = state_dict.get(key)
-        if not isinstance(value, torch.Tensor):
-            continue
-        if not isinstance(value, DTensor):
-            raise ValueError(f"load_state_dict: {key} is a full tensor of shape {tuple(value.shape)}, and the model "
-                             "holds this rank's shard of it: load a full state dict with torch.distributed.checkpoint."
-                             "state_dict.set_model_state_dict(model, state, options=StateDictOptions("
-                             "full_state_dict=True))")
-        mine, theirs = p.sharded.to_local().shape, value.to_local().shape
-        if value.device_mesh.size() != p.sharded.device_mesh.size() or theirs != mine:
-            raise ValueError(f"load_state_dict: {key} is a shard cut for another world size (here {tuple(theirs)} "
-                             f"on a mesh of {value.device_mesh.size()}; this rank's is {tuple(mine)} on "
-                             f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
-                             "torch.distributed.checkpoint (dcp.save, then dcp.load into model.state_dict()), "
-                             "which reshards")
-        if value.device_mesh != p.sharded.device_mesh or value.placements != p.sharded.placements:
-            raise ValueError(f"load_state_dict: {key} is a DTensor on {value.device_mesh} with {value.placements}, "
-                             f"and the model shards it on {p.sharded.device_mesh} with {p.sharded.placements}: "
-                             "build the state dict on the model's mesh (distribute_tensor(full, "
-                             "model_param.device_mesh, model_param.placements)), or load with dcp.load")
+        value = state_dict.get(prefix + attr)
+        if isinstance(value, torch.Tensor):
+            _refuse(prefix + attr, value, p)
     for attr, p in held:  # the values load into the shards; a backward still to come gathers them again (as torch's)
         if p.full is not None and sub._parameters.get(attr) is p.full:
             sub.__dict__[SLOTS][attr].free()
