@@ -23,8 +23,8 @@ in one line; nothing is stepped silently wrong:
 The checks ride on the step's one allreduce of flags (a few more integers), and cost about
 0.1 us per parameter a step.
 
-A gradient that differs across ranks is refused at stage 1, where torch's steps each parameter
-with its owner's: our chunks split a parameter over ranks. A parameter no rank has a gradient
+A gradient that differs across ranks (not averaged) is not compared: each element steps with its
+owner's, as torch's steps each parameter with its owner's (`zero_layout.py`). A parameter no rank has a gradient
 for is skipped, as torch's optimizers skip it; one with a gradient on some ranks only is refused
 at stage 1, on every rank: stepped by its owners' gradients only, it would be stepped in part.
 """

@@ -8,8 +8,9 @@ parameters made views of it, and this rank's chunk handed to its optimizer as on
 parameter it overlaps: the parameter itself where the chunk holds all of it, else a slice of
 the buffer. Elementwise optimizers (SGD, Adam, AdamW, ...) give the same numbers either way, on
 averaged gradients. What differs: which tensors `.optim` holds on a rank (`optim.state[p]`
-exists only on a rank that owns all of `p`), and a gradient that differs across ranks, which
-torch's steps with its owner's and ours refuses at stage 1 (`zero_guards.py`).
+exists only on a rank that owns all of `p`), and a gradient that differs across ranks (a closure
+without DDP): both step each element with its owner's gradient, but the owners differ, so pytorch's
+`test_step_with_closure`, `test_sharding` and `test_add_param_group` (which assert torch's owners) fail on ours.
 
 The layout grows, never changes: a group added later (`add_param_group`) and a parameter
 unfrozen later (`zero_guards.py`) get flat buffers of their own after the others, whose
