@@ -43,10 +43,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ...validate import a_callable, positive_int, timeout_seconds
+from torch import nn
+
+from ...validate import a_callable, nn_module, positive_int, timeout_seconds
 from .admission import Misfit
 from .coordinator import connect
 from .durable import RunFinished
+from .group_backward import BackwardCount
 from .group_lanes import Lane
 from .manager import Manager
 from .phases import without_traceback
@@ -124,6 +127,8 @@ class GroupManager:
         self._quorum: Quorum | None = None
         self._in_step = self._ok = False
         self._manager: _Leader | None = None
+        self._backwards: BackwardCount | None = None  # `watch`: this rank's backward passes in the step
+        self._compared = False                        # the ranks' counts were compared in this step
         if self.rank == 0:
             try:
                 self._manager = _Leader(self._lead_lanes, group_id, host, port, min_replicas=min_groups,
@@ -150,6 +155,13 @@ class GroupManager:
         if name in self._states:
             raise ValueError(f"a state named {name!r} is already registered")
         self._states[name] = (state_dict, load_state_dict)
+
+    def watch(self, module: nn.Module) -> None:
+        """Count `module`'s backward passes on this rank: a step whose ranks ran different counts is discarded, named."""
+        nn_module("module", module)
+        if self._backwards is not None:
+            self._backwards.remove()
+        self._backwards = BackwardCount(module)
 
     def require_same(self, **settings) -> None:
         """Add settings every member group must share (as `Manager.require_same`); call it on every rank."""
@@ -199,7 +211,9 @@ class GroupManager:
             self.step = step
         if self._manager is not None:
             self.step = self._manager.step
-        self._quorum, self._in_step, self._ok = quorum, True, True
+        self._quorum, self._in_step, self._ok, self._compared = quorum, True, True, False
+        if self._backwards is not None:
+            self._backwards.reset()  # the step's forward and backward come after its quorum
         return quorum
 
     def _lead_lanes(self, quorum: Quorum) -> None:
@@ -238,13 +252,31 @@ class GroupManager:
             raise RuntimeError("average() before start_step(): there is no quorum to average over")
         if not self._ok:
             return False
+        alike = self._compared or self._same_backwards()
         try:
             self._lane.sum(tensor, self._quorum.ids)  # ValueError (another tensor on a peer group) goes up
         except RuntimeError as e:  # gloo's: a peer of the lane died or hangs
             self.last_error, self._ok = without_traceback(e), False
             return False
         tensor.div_(self._lane.size)
-        return True
+        self._ok = alike  # summed all the same: the other groups' ranks wait on this one in the lane
+        return alike
+
+    def _same_backwards(self) -> bool:
+        """At the step's first average: whether the group's ranks ran as many backward passes (`watch`)."""
+        self._compared = True
+        if self._backwards is None:
+            return True
+        try:
+            fewest, most = self._backwards.spread(self._group)
+        except RuntimeError as e:
+            raise self._broken(e) from None
+        if fewest == most:
+            return True
+        _log.warning(f"replica group {self.id!r}, rank {self.rank}: step {self.step} discarded on every member group: "
+                     f"the group's ranks ran backward from {fewest} to {most} times since start_step() (this rank "
+                     f"{self._backwards.count}); every rank must run the same backward passes per step")
+        return False
 
     def should_commit(self, ok: bool = True) -> bool:
         """Vote on this step for this rank; True on every rank of every member group if all of them averaged."""
@@ -253,6 +285,8 @@ class GroupManager:
         if not self._in_step:
             raise RuntimeError("should_commit() without a step under way: call start_step() first")
         self._in_step = False
+        if self._ok and not self._compared:  # no average in this step: the counts are compared here
+            self._ok = self._same_backwards()
         every = self._all(ok and self._ok)  # a rank that failed makes its whole group vote discard
         if self._manager is not None:
             try:
