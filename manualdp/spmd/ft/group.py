@@ -6,6 +6,7 @@ Every rank of every group runs the same loop; only the groups are fault tolerant
     manager = GroupManager("a", "127.0.0.1", 29510)  # on every rank: its rank 0 speaks for the group
     manager.register_state("model", model.state_dict, model.load_state_dict)  # this rank's part: its lane's
     manager.register_state("optim", optimizer.state_dict, optimizer.load_state_dict)
+    manager.watch(model)   # a rank with one backward more than the others: the step discarded, named
     while manager.step < steps:
         quorum = manager.start_step()          # the groups agree; a group behind receives each lane's state
         loss_of(model, my_shard(batch, quorum.rank("a"), dist.get_rank())).backward()
