@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from ...validate import initialized, nn_module, timeout_seconds
@@ -49,9 +49,6 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
     modules = _modules(module)
     if shard_placement_fn is not None:
         raise NotImplementedError("shard_placement_fn is not supported by manualdp's fully_shard: it shards dim 0")
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError(f"offload_policy={type(offload_policy).__name__} is not supported by manualdp's "
-                                  "fully_shard")
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
@@ -64,6 +61,7 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
                              "apply it once per module")
     taken, nested, buffers = _walk(modules, ignored)
     meta, device_type = _device(modules, taken, mesh, group)
+    _offload(offload_policy, device_type)
     if timeout is None and mesh is not None:  # a mesh's sub-groups get torch's default timeout, not the world's
         timeout = group_timeout()
     mesh, group, replicate = _mesh_and_group(mesh, group, device_type)
@@ -135,6 +133,22 @@ def _device(modules: list[nn.Module], taken: dict, mesh, group) -> tuple[bool, s
     if mesh is not None:  # the device the model will be moved to (to_empty): the mesh's, or the backend's
         return True, mesh.device_type
     return True, "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+
+
+def _offload(offload_policy, device_type: str) -> None:
+    """Take no offload, or torch's CPUOffloadPolicy where the shards live in host memory already (cpu)."""
+    if offload_policy is None or type(offload_policy) is OffloadPolicy:
+        return
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy, got "
+                        f"{type(offload_policy).__name__}")
+    if not isinstance(offload_policy, CPUOffloadPolicy) or device_type != "cpu":
+        raise NotImplementedError(f"offload_policy={type(offload_policy).__name__} on {device_type!r} is not "
+                                  "supported by manualdp's fully_shard (CPUOffloadPolicy is, on cpu)")
+    # on cpu the shards, their gradients and the optimizer step already live where torch's offload puts them
+    if offload_policy.pin_memory:
+        raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) pins host memory for an accelerator, "
+                         "and the parameters are on cpu: pass CPUOffloadPolicy(pin_memory=False)")
 
 
 def _mesh_and_group(mesh, group, device_type: str):

@@ -1,0 +1,85 @@
+"""Behaviours that pytorch's FSDP2 training tests check, written here as our own and compared with torch's.
+
+One spawned run at 2 ranks: each case runs with our `fully_shard` and with torch's on the same model, data
+and ranks, and the parent compares them (or reads our one-line refusal where torch's has no answer on cpu).
+- `CPUOffloadPolicy(pin_memory=False)` on cpu: the shards already live in host memory, so it trains as torch's
+  does with it, also over micro-batches without gradient sync; `pin_memory=True` (it needs an accelerator) and
+  a policy that is not one are refused in one line.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+from manualdp.spmd import launch
+from manualdp.spmd.sharding.fsdp import fully_shard
+
+from .test_fsdp_like_torch import _case, _full, _refusal
+
+SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 2))
+
+
+def _offloaded(shard_fn, rank, micro_batches):
+    """Adam for 3 steps on units sharded with CPUOffloadPolicy; gradient sync only on each step's last micro-batch."""
+    model = _model()
+    policy = CPUOffloadPolicy(pin_memory=False)
+    for layer in (model[0], model[2]):
+        shard_fn(layer, offload_policy=policy)
+    shard_fn(model, offload_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(10 + rank)
+    for _ in range(3):
+        for k in range(micro_batches):
+            model.set_requires_gradient_sync(k == micro_batches - 1)
+            model(torch.randn(4, 5, generator=g)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: _full(p) for name, p in model.named_parameters()}
+
+
+def _offload_refusals():
+    return {"pin_memory": _refusal(lambda: fully_shard(_model(), offload_policy=CPUOffloadPolicy())),
+            "not a policy": _refusal(lambda: fully_shard(_model(), offload_policy="cpu"))}
+
+
+def _job():
+    rank = dist.get_rank()
+    out = {name: {"offload": _case(_offloaded, fn, rank, 1), "offload accumulated": _case(_offloaded, fn, rank, 2)}
+           for name, fn in SHARD_FNS.items()}
+    out["offload refusals"] = _case(_offload_refusals)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(_job, 2, timeout=240.0)
+
+
+def _same(ours, theirs, what, atol=1e-6):
+    assert "raised" not in ours and "raised" not in theirs, (what, ours.get("raised"), theirs.get("raised"))
+    assert list(ours) == list(theirs), what
+    for k in ours:
+        torch.testing.assert_close(ours[k], theirs[k], rtol=0, atol=atol, msg=f"{what}: {k}")
+
+
+def test_cpu_offload_policy_on_cpu_trains_as_torch_does(results):
+    for r, got in enumerate(results):
+        for case in ("offload", "offload accumulated"):
+            _same(got["ours"][case], got["torch"][case], f"rank {r} {case}")
+    start = {k: v for k, v in _model().named_parameters()}
+    assert any(not torch.equal(results[0]["ours"]["offload"][k], start[k]) for k in start)  # it trained
+
+
+def test_cpu_offload_policy_that_needs_an_accelerator_or_is_not_a_policy_is_refused_in_one_line(results):
+    for got in results:
+        refusals = got["offload refusals"]
+        assert refusals["pin_memory"].startswith("ValueError") and "pin_memory=False" in refusals["pin_memory"]
+        assert refusals["not a policy"].startswith("TypeError") and "offload_policy" in refusals["not a policy"]
+        assert all("\n" not in v for v in refusals.values())
