@@ -75,3 +75,27 @@ def test_a_refused_load_state_dict_leaves_every_tensor_as_it_was():
         assert out["rung resized"][0].startswith("RuntimeError: BucketedDDP: load_state_dict: size mismatch for "
                                                  "module.1.weight"), out["rung resized"]
         assert out["fsdp full"][0].startswith("ValueError: load_state_dict: 1.weight is a full tensor"), out
+
+
+class _Renames(nn.Module):
+    """A module that loads its keys its own way (an old name, taken in by its own loader)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        if prefix + "old" in state_dict:
+            state_dict[prefix + "weight"] = state_dict.pop(prefix + "old")
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_what_torch_loads_passes_the_check_first():
+    from manualdp.spmd.ladder.loading import check_loadable
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2), _Renames())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    del state["1.num_batches_tracked"]  # an old BatchNorm's: its loader fills it in
+    state["2.old"] = state.pop("2.weight") + 1
+    check_loadable(model, state, True, "model")
+    model.load_state_dict(state)  # torch agrees
+    assert torch.equal(model[2].weight.detach(), torch.ones(2))
