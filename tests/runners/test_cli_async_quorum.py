@@ -1,4 +1,4 @@
-"""`manualdp train --fault-tolerant ... --async-quorum`: the flag reaches the replica's Manager, and is refused alone."""
+"""`manualdp train --fault-tolerant ... --async-quorum`: the flag reaches the replica's Manager, or is refused."""
 import pytest
 import torch
 

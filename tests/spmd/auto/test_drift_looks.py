@@ -1,4 +1,4 @@
-"""auto's drift, look by look, on injected times: a busy moment, in the first window or a later one, measures nothing."""
+"""auto's drift, look by look, on injected times: a busy moment, in the first window or later, measures nothing."""
 from types import SimpleNamespace
 
 from manualdp.spmd.auto import tune
