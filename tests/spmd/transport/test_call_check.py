@@ -164,7 +164,8 @@ def test_a_rank_one_call_ahead_with_the_same_size_raises_on_every_rank_naming_th
 
 
 def _counted_messages(calls: int):
-    """Agreeing checked calls at two ranks: every message this rank posts, counted, and its plan's count."""
+    """Agreeing checked calls: every message this rank posts, counted, and its plan's count (from three ranks on,
+    with the headers' dissemination rounds beside the data)."""
     from manualdp.spmd import collectives
     from manualdp.spmd.collectives import allreduce
     from manualdp.spmd.transport.group import group_state
@@ -187,8 +188,11 @@ def _counted_messages(calls: int):
     for _ in range(calls):
         allreduce(x, "ring", timeout=20)
     state.pg = lambda: pg
-    assert x.tolist() == [2.0 ** calls] * x.numel()
-    rounds = plan(schedule_of("ring", 2), state.rank, x.numel(), (1 << 20) // 4)
+    n = len(state.peers)
+    assert x.tolist() == [float(n) ** calls] * x.numel()
+    rounds = plan(schedule_of("ring", n), state.rank, x.numel(), (1 << 20) // 4)
+    if n > 2:  # the headers: a fixed-size row to every rank, beside the first round (`everyone_hears_everyone`)
+        rounds += plan(everyone_hears_everyone(n), state.rank, n, n)
     return counts, {"send": calls * sum(len(r.sends) for r in rounds),
                     "recv": calls * sum(len(r.recvs) for r in rounds)}
 
@@ -196,6 +200,11 @@ def _counted_messages(calls: int):
 def test_at_two_ranks_calls_that_agree_send_nothing_but_their_data():
     for counted, planned in launch(_counted_messages, 2, (10,), timeout=90):
         assert counted == planned
+
+
+def test_at_three_ranks_calls_that_agree_send_their_data_and_one_header_per_dissemination_round():
+    for counted, planned in launch(_counted_messages, 3, (10,), timeout=120):
+        assert counted == planned  # two header messages each way per call (ceil(log2 3) rounds), no more
 
 
 def _slow_peer(calls: int):
