@@ -325,8 +325,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --group-size 2 or more: draw the groups in each step's quorum, and the kills, here")
     args = p.parse_args(argv)
     kills = 10 if args.quick else args.kills
-    if args.plot is not None and (args.group_size < 2 or output_problem(args.plot)):
-        p.error(f"--plot {args.plot!r}: " + (output_problem(args.plot) or "draws replica groups: add --group-size 2"))
+    if args.plot is not None and (args.group_size < 2 or output_problem(args.plot) or not args.plot.endswith(".png")):
+        p.error(f"--plot {args.plot!r}: " + (output_problem(args.plot) or ("draws replica groups: add --group-size 2"
+                                              if args.group_size < 2 else "a PNG: end the name in .png")))
     if kills < 0:
         p.error(f"--kills must be >= 0, got {kills}")
     if not 1 <= args.group_size <= 4:

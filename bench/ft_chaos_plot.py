@@ -1,4 +1,4 @@
-"""The membership of a replica-group chaos run over its steps, drawn: `python bench/ft_chaos.py --group-size 2 --plot P`.
+"""A replica-group chaos run's membership over its steps, drawn: `bench/ft_chaos.py --group-size 2 --plot PNG`.
 
 One row per group, one column per step: a filled cell where the group was in the quorum that
 committed the step, a hatched one where it was in a round of that step that was discarded, and
@@ -17,6 +17,9 @@ __all__ = ["membership", "plot_membership"]
 
 def membership(summary: dict) -> dict:
     """The cells of the picture: committed and discarded (step, group) pairs and the kills' (step, group)."""
+    missing = [k for k in ("committed", "killed", "procs", "total") if k not in summary]
+    if missing:
+        raise ValueError(f"summary must be group_chaos's (bench/ft_chaos_groups.py); it lacks {', '.join(missing)}")
     committed = {(step, g) for step, ids in summary["committed"].values() for g in ids}
     discarded = {(step, g) for step, ids in summary.get("discarded", {}).values() for g in ids}
     decided = {int(r): ("commit", s) for r, (s, _) in summary["committed"].items()}

@@ -39,6 +39,7 @@ def test_the_plot_is_a_png(tmp_path):
     (["--plot", "{tmp}/g.png"], "--plot '{tmp}/g.png': draws replica groups: add --group-size 2"),
     (["--group-size", "2", "--plot", "{tmp}/no/g.png"], "--plot '{tmp}/no/g.png': its folder {tmp}/no does not exist"),
     (["--group-size", "2", "--plot", "{tmp}"], "--plot '{tmp}': is a directory"),
+    (["--group-size", "2", "--plot", "{tmp}/g.jpg"], "--plot '{tmp}/g.jpg': a PNG: end the name in .png"),
 ])
 def test_a_plot_that_cannot_be_drawn_is_refused_in_one_line_before_the_run(args, words, tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
@@ -53,3 +54,10 @@ def test_a_minimum_of_groups_other_than_1_or_2_is_refused_in_one_line(tmp_path, 
         main(["--group-size", "2", "--min-groups", "3", "--workdir", str(tmp_path / "w")])
     assert info.value.code == 2 and "--min-groups: invalid choice: 3" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_a_summary_that_is_not_a_group_runs_is_refused_naming_what_it_lacks():
+    summary = _summary()
+    del summary["killed"], summary["total"]
+    with pytest.raises(ValueError, match="it lacks killed, total"):
+        membership(summary)
