@@ -105,6 +105,8 @@ def reduce_scatter_grads(unit, jobs, count: int, all_reduce: bool = True) -> lis
             segments[:, data + 3 * unit.rank:data + 3 * unit.rank + 3] = torch.tensor(
                 [unit.number, count, factor], dtype=torch.float64)
             segments[:, data + 3 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
+            pre, post = _divide_split(factor, dtype)
+            segments[:, :data].div_(pre)
             mine = reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
             tails = mine[data:data + 3 * W].view(W, 3).tolist()
             _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
@@ -120,9 +122,20 @@ def reduce_scatter_grads(unit, jobs, count: int, all_reduce: bool = True) -> lis
             for p, users in zip(members, used):
                 if users > 0:  # no rank produced a gradient: none, as torch's FSDP2 leaves it
                     grad = mine[at:at + p.local_rows * p.row_numel].view(p.local_rows, *p.shape[1:])
-                    out.append((p, (grad / factor).to(p.dtype)))
+                    out.append((p, (grad / post).to(p.dtype)))
                 at += p.padded
     return out
+
+
+def _divide_split(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+    """Divide before and after the sum, as torch's FSDP2: in float16 (little range) by about sqrt(factor) each,
+    so the sum neither overflows nor underflows; in float32 and bfloat16 all of it after."""
+    if dtype in (torch.float32, torch.bfloat16):
+        return 1.0, factor
+    pre = 1
+    while factor % pre == 0 and factor / pre > pre:
+        pre *= 2
+    return float(pre), factor / pre
 
 
 def _check_tails(unit, tails: list[list[float]], what: str, count: int) -> None:
