@@ -111,7 +111,8 @@ def test_only_a_refused_path_outside_the_folders_is_named_and_an_error_raised_fr
     assert outside(OSError(errno.EACCES, "Permission denied", f"{mine}/x"), [mine]) is None  # its own: not the walls
     assert outside(OSError(errno.ENOENT, "No such file or directory", "/srv/x"), [mine]) is None
     assert outside(RuntimeError("shape mismatch"), [mine]) is None
-    told = subprocess.CalledProcessError(1, ["cp"], stderr=b"cp: cannot create regular file '/srv/y': Permission denied")
+    said = b"cp: cannot create regular file '/srv/y': Permission denied"
+    told = subprocess.CalledProcessError(1, ["cp"], stderr=said)
     assert outside(told, [mine]) == ("write or read", "/srv/y")
     assert outside(subprocess.CalledProcessError(1, ["cp"]), [mine], "touch: cannot touch '/srv/z': Read-only file "
                    "system\n") == ("write", "/srv/z")

@@ -12,6 +12,8 @@ Its files, in the order a reader meets them:
   dumpable, the child's session found and killed, its folder removed, the bytes it wrote counted;
 - `walls.py`: the child's walls on disk: a read-only mount namespace, Landlock, an audit hook that names what it
   refused; what it may read and write; `tried.py`: the path outside that an answer's error says the kernel refused;
+- `intact.py`: what a file patched in a rank of the grader's (its functions, torch's, manualdp's), found after the
+  run;
 - `own.py`: the library's own function an exercise asks for, made to raise "write it yourself" while the file runs;
 - `sandbox_child.py`: that child's side: loads the file, calls its functions, starts the ranks of the ddp and hook
   checks;

@@ -16,9 +16,10 @@ judges nothing: it sends back the inputs and the output as they are after the ca
 grader sees which tensors share memory, and judges them itself.
 
 Before it loads the file, the library's function the exercise asks for (`own.LIBRARY`) is made to raise "write it
-yourself" when called, and a class built on torch's or manualdp's DDP is refused at load. What it cannot stop: the
-file runs in the process that measures it, so an answer that patches the grader's own functions inside a rank can
-forge that rank's results; the checks that matter compare against references computed where the file never runs.
+yourself" when called, and a class built on torch's or manualdp's DDP is refused at load. The file runs in the
+process that measures it: a rank binds the grader's functions before the file loads and fails one that replaced
+them, or torch's or manualdp's (`intact.py`); a patch undone before the rank ends is not seen, and the checks that
+matter compare against references computed where the file never runs.
 """
 from __future__ import annotations
 

@@ -110,12 +110,18 @@ def buckets_job(path: str, name: str = "BucketedDDP") -> dict:
         _recording(events, on)  # before the file is loaded: `from torch.distributed import all_reduce` sees it too
         from ..own import write_it_yourself
 
+        from .. import intact
+
         write_it_yourself(["torch_ddp"])  # a file that wraps torch's DDP has written nothing of rung 4
+        train, model = _train, Buckets  # bound before the file loads: it may rebind the module's names
         spec = importlib.util.spec_from_file_location("exercise", path)
         module = importlib.util.module_from_spec(spec)
+        before = intact.snapshot()
         spec.loader.exec_module(module)
         # every rank builds other weights: a DDP must start every rank from rank 0's, as torch's does
-        return {name: _train(getattr(module, name), Buckets(seed=dist.get_rank()).double(), events, on)}
+        out = {name: train(getattr(module, name), model(seed=dist.get_rank()).double(), events, on)}
+        intact.check(before)
+        return out
     except Exception as e:  # noqa: BLE001
         frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
         where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""

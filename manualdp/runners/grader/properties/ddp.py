@@ -116,13 +116,19 @@ def ddp_job(path: str, name: str = "DDP", steps: int = 3) -> dict:
     """
     import importlib.util
 
+    from .. import intact
+
+    train, model = train_steps, Twice  # bound before the file loads: it may rebind the module's names
     try:
         spec = importlib.util.spec_from_file_location("exercise", path)
         module = importlib.util.module_from_spec(spec)
+        before = intact.snapshot()
         spec.loader.exec_module(module)
         # every rank builds other weights: a DDP must start every rank from rank 0's, as torch's does
-        net = Twice(seed=dist.get_rank()).double()
-        return train_steps({name: (getattr(module, name)(net), net)}, steps)
+        net = model(seed=dist.get_rank()).double()
+        out = train({name: (getattr(module, name)(net), net)}, steps)
+        intact.check(before)
+        return out
     except Exception as e:  # noqa: BLE001
         frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
         where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""

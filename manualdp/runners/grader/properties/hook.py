@@ -81,12 +81,17 @@ def hook_job(path: str, name: str) -> dict:
     try:
         from ..own import write_it_yourself
 
+        from .. import intact
+
         put_back = write_it_yourself([name])  # torch's own hook raises, naming itself, if the file's only calls it
+        steps, held = _hooked_steps, _held_to_the_contract  # bound before the file loads: it may rebind them
         try:
             spec = importlib.util.spec_from_file_location("exercise", path)
             module = importlib.util.module_from_spec(spec)
+            before = intact.snapshot()
             spec.loader.exec_module(module)
-            out = {name: _hooked_steps(_held_to_the_contract(getattr(module, name), name, broken))}
+            out = {name: steps(held(getattr(module, name), name, broken))}
+            intact.check(before)
         finally:
             put_back()  # this process may run torch's own hook next (`torch_hook_job`)
     except Exception as e:  # noqa: BLE001

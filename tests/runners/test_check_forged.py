@@ -1,0 +1,71 @@
+"""An answer that patches, in its rank, the grader's own functions that measure it (to forge the rank's results)
+fails naming what it replaced (`runners/grader/intact.py`): a module's name rebound, a function's code replaced."""
+import pathlib
+
+import pytest
+import torch
+
+import manualdp.runners.grader.properties.ddp as ddp
+from manualdp.runners.cli import main
+from manualdp.runners.grader import intact
+
+from .test_check_ddp_frozen import one_rank  # noqa: F401 (a fixture: one gloo rank in this process)
+
+FORGES = pathlib.Path(__file__).resolve().parents[1] / "answers" / "ddp_forges_its_rank.py"
+CODE = """
+import manualdp.runners.grader.properties.ddp as grader
+
+grader.batches.__code__ = (lambda steps=3, batch=13: []).__code__  # no step trained: nothing to differ
+
+
+def DDP(module):  # no wrapper at all
+    return module
+"""
+
+
+def test_nothing_patched_passes_and_a_rebound_name_or_replaced_code_is_named():
+    before = intact.snapshot()
+    intact.check(before)
+    saved = ddp.first_difference
+    try:
+        ddp.first_difference = lambda *args: None
+        with pytest.raises(intact.Patched, match=r"replaced manualdp\.runners\.grader\.properties\.ddp\."
+                                                 r"first_difference, which the grader runs in your rank"):
+            intact.check(before)
+    finally:
+        ddp.first_difference = saved
+    code = torch.nn.functional.cross_entropy.__code__
+    try:
+        torch.nn.functional.cross_entropy.__code__ = (lambda *a, **k: None).__code__
+        with pytest.raises(intact.Patched, match=r"replaced torch\.nn\.functional\.cross_entropy"):
+            intact.check(before)
+    finally:
+        torch.nn.functional.cross_entropy.__code__ = code
+    intact.check(before)
+
+
+def test_a_rank_whose_answer_rebinds_the_graders_train_steps_reports_that_not_forged_results(one_rank, monkeypatch):
+    monkeypatch.setattr(ddp, "train_steps", ddp.train_steps)  # the answer rebinds it in this process: put back after
+    out = ddp.ddp_job(str(FORGES), steps=1)
+    assert set(out) == {"error"} and out["error"].startswith(
+        "rank 0: Patched: your code replaced manualdp.runners.grader.properties.ddp.train_steps, which the grader "
+        "runs in your rank to measure your answer"), out
+
+
+def test_a_rank_whose_answer_replaces_the_code_of_the_graders_batches_reports_it(one_rank, tmp_path):
+    answer = tmp_path / "forges_code.py"
+    answer.write_text(CODE)
+    code = ddp.batches.__code__
+    try:
+        out = ddp.ddp_job(str(answer), steps=1)
+    finally:
+        ddp.batches.__code__ = code
+    assert set(out) == {"error"} and "replaced manualdp.runners.grader.properties.ddp.batches" in out["error"], out
+
+
+@pytest.mark.soak
+def test_manualdp_check_ddp_fails_an_answer_that_forges_its_ranks_results(capsys):
+    status = main(["check", "ddp", str(FORGES)])
+    out = " ".join(capsys.readouterr().out.split())
+    assert status == 1 and out.startswith(f"FAIL ddp ({FORGES}): rank ") and (
+        "Patched: your code replaced manualdp.runners.grader.properties.ddp.train_steps" in out), out
