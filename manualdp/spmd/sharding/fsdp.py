@@ -171,10 +171,10 @@ class FSDPModule(TorchFSDPModule):
         boolean("enable", enable)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
-        """Whether backward gathers this module's parameters; only True is supported (backward needs them)."""
+        """Whether backward gathers this module's own unit: False only where backward reads none of its parameters
+        (an embedding's weight), as torch's."""
         boolean("unshard_in_backward", unshard_in_backward)
-        if not unshard_in_backward:
-            raise NotImplementedError("set_unshard_in_backward(False) is not supported by manualdp's fully_shard")
+        self._unit().unshard_in_backward = unshard_in_backward
 
     def set_post_optim_event(self, event) -> None:
         """A GPU event the next all-gathers wait for; the collectives run on one ordered worker, so nothing to do."""

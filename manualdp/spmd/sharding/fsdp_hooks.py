@@ -123,6 +123,9 @@ def _after_forward(unit, module, args, output):
 def _before_backward(unit, grad: torch.Tensor) -> None:
     step = unit.step
     step.backward_begins()
+    if not unit.unshard_in_backward:  # the gradients come without the parameters (set_unshard_in_backward)
+        unit.seen = True
+        return
     unit.gather("backward", wait=False)
     if not unit.seen:
         unit.seen = True
@@ -131,7 +134,7 @@ def _before_backward(unit, grad: torch.Tensor) -> None:
                 other.gather("prefetch", wait=False)
         else:  # the unit whose forward began just before this one's
             k = max(i for i, u in enumerate(step.order) if u is unit) if unit in step.order else 0
-            if k > 0 and not step.order[k - 1].reduced:
+            if k > 0 and not step.order[k - 1].reduced and step.order[k - 1].unshard_in_backward:
                 step.order[k - 1].gather("prefetch", wait=False)
     unit.gather("backward")
 

@@ -81,6 +81,7 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None   # None: the last step's order
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before in this forward
         self.is_last_backward = True
+        self.unshard_in_backward = True  # False: backward reads none of the parameters (an embedding's)
         # this step
         self.gathered = False   # the full parameters hold (or are being filled with) the values
         self.gathering = None   # the all-gather's future, until waited for

@@ -5,6 +5,8 @@ and ranks, and the parent compares them (or reads our one-line refusal where tor
 - `CPUOffloadPolicy(pin_memory=False)` on cpu: the shards already live in host memory, so it trains as torch's
   does with it, also over micro-batches without gradient sync; `pin_memory=True` (it needs an accelerator) and
   a policy that is not one are refused in one line.
+- `set_unshard_in_backward(False)` on an embedding's unit (torch's memory-efficient grouping): backward runs
+  without gathering its weight, and training equals torch's.
 """
 import pytest
 import torch
@@ -44,6 +46,36 @@ def _offloaded(shard_fn, rank, micro_batches):
     return {name: _full(p) for name, p in model.named_parameters()}
 
 
+class Tagger(nn.Module):
+    """An embedding, then two linear layers: the embedding's backward reads no weight of its own."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, 6)
+        self.body = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.body(self.embed(tokens))))
+
+
+def _embedding_not_gathered_in_backward(shard_fn, rank, reshard):
+    """Adam for 3 steps with the embedding's unit told not to gather in backward."""
+    model = Tagger()
+    for m in (model.embed, model.body, model.head):
+        shard_fn(m, reshard_after_forward=reshard)
+    shard_fn(model, reshard_after_forward=reshard)
+    model.embed.set_unshard_in_backward(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(20 + rank)
+    for _ in range(3):
+        model(torch.randint(0, 11, (4, 5), generator=g)).pow(2).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: _full(p) for name, p in model.named_parameters()}
+
+
 def _offload_refusals():
     return {"pin_memory": _refusal(lambda: fully_shard(_model(), offload_policy=CPUOffloadPolicy())),
             "not a policy": _refusal(lambda: fully_shard(_model(), offload_policy="cpu"))}
@@ -51,7 +83,9 @@ def _offload_refusals():
 
 def _job():
     rank = dist.get_rank()
-    out = {name: {"offload": _case(_offloaded, fn, rank, 1), "offload accumulated": _case(_offloaded, fn, rank, 2)}
+    out = {name: {"offload": _case(_offloaded, fn, rank, 1), "offload accumulated": _case(_offloaded, fn, rank, 2),
+                  "no unshard in backward": _case(_embedding_not_gathered_in_backward, fn, rank, True),
+                  "no unshard in backward, kept": _case(_embedding_not_gathered_in_backward, fn, rank, False)}
            for name, fn in SHARD_FNS.items()}
     out["offload refusals"] = _case(_offload_refusals)
     return out
@@ -83,3 +117,9 @@ def test_cpu_offload_policy_that_needs_an_accelerator_or_is_not_a_policy_is_refu
         assert refusals["pin_memory"].startswith("ValueError") and "pin_memory=False" in refusals["pin_memory"]
         assert refusals["not a policy"].startswith("TypeError") and "offload_policy" in refusals["not a policy"]
         assert all("\n" not in v for v in refusals.values())
+
+
+def test_an_embedding_not_gathered_in_backward_trains_as_torch_does(results):
+    for r, got in enumerate(results):
+        for case in ("no unshard in backward", "no unshard in backward, kept"):
+            _same(got["ours"][case], got["torch"][case], f"rank {r} {case}")
