@@ -69,3 +69,47 @@ def test_manualdp_check_ddp_fails_an_answer_that_forges_its_ranks_results(capsys
     out = " ".join(capsys.readouterr().out.split())
     assert status == 1 and out.startswith(f"FAIL ddp ({FORGES}): rank ") and (
         "Patched: your code replaced manualdp.runners.grader.properties.ddp.train_steps" in out), out
+
+
+HOOK = """
+import torch
+
+import manualdp.runners.grader.properties.hook as grader
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+real = grader._hooked_steps
+grader._hooked_steps = lambda hook: real(allreduce_hook)  # torch's plain allreduce hook trains in its place
+
+
+def fp16_compress_hook(process_group, bucket):  # the bucket as it came: nothing averaged
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+"""
+BUCKETS = """
+import manualdp.runners.grader.properties.buckets as grader
+
+grader._train = lambda cls, net, events, on: {}  # nothing recorded: nothing to judge
+
+
+def BucketedDDP(module, bucket_cap_mb=25):  # no wrapper at all
+    return module
+"""
+
+
+@pytest.mark.parametrize("exercise, source, name, replaced", [
+    ("hook", HOOK, "fp16_compress_hook", "hook._hooked_steps"), ("buckets", BUCKETS, "BucketedDDP", "buckets._train")])
+def test_a_hook_or_buckets_rank_whose_answer_rebinds_the_graders_job_reports_it(exercise, source, name, replaced,
+                                                                                  one_rank, tmp_path, monkeypatch):
+    from manualdp.runners.grader import properties
+    from manualdp.runners.grader.properties import buckets, hook
+
+    for module in (hook, buckets):  # the answer rebinds them in this process: put back after
+        for attr in ("_hooked_steps", "_train"):
+            if hasattr(module, attr):
+                monkeypatch.setattr(module, attr, getattr(module, attr))
+    answer = tmp_path / f"{exercise}_forges.py"
+    answer.write_text(source)
+    out = getattr(properties, f"{exercise}_job")(str(answer), name)
+    assert set(out) == {"error"} and f"Patched: your code replaced manualdp.runners.grader.properties.{replaced}" in \
+        out["error"], out
