@@ -261,6 +261,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     # Checked: from here on every rank changes the module the same way.
     unit = Unit(call.modules, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder,
                 call.replicate)
+    unit.step.tied_apart = call.tied_apart
     unit.take_in(call.nested)  # the units already inside: one tree, one step
     fresh = [p for p, _, _ in call.taken.values() if not isinstance(p, Param)]
     if not call.meta:  # every rank starts from rank 0's values, sent on the worker in line with the collectives

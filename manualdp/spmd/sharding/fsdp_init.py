@@ -41,6 +41,7 @@ class Checked:
     meta: bool           # the module is on the meta device: nothing to broadcast yet
     modules: list        # the modules of the unit: one, or the roots of a list (torch's `fully_shard([a, b])`)
     replicate: object = None  # HSDP: the group of this rank's replicas (mesh dim 0); None on a 1-D mesh
+    tied_apart: str | None = None  # a weight tied to another unit's, not inside: left out, the forward raises this
 
 
 def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
@@ -59,7 +60,7 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
         if UNIT in m.__dict__:
             raise ValueError(f"module ({type(m).__name__}) is already sharded by fully_shard: "
                              "apply it once per module")
-    taken, nested, buffers = _walk(modules, ignored)
+    taken, nested, buffers, tied_apart = _walk(modules, ignored)
     meta, device_type = _device(modules, taken, mesh, group)
     _offload(offload_policy, device_type)
     if timeout is None and mesh is not None:  # a mesh's sub-groups get torch's default timeout, not the world's
@@ -71,7 +72,8 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
             _shardable(p, name)
     for g in (group, replicate) if replicate is not None else (group,):  # HSDP: the replicas agree too
         _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored)
-    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules, replicate)
+    return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules, replicate,
+                   tied_apart)
 
 
 def _shardable(p: nn.Parameter, name: str) -> None:
@@ -223,13 +225,16 @@ def _walk(modules: list[nn.Module], ignored: set[int]):
 
     for i, m in enumerate(modules):  # the modules of a list are named by their place in it
         visit(m, "" if len(modules) == 1 else f"modules[{i}]")
+    # a weight tied to a unit outside: as torch's, the unit leaves it out and its first forward raises
     inside = {id(q) for _, child in nested for u in child.tree() for q in u.params}
-    for p, _, name in taken.values():
-        if isinstance(p, Param) and id(p) not in inside:
-            raise ValueError(f"{name} is tied to a parameter that another unit holds, and that unit is not inside "
-                             "this module: apply fully_shard to a module that holds both users of the weight "
-                             "(their common ancestor), not to each of them")
-    return taken, nested, list(buffers.values())
+    apart = [key for key, (p, _, _) in taken.items() if isinstance(p, Param) and id(p) not in inside]
+    tied_apart = None if not apart else (
+        f"{taken[apart[0]][2]} is already managed by another fully_shard unit (a weight tied to a parameter that "
+        "unit holds, and that unit is not inside this module): apply fully_shard to a module that holds both users "
+        "of the weight (their common ancestor), or shard them together as a list, not each on its own")
+    for key in apart:
+        del taken[key]
+    return taken, nested, list(buffers.values()), tied_apart
 
 
 def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored) -> None:

@@ -29,6 +29,7 @@ class Step:
         self.last_order: list = []  # the same, last step (forward prefetch follows it)
         self.in_backward = False
         self.failure: Exception | None = None  # a collective of the tree that raised: the later ones raise it too
+        self.tied_apart: str | None = None  # a unit of the tree left out a weight tied apart: every forward raises
 
     def backward_begins(self) -> None:
         """Queue `end_backward` for the end of this backward pass, once."""

@@ -101,6 +101,7 @@ class Unit:
         """Make the units `nested` ((path, unit): the first met inside this one) its children, on its step."""
         for _, child in nested:
             self.children.append(child)
+            self.step.tied_apart = self.step.tied_apart or child.step.tied_apart
             for u in child.tree():
                 u.step = self.step
 
@@ -173,6 +174,8 @@ class Unit:
 
     def gather(self, why: str, wait: bool = True) -> None:
         """Start filling the full parameters unless they are (being) filled; with `wait`, wait until they are."""
+        if self.step.tied_apart:  # on every rank, before any data moves (`fsdp_init._walk`)
+            raise ValueError(self.step.tied_apart)
         if not self.params:  # a unit without parameters of its own
             return
         if not self.gathered:

@@ -7,6 +7,8 @@ and ranks, and the parent compares them (or reads our one-line refusal where tor
   a policy that is not one are refused in one line.
 - `set_unshard_in_backward(False)` on an embedding's unit (torch's memory-efficient grouping): backward runs
   without gathering its weight, and training equals torch's.
+- A weight tied across two units that are not nested (an embedding and an output head sharded each on its
+  own): `fully_shard` takes them, as torch's does, and the first forward raises on every rank in one line.
 """
 import pytest
 import torch
@@ -76,6 +78,32 @@ def _embedding_not_gathered_in_backward(shard_fn, rank, reshard):
     return {name: _full(p) for name, p in model.named_parameters()}
 
 
+class TiedApart(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(9, 4)
+        self.out = nn.Linear(4, 9, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(self.embed(tokens))
+
+
+def _tied_apart(shard_fn):
+    """Where a weight tied across two sibling units is refused: at `fully_shard`, at the forward, or nowhere."""
+    model = TiedApart()
+    try:
+        for m in (model.embed, model.out, model):
+            shard_fn(m)
+    except ValueError as e:
+        return {"raised at": "fully_shard", "message": str(e)}
+    try:
+        model(torch.randint(0, 9, (2, 3)))
+    except ValueError as e:
+        return {"raised at": "forward", "message": str(e)}
+    return {"raised at": None}
+
+
 def _offload_refusals():
     return {"pin_memory": _refusal(lambda: fully_shard(_model(), offload_policy=CPUOffloadPolicy())),
             "not a policy": _refusal(lambda: fully_shard(_model(), offload_policy="cpu"))}
@@ -85,7 +113,8 @@ def _job():
     rank = dist.get_rank()
     out = {name: {"offload": _case(_offloaded, fn, rank, 1), "offload accumulated": _case(_offloaded, fn, rank, 2),
                   "no unshard in backward": _case(_embedding_not_gathered_in_backward, fn, rank, True),
-                  "no unshard in backward, kept": _case(_embedding_not_gathered_in_backward, fn, rank, False)}
+                  "no unshard in backward, kept": _case(_embedding_not_gathered_in_backward, fn, rank, False),
+                  "tied apart": _case(_tied_apart, fn)}
            for name, fn in SHARD_FNS.items()}
     out["offload refusals"] = _case(_offload_refusals)
     return out
@@ -123,3 +152,11 @@ def test_an_embedding_not_gathered_in_backward_trains_as_torch_does(results):
     for r, got in enumerate(results):
         for case in ("no unshard in backward", "no unshard in backward, kept"):
             _same(got["ours"][case], got["torch"][case], f"rank {r} {case}")
+
+
+def test_a_weight_tied_across_sibling_units_is_refused_at_the_first_forward_as_torch_does(results):
+    for got in results:
+        ours, theirs = got["ours"]["tied apart"], got["torch"]["tied apart"]
+        assert ours["raised at"] == theirs["raised at"] == "forward", (ours, theirs)
+        assert "already managed by another" in ours["message"] and "common ancestor" in ours["message"]
+        assert "\n" not in ours["message"]
