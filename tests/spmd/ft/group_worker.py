@@ -92,7 +92,9 @@ def main(config: dict) -> None:
         step = manager.step
         joint += len(quorum.members) == 2
         if len(quorum.members) == 1:
-            alone = True
+            # alone after the groups met: the other left (a step alone before the other came is a slow start,
+            # and counting the steps together before it would end this group before the other counts enough)
+            alone = alone or joint >= 0
             time.sleep(config.get("sleep", 0))
         time.sleep(config.get("pace", 0))
         grads = shard_grads(model, step, gid, rank, size)
