@@ -15,8 +15,10 @@ import pytest
 
 from manualdp.runners.cli import main
 from manualdp.runners.grader import sandbox, walls
+from manualdp.runners.grader.properties.ddp import ddp_job
 from manualdp.runners.grader.tried import outside
 
+from .test_check_ddp_frozen import one_rank  # noqa: F401 (a fixture: one gloo rank in this process)
 from .test_sandbox_fs import machine_has
 
 ANSWERS = pathlib.Path(__file__).resolve().parents[1] / "answers"
@@ -116,3 +118,20 @@ def test_only_a_refused_path_outside_the_folders_is_named_and_an_error_raised_fr
     assert outside(told, [mine]) == ("write or read", "/srv/y")
     assert outside(subprocess.CalledProcessError(1, ["cp"]), [mine], "touch: cannot touch '/srv/z': Read-only file "
                    "system\n") == ("write", "/srv/z")
+
+
+RANK_WRITES_OUTSIDE = """
+import errno, os
+
+
+class DDP:  # as the kernel's walls answer a rank's write outside its folder (torch.save, ctypes)
+    def __init__(self, module):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), "/srv/weights.pt")
+"""
+
+
+def test_a_rank_that_tried_to_write_outside_its_folder_is_told_so(one_rank, tmp_path):
+    answer = tmp_path / "ddp_writes_outside.py"
+    answer.write_text(RANK_WRITES_OUTSIDE)
+    error = ddp_job(str(answer), steps=1)["error"]
+    assert error.startswith("rank 0: it tried to write /srv/weights.pt, outside its own folder"), error

@@ -4,13 +4,14 @@ ranks the sandbox's child starts) records, for each step, when each gradient was
 `buckets_mismatch`, in the grader's process, judges those records against `reference_steps`, one process's run."""
 from __future__ import annotations
 
-import traceback
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import Mismatch
+from .common import Mismatch, rank_error
 from .ddp import first_difference, batches
 
 __all__ = ["CAP_BYTES", "Buckets", "buckets_job", "reference_steps", "buckets_mismatch"]
@@ -105,12 +106,12 @@ def buckets_job(path: str, name: str = "BucketedDDP") -> dict:
     `all_reduce` and every gradient's arrival recorded; {name: results}, or {"error": ...} when the file raises."""
     import importlib.util
 
+    writable = [os.getcwd(), tempfile.gettempdir()]  # its folders, before the file can move
     events, on = [], [False]
     try:
         _recording(events, on)  # before the file is loaded: `from torch.distributed import all_reduce` sees it too
-        from ..own import write_it_yourself
-
         from .. import intact
+        from ..own import write_it_yourself
 
         write_it_yourself(["torch_ddp"])  # a file that wraps torch's DDP has written nothing of rung 4
         train, model = _train, Buckets  # bound before the file loads: it may rebind the module's names
@@ -123,9 +124,7 @@ def buckets_job(path: str, name: str = "BucketedDDP") -> dict:
         intact.check(before)
         return out
     except Exception as e:  # noqa: BLE001
-        frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
-        where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
-        return {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}"}
+        return {"error": rank_error(e, path, writable)}
 
 
 def reference_steps(n: int) -> list[dict]:

@@ -10,7 +10,8 @@ import traceback
 
 import torch
 
-__all__ = ["FLOATS", "Mismatch", "called", "hint_for", "show", "seconds", "apart", "n_devices", "sum_within"]
+__all__ = ["FLOATS", "Mismatch", "called", "hint_for", "show", "seconds", "apart", "n_devices", "sum_within",
+           "rank_error"]
 
 FLOATS = [torch.float32, torch.float64]
 TORCH = os.path.dirname(torch.__file__)
@@ -126,3 +127,20 @@ def sum_within(got: torch.Tensor, tensors: list[torch.Tensor]) -> torch.Tensor:
     wide = torch.stack([t.to(torch.float64) for t in tensors])
     bound = (len(tensors) - 1) * torch.finfo(tensors[0].dtype).eps * wide.abs().sum(0)
     return (got.to(torch.float64) - wide.sum(0)).abs() <= bound
+
+
+def rank_error(e: BaseException, path: str, writable: list[str]) -> str:
+    """What a rank tells of the error the file at `path` raised: the path outside `writable` (its folders) where a wall
+    of the kernel refused one (`tried.outside`), else the error and the file's line."""
+    import torch.distributed as dist
+
+    from ..tried import outside
+
+    rank = dist.get_rank()
+    tried = outside(e, [*writable, "/dev/shm"])
+    if tried:
+        return (f"rank {rank}: it tried to {tried[0]} {tried[1]}, outside its own folder: an answer may write only in "
+                "its own folder and read only what it imports (refused by the grader's walls)")
+    frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
+    where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
+    return f"rank {rank}: {type(e).__name__}: {e}{where}"

@@ -3,13 +3,14 @@ job of the file's DDP (`ddp_job`, in ranks the sandbox's child starts) and of to
 the grader's own). `Twice`, `train_steps` and `ddp_mismatch` hold manualdp's own rungs in tests/ too."""
 from __future__ import annotations
 
-import traceback
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import Mismatch, show
+from .common import Mismatch, rank_error, show
 
 __all__ = ["Twice", "batches", "first_difference", "train_steps", "ddp_mismatch", "ddp_job", "torch_ddp_job"]
 
@@ -119,6 +120,7 @@ def ddp_job(path: str, name: str = "DDP", steps: int = 3) -> dict:
     from .. import intact
 
     train, model = train_steps, Twice  # bound before the file loads: it may rebind the module's names
+    writable = [os.getcwd(), tempfile.gettempdir()]  # its folders, before the file can move
     try:
         spec = importlib.util.spec_from_file_location("exercise", path)
         module = importlib.util.module_from_spec(spec)
@@ -130,9 +132,7 @@ def ddp_job(path: str, name: str = "DDP", steps: int = 3) -> dict:
         intact.check(before)
         return out
     except Exception as e:  # noqa: BLE001
-        frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
-        where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
-        return {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}{_why_none(e)}"}
+        return {"error": rank_error(e, path, writable) + _why_none(e)}
 
 
 def _why_none(e: Exception) -> str:

@@ -4,13 +4,14 @@ the sandbox's child starts) and of torch's (`torch_hook_job`, in ranks of the gr
 from __future__ import annotations
 
 import math
-import traceback
+import os
+import tempfile
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .common import Mismatch
+from .common import Mismatch, rank_error
 
 __all__ = ["LOSS_SCALE", "hook_job", "torch_hook_job", "hook_mismatch"]
 
@@ -77,11 +78,11 @@ def hook_job(path: str, name: str) -> dict:
     or {"error": ...} when the student's code raises. Torch's hook runs in the grader's own ranks (`torch_hook_job`)."""
     import importlib.util
 
+    writable = [os.getcwd(), tempfile.gettempdir()]  # its folders, before the file can move
     broken: list[str] = []  # what the hook did that DDP cannot take, in words
     try:
-        from ..own import write_it_yourself
-
         from .. import intact
+        from ..own import write_it_yourself
 
         put_back = write_it_yourself([name])  # torch's own hook raises, naming itself, if the file's only calls it
         steps, held = _hooked_steps, _held_to_the_contract  # bound before the file loads: it may rebind them
@@ -95,9 +96,7 @@ def hook_job(path: str, name: str) -> dict:
         finally:
             put_back()  # this process may run torch's own hook next (`torch_hook_job`)
     except Exception as e:  # noqa: BLE001
-        frame = next((f for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), None)
-        where = f" (at {path}, line {frame.lineno}: {frame.line})" if frame else ""
-        out = {"error": f"rank {dist.get_rank()}: {type(e).__name__}: {e}{where}"}
+        out = {"error": rank_error(e, path, writable)}
     return {"error": f"rank {dist.get_rank()}: {broken[0]}"} if broken else out
 
 
