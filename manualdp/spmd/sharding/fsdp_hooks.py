@@ -66,11 +66,17 @@ class ForwardHooks:
 
 
 def _before_forward(unit, module, args, kwargs):
+    with torch._C._DisableFuncTorch():  # plain full parameters, also under torch.func.jvp (torch's FSDP2 works there)
+        _gather_for_forward(unit)
+    return _cast_inputs(unit, args, kwargs)
+
+
+def _gather_for_forward(unit) -> None:
     step = unit.step
     if _recomputing(unit):  # activation checkpointing runs the forward again in backward: gather, nothing more
         step.depth, unit.entered = step.depth + 1, unit.entered + 1
         unit.gather("backward")
-        return _cast_inputs(unit, args, kwargs)
+        return
     if step.depth == 0:  # a new step
         step.in_backward = False  # a backward that raised never reached `end_backward`
         step.end()                # a forward never followed by backward is dropped
@@ -85,7 +91,6 @@ def _before_forward(unit, module, args, kwargs):
         if k + 1 < len(step.last_order) and step.last_order[k] is unit:
             step.last_order[k + 1].gather("prefetch", wait=False)
     unit.gather("forward")
-    return _cast_inputs(unit, args, kwargs)
 
 
 def _recomputing(unit) -> bool:

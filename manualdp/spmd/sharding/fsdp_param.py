@@ -86,7 +86,7 @@ class Param:
 
     def local(self) -> torch.Tensor:
         """This rank's rows (the DTensor's local tensor), detached."""
-        return self.sharded.to_local().detach()
+        return self.sharded._local_tensor.detach()  # not to_local(): an autograd.Function, refused under jvp
 
     def make_full(self, dtype: torch.dtype, on_grad) -> nn.Parameter:
         """The full-shape parameter the modules use in forward (memory freed), made once per dtype and device;

@@ -5,6 +5,8 @@ ranks, and the parent compares them.
 - float16 compute and reduction (`MixedPrecisionPolicy(param_dtype=torch.float16)`): the gradients are divided
   partly before the sum and partly after it, as torch's (in float16 a sum divided after differs in the last bit
   of tiny gradients, and Adam turns that into a different parameter).
+- a unit's first forward inside `torch.func.jvp` (no forward before it): the full parameters are gathered as
+  plain tensors, and the output and its tangent are torch's (was: "Cannot access storage of TensorWrapper").
 """
 import pytest
 import torch
@@ -44,12 +46,26 @@ def _low_precision(shard_fn, rank, dtype, reshard_after_forward):
     return steps
 
 
+def _jvp_first_forward(shard_fn):
+    """`torch.func.jvp` through a unit never run before, whose output does not depend on the primal."""
+    torch.manual_seed(0)
+    enc, dec = nn.Linear(12, 10, bias=False), nn.Linear(10, 6, bias=False)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for module in (enc, dec):
+        shard_fn(module, mp_policy=policy, reshard_after_forward=False)
+    e = enc(torch.randn(12))
+    primal, tangent = torch.randn(6, requires_grad=True), torch.randn(6)
+    output, tangent_out = torch.func.jvp(lambda unused: dec(e) + unused, (primal,), (tangent,))
+    return {"output": output.detach(), "tangent": tangent_out}
+
+
 def _job():
     rank = torch.distributed.get_rank()
     out = {}
     for name, fn in SHARD_FNS.items():
         out[name] = {f"{dtype} {raf}": _case(_low_precision, fn, rank, dtype, raf)
                      for dtype in (torch.float16, torch.bfloat16) for raf in (True, False)}
+        out[name]["jvp"] = _case(_jvp_first_forward, fn)
     return out
 
 
@@ -61,8 +77,19 @@ def results():
 def test_float16_and_bfloat16_compute_and_reduction_train_as_torchs_bitwise(results):
     for r, got in enumerate(results):
         for case, theirs in got["torch"].items():
+            if case == "jvp":
+                continue
             ours = got["ours"][case]
             assert "raised" not in ours and "raised" not in theirs, (r, case, ours, theirs)
             for step, (a, b) in enumerate(zip(ours, theirs)):
                 for name in b:
                     assert torch.equal(a[name], b[name]), f"rank {r} {case} step {step}: {name}"
+
+
+def test_a_units_first_forward_inside_torch_func_jvp_gives_torchs_output_and_tangent(results):
+    for r, got in enumerate(results):
+        ours, theirs = got["ours"]["jvp"], got["torch"]["jvp"]
+        assert "raised" not in theirs, theirs
+        assert "raised" not in ours, (r, ours)
+        for key in ("output", "tangent"):
+            assert torch.equal(ours[key], theirs[key]), (r, key)
