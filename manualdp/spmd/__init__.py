@@ -25,7 +25,6 @@ from .ladder.bucket import Bucket
 from .ddp import DistributedDataParallel
 from .comm_hooks import GradBucket, PowerSGDState
 from .syncbn import SyncBatchNorm, convert_sync_batchnorm
-from .sharding import FSDPModule, ZeroRedundancyOptimizer, full_state_dict, fully_shard
 from .launch import init_from_env, launch, rank_device, shard
 from .sampler import ShardedBatchSampler, shard_loader
 
@@ -37,3 +36,14 @@ __all__ = [
     "ZeroRedundancyOptimizer", "fully_shard", "FSDPModule", "full_state_dict",
     "init_from_env", "launch", "rank_device", "shard", "ShardedBatchSampler", "shard_loader",
 ]
+
+
+_SHARDING = ("FSDPModule", "ZeroRedundancyOptimizer", "full_state_dict", "fully_shard")
+
+
+def __getattr__(name: str):
+    """The sharding names, imported on first use: they pull in torch's DTensor and FSDP (seconds at every start)."""
+    if name in _SHARDING:
+        from . import sharding
+        return getattr(sharding, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
