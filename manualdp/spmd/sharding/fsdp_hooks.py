@@ -37,9 +37,9 @@ def install_hooks(unit) -> None:
 
 
 def _before_group(unit, module, args, kwargs):
-    """The first of the unit's modules to run gathers it (and casts its inputs); the others find it gathered."""
+    """The first of the unit's modules to run gathers it; the others find it gathered. Each casts its inputs."""
     if unit.to_run:
-        return None
+        return _cast_inputs(unit, args, kwargs)
     out = _before_forward(unit, module, args, kwargs)  # may start a new step, which forgets `to_run`
     unit.to_run.update(id(m) for m in unit.modules)
     return out

@@ -9,12 +9,14 @@ and ranks, and the parent compares them (or reads our one-line refusal where tor
   without gathering its weight, and training equals torch's.
 - A weight tied across two units that are not nested (an embedding and an output head sharded each on its
   own): `fully_shard` takes them, as torch's does, and the first forward raises on every rank in one line.
+- A unit of two modules (`fully_shard([a, b])`) with `cast_forward_inputs`: each module's inputs are cast, also
+  a float32 tensor made between them, and the output and gradients are torch's.
 """
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 from manualdp.spmd import launch
@@ -104,6 +106,29 @@ def _tied_apart(shard_fn):
     return {"raised at": None}
 
 
+class Upcast(nn.Module):
+    """Two linear layers with a float32 tensor between them: `b` runs in bfloat16 only if its inputs are cast."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 6, bias=False)
+        self.b = nn.Linear(6, 6, bias=False)
+
+    def forward(self, x):
+        return self.b(self.a(x).float())
+
+
+def _grouped_cast_inputs(shard_fn, rank):
+    model = Upcast()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
+    shard_fn([model.a, model.b], mp_policy=policy)
+    shard_fn(model, mp_policy=policy)
+    out = model(torch.randn(3, 6, generator=torch.Generator().manual_seed(rank)))
+    out.float().pow(2).sum().backward()
+    return {"out": out.detach(), **{name: _full(p.grad) for name, p in model.named_parameters()}}
+
+
 def _offload_refusals():
     return {"pin_memory": _refusal(lambda: fully_shard(_model(), offload_policy=CPUOffloadPolicy())),
             "not a policy": _refusal(lambda: fully_shard(_model(), offload_policy="cpu"))}
@@ -114,7 +139,7 @@ def _job():
     out = {name: {"offload": _case(_offloaded, fn, rank, 1), "offload accumulated": _case(_offloaded, fn, rank, 2),
                   "no unshard in backward": _case(_embedding_not_gathered_in_backward, fn, rank, True),
                   "no unshard in backward, kept": _case(_embedding_not_gathered_in_backward, fn, rank, False),
-                  "tied apart": _case(_tied_apart, fn)}
+                  "tied apart": _case(_tied_apart, fn), "grouped cast": _case(_grouped_cast_inputs, fn, rank)}
            for name, fn in SHARD_FNS.items()}
     out["offload refusals"] = _case(_offload_refusals)
     return out
@@ -160,3 +185,9 @@ def test_a_weight_tied_across_sibling_units_is_refused_at_the_first_forward_as_t
         assert ours["raised at"] == theirs["raised at"] == "forward", (ours, theirs)
         assert "already managed by another" in ours["message"] and "common ancestor" in ours["message"]
         assert "\n" not in ours["message"]
+
+
+def test_each_module_of_a_grouped_unit_casts_its_inputs_as_torch_does(results):
+    for r, got in enumerate(results):
+        _same(got["ours"]["grouped cast"], got["torch"]["grouped cast"], f"rank {r} grouped cast", atol=0)
+        assert got["ours"]["grouped cast"]["out"].dtype == torch.bfloat16
