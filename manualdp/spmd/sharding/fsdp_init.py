@@ -164,6 +164,9 @@ def _mesh_and_group(mesh, group, device_type: str):
                                       "mesh, or HSDP's 2-D (replicate, shard) mesh")
         if mesh.device_type != device_type:
             raise ValueError(f"mesh is a {mesh.device_type!r} mesh, the parameters are on {device_type!r}")
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's refuses it too (an AssertionError)
+            raise ValueError("mesh is 2-D without mesh_dim_names: please init the 2D mesh for HSDP with "
+                             "mesh_dim_names specified, e.g. ('replicate', 'shard')")
         if mesh.ndim == 2:  # HSDP, as torch's: shard over dim 1, replicate over dim 0
             return mesh, mesh.get_group(1), mesh.get_group(0)
         return mesh, mesh.get_group(), None

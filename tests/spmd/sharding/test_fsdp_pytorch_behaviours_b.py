@@ -7,6 +7,7 @@ ranks, and the parent compares them.
   of tiny gradients, and Adam turns that into a different parameter).
 - a unit's first forward inside `torch.func.jvp` (no forward before it): the full parameters are gathered as
   plain tensors, and the output and its tangent are torch's (was: "Cannot access storage of TensorWrapper").
+- a 2-D mesh without `mesh_dim_names` is refused in one line, as torch's refuses it (was: taken for HSDP).
 """
 import pytest
 import torch
@@ -59,9 +60,18 @@ def _jvp_first_forward(shard_fn):
     return {"output": output.detach(), "tangent": tangent_out}
 
 
+def _unnamed_2d_mesh(shard_fn, n):
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (1, n))
+    try:
+        shard_fn(nn.Linear(4, 4), mesh=mesh)
+    except (AssertionError, ValueError) as e:  # torch's raises an AssertionError
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
 def _job():
-    rank = torch.distributed.get_rank()
-    out = {}
+    rank, n = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {"unnamed": {name: _unnamed_2d_mesh(fn, n) for name, fn in SHARD_FNS.items()}}
     for name, fn in SHARD_FNS.items():
         out[name] = {f"{dtype} {raf}": _case(_low_precision, fn, rank, dtype, raf)
                      for dtype in (torch.float16, torch.bfloat16) for raf in (True, False)}
@@ -93,3 +103,10 @@ def test_a_units_first_forward_inside_torch_func_jvp_gives_torchs_output_and_tan
         assert "raised" not in ours, (r, ours)
         for key in ("output", "tangent"):
             assert torch.equal(ours[key], theirs[key]), (r, key)
+
+
+def test_a_2d_mesh_without_dim_names_is_refused_in_one_line_as_torchs_refuses_it(results):
+    for got in results:
+        assert "mesh_dim_names" in got["unnamed"]["torch"]
+        ours = got["unnamed"]["ours"]
+        assert ours.startswith("ValueError: mesh is 2-D without mesh_dim_names") and "\n" not in ours, ours
