@@ -80,6 +80,16 @@ def tensor_not_future_hook(state, bucket):
     return bucket.buffer()
 
 
+def raising_hook(state, bucket):
+    raise ValueError("hook boom")
+
+
+def raising_on_rank0_hook(state, bucket):
+    if dist.get_rank() == 0:
+        raise ValueError("hook boom on rank 0")
+    return hooks._done(bucket.buffer())
+
+
 def never_done_hook(state, bucket):
     return torch.futures.Future()
 
@@ -95,6 +105,20 @@ def _bad_results():
         model.register_comm_hook(None, hook)
         out[hook.__name__] = {"error": _error_of(lambda: _one_step(model)),
                               "buckets": [b.grads.numel() for b in model._buckets]}
+    return out
+
+
+def _after_a_failed_hook():
+    """A wrapper whose hook fails (on every rank, or on rank 0 only) for a step; then a new model in a new wrapper on
+    the same group, as torch's DDP beside it: the second trains (the first's error does not stay with the group)."""
+    out = {}
+    for hook in (tensor_not_future_hook, raising_hook, raising_on_rank0_hook):
+        group = dist.new_group(backend="gloo")
+        first = DistributedDataParallel(small_mlp(), process_group=group, timeout=20)
+        first.register_comm_hook(None, hook)
+        error = _error_of(lambda: _one_step(first))
+        ours, theirs, opts = pair_of_wrappers(mlp, ours_kwargs={"process_group": group, "timeout": 20})
+        out[hook.__name__] = {"error": error, "rows": train_each([ours, theirs], opts, rank_batches(dist.get_rank()))}
     return out
 
 
@@ -315,7 +339,7 @@ def _powersgd_state():
 
 
 def _job(n):
-    scenarios = {"bad_results": _bad_results, "never_done": _never_done, "one_rank_hook": _one_rank_hook,
+    scenarios = {"bad_results": _bad_results, "after_failed_hook": _after_a_failed_hook, "never_done": _never_done, "one_rank_hook": _one_rank_hook,
                  "zero_size": _powersgd_zero_size, "compressed": _compressed, "powersgd": _powersgd,
                  "torch_ddp": _on_torch_ddp, "hooks": _hook_pairs, "powersgd_full": _powersgd_full_and_rank_one,
                  "noop": _noop, "torchs_powersgd": _torchs_powersgd, "powersgd_state": _powersgd_state}
@@ -353,6 +377,23 @@ def test_a_hooks_result_is_checked_and_the_error_names_the_hook_and_the_value(ho
         assert says.format(twice=2 * size) in error["message"], error
         if kind == "ValueError":
             assert f"the bucket's {size} elements" in error["message"], error
+
+
+@pytest.mark.parametrize("hook, says", [
+    ("tensor_not_future_hook", "must return a torch.futures.Future, got Tensor"),
+    ("raising_hook", "hook boom"),
+    ("raising_on_rank0_hook", "hook boom on rank 0"),
+])
+def test_a_failed_hook_fails_its_step_on_every_rank_and_the_next_wrapper_trains_as_torchs(hook, says):
+    for rank in range(N):
+        case = _get(rank, "after_failed_hook")[hook]
+        error = case["error"]
+        assert error is not None and not error["peer_error"], f"rank {rank}: {error}"
+        if hook == "raising_on_rank0_hook" and rank == 1:
+            assert "failed on another rank" in error["message"] and hook in error["message"], error
+        else:
+            assert says in error["message"], error
+        same_rows(case["rows"], atol=1e-9)
 
 
 def test_a_future_that_never_completes_ends_at_the_wrappers_timeout():

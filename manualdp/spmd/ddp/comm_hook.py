@@ -10,9 +10,11 @@ from __future__ import annotations
 from ..collectives import allreduce
 from ..comm_hooks import GradBucket, hook_name, hook_result
 from ..transport.agree import agree
-from ..transport.peers import DEFAULT_TIMEOUT
+from ..transport.peers import DEFAULT_TIMEOUT, PeerError, is_refused_alike, refused_alike
 
 __all__ = ["CommHook", "check_same_hook"]
+
+_FAILED = -1024.0  # a failed hook's flags: a summed flag is at least 0 on every rank whose hook worked
 
 
 class CommHook:
@@ -20,6 +22,7 @@ class CommHook:
 
     def __init__(self, state: object, hook, reducer) -> None:
         self.state, self.hook, self.reducer = state, hook, reducer
+        self.failure: Exception | None = None  # what failed this step (here or, by the flags, on a peer)
 
     def install(self) -> None:
         self.reducer.reduce = self.reduce
@@ -28,12 +31,30 @@ class CommHook:
     def reduce(self, index: int, bucket) -> None:
         """On the worker: the hook on the gradients, manualdp's allreduce on the flags."""
         r = self.reducer
-        view = GradBucket(index, bucket.grads, bucket.params, bucket.offsets, index == len(r.buckets) - 1)
-        result = hook_result(self.hook, self.hook(self.state, view), bucket.grads.numel(), r.timeout or DEFAULT_TIMEOUT)
-        if result.data_ptr() != bucket.grads.data_ptr():
-            bucket.grads.copy_(result)
+        if index == 0:
+            self.failure = None  # a new step
+        if self.failure is None:
+            try:
+                view = GradBucket(index, bucket.grads, bucket.params, bucket.offsets, index == len(r.buckets) - 1)
+                result = hook_result(self.hook, self.hook(self.state, view), bucket.grads.numel(),
+                                     r.timeout or DEFAULT_TIMEOUT)
+                if result.data_ptr() != bucket.grads.data_ptr():
+                    bucket.grads.copy_(result)
+            except PeerError:
+                raise  # a peer did not answer: the ranks are out of step for good
+            except Exception as e:
+                if is_refused_alike(e):
+                    raise
+                self.failure = e
+        if self.failure is not None:
+            bucket.flags.fill_(_FAILED)  # the flags still go out, so that the peers' allreduce pairs with ours
         allreduce(bucket.flags, r.algorithms[index], r.group, segment_bytes=r.segment_bytes, timeout=r.timeout,
                   check=False)
+        if self.failure is None and bucket.flags.numel() and bucket.flags.min().item() < 0:
+            self.failure = RuntimeError(f"comm hook {hook_name(self.hook)} failed on another rank at bucket {index} "
+                                        "of this step (its error is raised there)")
+        if self.failure is not None:
+            raise refused_alike(self.failure)
 
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:
