@@ -50,7 +50,8 @@ from ..train import evaluate
 from ..validate import fraction, iterable, learning_rate, nn_module, one_of, positive_int, trainable, xy_pair
 from .options import optimizer_factory
 
-__all__ = ["parse_address", "replica_command", "check_replica_id", "train_replica", "shared_settings", "parameters_sha256"]
+__all__ = ["parse_address", "replica_command", "check_replica_id", "train_replica", "shared_settings",
+           "parameters_sha256"]
 
 
 def parse_address(text: str) -> tuple[str, int]:

@@ -158,7 +158,7 @@ class GroupManager:
         self._states[name] = (state_dict, load_state_dict)
 
     def watch(self, module: nn.Module) -> None:
-        """Count `module`'s backward passes on this rank: a step whose ranks ran different counts is discarded, named."""
+        """Count `module`'s backward passes on this rank: a step whose ranks ran other counts is discarded, named."""
         nn_module("module", module)
         if self._backwards is not None:
             self._backwards.remove()

@@ -8,9 +8,9 @@ SIGKILLs itself in the step of two groups of that index (0: the first), right be
 average: its peers are in it), `together` (train on until `steps` are committed and this many of them
 with two groups after a step alone, or from the start when `rejoin`: a group started again), `sleep`
 (seconds per step alone), `pace` (seconds per step, always), `with_group` ([GROUP, N]: train on until N steps
-were committed in a quorum with GROUP too), `twice_at` (the last rank runs
-one backward more in the first try of that step; `watch`: the manager counts them), `die_on_send` (SIGKILL itself as its lane is
-about to send its state for the n-th time: a sender lost during recovery). Each committed step appends a line
+were committed in a quorum with GROUP too), `twice_at` (the last rank runs one backward more in the first
+try of that step; `watch`: the manager counts them), `die_on_send` (SIGKILL itself as its lane is about to
+send its state for the n-th time: a sender lost during recovery). Each committed step appends a line
 to OUT: the step, the member groups, the parameters; the end writes the recoveries (OUT + ".end").
 """
 import datetime

@@ -21,7 +21,8 @@ def test_a_sender_lost_during_recovery_is_named_and_another_holder_sends(groups)
     while not records(b[0][1]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert records(b[0][1]), log(b[0][1])[-2000:]
-    c = groups.start("C", 1, steps=2, min_groups=2, pace=0.3, with_group=["B", 3])  # planned to receive from A, the first holder
+    # planned to receive from A, the first holder
+    c = groups.start("C", 1, steps=2, min_groups=2, pace=0.3, with_group=["B", 3])
     codes = wait(a + b + c, timeout=240)
     logs = [log(out)[-2000:] for _, out in a + b + c]
     assert codes == [-9, 0, 0], logs
