@@ -35,7 +35,7 @@ class BackwardCount:
         self.count = 0
 
     def spread(self, group: dist.ProcessGroup | None) -> tuple[int, int]:
-        """The fewest and the most backward passes any rank of `group` ran (one allreduce; RuntimeError: a rank gone)."""
+        """The fewest and most backward passes any rank of `group` ran (one allreduce; RuntimeError: a rank gone)."""
         both = torch.tensor([self.count, -self.count], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         return -int(both[1]), int(both[0])
