@@ -361,7 +361,9 @@ class TrainingState:
 
     def save(self, replicas, optimizers, history, **extra):
         state = {
-            "model": replicas[0].state_dict(), "optimizer": optimizers[0].state_dict(),
+            # a ZeRO optimizer's own shard (each rank saves its file); its state_dict() is the consolidated one only
+            "model": replicas[0].state_dict(), "optimizer": getattr(optimizers[0], "shard_state_dict",
+                                                                    optimizers[0].state_dict)(),
             "epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "global_step": self.global_step,
             "sums": (self.loss_sum, self.correct, self.seen),
             "seconds": self.seconds + (time.perf_counter() - self._start if self.step_in_epoch else 0.0),

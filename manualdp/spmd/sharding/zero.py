@@ -33,8 +33,10 @@ parameters' `.grad` are then stand-ins that raise when used (`zero_grad_shards.S
 torch's `clip_grad_norm_(model.parameters())` raises instead of returning 0; clip with
 `opt.clip_grad_norm_(max_norm)`, which sums the shards' norms over the ranks (at stage 1 too).
 
-Other differences from torch's: `state_dict()` before any `consolidate_state_dict` is this
-rank's shard (each rank saves its own: a sharded checkpoint), where torch's raises; parameters of
+Other differences from torch's: `shard_state_dict()` is this rank's shard (each rank saves its own:
+a sharded checkpoint); `state_dict()` is torch's, the full state after `consolidate_state_dict`
+and torch's error before it (on one rank alone, it could not tell a save of the full state from a
+shard's); parameters of
 several dtypes are refused at both stages, in torch's words (`add_param_group` takes them, as torch's); `step` calls the
 closure itself, before the inner step (the gradients must exist to be cut into pieces), and hands one that
 is not callable to the inner optimizer's `step`, as torch's does.
@@ -358,13 +360,11 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         return state_bytes(self.optimizer)
 
     def state_dict(self) -> dict:
-        """This rank's shard of the state (each rank saves its own, as a sharded checkpoint).
+        """The full state after `consolidate_state_dict(to)`, on rank `to`; torch's error elsewhere (`TorchCompat`)."""
+        return self._full_state_dict()
 
-        After `consolidate_state_dict(to)`, as torch's: the full state on rank `to`, in a plain
-        optimizer's format; the other ranks raise.
-        """
-        if self._consolidated_to is not None:
-            return self._full_state_dict()
+    def shard_state_dict(self) -> dict:
+        """This rank's shard of the state, for a sharded checkpoint: each rank saves its own, `load_state_dict` takes it."""
         return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
                 "param_groups": [options_of(g) for g in self.param_groups],
                 "shard": self.optimizer.state_dict()}

@@ -3,6 +3,8 @@
 - `consolidate_state_dict(to)`: every rank sends its shard's state to rank `to`, which
   stitches each parameter's pieces back together; its `state_dict()` is then a plain
   optimizer's (full-size tensors keyed by parameter index, and `param_groups`), as torch's.
+- `state_dict()`: that full state, on rank `to` only; elsewhere, or before any consolidation, torch's
+  error (a rank's own shard is `shard_state_dict()`).
 - `load_state_dict` of such a full state (from a consolidation, or from a plain optimizer):
   each rank keeps the slices of its own pieces.
 - `Joinable`: in `Join([model, opt])` a rank out of data still runs the step's collectives.
@@ -79,10 +81,15 @@ class TorchCompat(Joinable):
         return dict(sorted(state.items()))
 
     def _full_state_dict(self) -> dict:
+        """The full state, as torch's: on rank `to` after `consolidate_state_dict(to)`; other ranks raise, in torch's
+        words (a rank's own shard: `shard_state_dict()`)."""
         if self._full_state is None:  # torch's words
+            where = ("" if self._consolidated_to is None
+                     else f" (it was consolidated on rank {self._consolidated_to})")
             raise RuntimeError("Optimizer state has not been consolidated on this rank. Please call "
                                f"`consolidate_state_dict(to={self.rank})` on all ranks beforehand if you meant "
-                               f"to save the global state (it was consolidated on rank {self._consolidated_to}).")
+                               f"to save the global state{where}; for this rank's shard alone (a sharded "
+                               "checkpoint), call shard_state_dict().")
         full = torch.optim.Optimizer.state_dict(self)  # param_groups as torch numbers them; our own state is empty
         full["state"] = {k: {name: _copied(v) for name, v in values.items()} for k, values in self._full_state.items()}
         return full

@@ -259,7 +259,7 @@ def _features_job():
     zero = ZeroRedundancyOptimizer(seeded_mlp().parameters(), torch.optim.Adam, stage=2, lr=1e-2)
     # 4. Another rank's state is refused.
     try:
-        zero.load_state_dict(dict(zero.state_dict(), rank=(rank + 1) % n))
+        zero.load_state_dict(dict(zero.shard_state_dict(), rank=(rank + 1) % n))
     except ValueError as e:
         out["refused"] = str(e)
     # 5. Ranks asking for different stages raise, naming them (last: it must not leave gloo broken).
@@ -335,7 +335,7 @@ def _scheduler_resume_job():
         scheduler.step()
         again = ZeroRedundancyOptimizer(models[1].parameters(), torch.optim.SGD, stage=stage, lr=0.1, momentum=0.9)
         nets[1].load_state_dict(nets[0].state_dict())
-        again.load_state_dict(first.state_dict())
+        again.load_state_dict(first.shard_state_dict())
         for model, opt in zip(models, (first, again)):
             _zero_step(model, opt, stage)
         out[stage] = {"lr": [g["lr"] for g in again.param_groups], "equal": torch.equal(

@@ -1,4 +1,6 @@
 """ZeroRedundancyOptimizer off its happy path, at 2 ranks, beside torch's:
+- `state_dict()` on rank 0 alone, before any `consolidate_state_dict`: raises torch's "not consolidated" (before:
+  rank 0's shard, with no word);
 - `consolidate_state_dict(to=rank)`, another `to` on each rank: every rank raises naming `to` (before: each waited
   out the group's timeout in its gather);
 - stage 1 with a sparse `nn.Embedding` under the drop-in: trains as torch's DDP + ZeroRedundancyOptimizer (before:
@@ -51,6 +53,10 @@ def _job():
     opt = ZeroRedundancyOptimizer(net.parameters(), torch.optim.Adam, lr=0.1, timeout=20)
     net(torch.randn(3, 4)).sum().backward()
     opt.step()
+    theirs = TorchZero(copy.deepcopy(net).parameters(), torch.optim.Adam, lr=0.1)
+    if rank == 0:  # `state_dict()` on one rank, before any consolidation: torch's raises; a shard would pass unseen
+        out["rank 0 alone"] = {"ours": error_of(opt.state_dict), "torch": error_of(theirs.state_dict)}
+    out["then"] = error_of(opt.step)
     out["to"] = error_of(lambda: opt.consolidate_state_dict(to=rank))
     out["to, then"] = error_of(lambda: opt.consolidate_state_dict(to=0))  # the group still works after the refusal
     ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(rank))
@@ -68,6 +74,12 @@ def _job():
 
 def test_zero_refuses_what_torch_refuses_names_a_differing_to_and_trains_a_sparse_embedding():
     for rank, out in enumerate(launch(_job, 2, timeout=180)):
+        if rank == 0:
+            ours, theirs = out["rank 0 alone"]["ours"], out["rank 0 alone"]["torch"]
+            assert theirs is not None and "has not been consolidated" in theirs, theirs
+            assert ours is not None and ours.startswith(theirs.split(" if you meant")[0]), ours
+            assert "shard_state_dict()" in ours, ours
+        assert out["then"] is None, out["then"]
         message = out["to"]
         assert message is not None and message.startswith(f"ValueError: rank {rank}: "), message
         assert "to 0..1 (per rank: 0, 1)" in message and "same `to`" in message, message

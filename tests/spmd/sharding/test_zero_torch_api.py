@@ -149,7 +149,7 @@ def _api_job():
             _same_grads_step(nets[source], opts[source], X, y)
         out["loaded"][source] = (_flat(net), _flat(nets[source]), [g["lr"] for g in opt.param_groups])
     # a state that does not fit is refused, changing nothing
-    before = copy.deepcopy(opt.state_dict())
+    before = copy.deepcopy(opt.shard_state_dict())
     bad = {k: {"state": dict(out["plain_state"]["state"]), "param_groups": out["plain_state"]["param_groups"]}
            for k in ("size", "groups")}
     bad["size"]["state"][0] = dict(bad["size"]["state"][0], exp_avg=torch.zeros(3))
@@ -160,7 +160,7 @@ def _api_job():
             opt.load_state_dict(state)
         except ValueError as e:
             out["refused"][k] = str(e)
-    after = opt.state_dict()
+    after = opt.shard_state_dict()
     out["unchanged"] = all(torch.equal(a, b) for i in before["shard"]["state"]
                            for a, b in zip(before["shard"]["state"][i].values(), after["shard"]["state"][i].values()))
 
