@@ -36,6 +36,9 @@ class BucketedDDP(OverlappedDDP):
         self.build_buckets()
         self.next = 0  # the next bucket to start: they start in order
 
+    def rebuild_kwargs(self) -> dict:
+        return super().rebuild_kwargs() | {"bucket_cap_mb": self.bucket_cap_mb}
+
     def build_buckets(self) -> None:
         """The buckets, of the parameters' dtypes and devices as they are now."""
         layout = assign_buckets(self.params, self.bucket_cap_mb)

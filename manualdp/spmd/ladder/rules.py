@@ -7,7 +7,8 @@ averaged: their hooks and what the end of backward does.
 Ranks agree before data moves. At construction they compare the model (names, shapes,
 dtypes) and the rung's settings (which rung, `algorithm`, rung 4's `bucket_cap_mb`), then take
 rank 0's parameters and buffers; a module whose parameters another rung already averages is
-refused, and so is a deep copy or a pickle of a rung (it holds the group's connections). Each
+refused, and so is a pickle of a rung (it holds the group's connections); a deep copy, made on every
+rank alike, is a new rung of its own over a deep copy of the module, as torch's DDP copies. Each
 step they compare the step itself before its first allreduce (`check_step`): a rank that
 skipped a backward pass, or ran one more, or ran another number of forward passes, makes every
 rank raise, naming the rank and the field, instead of averaging gradients of two different steps.
@@ -39,6 +40,7 @@ a plain module again.
 from __future__ import annotations
 
 import weakref
+from copy import deepcopy as _deepcopy
 
 import torch
 from torch import nn
@@ -152,9 +154,17 @@ class Rung(nn.Module):
         check_loadable(self, state_dict, strict, type(self).__name__)
         return super().load_state_dict(state_dict, strict, assign)
 
+    def rebuild_kwargs(self) -> dict:
+        """The keywords this rung was built with: a deep copy is built with them."""
+        return {"algorithm": self.algorithm, "group": self.group, "timeout": self.timeout,
+                "broadcast_buffers": self.broadcast_buffers, "drift_check_every": self.drift.every}
+
     def __deepcopy__(self, memo):
-        raise TypeError(f"rank {self.rank}: a {type(self).__name__} cannot be deep-copied (it holds the group's "
-                        "connections): deep-copy its module and wrap the copy")
+        # The group's connections are not copied: the copy is a new rung of its own (its own number) over a deep copy
+        # of the module, built as any rung is, so every rank must copy alike, as it would build one.
+        copy = type(self)(_deepcopy(self.module, memo), **self.rebuild_kwargs())
+        memo[id(self)] = copy
+        return copy
 
     def __reduce_ex__(self, protocol):
         raise TypeError(f"rank {self.rank}: a {type(self).__name__} cannot be pickled (it holds the group's "
