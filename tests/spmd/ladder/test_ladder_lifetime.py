@@ -43,20 +43,23 @@ def _sgd(model, x, divisor=1):
     opt.step()
 
 
+def _seeded():
+    torch.manual_seed(0)
+    return nn.Linear(3, 2)
+
+
 def _copy_job():
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {}
     for rung in RUNGS:
-        torch.manual_seed(0)
-        net = nn.Linear(3, 2)
         kwargs = {"bucket_cap_mb": 1e-5} if rung is BucketedDDP else {}
+        net = _seeded()
         original = rung(net, timeout=30, **kwargs)
         _sgd(original, _batch(rank, 0))
         twin = copy.deepcopy(original)
         _sgd(twin, _batch(rank, 1))
         _sgd(original, _batch(rank, 1))
-        torch.manual_seed(0)
-        reference = nn.Linear(3, 2)
+        reference = _seeded()
         for step in range(2):  # one process, the global batch: the ranks' losses averaged
             _sgd(reference, torch.cat([_batch(r, step) for r in range(n)]), divisor=n)
         out[rung.__name__] = {"twin": [p.detach().clone() for p in twin.module.parameters()],
