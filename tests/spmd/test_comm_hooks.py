@@ -137,10 +137,24 @@ def _one_rank_hook():
     if dist.get_rank() == 0:
         model.register_comm_hook(group, hooks.allreduce_hook)
     mismatch = _error_of(lambda: _one_step(model))
-    # Registering once training has started is refused: the ranks compared their hooks already.
-    late = DistributedDataParallel(small_mlp(), timeout=20)
+    # Registered after the first step on rank 0 only: the ranks compare hooks again at the next step.
+    group = dist.new_group(backend="gloo")
+    late = DistributedDataParallel(small_mlp(), process_group=group, timeout=20)
     _one_step(late)
-    return {"mismatch": mismatch, "late": _error_of(lambda: late.register_comm_hook(None, hooks.allreduce_hook))}
+    if dist.get_rank() == 0:
+        late.register_comm_hook(group, hooks.allreduce_hook)
+    return {"mismatch": mismatch, "late": _error_of(lambda: _one_step(late))}
+
+
+def _late_hook():
+    """A hook registered after the first step, on both wrappers, takes effect from the next step (as torch's)."""
+    rank = dist.get_rank()
+    ours, theirs, opts = pair_of_wrappers(mlp)
+    batches = rank_batches(rank, steps=3)
+    rows = train_each([ours, theirs], opts, batches[:1])
+    for model in (ours, theirs):
+        model.register_comm_hook(None, hooks.noop_hook)
+    return rows + train_each([ours, theirs], opts, batches[1:])
 
 
 class _WithEmpty(nn.Module):
@@ -339,7 +353,8 @@ def _powersgd_state():
 
 
 def _job(n):
-    scenarios = {"bad_results": _bad_results, "after_failed_hook": _after_a_failed_hook, "never_done": _never_done, "one_rank_hook": _one_rank_hook,
+    scenarios = {"bad_results": _bad_results, "after_failed_hook": _after_a_failed_hook,
+                 "late_hook": _late_hook, "never_done": _never_done, "one_rank_hook": _one_rank_hook,
                  "zero_size": _powersgd_zero_size, "compressed": _compressed, "powersgd": _powersgd,
                  "torch_ddp": _on_torch_ddp, "hooks": _hook_pairs, "powersgd_full": _powersgd_full_and_rank_one,
                  "noop": _noop, "torchs_powersgd": _torchs_powersgd, "powersgd_state": _powersgd_state}
@@ -413,7 +428,16 @@ def test_a_hook_on_one_rank_only_is_named_on_every_rank_before_any_bucket_moves(
         assert ("(per rank: manualdp.spmd.comm_hooks.allreduce_hook, none (manualdp's allreduce))"
                 in error["message"]), error
         late = value["late"]
-        assert late is not None and late["type"] == "RuntimeError" and "before training" in late["message"], late
+        assert late is not None and late["type"] == "ValueError" and not late["peer_error"], late
+        assert late["message"].startswith(f"rank {rank}: ") and "called differently across ranks" in late["message"], late
+
+
+def test_a_hook_registered_after_the_first_step_takes_effect_as_torchs():
+    rows = [_get(rank, "late_hook") for rank in range(N)]
+    for r in range(N):
+        same_rows(rows[r], atol=1e-12)
+    assert torch.equal(rows[0][0][0], rows[1][0][0])  # the first step averaged
+    assert not torch.allclose(rows[0][-1][0], rows[1][-1][0])  # then the no-op hook: each rank its own
 
 
 def test_powersgd_copes_with_zero_size_parameters():

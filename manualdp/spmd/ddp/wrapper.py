@@ -286,12 +286,12 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             raise self.errors(TypeError(f"hook must be callable, got {hook!r}"))
         if self.calls.comm_hook is not None:
             raise self.errors(RuntimeError("register_comm_hook can only be called once"))
-        if self.calls.started:
-            raise self.errors(RuntimeError("register_comm_hook must be called before training (the first forward or "
-                                           "backward pass that synchronises gradients), as torch's DDP asks: the "
-                                           "ranks compare hooks there"))
+        if self.calls.queued or self.reducer.in_backward:
+            raise self.errors(RuntimeError("register_comm_hook must be called between steps, not between a forward "
+                                           "pass and its backward"))
         self.calls.comm_hook = CommHook(state, hook, self.reducer)
         self.calls.comm_hook.install()
+        self.calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
 
     def __del__(self) -> None:
         reducer = self.__dict__.get("reducer")
