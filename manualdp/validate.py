@@ -181,7 +181,10 @@ def no_closure(name: str, optimizer):
         return optimizer
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise ValueError(f"{name}: {type(optimizer).__name__}'s step needs a closure (it evaluates the loss itself), "
-                         "and ZeRO steps each shard alone: use an elementwise optimizer (SGD, Adam, AdamW)")
+                         "and ZeRO steps each shard alone: its line search and dot products would see one rank's "
+                         "shard only, another algorithm than on the whole model (torch's ZeroRedundancyOptimizer "
+                         "runs it so, and its ranks may call the closure a different number of times): use an "
+                         "elementwise optimizer (SGD, Adam, AdamW)")
     return optimizer
 
 

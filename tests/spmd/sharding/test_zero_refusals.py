@@ -1,6 +1,7 @@
 """ZeroRedundancyOptimizer off its happy path, at 2 ranks, beside torch's:
 - `state_dict()` on rank 0 alone, before any `consolidate_state_dict`: raises torch's "not consolidated" (before:
   rank 0's shard, with no word);
+- LBFGS (a `step(closure)`): refused, saying why ZeRO cannot run it (a shard's line search is another algorithm);
 - `consolidate_state_dict(to=rank)`, another `to` on each rank: every rank raises naming `to` (before: each waited
   out the group's timeout in its gather);
 - stage 1 with a sparse `nn.Embedding` under the drop-in: trains as torch's DDP + ZeroRedundancyOptimizer (before:
@@ -57,6 +58,7 @@ def _job():
     if rank == 0:  # `state_dict()` on one rank, before any consolidation: torch's raises; a shard would pass unseen
         out["rank 0 alone"] = {"ours": error_of(opt.state_dict), "torch": error_of(theirs.state_dict)}
     out["then"] = error_of(opt.step)
+    out["lbfgs"] = error_of(lambda: ZeroRedundancyOptimizer(net.parameters(), torch.optim.LBFGS, lr=0.1))
     out["to"] = error_of(lambda: opt.consolidate_state_dict(to=rank))
     out["to, then"] = error_of(lambda: opt.consolidate_state_dict(to=0))  # the group still works after the refusal
     ids = torch.randint(0, 10, (5, 3), generator=torch.Generator().manual_seed(rank))
@@ -80,6 +82,9 @@ def test_zero_refuses_what_torch_refuses_names_a_differing_to_and_trains_a_spars
             assert ours is not None and ours.startswith(theirs.split(" if you meant")[0]), ours
             assert "shard_state_dict()" in ours, ours
         assert out["then"] is None, out["then"]
+        lbfgs = out["lbfgs"]  # refused, saying why: torch's runs it per shard, 2.0 off one-process LBFGS in 2 steps
+        assert lbfgs is not None and lbfgs.startswith("ValueError: optimizer_class: LBFGS's step needs a closure"), lbfgs
+        assert "see one rank's shard only" in lbfgs and "a different number of times" in lbfgs, lbfgs
         message = out["to"]
         assert message is not None and message.startswith(f"ValueError: rank {rank}: "), message
         assert "to 0..1 (per rank: 0, 1)" in message and "same `to`" in message, message
