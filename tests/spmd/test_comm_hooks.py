@@ -429,7 +429,8 @@ def test_a_hook_on_one_rank_only_is_named_on_every_rank_before_any_bucket_moves(
                 in error["message"]), error
         late = value["late"]
         assert late is not None and late["type"] == "ValueError" and not late["peer_error"], late
-        assert late["message"].startswith(f"rank {rank}: ") and "called differently across ranks" in late["message"], late
+        message = late["message"]
+        assert message.startswith(f"rank {rank}: ") and "called differently across ranks" in message, late
 
 
 def test_a_hook_registered_after_the_first_step_takes_effect_as_torchs():

@@ -364,7 +364,7 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
         return self._full_state_dict()
 
     def shard_state_dict(self) -> dict:
-        """This rank's shard of the state, for a sharded checkpoint: each rank saves its own, `load_state_dict` takes it."""
+        """This rank's shard of the state: a sharded checkpoint, each rank its own (`load_state_dict` takes it)."""
         return {"stage": self.stage, "rank": self.rank, "world_size": self.world_size,
                 "param_groups": [options_of(g) for g in self.param_groups],
                 "shard": self.optimizer.state_dict()}

@@ -83,7 +83,8 @@ def test_zero_refuses_what_torch_refuses_names_a_differing_to_and_trains_a_spars
             assert "shard_state_dict()" in ours, ours
         assert out["then"] is None, out["then"]
         lbfgs = out["lbfgs"]  # refused, saying why: torch's runs it per shard, 2.0 off one-process LBFGS in 2 steps
-        assert lbfgs is not None and lbfgs.startswith("ValueError: optimizer_class: LBFGS's step needs a closure"), lbfgs
+        assert lbfgs is not None, lbfgs
+        assert lbfgs.startswith("ValueError: optimizer_class: LBFGS's step needs a closure"), lbfgs
         assert "see one rank's shard only" in lbfgs and "a different number of times" in lbfgs, lbfgs
         message = out["to"]
         assert message is not None and message.startswith(f"ValueError: rank {rank}: "), message
