@@ -155,6 +155,42 @@ class Param:
             self.put(now)
         self.dtype, self.device = self.sharded.dtype, self.sharded.device  # `model.double()` changes them in place
 
+    def take_up_replaced(self) -> bool:
+        """If the user put a plain tensor parameter in this one's place after `fully_shard` (e.g. an init assigning
+        `module.w = nn.Parameter(...)`), shard it (its rows on this rank) as torch's lazy init does; whether it did."""
+        sub, attr = self.slots[0]
+        now = sub._parameters.get(attr)
+        if now is self.sharded or now is self.full:
+            return False
+        mesh = self.sharded.device_mesh
+        if isinstance(now, DTensor) and now.shape == self.shape and now.device_mesh == mesh \
+                and now.placements == self.sharded.placements:
+            fresh = now if isinstance(now, nn.Parameter) else nn.Parameter(now, requires_grad=now.requires_grad)
+        elif isinstance(now, torch.Tensor) and not isinstance(now, DTensor) and now.shape == self.shape:
+            with torch.no_grad():
+                local = now[self.start:self.start + self.local_rows].detach().clone()
+            fresh = nn.Parameter(_as_shard(local, mesh, self.shape), requires_grad=now.requires_grad)
+            if isinstance(now, nn.Parameter):
+                self.replaces(now)  # an optimizer built from it refuses to step (it would train nothing)
+        else:
+            what = f"{type(now).__name__} of shape {tuple(now.shape)}" if isinstance(now, torch.Tensor) \
+                else type(now).__name__
+            placed = f" placed {now.placements}" if isinstance(now, DTensor) else ""
+            raise ValueError(f"{self.name} was replaced after fully_shard by a {what}{placed}: replace it with a "
+                             f"tensor of its shape {tuple(self.shape)} (or a DTensor placed as its shard "
+                             f"{self.sharded.placements}), or shard the module after")
+        self.sharded = fresh
+        set_owner(fresh, self)
+        self.put(fresh)
+        self.dtype, self.device, self.full, self.accumulated = now.dtype, now.device, None, None
+        self.requires_grad = now.requires_grad
+        return True
+
+    def has_extension(self) -> bool:
+        """Whether torch's all-gather extension hooks are set on this shard's local tensor (or its class)."""
+        local = self.sharded._local_tensor
+        return hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather")
+
     def add_grad(self, grad: torch.Tensor, mesh) -> None:
         """Add `grad` (this rank's rows of the summed gradient) to the shard's `.grad`, a DTensor made at first."""
         own = self.sharded

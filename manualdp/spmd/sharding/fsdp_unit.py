@@ -165,6 +165,24 @@ class Unit:
         if changed:
             self._group()
 
+    def check_params(self) -> None:
+        """Before the all-gather, on every rank alike (torch's FSDP2 does it at lazy init): take up a parameter the
+        user replaced by a plain one of the same shape, and refuse parameters left on the meta device and torch's
+        all-gather extensions, which this unit would silently skip."""
+        if any([p.take_up_replaced() for p in self.params]):
+            self._group()
+        path = f"{self.name}." if self.name else ""
+        meta = [path + p.name for p in self.params if p.sharded.device.type == "meta"]
+        if meta:
+            raise RuntimeError("FSDP parameters should be materialized from meta device before training, but the "
+                               f"following were still on meta device: {meta} (call model.to_empty(device=...) and "
+                               "initialise them before the first forward)")
+        hooked = [path + p.name for p in self.params if p.has_extension()]
+        if hooked:
+            raise NotImplementedError(f"{hooked[0]}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather "
+                                      "extensions) are not supported by manualdp's fully_shard; remove them or use "
+                                      "torch's fully_shard")
+
     def use(self, full: bool) -> None:
         """Put the full parameters (`full`) or the shards in the modules' places."""
         for p in self.params:
@@ -181,10 +199,7 @@ class Unit:
         if not self.gathered:
             if not (inside_backward() or self.step.in_backward):
                 self.follow_requires_grad()
-            meta = [p.name for p in self.params if p.sharded.device.type == "meta"]
-            if meta:
-                raise RuntimeError(f"{meta[0]} is on the meta device: after fully_shard, call "
-                                   "model.to_empty(device=...) and initialise the parameters before the first forward")
+            self.check_params()
             jobs = []
             for dtype, members in self.gather_groups.items():
                 fulls = [p.make_full(dtype, self.grad_ready) for p in members]
