@@ -12,7 +12,7 @@ from ..comm_hooks import GradBucket, hook_name, hook_result
 from ..transport.agree import agree
 from ..transport.peers import DEFAULT_TIMEOUT, PeerError, is_refused_alike, refused_alike
 
-__all__ = ["CommHook", "check_same_hook"]
+__all__ = ["CommHook", "check_same_hook", "register_hook"]
 
 _FAILED = -1024.0  # a failed hook's flags: a summed flag is at least 0 on every rank whose hook worked
 
@@ -55,6 +55,20 @@ class CommHook:
                                         "of this step (its error is raised there)")
         if self.failure is not None:
             raise refused_alike(self.failure)
+
+
+def register_hook(calls, reducer, state: object, hook, errors) -> None:
+    """The wrapper's `register_comm_hook`: checked, then installed; the ranks compare hooks at the next step."""
+    if not callable(hook):  # errors logged, as torch logs them (`_get_ddp_logging_data()["error"]`)
+        raise errors(TypeError(f"hook must be callable, got {hook!r}"))
+    if calls.comm_hook is not None:
+        raise errors(RuntimeError("register_comm_hook can only be called once"))
+    if calls.queued or reducer.in_backward:
+        raise errors(RuntimeError("register_comm_hook must be called between steps, not between a forward pass and "
+                                  "its backward"))
+    calls.comm_hook = CommHook(state, hook, reducer)
+    calls.comm_hook.install()
+    calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
 
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:

@@ -23,7 +23,7 @@ from ...validate import (boolean, initialized, nn_module, non_negative_int, one_
 from .buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
 from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers, to_device
 from .step_check import CallCheck, Desync
-from .comm_hook import CommHook
+from .comm_hook import register_hook
 from .join import JoinableWrapper, UnevenInputs
 from .private import ErrorLog, PrivateAPI
 from .init_sync import NOT_COPIED, check_same_layout, compare_and_copy, kept_named
@@ -282,16 +282,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
 
     def register_comm_hook(self, state: object, hook) -> None:
         """Average each bucket with `hook(state, bucket) -> Future[Tensor]`, torch's comm-hook signature."""
-        if not callable(hook):  # errors logged, as torch logs them (`_get_ddp_logging_data()["error"]`)
-            raise self.errors(TypeError(f"hook must be callable, got {hook!r}"))
-        if self.calls.comm_hook is not None:
-            raise self.errors(RuntimeError("register_comm_hook can only be called once"))
-        if self.calls.queued or self.reducer.in_backward:
-            raise self.errors(RuntimeError("register_comm_hook must be called between steps, not between a forward "
-                                           "pass and its backward"))
-        self.calls.comm_hook = CommHook(state, hook, self.reducer)
-        self.calls.comm_hook.install()
-        self.calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
+        register_hook(self.calls, self.reducer, state, hook, self.errors)
 
     def __del__(self) -> None:
         reducer = self.__dict__.get("reducer")
