@@ -2,8 +2,14 @@
 
 The hook sees the bucket's gradients only (as a `GradBucket`, `hooks.py`) and hands back their
 averages; the two flags per parameter ("used", "ready") that the reducer sends beside them are
-still summed by manualdp's allreduce. At the first synchronised step the ranks compare their
-hooks: a hook on one rank only would send other messages than its peers' allreduce.
+still summed by manualdp's allreduce. At the first synchronised step after a hook is registered
+(before training, or later, as torch's takes it) the ranks compare their hooks: a hook on one
+rank only would send other messages than its peers' allreduce.
+
+A hook that raises, or hands back the wrong thing, fails that step on every rank alike: its
+rank still sends the bucket's flags, marked, so every peer learns of it in the same message and
+raises too; nothing is left in flight, and the group's worker serves the next wrapper (torch's
+second wrapper trains after a first one's hook failed).
 """
 from __future__ import annotations
 
