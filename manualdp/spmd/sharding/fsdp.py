@@ -49,7 +49,8 @@ HSDP, as torch's: on a 2-D mesh (replicate, shard) each parameter is sharded ove
 replicas over dim 0 (`fsdp_hsdp.py`); `set_requires_all_reduce(False)` keeps the sums for a later backward.
 `CPUOffloadPolicy(pin_memory=False)` is taken on cpu, where the shards live in host memory already.
 Not supported (each refused in one line): a mesh of more than two dimensions, a 2-D mesh without
-`mesh_dim_names`, `shard_placement_fn`, offloading off cpu, custom all-gather, reduce-scatter and all-reduce.
+`mesh_dim_names`, `shard_placement_fn`, offloading off cpu, custom all-gather, reduce-scatter and all-reduce, torch's
+all-gather extensions (`fsdp_pre_all_gather`/`fsdp_post_all_gather`, refused at the unit's first gather).
 
 The book's ZeRO-3 (`manualdp.zero3.Zero3`) keeps one flat shard per unit instead: it teaches the idea
 on one page. Per-parameter shards cost a copy in and out of the flat buffer each all-gather and
