@@ -113,3 +113,17 @@ def test_a_hook_or_buckets_rank_whose_answer_rebinds_the_graders_job_reports_it(
     out = getattr(properties, f"{exercise}_job")(str(answer), name)
     assert set(out) == {"error"} and f"Patched: your code replaced manualdp.runners.grader.properties.{replaced}" in \
         out["error"], out
+
+
+def test_the_buckets_job_puts_torchs_ddp_back_when_it_returns(one_rank, tmp_path):
+    import inspect
+
+    from manualdp.runners.grader.properties import buckets_job
+
+    before = inspect.signature(torch.nn.parallel.DistributedDataParallel)
+    answer = tmp_path / "buckets_none.py"
+    answer.write_text(BUCKETS)
+    buckets_job(str(answer), "BucketedDDP")
+    # the job refuses torch's DDP while the file runs; a process that goes on (this test's) gets it back
+    assert inspect.signature(torch.nn.parallel.DistributedDataParallel) == before
+    assert "module" in before.parameters

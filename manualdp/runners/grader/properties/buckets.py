@@ -107,13 +107,13 @@ def buckets_job(path: str, name: str = "BucketedDDP") -> dict:
     import importlib.util
 
     writable = [os.getcwd(), tempfile.gettempdir()]  # its folders, before the file can move
-    events, on = [], [False]
+    events, on, put_back = [], [False], None
     try:
         _recording(events, on)  # before the file is loaded: `from torch.distributed import all_reduce` sees it too
         from .. import intact
         from ..own import write_it_yourself
 
-        write_it_yourself(["torch_ddp"])  # a file that wraps torch's DDP has written nothing of rung 4
+        put_back = write_it_yourself(["torch_ddp"])  # a file that wraps torch's DDP has written nothing of rung 4
         train, model = _train, Buckets  # bound before the file loads: it may rebind the module's names
         spec = importlib.util.spec_from_file_location("exercise", path)
         module = importlib.util.module_from_spec(spec)
@@ -125,6 +125,9 @@ def buckets_job(path: str, name: str = "BucketedDDP") -> dict:
         return out
     except Exception as e:  # noqa: BLE001
         return {"error": rank_error(e, path, writable)}
+    finally:  # torch's DDP as it was: a process that runs this job in the middle of others (a test's) keeps it
+        if put_back is not None:
+            put_back()
 
 
 def reference_steps(n: int) -> list[dict]:
