@@ -53,7 +53,6 @@ class GroupState:
         # A weak reference: a process group held past destroy_process_group aborts the interpreter when freed at exit.
         self.pg = weakref.ref(pg)
         self.rank, self.peers = group_ranks(pg)  # this process's rank in the group, and every member's global rank
-        self.timeout = group_timeout(pg)  # seconds the group was made with (None: torch does not say), read once
         self.early = dist.get_backend(pg) == "gloo"  # the executor posts receives a round early (gloo) or not
         self.link = None         # (the agreed Link, where from: "given", "cached" or "measured"); None until agreed
         self.times: dict = {}    # bytes -> (first ratios, latest ratios) of measured to predicted "auto" times
@@ -68,6 +67,12 @@ class GroupState:
         self.local = threading.local()  # per thread (the worker's and the caller's): scratch space, kept works
         self._worker = None
         self._lock = threading.Lock()
+
+    @property
+    def timeout(self) -> float | None:
+        """The group's timeout in seconds (None: torch does not say), read at each call: it may be changed after."""
+        pg = self.pg()
+        return None if pg is None else group_timeout(pg)
 
     @property
     def worker(self) -> SerialWorker | InlineWorker:

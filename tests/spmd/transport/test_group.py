@@ -103,3 +103,17 @@ def test_at_world_size_one_auto_measures_nothing(one_rank, monkeypatch):
     model = DistributedDataParallel(net, algorithm="auto")  # bench/scaling's world size 1
     model(torch.ones(4, 3)).sum().backward()
     assert torch.equal(net.weight.grad, torch.ones(4, 3).sum(0).expand(2, 3))
+
+def test_the_groups_timeout_is_read_at_each_call_so_a_later_change_counts(one_rank):
+    import datetime
+
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # torch's only way to change it afterwards
+
+    from manualdp.spmd.transport.group import group_state
+    from manualdp.spmd.transport.peers import group_timeout
+
+    manualdp.spmd.allreduce(torch.ones(3))  # the group's state made, as a first call makes it
+    state = group_state()
+    assert state.timeout == group_timeout()
+    _set_pg_timeout(datetime.timedelta(seconds=group_timeout() + 7), dist.group.WORLD)
+    assert state.timeout == group_timeout() and group_timeout() is not None  # the new one, not the first
