@@ -22,8 +22,9 @@ The guard on every contribution (on unless `--nonfinite off`, as for a one-proce
 group whose gradients or loss totals are non-finite after the sum inside the group (the same on
 its every rank) still takes its part in the lane's sum (its peers wait on it), then votes the step
 down, and its rank 0 says so in one line; a group whose own part is finite but whose average is
-not (another group's part) votes it down too. The step is taken again; a group non-finite
-`STRIKES` steps in a row is removed (`Removed`, one line on each of its ranks; the run goes on).
+not (another group's part) votes it down too (`GroupManager`'s guard, which says so in one
+line). The step is taken again; a group non-finite `STRIKES` steps in a row is removed (`Removed`,
+one line on each of its ranks; the run goes on).
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
         raise TypeError(f"manager must be a manualdp.spmd.ft.group.GroupManager, got {type(manager).__name__}")
     if not isinstance(guard, bool):
         raise TypeError(f"guard must be True or False, got {guard!r}")
+    manager.guard = guard  # the run's setting: the manager fails a step whose average is not finite
     make, kwargs = optimizer_factory(optimizer, lr, 0.0, 0.0)
     opt = make(net.parameters(), **kwargs)
     run = Run(train_iter, num_epochs, summed_loss(loss_fn))
@@ -143,15 +145,13 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
     flat.div_(manager.size)
     # after the sum inside the group every rank holds the same flat: its ranks judge alike
     own_finite = not guard or bool(torch.isfinite(flat).all() and torch.isfinite(totals).all())
-    ok = manager.average(flat) and manager.average(totals)  # taken part in even when not finite: the lane waits
-    finite = not guard or bool(torch.isfinite(flat).all() and torch.isfinite(totals).all())
+    # taken part in even when not finite: the lane waits; the manager's guard (on with `guard`) fails a step whose
+    # average is not finite, another group's contribution or this one's, on every rank of the lane alike
+    ok = manager.average(flat) and manager.average(totals)
     if not own_finite:
         say(f"replica group {manager.id}: step {b}: its contribution is non-finite (NaN or Inf): "
             f"the step is discarded on every member group and taken again")
-    elif not finite and ok:
-        say(f"replica group {manager.id}: step {b}: the average over {', '.join(quorum.ids)} is non-finite "
-            f"(another group's contribution): the step is discarded and taken again")
-    committed = manager.should_commit(ok and finite)
+    committed = manager.should_commit(ok)
     if committed:
         for p, g in zip(params, flat.split([p.numel() for p in params])):
             p.grad = g.view_as(p).clone()

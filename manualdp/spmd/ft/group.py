@@ -105,21 +105,27 @@ class GroupManager:
         group: the replica group's own process group (default: the default one, torchrun's world).
         min_groups, timeout, quorum_timeout, heartbeat_interval, heartbeat_timeout, token: as `Manager`'s
             `min_replicas`, ... (used by rank 0's `Manager`); `timeout` bounds each wait of every rank.
+        guard: an average that is not finite (NaN or Inf) fails the step (`average` returns False, said in one
+            line): the step is discarded on every member group, as a one-process replica's guard does. The
+            lane's ranks hold the same average, so they judge alike. False: whatever it holds is averaged.
     """
 
     def __init__(self, group_id: str, host: str, port: int, *, group: dist.ProcessGroup | None = None,
                  min_groups: int | None = None, timeout: float = 60.0, quorum_timeout: float = 10.0,
-                 heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0, token: str | None = None) -> None:
+                 heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0, token: str | None = None,
+                 guard: bool = True) -> None:
         if not isinstance(group_id, str) or not group_id or any(c.isspace() or c == "/" for c in group_id):
             raise ValueError(f"group_id must be a non-empty name without spaces or '/', got {group_id!r}")
         if min_groups is not None:
             positive_int("min_groups", min_groups)
         if timeout_seconds("timeout", timeout) is None:
             raise ValueError("timeout must be a positive number of seconds, got None")
+        if not isinstance(guard, bool):
+            raise TypeError(f"guard must be True or False, got {guard!r}")
         if not dist.is_initialized():
             raise RuntimeError("GroupManager needs the replica group's own process group: call "
                                "dist.init_process_group first (torchrun's world, one per group)")
-        self.id, self.timeout, self._group = group_id, float(timeout), group
+        self.id, self.timeout, self._group, self.guard = group_id, float(timeout), group, guard
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
         self.step = 0                          # steps committed, the same on every rank of every member group
         self.recoveries: list[dict] = []       # each lane state received: round, source, sha256
@@ -260,6 +266,11 @@ class GroupManager:
             self.last_error, self._ok = without_traceback(e), False
             return False
         tensor.div_(self._lane.size)
+        if alike and self.guard and not bool(torch.isfinite(tensor).all()):
+            _log.warning(f"replica group {self.id!r}, rank {self.rank}: step {self.step}: the average over "
+                         f"{', '.join(self._quorum.ids)} is not finite (NaN or Inf): the step is discarded on every "
+                         f"member group")
+            alike = False
         self._ok = alike  # summed all the same: the other groups' ranks wait on this one in the lane
         return alike
 

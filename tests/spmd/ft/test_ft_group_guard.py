@@ -96,3 +96,22 @@ def test_train_group_rank_refuses_a_guard_that_is_not_a_bool():
     loader = data()
     with pytest.raises(TypeError, match="guard must be True or False, got 'off'"):
         train_group_rank(model(), loader, loader, 1, 0.1, object.__new__(GroupManager), guard="off", progress=False)
+
+
+@pytest.mark.parametrize("guard", [True, False])
+def test_the_python_api_fails_a_step_whose_average_is_not_finite_unless_the_guard_is_off(one_rank_group, guard):
+    manager = GroupManager("A", "127.0.0.1", one_rank_group.port, min_groups=1, timeout=20, quorum_timeout=5,
+                           guard=guard)
+    try:
+        manager.start_step()
+        ok = manager.average(torch.tensor([1.0, math.nan]))
+        assert ok is not guard  # the guard fails the step: a loop of one's own never applies a NaN average
+        assert manager.should_commit(ok) is not guard and manager.step == (0 if guard else 1)
+        manager.start_step()
+        grad = torch.tensor([1.0, 2.0])
+        assert manager.average(grad) and manager.should_commit(True)  # a finite one commits
+        assert torch.equal(grad, torch.tensor([1.0, 2.0])) and manager.step == (1 if guard else 2)
+    finally:
+        manager.close()
+    with pytest.raises(TypeError, match="guard must be True or False, got 'on'"):
+        GroupManager("B", "127.0.0.1", one_rank_group.port, guard="on")
