@@ -32,6 +32,7 @@ CALL = r"allreduce\(tensors\) on \d tensors? of shape .* and dtype \w+(, holding
 NOTHING = (rf"{CALL}: expected every device to hold the sum 13; device 0 holds 4\. No device's tensor changed: your "
            r"allreduce wrote into none of them .*$")  # an answer that does nothing
 NEVER = r"did not return within the 3 s it may take: does it loop forever"
+OUTSIDE = r", outside its own folder: an answer may write only in its own folder"
 VERDICTS = {  # answer -> (what its first line must say, extra options)
     "allreduce_loop.py": (rf"{CALL} {NEVER}", []),
     "schedule_loop.py": (rf"schedule\(1\) {NEVER}", []),
@@ -143,11 +144,20 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "checkpoint_own_path.py": (r"a run of \d steps .*: save_checkpoint\('checkpoint.pt', \.\.\.\) wrote nothing at "
                                r"'checkpoint.pt': write the checkpoint to the path it is given", SLOW_CALL),
     "checkpoint_replays.py": (r"a run of \d steps .* raised KeyError: 'seed'", SLOW_CALL),
+    # the grader's walls (issue 45): a path relative to a folder's descriptor, and writes only the kernel refused
+    "allreduce_chdir_rmtree_own.py": (r"", []),
+    "allreduce_chdir_rmtree_sibling.py": (rf"{CALL} it tried to delete the tree \S+/victim{OUTSIDE}", []),
+    "allreduce_torch_save_outside.py": (rf"{CALL} it tried to write \S+/cache\.pt{OUTSIDE}", []),
+    "allreduce_ctypes_outside.py": (rf"{CALL} it tried to write \S+/log\.txt{OUTSIDE}", []),
+    "allreduce_program_outside.py": (rf"{CALL} it tried to write \S+/stamp{OUTSIDE}", []),
+    "ddp_forges_its_rank.py": (r"rank 0: Patched: your code replaced manualdp\.runners\.grader\.properties\.ddp\."
+                               r"train_steps, which the grader runs in your rank", []),
 }
 PASS = {name: (SOLUTIONS / f"{name}.py", SLOW_CALL if name == "checkpoint" else [])
         for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook", "diloco")}
 PASS["halving_doubling_powers_of_two.py"] = (ANSWERS / "halving_doubling_powers_of_two.py", ["--powers-of-two"])
 PASS["buckets_right.py"] = (ANSWERS / "buckets_right.py", [])
+PASS["allreduce_chdir_rmtree_own.py"] = (ANSWERS / "allreduce_chdir_rmtree_own.py", [])
 RANKS = ("ddp", "hook", "buckets")  # the exercises that start ranks
 
 
@@ -197,6 +207,7 @@ def cwd_under(folder: pathlib.Path) -> list[int]:
 BACKGROUND = {"allreduce_loop.py", "schedule_loop.py", "split_batch_loop.py", "allreduce_sigstop.py",
               "allreduce_fork.py", "ddp_patch_torch.py", "hook_sum_then_divide.py", "hook_float32.py",
               "diloco_loop.py", "hook_divides_by_two.py", "hook_returns_none.py", "hook_no_decompress.py",
+              "ddp_forges_its_rank.py",
               "ddp", "hook"} | {n for n in VERDICTS if n.startswith("buckets")}  # they wait out their timeout, or
 # start ranks (ddp, hook: reference solutions; buckets: every answer)
 
