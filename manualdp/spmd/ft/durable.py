@@ -120,7 +120,9 @@ class Floor:
         if now - self._behind_since > self.timeout:
             raise TimeoutError(f"replica {self.id!r}: step {top - 1} was committed but no live replica or checkpoint "
                                f"holds it (a quorum of {', '.join(ids)} would start at step {step}; waited "
-                               f"{self.timeout:g} s): start a replica that holds it, with its --checkpoint-dir")
+                               f"{self.timeout:g} s): start a replica that holds it, with its --checkpoint-dir "
+                               f"(replica groups keep none yet: groups that all died start again only under a new "
+                               f"coordinator)")
         return False
 
 
