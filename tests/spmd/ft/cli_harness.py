@@ -106,6 +106,8 @@ class Run:
             except subprocess.TimeoutExpired:
                 raise TimeoutError(f"replica {rid} did not finish within {timeout} s; logs:\n{self.logs()}") from None
             assert code == 0, f"replica {rid} exited with {code}; logs:\n{self.logs()}"
+        missing = [rid for rid in self.replicas if not (self.tmp / f"{rid}.json").exists()]
+        assert not missing, f"replica(s) {missing} exited 0 without writing --json; logs:\n{self.logs()}"
         return {rid: json.loads((self.tmp / f"{rid}.json").read_text()) for rid in self.replicas}
 
     def logs(self) -> str:
