@@ -51,7 +51,7 @@ from .admission import Misfit
 from .coordinator import connect
 from .durable import RunFinished
 from .group_backward import BackwardCount
-from .group_lanes import Lane
+from .group_lanes import Lane, LaneLost
 from .manager import Manager
 from .phases import without_traceback
 from .quorum import Quorum
@@ -226,7 +226,7 @@ class GroupManager:
     def _lead_lanes(self, quorum: Quorum) -> None:
         """On rank 0, within the manager's entry: tell the ranks their lane and plan, enter, and check that all did."""
         plan = plan_recovery(quorum)
-        info = {"round": quorum.round, "number": quorum.group, "rank": quorum.rank(self.id),
+        info = {"round": quorum.round, "number": quorum.group, "rank": quorum.rank(self.id), "ids": quorum.ids,
                 "size": len(quorum.members), "send": self.id in plan.values(), "source": plan.get(self.id)}
         self._tell(("enter", info))
         if not self._all(self._enter_lane(info)):
@@ -242,12 +242,12 @@ class GroupManager:
             if info["source"] is not None:
                 self.recoveries.append(self._lane.receive(info["round"], info["source"], self._load_state_dict))
             if self._lane.number != info["number"]:
-                self._lane.form(info["number"], info["rank"], info["size"])
+                self._lane.form(info["number"], info["rank"], info["size"], info["ids"])
             return True
         except RuntimeError as e:  # RecoveryError, gloo's rendezvous: a peer gone meanwhile
             self.last_error = without_traceback(e)
             self._lane.drop()
-            if isinstance(e, RecoveryError):  # a sender lost: said here, on every rank that waited for it
+            if isinstance(e, (RecoveryError, LaneLost)):  # a sender or a lane's member lost: said on every rank
                 _log.warning(f"replica group {self.id!r}, rank {self.rank}: {str(e).strip().splitlines()[0]}")
             return False
 
