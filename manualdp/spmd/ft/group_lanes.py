@@ -15,10 +15,16 @@ Gloo aborts the process when the members of an allreduce pass tensors of other s
 lane's sum first sums a header of fixed size (each member's element count and dtype, in its
 own row) and raises a ValueError on every member when the rows differ, as the call check does
 for `Manager.average`.
+
+Gloo's rendezvous waits its whole timeout for a member that never comes. So the members first
+answer a roll call in the lane's meeting place, and a member group whose heartbeat stops before it
+answered ends the wait at once (`LaneLost`), as a recovery's lost sender does (`recovery.receive_state`'s
+`gone`): the step is discarded and asked again within about one heartbeat timeout.
 """
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Callable
 
 import torch
@@ -26,13 +32,18 @@ import torch.distributed as dist
 
 from . import keys
 from .heartbeat import Liveness
+from .look import POLL
 from .quorum_group import meeting
 from .recovery import check_loadable, forget_state, receive_state, send_state
 
-__all__ = ["Lane", "lane_source"]
+__all__ = ["Lane", "LaneLost", "lane_source"]
 
 # every dtype torch has, each its own number in the header (a dtype's name travels as its index)
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+
+
+class LaneLost(RuntimeError):
+    """A member group of the lane was lost (its heartbeat stopped) or did not come before the lane formed."""
 
 
 def lane_source(group_id: str, index: int) -> str:
@@ -55,12 +66,34 @@ class Lane:
         self._pg: dist.ProcessGroup | None = None  # the hand-built gloo group
         self._sent: int | None = None             # the round whose state this lane wrote to the store
 
-    def form(self, number: int, rank: int, size: int) -> None:
-        """Join lane `index` of quorum group `number` as `rank` of `size` (a group of one needs no peer)."""
+    def form(self, number: int, rank: int, size: int, members: list[str] | None = None) -> None:
+        """Join lane `index` of quorum group `number` as `rank` of `size` (a group of one needs no peer).
+
+        `members`: the member groups' ids in lane order; with them (and a heartbeat timeout) a member
+        lost before it came ends the wait at once, `LaneLost` naming it.
+        """
         self.drop()
         store = meeting(self.store, keys.lane(number, self.index))
+        if members is not None and self._liveness is not None:
+            self._roll_call(store, number, rank, members)
         self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
         self.number, self.size, self._rank = number, size, rank
+
+    def _roll_call(self, store: dist.Store, number: int, rank: int, members: list[str]) -> None:
+        """Say this member came, and wait until every member did; LaneLost if one's group is gone or late."""
+        names = [f"manualdp-came/{r}" for r in range(len(members))]  # beside gloo's keys, never one of them
+        store.set(names[rank], "1")
+        deadline = time.monotonic() + self.timeout
+        while not store.check(names):
+            missing = [members[r] for r, name in enumerate(names) if not store.check([name])]
+            lost = sorted(set(missing) - self._liveness.live(missing))
+            if lost:
+                raise LaneLost(f"lane {self.name!r} of quorum group {number}: replica group(s) {', '.join(lost)} "
+                               f"gone before the lane formed (heartbeat stopped); the step is asked again")
+            if time.monotonic() > deadline:
+                raise LaneLost(f"lane {self.name!r} of quorum group {number}: replica group(s) {', '.join(missing)} "
+                               f"did not come within {self.timeout:g} s; the step is asked again")
+            time.sleep(POLL)
 
     def drop(self) -> None:
         """Leave the lane held, if any (its peers are not told: their next collective on it fails)."""
