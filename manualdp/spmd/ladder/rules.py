@@ -30,7 +30,7 @@ Two more rules:
 
 Each rung also has a number, the order in which it was built among the wrappers of its group
 (`identity.py`), compared with each step: two rungs called in another order on one rank raise,
-naming both. And at its first forward pass with grad and every `drift_check_every` after, the
+naming both. And at its forward passes with grad 0, 1, 2, 4, ... and every `drift_check_every`, the
 ranks compare a digest of every parameter (`drift.py`): replicas that drifted apart raise.
 
 A rung lives while someone holds it or the graph of its forward pass awaits backward
@@ -97,8 +97,8 @@ class Rung(nn.Module):
         group: the process group (default: all ranks); timeout: seconds to wait for a peer.
         broadcast_buffers: copy rank 0's buffers to every rank before each forward pass with grad
             enabled, as torch's DDP (default True); they are copied at construction either way.
-        drift_check_every: compare the replicas' parameters (a digest each) at the first forward pass with grad
-            and every this many after; every rank raises naming the first that differs (`drift.py`); 0: never.
+        drift_check_every: compare the replicas' parameters (a digest each) at forward passes with grad 0, 1, 2,
+            4, ... below it and every this many after; every rank raises naming the first that differs (`drift.py`); 0: never.
     """
 
     def __init__(self, module: nn.Module, *, algorithm: str = "ring", group=None, timeout: float | None = None,

@@ -91,8 +91,8 @@ class ZeroRedundancyOptimizer(torch.optim.Optimizer, ZeroLayout, ZeroGuards, Tor
             False (torch's default, where each `param.data` stays its own tensor) changes nothing.
         overlap_with_ddp: True is refused: torch's needs a DDP comm hook that steps the
             optimizer bucket by bucket; call `step()` after backward instead.
-        drift_check_every: compare the replicas' parameters (a digest each) at the first step and every
-            this many after; every rank raises naming the first that differs (`ladder/drift.py`); 0: never.
+        drift_check_every: compare the replicas' parameters (a digest each) at steps 0, 1, 2, 4, ... below
+            it and every this many after; every rank raises naming the first that differs (`ladder/drift.py`); 0: never.
 
     Every rank must build it alike: the same stage, algorithm, optimizer class and defaults, and
     the same parameter groups (shapes, dtypes, frozen or not, options such as `lr`). The ranks
