@@ -98,7 +98,8 @@ class Rung(nn.Module):
         broadcast_buffers: copy rank 0's buffers to every rank before each forward pass with grad
             enabled, as torch's DDP (default True); they are copied at construction either way.
         drift_check_every: compare the replicas' parameters (a digest each) at forward passes with grad 0, 1, 2,
-            4, ... below it and every this many after; every rank raises naming the first that differs (`drift.py`); 0: never.
+            4, ... below it and every this many after; every rank raises naming the first that differs
+            (`drift.py`); 0: never.
     """
 
     def __init__(self, module: nn.Module, *, algorithm: str = "ring", group=None, timeout: float | None = None,
