@@ -655,9 +655,9 @@ def _run_replica(args) -> int:
     except (RuntimeError, OSError) as e:
         _error(f"replica {args.replica_id!r}: cannot reach the coordinator at {host}:{port}: {_one_line(e)}")
         return 1
-    except ValueError as e:  # another live replica goes by this id
+    except ValueError as e:  # another live replica goes by this id (a Misfit), its folder is in use: refused
         _error(_one_line(e))
-        return 1
+        return 2
     if args.nonfinite == "off":  # else every contribution is judged before the average (spmd/ft/guard.py)
         manager.guard = None
     try:

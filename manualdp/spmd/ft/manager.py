@@ -25,6 +25,7 @@ import torch
 from ...validate import a_callable, one_of, positive_int, timeout_seconds
 from ..collectives import ENGINE_ALGORITHMS, allreduce
 from . import keys
+from .admission import Misfit
 from .ahead import AskAhead
 from .commit import commit_or_discard
 from .coordinator import connect
@@ -359,7 +360,7 @@ class Manager(Phases):
 
 
 def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> None:
-    """ValueError if a live replica already goes by `replica_id`: its heartbeat moves within `heartbeat_timeout` s.
+    """Misfit if a live replica already goes by `replica_id`: its heartbeat moves within `heartbeat_timeout` s.
 
     A replica started again after it died finds its old counter still: that costs it one
     `heartbeat_timeout` of watching, once.
@@ -371,5 +372,5 @@ def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> Non
     while first.split()[-1:] != [b"-1"] and time.monotonic() < deadline:
         time.sleep(4 * POLL)
         if store.get(key) != first:
-            raise ValueError(f"replica_id {replica_id!r} is already taken by a live replica (its heartbeat moves): "
+            raise Misfit(f"replica_id {replica_id!r} is already taken by a live replica (its heartbeat moves): "
                              f"give each replica its own id, or stop the other first")
