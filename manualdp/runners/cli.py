@@ -762,7 +762,8 @@ def _run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> i
                            "min_replicas": args.min_replicas, "timeout": timeout, "token": token is not None},
                           timeout)
         manager = GroupManager(args.replica_id, host, port, min_groups=args.min_replicas, timeout=timeout,
-                               quorum_timeout=min(10.0, timeout), token=token, guard=args.nonfinite != "off")
+                               quorum_timeout=min(10.0, timeout), token=token, guard=args.nonfinite != "off",
+                               checkpoint_dir=args.checkpoint_dir)
         history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
                                    settings=run_config(args), guard=args.nonfinite != "off",
                                    **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})

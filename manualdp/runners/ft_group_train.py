@@ -15,8 +15,10 @@ global batch's gradient, whoever is in (the one-process reference: `ft_reference
 
 A rank that dies takes its group out of the quorum: its other ranks raise `GroupBroken` and exit;
 start the whole group again (torchrun's restart does), and rank i receives its state from rank i
-of a healthy group. Not yet with a group of more than one rank: `--checkpoint-dir`, `--local-sgd`,
-`--diloco`, `--zero`.
+of a healthy group. With `--checkpoint-dir DIR` each rank also keeps its committed state on disk
+(`spmd/ft/group_disk.py`): groups that all died, or lost their coordinator, started again by the same
+commands go on from the newest step every rank of the group holds. Not yet with a group of more than one
+rank: `--local-sgd`, `--diloco`, `--zero`.
 
 The guard on every contribution (on unless `--nonfinite off`, as for a one-process replica): a
 group whose gradients or loss totals are non-finite after the sum inside the group (the same on
@@ -47,8 +49,7 @@ __all__ = ["group_problem", "train_group_rank", "init_group"]
 
 def group_problem(args) -> str | None:
     """What `manualdp train --fault-tolerant` under torchrun (a replica group) cannot do yet, in one line; None."""
-    why = {"--checkpoint-dir": (args.checkpoint_dir is not None, "a group keeps no checkpoint yet"),
-           "--local-sgd": (args.local_sgd is not None, "a group averages its gradients every step"),
+    why = {"--local-sgd": (args.local_sgd is not None, "a group averages its gradients every step"),
            "--diloco": (args.diloco is not None, "a group averages its gradients every step"),
            "--zero": (args.zero is not None, "each rank of a group holds the whole model (no --zero 3 yet)"),
            "--devices": (args.devices is not None, "every rank of the group is one device"),
@@ -96,6 +97,11 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
     try:
         while manager.step < run.total:
             quorum = manager.start_step()
+            if members is None and manager.resumed:
+                say(f"replica group {manager.id}: resumed from {manager.resumed['path']} at step {manager.step}")
+            if manager.step >= run.total:  # resumed from a checkpoint of the run's last step: nothing to take
+                manager.should_commit(False)
+                break
             if quorum.ids != members and log and manager.rank == 0:
                 write_line(bar, log, f"replica group {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")

@@ -120,9 +120,8 @@ class Floor:
         if now - self._behind_since > self.timeout:
             raise TimeoutError(f"replica {self.id!r}: step {top - 1} was committed but no live replica or checkpoint "
                                f"holds it (a quorum of {', '.join(ids)} would start at step {step}; waited "
-                               f"{self.timeout:g} s): start a replica that holds it, with its --checkpoint-dir "
-                               f"(replica groups keep none yet: groups that all died start again only under a new "
-                               f"coordinator)")
+                               f"{self.timeout:g} s): start a replica or replica group that holds it, with its "
+                               f"--checkpoint-dir")
         return False
 
 
@@ -162,7 +161,25 @@ class Checkpoints:
         ValueError naming the file if one holds another run (other settings); a damaged or
         vanishing file (another replica replacing it) is passed over.
         """
-        paths = glob.glob(os.path.join(self.directory, "*", "ckpt-*.pt"))
+        for saved in self.intact(identity):
+            return saved
+        groups = glob.glob(os.path.join(glob.escape(self.directory), "rank*", "*", "ckpt-*.pt"))
+        if groups:  # a replica group's lanes (group_disk.py): going on from 0 beside them would take the run again
+            raise ValueError(f"checkpoint_dir {self.directory!r} holds the checkpoints of replica groups ({groups[0]}):"
+                             f" a one-process replica cannot go on from them; give it another --checkpoint-dir")
+        logged = logged_steps(self.directory)  # a history without a checkpoint: going on from 0 would take it again
+        if logged is not None:
+            raise ValueError(f"checkpoint_dir {self.directory!r}: {logged[1]} says {logged[0]} steps were committed, "
+                             f"but no checkpoint there is intact: restore one, or start afresh in another folder")
+        return None
+
+    def intact(self, identity: dict):
+        """Each intact checkpoint of this run below the folder (any replica's), newest first.
+
+        ValueError naming the file if one holds another run (other settings); a damaged or
+        vanishing file (another replica replacing it) is passed over.
+        """
+        paths = glob.glob(os.path.join(glob.escape(self.directory), "*", "ckpt-*.pt"))
         for path in sorted(paths, key=_step_of, reverse=True):
             try:
                 saved = read_checkpoint(path)
@@ -172,12 +189,7 @@ class Checkpoints:
                 warnings.warn(f"skipping checkpoint {path}: {str(e).strip().splitlines()[0] if str(e) else e}")
                 continue
             _check_identity(saved, identity, path)
-            return saved
-        logged = logged_steps(self.directory)  # a history without a checkpoint: going on from 0 would take it again
-        if logged is not None:
-            raise ValueError(f"checkpoint_dir {self.directory!r}: {logged[1]} says {logged[0]} steps were committed, "
-                             f"but no checkpoint there is intact: restore one, or start afresh in another folder")
-        return None
+            yield saved
 
     def log_step(self, record: dict) -> None:
         """Append `record` (a durable step: its number, round, members) as one JSON line to `steps.jsonl`."""

@@ -51,6 +51,7 @@ from .admission import Misfit
 from .coordinator import connect
 from .durable import RunFinished
 from .group_backward import BackwardCount
+from .group_disk import open_disk
 from .group_lanes import Lane, LaneLost
 from .manager import Manager
 from .phases import without_traceback
@@ -108,12 +109,14 @@ class GroupManager:
         guard: an average that is not finite (NaN or Inf) fails the step (`average` returns False, said in one
             line): the step is discarded on every member group, as a one-process replica's guard does. The
             lane's ranks hold the same average, so they judge alike. False: whatever it holds is averaged.
+        checkpoint_dir: the run's folder: each rank keeps its lane's committed state, and a group started again
+            goes on from the newest step all its ranks hold (`group_disk.py`).
     """
 
     def __init__(self, group_id: str, host: str, port: int, *, group: dist.ProcessGroup | None = None,
                  min_groups: int | None = None, timeout: float = 60.0, quorum_timeout: float = 10.0,
                  heartbeat_interval: float = 0.1, heartbeat_timeout: float = 2.0, token: str | None = None,
-                 guard: bool = True) -> None:
+                 guard: bool = True, checkpoint_dir: str | None = None) -> None:
         if not isinstance(group_id, str) or not group_id or any(c.isspace() or c == "/" for c in group_id):
             raise ValueError(f"group_id must be a non-empty name without spaces or '/', got {group_id!r}")
         if min_groups is not None:
@@ -136,6 +139,8 @@ class GroupManager:
         self._manager: _Leader | None = None
         self._backwards: BackwardCount | None = None  # `watch`: this rank's backward passes in the step
         self._compared = False                        # the ranks' counts were compared in this step
+        self._settings, self._synced, self.resumed = {}, False, None  # `require_same`'s; the leader's word; from disk
+        self._disk = open_disk(checkpoint_dir, group_id, self.rank, self.size, group)  # None: no checkpoint_dir
         if self.rank == 0:
             try:
                 self._manager = _Leader(self._lead_lanes, group_id, host, port, min_replicas=min_groups,
@@ -172,6 +177,7 @@ class GroupManager:
 
     def require_same(self, **settings) -> None:
         """Add settings every member group must share (as `Manager.require_same`); call it on every rank."""
+        self._settings.update(settings)  # the run's identity in the checkpoints of every rank
         if self._manager is not None:
             self._manager.require_same(**settings)
 
@@ -203,6 +209,8 @@ class GroupManager:
         """Agree on this step's quorum of groups; receive each lane's state if behind; join the lanes. The quorum."""
         if self._in_step:
             raise RuntimeError(f"group {self.id!r} rank {self.rank}: start_step() called again before should_commit()")
+        if self._disk is not None:  # before the leader raises the store's committed mark: every rank holds it
+            self._disk.before_step(self, self._synced)
         if self._manager is not None:
             try:
                 quorum = self._manager.start_step()
@@ -306,9 +314,10 @@ class GroupManager:
             except BaseException as e:
                 self._tell(_stop(e))
                 raise
-            self._tell(("vote", committed))
+            self._synced = self._manager.synced  # its steps are the run's: they are saved (group_disk.py)
+            self._tell(("vote", committed, self._synced))
         else:
-            committed = self._follow({"vote"})[1]
+            _, committed, self._synced = self._follow({"vote"})
         self._ok = False
         if committed:
             self.step += 1
@@ -372,9 +381,13 @@ class GroupManager:
 
     def finish(self) -> None:
         """The run took its last step: rank 0 marks it finished (a group started later is told so), and all leave."""
+        if self._disk is not None:
+            self._disk.save(self, self._synced)
         self._lane.drop()
         if self._manager is not None:
             self._manager.finish()
+        if self._disk is not None:
+            self._disk.finish(self)
 
     def close(self) -> None:
         """Leave: rank 0 stops heartbeating (the other groups stop waiting for this one); the lane is dropped."""

@@ -31,7 +31,6 @@ def free_port() -> int:
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--checkpoint-dir", "c"], ["--checkpoint-dir with --fault-tolerant under torchrun", "no checkpoint"]),
     (["--local-sgd", "2"], ["--local-sgd with --fault-tolerant under torchrun"]),
     (["--diloco", "2"], ["--diloco with --fault-tolerant under torchrun"]),
     (["--zero", "3"], ["--zero with --fault-tolerant under torchrun", "no --zero 3"]),
