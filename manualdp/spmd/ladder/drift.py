@@ -1,4 +1,4 @@
-"""Replicas that drift apart: a digest of every parameter, compared across the ranks every N steps.
+"""Replicas that drift apart: a digest of every parameter, compared across the ranks at steps 0, 1, 2, 4, ..., N, 2N.
 
 Torch's DDP compares the replicas' weights once, at construction; after that nothing tells a user
 whose replicas have parted: a rank that loaded other weights between steps, a parameter unfrozen
@@ -6,17 +6,19 @@ after wrapping (the wrapper never averages it), a ZeRO optimizer over ranks that
 from other seeds. Each rank trains on, and the run ends with as many models as ranks.
 
 So every wrapper (the rungs, the drop-in, ZeRO; `fully_shard` may call `check_replicas` on its
-shards) counts its steps and, at its first step and every `every` steps after, compares the
-parameters across the ranks (`DriftCheck.tick`): one 64-bit digest per parameter, a sum of its
-bit patterns read as integers, each weighted by its position (`digests`: a plain sum would miss a
-permuted parameter, a square weight loaded transposed on one rank), then the ranks'
-agreement (`transport.agree.agree`: a round trip of 8 bytes per rank that compares the calls,
-and one that compares the digests). Replicas are bitwise equal after every step (the collectives
-leave every rank the same bits, and the optimizers step alike), so any difference is drift: every
-rank raises, naming the first parameter that differs. `every=0` turns the check off.
+shards) counts its steps and compares the parameters across the ranks (`DriftCheck.tick`) at steps
+0, 1, 2, 4, 8, ... below `every`, then at every multiple of `every` (`due`): a run shorter than `every`
+steps is checked too, within twice the steps a drift began at, and a long run pays the same per step.
+A check is one 64-bit digest per parameter, a sum of its bit patterns read as integers, each
+weighted by its position (`digests`: a plain sum would miss a permuted parameter, a square weight
+loaded transposed on one rank), then the ranks' agreement (`transport.agree.agree`: a round trip
+of 8 bytes per rank that compares the calls, and one that compares the digests). Replicas are
+bitwise equal after every step (the collectives leave every rank the same bits, and the optimizers
+step alike), so any difference is drift: every rank raises, naming the first parameter that
+differs. `every=0` turns the check off.
 
-Its cost, a weighted sum over the parameters and two small round trips every `every` steps, is in
-`bench/drift_cost.py`.
+Its cost, a weighted sum over the parameters and two small round trips every `every` steps (and
+log2(`every`) more at the start), is in `bench/drift_cost.py`.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from ...validate import non_negative_int
 from ..transport.agree import agree
 from .identity import naming_wrappers
 
-__all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests"]
+__all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests", "due"]
 
 # steps between two checks by default: a check cost about a tenth of a LeNet step on 2 CPU ranks (5 of 60 ms,
 # bench/drift_cost.py), so under 0.1% of the run at this interval, while a drift is caught within 100 steps
@@ -74,6 +76,13 @@ def digests(named_tensors) -> dict[str, int]:
     return dict(zip(names, values))
 
 
+def due(step: int, every: int) -> bool:
+    """Whether the replicas are compared at `step` (from 0): 0, 1, 2, 4, ... while below `every`, then its multiples."""
+    if not every:
+        return False
+    return step % every == 0 or (step < every and step & (step - 1) == 0)
+
+
 def check_replicas(named_tensors, group=None, *, who: str, step: int, timeout: float | None = None,
                    number: int | None = None) -> None:
     """Raise RuntimeError on every rank of `group` unless every rank holds bitwise the same tensors.
@@ -99,7 +108,7 @@ def check_replicas(named_tensors, group=None, *, who: str, step: int, timeout: f
 
 
 class DriftCheck:
-    """A wrapper's drift check: `tick` once per step; it compares the replicas at step 0 and every `every` steps."""
+    """A wrapper's drift check: `tick` once per step; it compares the replicas at the steps `due` names."""
 
     def __init__(self, every: int) -> None:
         self.every = non_negative_int("drift_check_every", every)
@@ -110,7 +119,7 @@ class DriftCheck:
         """A step begins: compare the replicas if it is due (`named_tensors` is read only then); `names`: the
         wrapper's parameters as built, to name one a peer replaced (`identity.naming_wrappers`)."""
         step, self.steps = self.steps, self.steps + 1
-        if self.every and step % self.every == 0:
+        if due(step, self.every):
             with naming_wrappers(names, who):
                 check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
                                step=step, timeout=timeout, number=number)
