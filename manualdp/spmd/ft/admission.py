@@ -56,10 +56,27 @@ def digest(text: str) -> str:
 
 
 def differences(mine: dict, run: dict) -> str:
-    """Every field where `mine` differs from `run`'s, as "lr 0.2 != 0.1, seed 1 != 0" (mine first)."""
+    """Every field where `mine` differs from `run`'s, as "lr 0.2 != 0.1, seed 1 != 0" (mine first).
+
+    Between a replica group and a replica of another size or kind (`group_size`; a one-process
+    replica has none): the size, then only the fields both hold in the same form.
+    """
+    if "group_size" in mine or "group_size" in run:
+        sizes = [s.get("group_size", "(one process)") for s in (mine, run)]
+        if sizes[0] != sizes[1]:
+            return _other_size(mine, run, *sizes)
     missing = "(none)"
     fields = [k for k in sorted(set(mine) | set(run)) if mine.get(k, missing) != run.get(k, missing)]
     return ", ".join(f"{k} {mine.get(k, missing)} != {run.get(k, missing)}" for k in fields)
+
+
+def _other_size(mine: dict, run: dict, my_size, run_size) -> str:
+    """A group's settings against another size's: the size first, then the fields both hold alike and that differ."""
+    # a group's runner and a one-process replica's share a few fields only (the optimizer's hyperparameters, the
+    # allreduce's schedule, the guard's thresholds are one-process fields): the rest differ by the kind alone
+    both = [k for k in sorted(set(mine) & set(run)) if k != "group_size" and type(mine[k]) is type(run[k])]
+    return ", ".join([f"group_size {my_size} != {run_size}"] + [f"{k} {mine[k]} != {run[k]}" for k in both
+                                                                 if mine[k] != run[k]])
 
 
 def _settings(store: dist.Store, key: str) -> str | None:

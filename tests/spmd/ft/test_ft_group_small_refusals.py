@@ -8,7 +8,7 @@ import torch
 
 from manualdp.runners.cli import main
 from manualdp.spmd.ft import Coordinator, Manager
-from manualdp.spmd.ft.admission import Misfit
+from manualdp.spmd.ft.admission import Misfit, canonical, check, differences, publish
 
 
 @pytest.fixture(scope="module")
@@ -37,3 +37,44 @@ def test_the_command_line_refuses_a_replica_id_taken_with_status_2_in_one_line(c
     assert code == 2 and "Traceback" not in err
     last = err.splitlines()[-1]
     assert last.startswith("manualdp train: error: replica_id 'a' is already taken") and "own id" in last, last
+
+
+def _one_process_settings(coordinator, lr=0.1):
+    """What a one-process replica of the command line requires of the run (its runner's, its method's, its SGD's)."""
+    from manualdp.runners.ft_train import shared_settings
+    from manualdp.spmd.ft.ddp import optimizer_settings
+
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(64, 2)), batch_size=32)
+    sgd = torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=lr)
+    with Manager("one", "127.0.0.1", coordinator.port, timeout=5) as manager:
+        return {**shared_settings(manager, loader, 1, RUN), "method": "ddp", **optimizer_settings(sgd)}
+
+
+RUN = {"model": "mlp", "dataset": "fashion_mnist", "num_train": 64, "num_test": 32, "batch_size": 32, "seed": 0}
+
+
+def _group_settings(size, lr=0.1):
+    """What a replica group of `size` ranks of the command line requires (ft_group_train's, and GroupManager's)."""
+    return {"num_epochs": 1, "batch_size": 32, "lr": lr, "optimizer": "SGD", "guard": True, **RUN, "group_size": size}
+
+
+def test_a_group_against_one_process_replicas_is_told_the_size_only(coordinator):
+    one = _one_process_settings(coordinator)
+    assert differences(_group_settings(2), one) == "group_size 2 != (one process)"
+    assert differences(one, _group_settings(2)) == "group_size (one process) != 2"
+
+
+def test_a_group_of_another_size_is_told_the_size_and_the_real_differences(coordinator):
+    assert differences(_group_settings(2), _group_settings(1)) == "group_size 2 != 1"
+    assert differences(_group_settings(3, lr=0.2), _group_settings(2)) == "group_size 3 != 2, lr 0.2 != 0.1"
+    assert differences(_group_settings(2, lr=0.2), _one_process_settings(coordinator)) == \
+        "group_size 2 != (one process), lr 0.2 != 0.1"
+    assert differences(_group_settings(2, lr=0.2), _group_settings(2)) == "lr 0.2 != 0.1"  # same size: as before
+
+
+def test_a_group_size_misfit_is_refused_in_one_line_naming_the_size(store):
+    s = store()
+    publish(s, "one", canonical(_group_settings(1)))
+    with pytest.raises(Misfit) as info:
+        check(s, "B", canonical(_group_settings(2)))
+    assert str(info.value).startswith("replica 'B' refused by the run: group_size 2 != 1: start it with the run's")
