@@ -52,7 +52,7 @@ from .coordinator import connect
 from .durable import RunFinished
 from .group_backward import BackwardCount
 from .group_disk import open_disk
-from .group_lanes import Lane, LaneLost
+from .group_lanes import Lane, LaneLost, gloo_words
 from .manager import Manager
 from .phases import without_traceback
 from .quorum import Quorum
@@ -375,9 +375,10 @@ class GroupManager:
             except Exception:  # noqa: BLE001 - the group leaves whatever the store says
                 pass
             self._manager.close()
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        return GroupBroken(f"replica group {self.id!r}, rank {self.rank}: another rank of the group failed ({first}); "
-                           f"the group left the quorum as a whole: start all its ranks again")
+        lost = f"rank {1 - self.rank} of 2; " if self.size == 2 else ""  # gloo names an address, not a rank
+        return GroupBroken(f"replica group {self.id!r}, rank {self.rank}: another rank of the group failed at step "
+                           f"{self.step} ({lost}gloo: {gloo_words(error)}); the group left the quorum as a whole: "
+                           f"start all its ranks again")
 
     def finish(self) -> None:
         """The run took its last step: rank 0 marks it finished (a group started later is told so), and all leave."""

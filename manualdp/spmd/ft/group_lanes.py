@@ -24,6 +24,7 @@ answered ends the wait at once (`LaneLost`), as a recovery's lost sender does (`
 from __future__ import annotations
 
 import datetime
+import re
 import time
 from typing import Callable
 
@@ -36,7 +37,7 @@ from .look import POLL
 from .quorum_group import meeting
 from .recovery import check_loadable, forget_state, receive_state, send_state
 
-__all__ = ["Lane", "LaneLost", "lane_source"]
+__all__ = ["Lane", "LaneLost", "lane_source", "gloo_words"]
 
 # every dtype torch has, each its own number in the header (a dtype's name travels as its index)
 _DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
@@ -144,6 +145,14 @@ class Lane:
                                       f"replica group {source_group!r} (rank {self.index})")
         load(state)
         return {"round": round_, "source": source, "sha256": digest}
+
+
+def gloo_words(error: BaseException, most: int = 80) -> str:
+    """gloo's message in a few words on one line: its first sentence, without its source path, at most `most` chars."""
+    # gloo's messages run to several lines (advice, a C++ trace): the first line that says something
+    text = " ".join(next((line for line in str(error).splitlines() if line.strip()), "").split())
+    text = re.sub(r"^\[[^\]]*:\d+\] ", "", text).split(". ")[0].rstrip(".") or type(error).__name__
+    return text if len(text) <= most else text[:most - 3] + "..."
 
 
 def _dtype_name(code: int) -> str:
