@@ -9,6 +9,8 @@ import torch
 from manualdp.runners.cli import main
 from manualdp.spmd.ft import Coordinator, Manager
 from manualdp.spmd.ft.admission import Misfit, canonical, check, differences, publish
+from manualdp.spmd.ft.group import GroupBroken, GroupManager
+from manualdp.spmd.ft.group_lanes import gloo_words
 
 
 @pytest.fixture(scope="module")
@@ -78,3 +80,50 @@ def test_a_group_size_misfit_is_refused_in_one_line_naming_the_size(store):
     with pytest.raises(Misfit) as info:
         check(s, "B", canonical(_group_settings(2)))
     assert str(info.value).startswith("replica 'B' refused by the run: group_size 2 != 1: start it with the run's")
+
+
+# gloo's words when a peer's process died (torch 2.13), and a timeout's, several lines with a C++ trace
+CLOSED = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+          "[127.0.0.1]:31939. This is typically caused by a remote worker crashing. Check the logs of the remote "
+          "worker before reporting an error. GLHF!")
+TIMED_OUT = ("\n[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 60000ms for recv "
+             "operation to complete\nException raised from wait at unbound_buffer.cc:81 (most recent call first):\n"
+             "frame #0: c10::Error::Error(...)\nframe #1: gloo::transport::tcp::UnboundBuffer::waitRecv(...)")
+
+
+class _NoLane:
+    def drop(self):
+        pass
+
+
+def _broken_on(rank, size, step, error):
+    """What `GroupManager._broken` returns on `rank` of a group of `size` at `step` (a rank without a leader's role)."""
+    manager = object.__new__(GroupManager)  # the line alone: no process group, no coordinator
+    manager.id, manager.rank, manager.size, manager.step = "A", rank, size, step
+    manager._lane, manager._manager, manager._in_step = _NoLane(), None, True
+    return manager._broken(error)
+
+
+@pytest.mark.parametrize("message, tail", [(CLOSED, "gloo: Connection closed by peer [127.0.0.1]:31939)"),
+                                           (TIMED_OUT, "gloo: Timed out waiting 60000ms for recv operation to "
+                                                       "complete)")])
+def test_group_broken_is_one_line_naming_the_group_rank_step_and_lost_rank(message, tail):
+    error = _broken_on(1, 2, 7, RuntimeError(message))
+    assert isinstance(error, GroupBroken)
+    line = str(error)
+    assert "\n" not in line and "GLHF" not in line and "frame #" not in line and ".cc:" not in line, line
+    assert line.startswith("replica group 'A', rank 1: another rank of the group failed at step 7 (rank 0 of 2; "), line
+    assert tail in line and line.endswith("the group left the quorum as a whole: start all its ranks again"), line
+    assert len(line) < 240, line
+
+
+def test_group_broken_in_a_larger_group_names_no_rank_it_cannot_know():
+    line = str(_broken_on(0, 4, 3, RuntimeError(CLOSED)))
+    assert line.startswith("replica group 'A', rank 0: another rank of the group failed at step 3 (gloo: "), line
+
+
+def test_gloo_words_keep_a_short_first_sentence():
+    assert gloo_words(RuntimeError(CLOSED)) == "Connection closed by peer [127.0.0.1]:31939"
+    assert gloo_words(RuntimeError("")) == "RuntimeError"
+    long = gloo_words(RuntimeError("x" * 500))
+    assert len(long) == 80 and long.endswith("...")
