@@ -1,0 +1,132 @@
+"""Replica groups lose no committed work (`spmd/ft/group_disk.py`): two groups of two ranks (and their coordinator)
+all killed at once, started again by the same commands, go on from `--checkpoint-dir` (from the newest step every
+rank holds) and end on the one-process run; a folder of another group size or of one-process replicas is refused
+in one line.
+
+    python -m pytest -q -m soak tests/spmd/ft/test_ft_group_durable.py      (about two minutes)
+"""
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from manualdp.runners.cli import build_parser, check_train_args
+from manualdp.spmd.ft.durable import Checkpoints
+from manualdp.spmd.ft.group_disk import GroupDisk
+from manualdp.spmd.ft.keys import PREFIX
+from tests.spmd.ft.cli_harness import check_against_reference, committed, manualdp, reference, run
+from tests.spmd.ft.test_ft_group_cli import start_group
+
+EPOCHS = 3  # 24 steps
+
+
+def settings_of(size: int) -> tuple[dict, dict]:
+    return {"lr": 0.1, "seed": 0}, {"lr": 0.1, "seed": 0, "group_size": size}
+
+
+def test_a_replica_group_is_let_through_with_a_checkpoint_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = build_parser().parse_args(["train", "--fault-tolerant", "127.0.0.1:29510", "--replica-id", "A",
+                                      "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert check_train_args(args) is None
+
+
+def test_a_folder_saved_by_groups_of_another_size_is_refused_naming_the_size(tmp_path):
+    saved = GroupDisk(str(tmp_path), "A", 0, 2)
+    settings, identity = settings_of(2)
+    saved.lane.save(3, identity, {"model": {}}, [])
+    assert sorted(saved.held(identity)) == [3]
+    other = GroupDisk(str(tmp_path), "B", 0, 4)
+    with pytest.raises(ValueError) as info:
+        other.held(other.identity(settings))
+    assert "\n" not in str(info.value) and "group_size 2" in str(info.value) and "4" in str(info.value), info.value
+
+
+def test_one_process_replicas_and_groups_refuse_each_others_folders_in_one_line(tmp_path):
+    alone, groups = tmp_path / "alone", tmp_path / "groups"
+    Checkpoints(str(alone), "a").save(2, {"lr": 0.1}, {"model": {}}, [])
+    with pytest.raises(ValueError, match="one-process replicas") as info:
+        GroupDisk(str(alone), "A", 0, 2)
+    assert "\n" not in str(info.value)
+    GroupDisk(str(groups), "A", 0, 2).lane.save(2, settings_of(2)[1], {"model": {}}, [])
+    with pytest.raises(ValueError, match="replica groups") as info:
+        Checkpoints(str(groups), "a").newest({"lr": 0.1})
+    assert "\n" not in str(info.value)
+
+
+def restart_coordinator(r, tmp_path) -> None:
+    r.coordinator = manualdp(["coordinator", "--port", str(r.port)], tmp_path / "coordinator-1.log")
+    r.procs.append(r.coordinator)
+    r.wait("the coordinator again", lambda: "listening" in (tmp_path / "coordinator-1.log").read_text())
+    r.store = torch.distributed.PrefixStore(PREFIX, torch.distributed.TCPStore("127.0.0.1", r.port, is_master=False))
+
+
+def history(ckpt, gid: str) -> list[dict]:
+    return [json.loads(line) for line in (ckpt / "rank0" / gid / "steps.jsonl").read_text().splitlines()]
+
+
+def newest_step(folder) -> int:
+    return max(int(p.name[5:13]) for p in folder.glob("ckpt-*.pt"))
+
+
+def saved_steps(ckpt, rank: int) -> set[int]:
+    """The steps lane `rank` holds on disk, in any group's folder."""
+    return {int(p.name[5:13]) for p in (ckpt / f"rank{rank}").glob("*/ckpt-*.pt")}
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("behind, coordinator_too", [(False, True), (True, True), (False, False)],
+                         ids=["intact", "a-rank-one-step-behind", "the-coordinator-lives"])
+def test_groups_all_killed_go_on_from_disk_and_end_on_the_one_process_run(tmp_path, behind, coordinator_too):
+    ckpt = tmp_path / "ckpt"
+    again = tmp_path / "again"
+    again.mkdir()
+    extra = {rank: ["--checkpoint-dir", str(ckpt)] for rank in (0, 1)}
+    procs = []
+    with run(tmp_path, epochs=EPOCHS) as r:
+        try:
+            for gid in "AB":
+                procs += start_group(gid, 2, r.port, tmp_path, EPOCHS, extra)
+            r.wait("5 steps committed by A and B", lambda: r.committed_with(["A", "B"]) >= 5, timeout=180)
+            for proc in [*procs, r.coordinator] if coordinator_too else procs:
+                os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group (and the coordinator) at once
+                proc.wait(timeout=10)
+            if behind:  # as a kill mid-save leaves it: rank 1 lacks the newest step rank 0 holds
+                for gid in "AB":
+                    (ckpt / "rank1" / gid / f"ckpt-{newest_step(ckpt / 'rank1' / gid):08d}.pt").unlink()
+            held = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))  # the newest step both lanes hold, any group's
+            assert held >= 4 and (held < max(saved_steps(ckpt, 0)) or not behind), held
+            for gid in "AB" if behind else "":  # a step is logged once every rank saved it: a kill mid-save, none
+                lines = [s for s in history(ckpt, gid) if s["step"] < held]
+                (ckpt / "rank0" / gid / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
+            if coordinator_too:  # a new one on the same port: its store knows nothing of the run
+                restart_coordinator(r, tmp_path)
+            restarted = []
+            for gid in "AB":
+                restarted += start_group(gid, 2, r.port, again, EPOCHS, extra)
+            procs += restarted
+            codes = [p.wait(timeout=300) for p in restarted]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait(timeout=10)
+        logs = r.logs() + "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(again.glob("*.log")))
+        ref = reference(tmp_path, EPOCHS)
+    assert codes == [0, 0, 0, 0], logs
+    results = {gid: json.loads((again / f"{gid}.json").read_text()) for gid in "AB"}
+    for gid in "AB":
+        log = (again / f"{gid}-0.log").read_text()
+        assert f"at step {held}" in log.split("resumed from ", 1)[-1].splitlines()[0], log  # never from step 0
+        assert results[gid]["config"]["fault_tolerant"]["steps"][0]["step"] == held, logs
+        mine = [s["step"] for s in history(ckpt, gid)]
+        assert len(mine) == len(set(mine)), (gid, mine)  # a step taken again replaced its line
+        assert (ckpt / "rank1" / gid / "finished.json").exists()
+    taken = {}
+    for s in history(ckpt, "A") + history(ckpt, "B"):  # every step of the run once, in one round, by one quorum
+        assert taken.setdefault(s["step"], (s["round"], s["members"])) == (s["round"], s["members"]), s
+    assert sorted(taken) == list(range(8 * EPOCHS)), sorted(taken)
+    assert sorted(committed(results)) == list(range(held, 8 * EPOCHS))
+    check_against_reference(results, ref)
