@@ -30,6 +30,7 @@ from .fsdp_param import Param
 __all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "UnitMismatch", "GATHER_TAIL"]
 
 GATHER_TAIL = 3  # each rank's segment of an all-gather ends with (unit number, all-gathers so far, trainable code)
+EXTENSION = 251  # the trainable code's place when the rank's unit holds all-gather extensions (codes are below 251)
 
 
 class UnitMismatch(RuntimeError):
@@ -70,12 +71,14 @@ def all_gather_params(unit, jobs, count: int, why: str) -> None:  # on the worke
             for p, local in zip(members, locals_):  # copy-in: this rank's rows, padded
                 own[at:at + local.numel()].copy_(local.reshape(-1))
                 at += p.padded
-            own[S - 3], own[S - 2], own[S - 1] = unit.number, count, unit.trainable_code
+            own[S - 3], own[S - 2], own[S - 1] = unit.number, count, (
+                unit.trainable_code if unit.extension is None else EXTENSION)
             all_gather(flat, group=unit.group, timeout=unit.timeout)
             segments = flat.view(W, S)
             tails = segments[:, S - 3:].tolist()
             tails = [tails[_segment(r, W)] for r in range(W)]
             _check_tails(unit, [t[:2] for t in tails], "all-gather", count)
+            _check_extension(unit, [int(t[2]) == EXTENSION for t in tails])
             _check_trainable(unit, [int(t[2]) for t in tails])
             at = 0
             for p, full in zip(members, fulls):  # copy-out, through .data: no version bump
@@ -158,6 +161,16 @@ def _check_factor(unit, factors: list[float]) -> None:
         raise refused_alike(UnitMismatch(
             f"rank {unit.rank}: fully_shard's reduce-scatter of unit {_label(unit)} divides by another gradient divide "
             f"factor on other ranks ({per_rank}): call set_gradient_divide_factor alike on every rank"))
+
+
+def _check_extension(unit, hooked: list[bool]) -> None:
+    """Raise on every rank, before any copy-out, if some rank's unit holds torch's all-gather extension hooks."""
+    if any(hooked):
+        where = unit.extension if unit.extension is not None else f"unit {_label(unit)}"
+        raise refused_alike(NotImplementedError(
+            f"{where}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather extensions, set on rank(s) "
+            f"{', '.join(str(r) for r, h in enumerate(hooked) if h)}) are not supported by manualdp's fully_shard; "
+            "remove them or use torch's fully_shard"))
 
 
 def _check_trainable(unit, codes: list[int]) -> None:

@@ -67,27 +67,35 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
         timeout = group_timeout()
     mesh, group, replicate = _mesh_and_group(mesh, group, device_type)
     reshard = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
-    for p, _, name in taken.values():
-        if not isinstance(p, Param):
-            _shardable(p, name)
+    # a parameter refused on one rank only (a tensor subclass with torch's all-gather extensions, say) must not
+    # leave its peers waiting in the agreement: the refusal is one of the fields, then raised on every rank
+    refused = next((e for p, _, name in taken.values() if not isinstance(p, Param)
+                    for e in (_refusal(p, name),) if e is not None), None)
     for g in (group, replicate) if replicate is not None else (group,):  # HSDP: the replicas agree too
-        _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored)
+        _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored,
+                         f"{type(refused).__name__}: {refused}" if refused is not None else "nothing")
+    if refused is not None:
+        raise refused
     return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules, replicate,
                    tied_apart)
 
 
-def _shardable(p: nn.Parameter, name: str) -> None:
-    """Refuse a parameter fully_shard cannot cut into rows: 0-dim, a tensor subclass, not contiguous."""
+def _refusal(p: nn.Parameter, name: str) -> Exception | None:
+    """Why fully_shard cannot cut `p` into rows (0-dim, a tensor subclass, not contiguous), or None."""
     if type(p) not in (nn.Parameter, torch.Tensor):
-        raise NotImplementedError(f"{name} is a {type(p).__name__} (a tensor subclass): manualdp's fully_shard "
-                                  "shards plain tensors")
+        hooks = hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather")
+        return NotImplementedError(
+            f"{name} is a {type(p).__name__} (a tensor subclass"
+            + (" with torch's all-gather extensions fsdp_pre_all_gather/fsdp_post_all_gather" if hooks else "")
+            + "): manualdp's fully_shard shards plain tensors")
     if p.dim() == 0:
-        raise ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
-                         "ignored_params, or make it shape (1,)")
+        return ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
+                          "ignored_params, or make it shape (1,)")
     if not p.is_contiguous():
-        raise ValueError(f"{name} is not contiguous (stride {p.stride()}, e.g. channels_last): fully_shard, as "
-                         "torch's, shards contiguous parameters; call module.to(memory_format="
-                         "torch.contiguous_format) first")
+        return ValueError(f"{name} is not contiguous (stride {p.stride()}, e.g. channels_last): fully_shard, as "
+                          "torch's, shards contiguous parameters; call module.to(memory_format="
+                          "torch.contiguous_format) first")
+    return None
 
 
 def _modules(module) -> list[nn.Module]:
@@ -240,10 +248,10 @@ def _walk(modules: list[nn.Module], ignored: set[int]):
     return taken, nested, list(buffers.values()), tied_apart
 
 
-def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored) -> None:
-    """Raise on every rank unless every rank shards the same parameters, buffers and units alike."""
-    fields = {"reshard_after_forward": reshard, "mp_policy": mp_policy, "ignored_params": len(ignored),
-              "units inside": [path for path, _ in nested],
+def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored, refused: str) -> None:
+    """Raise on every rank unless every rank shards the same parameters, buffers and units alike, and refuses alike."""
+    fields = {"refused": refused, "reshard_after_forward": reshard, "mp_policy": mp_policy,
+              "ignored_params": len(ignored), "units inside": [path for path, _ in nested],
               "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
     for p, _, name in taken.values():
         fields[f"parameter {name}"] = ("tied" if isinstance(p, Param) else

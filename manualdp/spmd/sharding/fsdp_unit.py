@@ -81,6 +81,7 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None   # None: the last step's order
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before in this forward
         self.is_last_backward = True
+        self.extension: str | None = None  # a parameter holding torch's all-gather extensions (`check_params`)
         self.unshard_in_backward = True  # False: backward reads none of the parameters (an embedding's)
         # this step
         self.gathered = False   # the full parameters hold (or are being filled with) the values
@@ -167,8 +168,8 @@ class Unit:
 
     def check_params(self) -> None:
         """Before the all-gather, on every rank alike (torch's FSDP2 does it at lazy init): take up a parameter the
-        user replaced by a plain one of the same shape, and refuse parameters left on the meta device and torch's
-        all-gather extensions, which this unit would silently skip."""
+        user replaced by a plain one of the same shape, and refuse parameters left on the meta device; note torch's
+        all-gather extensions, which this unit would silently skip: the all-gather's tail refuses them on every rank."""
         if any([p.take_up_replaced() for p in self.params]):
             self._group()
         path = f"{self.name}." if self.name else ""
@@ -177,11 +178,8 @@ class Unit:
             raise RuntimeError("FSDP parameters should be materialized from meta device before training, but the "
                                f"following were still on meta device: {meta} (call model.to_empty(device=...) and "
                                "initialise them before the first forward)")
-        hooked = [path + p.name for p in self.params if p.has_extension()]
-        if hooked:
-            raise NotImplementedError(f"{hooked[0]}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather "
-                                      "extensions) are not supported by manualdp's fully_shard; remove them or use "
-                                      "torch's fully_shard")
+        # not raised here: set on some ranks only, the others would wait in the all-gather; its tail carries it
+        self.extension = next((path + p.name for p in self.params if p.has_extension()), None)
 
     def use(self, full: bool) -> None:
         """Put the full parameters (`full`) or the shards in the modules' places."""
