@@ -28,7 +28,7 @@ from .quorum import publish_mark
 
 __all__ = ["GroupDisk", "open_disk"]
 
-_KINDS = {"RunFinished": RunFinished, "OSError": OSError}  # a rank's error, raised as on every rank (else ValueError)
+_KINDS = {"OSError": OSError}  # a rank's error is raised as this on every rank (else ValueError)
 
 
 def _every_rank(value, group: dist.ProcessGroup | None) -> list:
@@ -47,11 +47,13 @@ def _gather(manager, value) -> list:
 
 
 def _raise_first(errors: list, group_id: str) -> None:
-    """The first rank's error, raised on every rank alike, naming that rank; nothing if none failed."""
+    """The first rank's error, raised on every rank alike, naming that rank ("rank r: ...", as `agree`'s); or none."""
     for rank, error in enumerate(errors):
         if error is not None:
             kind, line = error
-            raise _KINDS.get(kind, ValueError)(f"replica group {group_id!r}, rank {rank}: {line}")
+            if kind == "RunFinished":
+                raise RunFinished(f"replica group {group_id!r}: {line}")
+            raise _KINDS.get(kind, ValueError)(f"rank {rank}: {line}")
 
 
 def _line(error: BaseException) -> tuple[str, str]:
@@ -137,7 +139,7 @@ class GroupDisk:
         logged = logged_steps(self.lane.directory) if self.rank == 0 else None
         late = _gather(manager, logged)[0]
         if late is not None and late[0] > step:
-            raise ValueError(f"replica group {manager.id!r}: checkpoint_dir {self.directory!r}: {late[1]} says "
+            raise ValueError(f"rank 0: checkpoint_dir {self.directory!r}: {late[1]} says "
                              f"{late[0]} steps were committed, but the newest step every rank holds intact is "
                              f"{step} (ranks hold {[steps for steps, _ in everyone]}): restore the missing files, "
                              f"or start afresh in another folder")

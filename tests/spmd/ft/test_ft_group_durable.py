@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from manualdp.runners.cli import build_parser, check_train_args
+from manualdp.spmd.ft import Coordinator
 from manualdp.spmd.ft.durable import Checkpoints
 from manualdp.spmd.ft.group_disk import GroupDisk
 from manualdp.spmd.ft.keys import PREFIX
@@ -61,6 +62,33 @@ def restart_coordinator(r, tmp_path) -> None:
     r.procs.append(r.coordinator)
     r.wait("the coordinator again", lambda: "listening" in (tmp_path / "coordinator-1.log").read_text())
     r.store = torch.distributed.PrefixStore(PREFIX, torch.distributed.TCPStore("127.0.0.1", r.port, is_master=False))
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("saved_by", ["one-process replicas", "groups of 3 ranks"])
+def test_a_group_given_a_folder_it_cannot_go_on_from_is_refused_in_one_line_on_each_rank(tmp_path, saved_by):
+    ckpt = tmp_path / "ckpt"
+    if saved_by == "one-process replicas":
+        Checkpoints(str(ckpt), "a").save(4, {"lr": 0.1}, {"model": {}}, [])
+        words = ["one-process replicas", "another --checkpoint-dir"]
+    else:
+        for rank in range(3):
+            GroupDisk(str(ckpt), "X", rank, 3).lane.save(4, {"group_size": 3}, {"model": {}}, [])
+        words = ["belongs to another run", "group_size 3 here 2"]
+    coordinator = Coordinator(0)
+    procs = start_group("A", 2, coordinator.port, tmp_path, 1, {r: ["--checkpoint-dir", str(ckpt)] for r in (0, 1)})
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        coordinator.close()
+    for rank in (0, 1):
+        last = (tmp_path / f"A-{rank}.log").read_text().strip().splitlines()[-1]
+        assert last.startswith("manualdp train: error: replica group 'A', rank") and all(w in last for w in words), last
+    assert codes == [1, 1]
+    assert not list(ckpt.glob("rank*/A/ckpt*"))  # nothing written
 
 
 def history(ckpt, gid: str) -> list[dict]:
