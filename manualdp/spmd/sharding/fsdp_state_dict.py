@@ -10,12 +10,14 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   would meet the optimizer's state on the model's mesh), is refused in one line that says what loads it; and a unit
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
   them again (torch's FSDP2 does the same); `check_whole` makes the same checks, and torch's, for the whole
-  tree before a sharded module's `load_state_dict` writes anything, so a refused load leaves the model as it was;
+  tree before a sharded module's `load_state_dict` writes anything (or, under a plain module over sharded
+  children, before the first of them loads), so a refused load leaves the model as it was;
 - after it: a DTensor that `load_state_dict(..., assign=True)` put in a parameter's place becomes its shard
   (pytorch/examples' FSDP2 script resumes a model built on the meta device that way), as torch's does.
 """
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 
 import torch
@@ -24,10 +26,13 @@ from torch.distributed.tensor import DTensor
 
 from ..ladder.loading import check_loadable
 from .fsdp_param import SLOTS
+from .fsdp_unit import UNIT
 
 __all__ = ["install_state_dict_hooks", "check_whole"]
 
 HOOKED = "_manualdp_fsdp_state_dict_hooks"  # in a submodule's __dict__: its hooks are registered
+_CHECKED = "_manualdp_fsdp_checked"  # on torch's copy of a state dict under load: `check_whole` ran for this load
+_LOAD_CODE = nn.Module.load_state_dict.__code__  # torch's `load_state_dict`, found on the stack by its code
 
 
 def install_state_dict_hooks(unit) -> None:
@@ -96,7 +101,45 @@ def _refuse(key: str, value: torch.Tensor, p) -> None:
                          "model_param.device_mesh, model_param.placements)), or load with dcp.load")
 
 
+def _outermost_load() -> tuple[nn.Module, Mapping, bool] | None:
+    """(module, its whole state dict, strict) of the outermost `nn.Module.load_state_dict` under way on this thread.
+
+    A plain module over sharded children (`fully_shard` on the children only) loads with torch's `load_state_dict`,
+    whose hooks on each child see that child's keys only: the whole is read from torch's frame, the one place it is.
+    """
+    frame, outer = sys._getframe(1), None
+    while frame is not None:
+        if frame.f_code is _LOAD_CODE:
+            outer = frame
+        frame = frame.f_back
+    if outer is None:
+        return None
+    found = outer.f_locals
+    module, state_dict = found.get("self"), found.get("state_dict")
+    if not isinstance(module, nn.Module) or not isinstance(state_dict, Mapping):
+        return None
+    return module, state_dict, bool(found.get("strict", True))
+
+
+def _check_whole_once(state_dict) -> None:
+    """Before the first sharded submodule of a load under a plain module loads: `check_whole` of the outermost
+    module, once per load (a mark on torch's copy of the state dict), so that a refusal comes before any child
+    loaded (was: the children walked before the refused one were loaded, a half-loaded model)."""
+    outer = _outermost_load()
+    if outer is None:
+        return
+    module, whole, strict = outer
+    if UNIT in module.__dict__ or getattr(whole, _CHECKED, False):  # a sharded module's own load checked it first
+        return
+    check_whole(module, whole, strict)
+    try:
+        setattr(whole, _CHECKED, True)
+    except AttributeError:  # a mapping that takes no attributes: checked again at the next sharded child, alike
+        pass
+
+
 def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
+    _check_whole_once(state_dict)
     held = list(_held(sub))
     for attr, p in held:
         value = state_dict.get(prefix + attr)
