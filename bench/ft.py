@@ -4,6 +4,7 @@
     python bench/ft.py --models lenet mlp --rounds 10 --json ft.json
     python bench/ft.py --load    # with one busy process per core
     python bench/ft.py --sync-quorum    # each quorum asked in start_step, not ahead
+    python bench/ft.py --models mlp --profile 200    # and CPU per step by thread, store accesses per step
 
 Starts a coordinator here and 2 replica processes (`--replicas`). Each replica holds one
 `manualdp.spmd.ft.Manager`; after the first fault-tolerant step, the quorum's process group (the
@@ -18,15 +19,19 @@ its min/median/max over the rounds, and the share of a fault-tolerant step spent
 quorum (`start_step`, and the wait for the quorum asked ahead during forward, taken as backward
 starts: `Manager(async_quorum=True)`, unless `--sync-quorum`) and in the vote (`should_commit`),
 each as min/median/max over rounds; the 1-minute load average during the run. Target: the
-ratio at least 0.9.
+ratio at least 0.9. With `--profile N`, after the rounds, N more steps of each: replica 0's CPU
+microseconds per step by thread (from /proc: gloo's and torch's own threads as "other"), which load
+changes little, and the fault-tolerant step's accesses to the coordinator's store by thread and call.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -59,6 +64,60 @@ class _Timed:
             return self.fn(*args, **kwargs)
         finally:
             self.total += time.perf_counter() - start
+
+
+def _thread_cpu() -> dict[str, float]:
+    """Seconds of CPU so far of each thread of this process, by name (threads not Python's: "other"); {} off Linux."""
+    names, out = {t.native_id: t.name for t in threading.enumerate()}, collections.Counter()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        out[names.get(int(tid), "other")] += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return dict(out)
+
+
+class _CountingClient:
+    """A store client that counts its calls by (thread, call): what one replica asks of the coordinator."""
+
+    def __init__(self, inner, counts: collections.Counter) -> None:
+        self._inner, self._counts = inner, counts
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._inner, name)
+        if not callable(attribute) or name == "clone":  # a clone (the heartbeat's connection) is not counted
+            return attribute
+
+        def counted(*args, **kwargs):
+            self._counts[f"{threading.current_thread().name.removeprefix('manualdp-')}:{name}"] += 1
+            return attribute(*args, **kwargs)
+        return counted
+
+
+def _profile(steps: dict, done: dict, n: int, store=None) -> dict:
+    """CPU us per step by thread of `n` more steps of each wrapper; the fault-tolerant one's store calls per step."""
+    out = {}
+    for name, step in steps.items():
+        counts: collections.Counter = collections.Counter()
+        if name == NAMES[1] and store is not None:
+            raw, store._client = store._client, _CountingClient(store._client, counts)
+        before, cpu = _thread_cpu(), time.process_time()
+        for _ in range(n):
+            step(done[name])
+            done[name] += 1
+        after, cpu = _thread_cpu(), time.process_time() - cpu
+        if name == NAMES[1] and store is not None:
+            store._client = raw
+        threads = {k: round((v - before.get(k, 0.0)) * 1e6 / n) for k, v in after.items()}
+        out[name] = {"cpu_us_per_step": round(cpu * 1e6 / n), "threads": {k: v for k, v in threads.items() if v},
+                     "store_per_step": {k: round(v / n, 2) for k, v in sorted(counts.items())}}
+    return out
 
 
 def _replica(config: dict, port: int) -> dict | None:
@@ -121,12 +180,13 @@ def _replica(config: dict, port: int) -> dict | None:
             if name == NAMES[1]:
                 quorum_share.append((quorum.total + settle.total) / seconds)
                 vote_share.append(vote.total / seconds)
+    profile = _profile(steps, done, config["profile"], manager.store) if config["profile"] else None
     dist.barrier(group=group)
     manager.close()
     if index != 0:
         return None
     return {"steps_per_s": rates, "quorum_share": quorum_share, "vote_share": vote_share,
-            "committed": manager.step}
+            "committed": manager.step, "profile": profile}
 
 
 def run(config: dict) -> dict:
@@ -142,7 +202,7 @@ def run(config: dict) -> dict:
     return {"model": config["model"], "batch_size": config["batch_size"],
             "steps_per_s": {n: statistics.median(rates[n]) for n in NAMES},
             "rounds_steps_per_s": rates, "ratio": spread(rounds), "quorum_share": spread(raw["quorum_share"]),
-            "vote_share": spread(raw["vote_share"]), "committed": raw["committed"]}
+            "vote_share": spread(raw["vote_share"]), "committed": raw["committed"], "profile": raw["profile"]}
 
 
 def format_table(result: dict) -> str:
@@ -161,6 +221,13 @@ def format_table(result: dict) -> str:
     met = "met" if worst >= TARGET else "NOT met"
     lines.append(f"target FT/DDP >= {TARGET} in every round: worst {worst:.2f} -> {met}")
     lines.append(format_load(result["load"]))
+    for r in result["rows"]:
+        for name, p in (r.get("profile") or {}).items():
+            threads = ", ".join(f"{k} {v}" for k, v in sorted(p["threads"].items(), key=lambda kv: -kv[1]))
+            lines.append(f"{r['model']} {name}: CPU {p['cpu_us_per_step']} us per step, replica 0 ({threads})")
+            if p["store_per_step"]:
+                calls = ", ".join(f"{k} {v:g}" for k, v in p["store_per_step"].items())
+                lines.append(f"  store calls per step: {sum(p['store_per_step'].values()):.1f} ({calls})")
     return "\n".join(lines)
 
 
@@ -180,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     parser.add_argument("--sync-quorum", action="store_true",
                         help="ask for each quorum in start_step (default: ahead, during forward and backward)")
+    parser.add_argument("--profile", type=positive(int), metavar="N",
+                        help="after the rounds, N steps of each: CPU per step by thread, store calls per step")
     add_load_option(parser)
     args = parser.parse_args(argv)
     check_output_paths(parser, args)
@@ -187,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--replicas must be at least 2 (a quorum to average over), got {args.replicas}")
     base = {"replicas": args.replicas, "batch_size": args.batch_size, "steps": args.steps, "rounds": args.rounds,
             "warmup": args.warmup, "lr": args.lr, "seed": args.seed, "timeout": args.timeout,
-            "async_quorum": not args.sync_quorum,
+            "async_quorum": not args.sync_quorum, "profile": args.profile or 0,
             "threads": args.threads or max(1, (os.cpu_count() or 1) // args.replicas)}
     rows = []
     with measured_load(args.load) as load:
