@@ -98,7 +98,8 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
         while manager.step < run.total:
             quorum = manager.start_step()
             if members is None and manager.resumed:
-                say(f"replica group {manager.id}: resumed from {manager.resumed['path']} at step {manager.step}")
+                path, step = manager.resumed["path"], manager.resumed["step"]
+                say(f"replica group {manager.id}: resumed from {path} at step {step}")
             if manager.step >= run.total:  # resumed from a checkpoint of the run's last step: nothing to take
                 manager.should_commit(False)
                 break

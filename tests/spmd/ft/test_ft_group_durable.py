@@ -5,6 +5,7 @@ in one line.
 
     python -m pytest -q -m soak tests/spmd/ft/test_ft_group_durable.py      (about two minutes)
 """
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import torch
 
 from manualdp.runners.cli import build_parser, check_train_args
 from manualdp.spmd.ft import Coordinator
+from manualdp.spmd.ft import keys
 from manualdp.spmd.ft.durable import Checkpoints
 from manualdp.spmd.ft.group_disk import GroupDisk
 from manualdp.spmd.ft.keys import PREFIX
@@ -57,6 +59,21 @@ def test_one_process_replicas_and_groups_refuse_each_others_folders_in_one_line(
     assert "\n" not in str(info.value)
 
 
+def exit_codes(procs: list, timeout: float) -> list[int]:
+    """Each process's exit status, waited for in turn up to `timeout` s; whatever still runs then is killed."""
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        kill_all(procs)
+
+
+def kill_all(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+
+
 def restart_coordinator(r, tmp_path) -> None:
     r.coordinator = manualdp(["coordinator", "--port", str(r.port)], tmp_path / "coordinator-1.log")
     r.procs.append(r.coordinator)
@@ -76,18 +93,15 @@ def test_a_group_given_a_folder_it_cannot_go_on_from_is_refused_in_one_line_on_e
             GroupDisk(str(ckpt), "X", rank, 3).lane.save(4, {"group_size": 3}, {"model": {}}, [])
         words = ["belongs to another run", "group_size 3 here 2"]
     coordinator = Coordinator(0)
-    procs = start_group("A", 2, coordinator.port, tmp_path, 1, {r: ["--checkpoint-dir", str(ckpt)] for r in (0, 1)})
     try:
-        codes = [p.wait(timeout=120) for p in procs]
+        codes = exit_codes(start_group("A", 2, coordinator.port, tmp_path, 1,
+                                       {r: ["--checkpoint-dir", str(ckpt)] for r in (0, 1)}), 120)
     finally:
-        for p in procs:
-            p.kill()
-            p.wait()
         coordinator.close()
-    for rank in (0, 1):
-        last = (tmp_path / f"A-{rank}.log").read_text().strip().splitlines()[-1]
+    lasts = [(tmp_path / f"A-{rank}.log").read_text().strip().splitlines()[-1] for rank in (0, 1)]
+    for last in lasts:  # one line on each rank, naming what the folder holds
         assert last.startswith("manualdp train: error: replica group 'A', rank") and all(w in last for w in words), last
-    assert codes == [1, 1]
+    assert codes == [1, 1], lasts
     assert not list(ckpt.glob("rank*/A/ckpt*"))  # nothing written
 
 
@@ -104,57 +118,97 @@ def saved_steps(ckpt, rank: int) -> set[int]:
     return {int(p.name[5:13]) for p in (ckpt / f"rank{rank}").glob("*/ckpt-*.pt")}
 
 
-@pytest.mark.soak
-@pytest.mark.parametrize("behind, coordinator_too", [(False, True), (True, True), (False, False)],
-                         ids=["intact", "a-rank-one-step-behind", "the-coordinator-lives"])
-def test_groups_all_killed_go_on_from_disk_and_end_on_the_one_process_run(tmp_path, behind, coordinator_too):
-    ckpt = tmp_path / "ckpt"
-    again = tmp_path / "again"
-    again.mkdir()
-    extra = {rank: ["--checkpoint-dir", str(ckpt)] for rank in (0, 1)}
+@contextlib.contextmanager
+def two_groups(tmp_path, options: list[str], together: int):
+    """A coordinator, and groups A and B of 2 ranks given `options` once they committed `together` steps together:
+    (the run, the processes, their options); every process still running at the end is killed."""
+    (tmp_path / "again").mkdir()
+    extra = {rank: ["--checkpoint-dir", str(tmp_path / "ckpt"), *options] for rank in (0, 1)}
     procs = []
     with run(tmp_path, epochs=EPOCHS) as r:
         try:
             for gid in "AB":
                 procs += start_group(gid, 2, r.port, tmp_path, EPOCHS, extra)
-            r.wait("5 steps committed by A and B", lambda: r.committed_with(["A", "B"]) >= 5, timeout=180)
-            for proc in [*procs, r.coordinator] if coordinator_too else procs:
-                os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group (and the coordinator) at once
-                proc.wait(timeout=10)
-            if behind:  # as a kill mid-save leaves it: rank 1 lacks the newest step rank 0 holds
-                for gid in "AB":
-                    (ckpt / "rank1" / gid / f"ckpt-{newest_step(ckpt / 'rank1' / gid):08d}.pt").unlink()
-            held = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))  # the newest step both lanes hold, any group's
-            assert held >= 4 and (held < max(saved_steps(ckpt, 0)) or not behind), held
-            for gid in "AB" if behind else "":  # a step is logged once every rank saved it: a kill mid-save, none
-                lines = [s for s in history(ckpt, gid) if s["step"] < held]
-                (ckpt / "rank0" / gid / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
-            if coordinator_too:  # a new one on the same port: its store knows nothing of the run
-                restart_coordinator(r, tmp_path)
-            restarted = []
-            for gid in "AB":
-                restarted += start_group(gid, 2, r.port, again, EPOCHS, extra)
-            procs += restarted
-            codes = [p.wait(timeout=300) for p in restarted]
+            r.wait(f"{together} steps committed by A and B", lambda: r.committed_with(["A", "B"]) >= together,
+                   timeout=180)
+            yield r, procs, extra
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait(timeout=10)
-        logs = r.logs() + "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(again.glob("*.log")))
-        ref = reference(tmp_path, EPOCHS)
+            kill_all(procs)
+
+
+def all_logs(r, tmp_path) -> str:
+    return r.logs() + "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp_path.glob("again/*.log")))
+
+
+def check_histories(ckpt) -> None:
+    """Every step of the run once in each group's history, and in one round, by one quorum, in all of them."""
+    taken = {}
+    for gid in "AB":
+        mine = [s["step"] for s in history(ckpt, gid)]
+        assert len(mine) == len(set(mine)), (gid, mine)  # a step taken again replaced its line
+        for s in history(ckpt, gid):
+            assert taken.setdefault(s["step"], (s["round"], s["members"])) == (s["round"], s["members"]), s
+    assert sorted(taken) == list(range(8 * EPOCHS)), sorted(taken)
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("behind, coordinator_too", [(False, True), (True, True), (False, False)],
+                         ids=["intact", "a-rank-one-step-behind", "the-coordinator-lives"])
+def test_groups_all_killed_go_on_from_disk_and_end_on_the_one_process_run(tmp_path, behind, coordinator_too):
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    with two_groups(tmp_path, [], 5) as (r, procs, extra):
+        for proc in [*procs, r.coordinator] if coordinator_too else procs:
+            os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group (and the coordinator) at once
+            proc.wait(timeout=10)
+        if behind:  # as a kill mid-save leaves it: rank 1 lacks the newest step rank 0 holds
+            for gid in "AB":
+                (ckpt / "rank1" / gid / f"ckpt-{newest_step(ckpt / 'rank1' / gid):08d}.pt").unlink()
+        held = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))  # the newest step both lanes hold, any group's
+        assert held >= 4 and (held < max(saved_steps(ckpt, 0)) or not behind), held
+        for gid in "AB" if behind else "":  # a step is logged once every rank saved it: a kill mid-save, none
+            lines = [s for s in history(ckpt, gid) if s["step"] < held]
+            (ckpt / "rank0" / gid / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
+        if coordinator_too:  # a new one on the same port: its store knows nothing of the run
+            restart_coordinator(r, tmp_path)
+        for gid in "AB":
+            procs += start_group(gid, 2, r.port, again, EPOCHS, extra)
+        codes = exit_codes(procs[4:], 300)
+    logs, ref = all_logs(r, tmp_path), reference(tmp_path, EPOCHS)
     assert codes == [0, 0, 0, 0], logs
     results = {gid: json.loads((again / f"{gid}.json").read_text()) for gid in "AB"}
     for gid in "AB":
         log = (again / f"{gid}-0.log").read_text()
         assert f"at step {held}" in log.split("resumed from ", 1)[-1].splitlines()[0], log  # never from step 0
         assert results[gid]["config"]["fault_tolerant"]["steps"][0]["step"] == held, logs
-        mine = [s["step"] for s in history(ckpt, gid)]
-        assert len(mine) == len(set(mine)), (gid, mine)  # a step taken again replaced its line
         assert (ckpt / "rank1" / gid / "finished.json").exists()
-    taken = {}
-    for s in history(ckpt, "A") + history(ckpt, "B"):  # every step of the run once, in one round, by one quorum
-        assert taken.setdefault(s["step"], (s["round"], s["members"])) == (s["round"], s["members"]), s
-    assert sorted(taken) == list(range(8 * EPOCHS)), sorted(taken)
+    check_histories(ckpt)
     assert sorted(committed(results)) == list(range(held, 8 * EPOCHS))
+    check_against_reference(results, ref)
+
+
+@pytest.mark.soak
+def test_a_group_killed_alone_with_a_checkpoint_dir_goes_on_with_the_live_group(tmp_path):
+    ckpt, again = tmp_path / "ckpt", tmp_path / "again"
+    with two_groups(tmp_path, ["--min-replicas", "1"], 4) as (r, procs, extra):  # B trains alone meanwhile
+        for proc in procs[:2]:
+            os.killpg(proc.pid, signal.SIGKILL)  # both ranks of A; B lives
+            proc.wait(timeout=10)
+        r.wait("2 steps committed by B alone", lambda: r.committed_with(["B"]) >= 2, timeout=180)
+        for proc in procs[2:]:
+            os.killpg(proc.pid, signal.SIGSTOP)  # B is held until A has resumed from disk: the run is not over
+        on_disk = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))
+        procs += start_group("A", 2, r.port, again, EPOCHS, extra)
+        r.wait("A resumed from disk", lambda: r.key(keys.held("A")) == f"{on_disk} 0".encode(), timeout=180)
+        for proc in procs[2:4]:
+            os.killpg(proc.pid, signal.SIGCONT)
+        codes = exit_codes(procs[2:], 300)
+    logs, ref = all_logs(r, tmp_path), reference(tmp_path, EPOCHS)
+    assert codes == [0, 0, 0, 0], logs
+    results = {"A": json.loads((again / "A.json").read_text()), "B": json.loads((tmp_path / "B.json").read_text())}
+    got = results["A"]["config"]["fault_tolerant"]
+    resumed = (again / "A-0.log").read_text().split("resumed from ", 1)[-1].splitlines()[0]
+    assert resumed.endswith(f"ckpt-{on_disk:08d}.pt at step {on_disk}") and on_disk >= 4, logs  # its disk first
+    first = got["steps"][0]["step"]  # where it joined B: B's step then, held in B's memory or on the disk alike
+    assert first >= on_disk and bool(got["recoveries"]) == (first > on_disk), (on_disk, got["recoveries"], first)
+    check_histories(ckpt)
     check_against_reference(results, ref)
