@@ -126,3 +126,7 @@ def main(config: dict) -> None:
 
 if __name__ == "__main__":
     main(json.loads(sys.argv[1]))
+    # its outputs are written: end here, not at the interpreter's exit, where torch 2.13's gloo threads may still
+    # hold a group's tensors and abort the process ("terminate called without an active exception")
+    sys.stdout.flush()
+    os._exit(0)
