@@ -9,7 +9,12 @@ rank only would send other messages than its peers' allreduce.
 A hook that raises, or hands back the wrong thing, fails that step on every rank alike: its
 rank still sends the bucket's flags, marked, so every peer learns of it in the same message and
 raises too; nothing is left in flight, and the group's worker serves the next wrapper (torch's
-second wrapper trains after a first one's hook failed).
+second wrapper trains after a first one's hook failed). The flags' allreduce is checked (at two
+ranks on gloo, nothing more travels): where the peers' hooks are in a collective of their own
+(the hook failed before its own), the marker meets that collective, and the call check makes every
+rank raise, the failed rank naming its hook's error, never pairing the marker with the wrong call.
+A hook whose collectives are torch's, not manualdp's, cannot be told from: the failed rank names
+its hook's error after the wrapper's timeout, and the peers' torch collective ends by torch's.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ from ..comm_hooks import GradBucket, hook_name, hook_result
 from ..transport.agree import agree
 from ..transport.peers import DEFAULT_TIMEOUT, PeerError, is_refused_alike, refused_alike
 
-__all__ = ["CommHook", "check_same_hook", "register_hook"]
+__all__ = ["CommHook", "check_same_hook", "register_hook", "parts_replicas"]
 
 _FAILED = -1024.0  # a failed hook's flags: a summed flag is at least 0 on every rank whose hook worked
 
@@ -49,18 +54,37 @@ class CommHook:
             except PeerError:
                 raise  # a peer did not answer: the ranks are out of step for good
             except Exception as e:
-                if is_refused_alike(e):
-                    raise
+                if is_refused_alike(e):  # the hook's own collective met another call: a peer's failure marker?
+                    raise refused_alike(RuntimeError(
+                        f"comm hook {hook_name(self.hook)} at bucket {index}: its collective met another call on a "
+                        f"peer (a peer whose hook failed sends its failure marker instead; its error is raised "
+                        f"there), or the ranks' hooks call differently: {e}")) from e
                 self.failure = e
         if self.failure is not None:
             bucket.flags.fill_(_FAILED)  # the flags still go out, so that the peers' allreduce pairs with ours
-        allreduce(bucket.flags, r.algorithms[index], r.group, segment_bytes=r.segment_bytes, timeout=r.timeout,
-                  check=False)
+        self._send_flags(index, bucket)
         if self.failure is None and bucket.flags.numel() and bucket.flags.min().item() < 0:
             self.failure = RuntimeError(f"comm hook {hook_name(self.hook)} failed on another rank at bucket {index} "
                                         "of this step (its error is raised there)")
         if self.failure is not None:
             raise refused_alike(self.failure)
+
+    def _send_flags(self, index: int, bucket) -> None:
+        """The bucket's flags summed, checked: a failure marker (a failed hook's flags) never pairs with a peer's
+        other call (its hook's own collective); both ranks raise instead, and this one names its failed hook."""
+        r = self.reducer
+        try:
+            allreduce(bucket.flags, r.algorithms[index], r.group, segment_bytes=r.segment_bytes, timeout=r.timeout,
+                      check=True)
+        except (PeerError, ValueError) as e:
+            if self.failure is None:
+                raise
+            # the peers are in a collective of their own hook (manualdp's: the call check names both; torch's:
+            # no answer): the line names this rank's failed hook first
+            failed = RuntimeError(f"comm hook {hook_name(self.hook)} failed on this rank at bucket {index} "
+                                  f"({type(self.failure).__name__}: {self.failure}); its failure marker met "
+                                  f"another call on a peer, its hook's own collective: {e}")
+            raise (refused_alike(failed) if is_refused_alike(e) else failed) from self.failure
 
 
 def register_hook(calls, reducer, state: object, hook, errors) -> None:
@@ -75,6 +99,12 @@ def register_hook(calls, reducer, state: object, hook, errors) -> None:
     calls.comm_hook = CommHook(state, hook, reducer)
     calls.comm_hook.install()
     calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
+
+
+def parts_replicas(hook: CommHook | None) -> bool:
+    """Whether `hook` leaves each rank its own gradients by design (manualdp's or torch's `noop_hook`, for timing a
+    step without communication): its replicas part, and the drift check would call that drift."""
+    return hook is not None and getattr(hook.hook, "__name__", None) == "noop_hook"
 
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:

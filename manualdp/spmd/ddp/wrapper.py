@@ -23,7 +23,7 @@ from ...validate import (boolean, initialized, nn_module, non_negative_int, one_
 from .buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
 from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers, to_device
 from .step_check import CallCheck, Desync
-from .comm_hook import register_hook
+from .comm_hook import parts_replicas, register_hook
 from .join import JoinableWrapper, UnevenInputs
 from .private import ErrorLog, PrivateAPI
 from .init_sync import NOT_COPIED, check_same_layout, compare_and_copy, kept_named
@@ -250,8 +250,9 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         syncs, joined = torch.is_grad_enabled() and self.require_backward_grad_sync, self._join_config.enable
         if syncs and not joined:
             named = self.calls.refuse_replaced()  # a parameter replaced after wrapping on any rank: every rank raises
-            self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
-                            number=self.calls.number, names=self.calls.built.names)
+            if not parts_replicas(self.calls.comm_hook):  # the no-op hook parts the replicas on purpose: no drift
+                self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
+                                number=self.calls.number, names=self.calls.built.names)
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32
