@@ -78,8 +78,11 @@ def store_gone(store: dist.Store) -> bool:
         return True
 
 
-def lost_line(replica_id: str, where: str, error: BaseException, disk: "Checkpoints | None", durable: int) -> str:
-    """What a replica that lost the coordinator says before it exits: why, and where the run goes on from."""
+def lost_line(replica_id: str, where: str, error: BaseException, disk, durable: int) -> str:
+    """What a replica that lost the coordinator says before it exits: why, and where the run goes on from.
+
+    `disk`: its `Checkpoints`, or its group's `GroupDisk` (`group_disk.py`), or None; its `directory` is named.
+    """
     first = getattr(error, "reason", None) or (str(error).strip().splitlines() or [type(error).__name__])[0]
     then = (f"it goes on from step {durable} in {disk.directory}" if disk is not None else
             "without --checkpoint-dir the run's state is lost with its replicas")

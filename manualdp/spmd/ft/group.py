@@ -49,7 +49,7 @@ from torch import nn
 from ...validate import a_callable, nn_module, positive_int, timeout_seconds
 from .admission import Misfit
 from .coordinator import connect
-from .durable import RunFinished
+from .durable import CoordinatorLost, RunFinished, lost_line
 from .group_backward import BackwardCount
 from .group_disk import open_disk
 from .group_lanes import Lane, LaneLost, gloo_words
@@ -84,6 +84,10 @@ class _Leader(Manager):
         super().__init__(*args, **kwargs)
         self._enter_lanes = enter_lanes
         self.guard = None  # the guard gathers norms over the default group: here, the replica group's own
+        self.disk = None  # the group's checkpoints (`group_disk.py`): its ranks saved each step before it was marked
+
+    def _lost(self, error: BaseException) -> CoordinatorLost:
+        return CoordinatorLost(lost_line(self.id, self._where, error, self.disk, self._durable))
 
     def _exchange_state(self, quorum: Quorum):
         received = super()._exchange_state(quorum)  # the loop step (the lanes carry the rest)
@@ -147,6 +151,7 @@ class GroupManager:
                                         timeout=timeout, quorum_timeout=quorum_timeout, token=token,
                                         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
                 self._manager.require_same(group_size=self.size)  # admission refuses a group of another size
+                self._manager.disk = self._disk
             except BaseException as e:
                 self._tell(_stop(e))
                 raise
@@ -382,13 +387,11 @@ class GroupManager:
 
     def finish(self) -> None:
         """The run took its last step: rank 0 marks it finished (a group started later is told so), and all leave."""
-        if self._disk is not None:
-            self._disk.save(self, self._synced)
+        if self._disk is not None:  # every rank saved and marked it before the leader marks the run finished
+            self._disk.finish(self)
         self._lane.drop()
         if self._manager is not None:
             self._manager.finish()
-        if self._disk is not None:
-            self._disk.finish(self)
 
     def close(self) -> None:
         """Leave: rank 0 stops heartbeating (the other groups stop waiting for this one); the lane is dropped."""

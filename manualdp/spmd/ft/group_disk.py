@@ -173,6 +173,7 @@ class GroupDisk:
         self.saved = manager.step
 
     def finish(self, manager) -> None:
-        """The run's last step is durable on every rank (`save`): each marks the run finished in its folder."""
+        """The run took its last step: every rank saves it (`save`), then marks the run finished in its folder."""
+        self.save(manager, manager._synced)
         if manager._synced:
             self.lane.mark_finished(manager.step, self.identity(manager._settings))

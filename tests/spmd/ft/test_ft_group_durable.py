@@ -152,14 +152,19 @@ def check_histories(ckpt) -> None:
 
 
 @pytest.mark.soak
-@pytest.mark.parametrize("behind, coordinator_too", [(False, True), (True, True), (False, False)],
-                         ids=["intact", "a-rank-one-step-behind", "the-coordinator-lives"])
-def test_groups_all_killed_go_on_from_disk_and_end_on_the_one_process_run(tmp_path, behind, coordinator_too):
+@pytest.mark.parametrize("behind, killed", [(False, "all"), (True, "all"), (False, "groups"), (False, "coordinator")],
+                         ids=["intact", "a-rank-one-step-behind", "the-coordinator-lives", "only-the-coordinator"])
+def test_groups_that_all_stopped_go_on_from_disk_and_end_on_the_one_process_run(tmp_path, behind, killed):
     ckpt, again = tmp_path / "ckpt", tmp_path / "again"
     with two_groups(tmp_path, [], 5) as (r, procs, extra):
-        for proc in [*procs, r.coordinator] if coordinator_too else procs:
-            os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group (and the coordinator) at once
+        for proc in {"all": [*procs, r.coordinator], "groups": procs, "coordinator": [r.coordinator]}[killed]:
+            os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group and/or the coordinator, at once
             proc.wait(timeout=10)
+        if killed == "coordinator":  # each group's leader names it, and where the run goes on from, in one line
+            assert exit_codes(procs, 120) == [1, 1, 1, 1], all_logs(r, tmp_path)
+            for gid in "AB":  # (torch's store client logs its own lines after it: not ours to silence here)
+                said = [s for s in (tmp_path / f"{gid}-0.log").read_text().splitlines() if "error:" in s]
+                assert len(said) == 1 and "lost the coordinator" in said[0] and f"in {ckpt}" in said[0], said
         if behind:  # as a kill mid-save leaves it: rank 1 lacks the newest step rank 0 holds
             for gid in "AB":
                 (ckpt / "rank1" / gid / f"ckpt-{newest_step(ckpt / 'rank1' / gid):08d}.pt").unlink()
@@ -168,7 +173,7 @@ def test_groups_all_killed_go_on_from_disk_and_end_on_the_one_process_run(tmp_pa
         for gid in "AB" if behind else "":  # a step is logged once every rank saved it: a kill mid-save, none
             lines = [s for s in history(ckpt, gid) if s["step"] < held]
             (ckpt / "rank0" / gid / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
-        if coordinator_too:  # a new one on the same port: its store knows nothing of the run
+        if killed != "groups":  # a new one on the same port: its store knows nothing of the run
             restart_coordinator(r, tmp_path)
         for gid in "AB":
             procs += start_group(gid, 2, r.port, again, EPOCHS, extra)
