@@ -17,7 +17,9 @@ call that needs it (`average`, `should_commit`, `Manager.quorum`) takes it:
   quorum, so every one that asked ahead does so, and the step is discarded on all; the next one
   starts in the new quorum.
 
-A commit's mark (`quorum.publish_mark`) is published by the thread too, before it asks again.
+A commit's mark (`quorum.publish_mark`) and its record in the store (`durable.record_committed`) are
+written by the thread too, handed over as the vote commits (`later`): they go while the optimizer
+steps and the next batch loads, so that the next ask starts with its own round trips only.
 
 A failure of the thread (no quorum in time, the run finished, the coordinator gone) is raised by
 the call that takes the answer.
@@ -41,6 +43,7 @@ class AskAhead:
         self._asks: queue.SimpleQueue = queue.SimpleQueue()
         self._answers: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = False
+        self._job = False  # a job handed to `later` whose end was not taken yet
         threading.Thread(target=self._serve, name=f"manualdp-ft-quorum-{name}", daemon=True).start()
 
     def _serve(self) -> None:
@@ -63,8 +66,22 @@ class AskAhead:
         self._pending = True
         self._asks.put(ask)
 
+    def later(self, job: Callable[[], None]) -> None:
+        """Run `job()` in the thread now, before the next ask (a commit's mark and record); `settled()` ends it."""
+        self._job = True
+        self._asks.put(job)
+
+    def settled(self) -> None:
+        """Wait for the job handed to `later`, if any: raise what it raised."""
+        if self._job:
+            self._job = False
+            _, error = self._answers.get()
+            if error is not None:
+                raise error
+
     def result(self) -> Quorum:
         """Wait for the answer of the ask handed over; return its quorum, or raise what it raised."""
+        self.settled()
         self._pending = False
         quorum, error = self._answers.get()
         if error is not None:

@@ -174,6 +174,7 @@ class Manager(Phases):
             raise RuntimeError(f"replica {self.id!r}: start_step() called again before the step of round "
                                f"{self._round} was voted on: call step() (or should_commit()) first")
         try:
+            self._tidy_taken()
             ahead = self.async_quorum and self.synced and self._group is not None and self._sent is None
             if not ahead or self._disk is not None:  # a save reads the state: before forward moves a buffer
                 self._make_durable()
@@ -260,8 +261,10 @@ class Manager(Phases):
             self._pending.append({"step": self.step, "round": self._quorum.round, "members": self._quorum.ids})
             self.step += 1
             self._mark_due = self.synced
-            if self._ahead is None:  # else the thread publishes it, off the step's path, before it asks again
+            if self._ahead is None:
                 self._publish_due()
+            elif self._disk is None:  # the thread writes the mark and the record at once, off the step's path
+                self._ahead.later(self._tidy)
         else:
             self._leave_group()
         return committed
@@ -339,6 +342,7 @@ class Manager(Phases):
         """The run took its last step: make it durable, mark the run finished (store and disk), and leave."""
         self._check_open("finish")
         try:
+            self._tidy_taken()
             if self.synced:
                 self._make_durable(finishing=True)
                 mark_finished(self.store, self.step)

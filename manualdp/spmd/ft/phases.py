@@ -96,11 +96,30 @@ class Phases:
         agree("the replicas' setup", self._settings, timeout=self.timeout, shown={"replica": self.id},
               hint="every replica must be started with the same settings")
 
+    _tidied = False  # `_tidy` ran since the last ask: the ask starts with its own round trips
+
+    def _tidy(self) -> None:
+        """In `AskAhead`'s thread, as the vote commits (no disk): publish the commit's mark and record the step."""
+        self._publish_due()
+        self._make_durable()
+        self._tidied = True
+
+    def _tidy_taken(self) -> None:
+        """Wait for the last commit's mark and record (`Phases._tidy`, on the ask thread) before this thread's next use
+        of the store. What failed there is done again by the next ask (or `start_step`, `finish`) and raised by it."""
+        if self._ahead is not None:
+            try:
+                self._ahead.settled()
+            except Exception:  # noqa: S110 - redone where the caller is told (`_tidied` stays False)
+                pass
+
     def _ask_ahead(self) -> Quorum:
         """In `AskAhead`'s thread: make the last step durable (without a disk), ask for this step's quorum, hold it."""
-        self._publish_due()
-        if self._disk is None:
-            self._make_durable()
+        if not self._tidied:
+            self._publish_due()
+            if self._disk is None:
+                self._make_durable()
+        self._tidied = False
         quorum = wait_for_quorum(self.store, self._member(admission.canonical(self._settings)), self._liveness,
                                  self._round, self.quorum_timeout, self.timeout, time.monotonic(), self._floor)
         if fast(quorum, self._group):

@@ -1,6 +1,7 @@
 """What a fault-tolerant step of `FaultTolerantDDP` costs, in counts (never times): the work each bucket and each
 average does beyond the drop-in's, held to what it must be (issue 44: `bench/ft.py`'s 0.33x at the mlp)."""
 import math
+import threading
 
 import pytest
 import torch
@@ -78,3 +79,26 @@ def test_at_two_ranks_one_round_gives_the_rings_bits():
     """What `schedule_for` rests on: at two ranks, recursive doubling and the ring hold the same bits."""
     for rank_result in launch(_both_schedules, 2, ([1, 2, 3, 1000, 4097],), timeout=120.0):
         assert all(same for *_, same in rank_result), [r for r in rank_result if not r[-1]]
+
+
+def test_a_commits_mark_and_record_go_on_the_ask_thread_as_the_vote_commits_not_on_the_next_asks_path(
+        coordinator, monkeypatch):
+    """Before: the next `start_step`'s ask wrote them first (2-4 store round trips before it could ask, on the wait
+    the main thread meets as backward starts). Now the thread writes them while the optimizer steps; the ask doesn't."""
+    from manualdp.spmd.ft import manager as manager_module
+    records, real = [], manager_module.record_committed
+    def record(store, step):
+        records.append((threading.current_thread().name, step))
+        real(store, step)
+
+    monkeypatch.setattr(manager_module, "record_committed", record)
+    net = make()
+    with Manager("one", "127.0.0.1", coordinator.port, timeout=10, async_quorum=True) as manager:
+        ft = FaultTolerantDDP(net, torch.optim.SGD(net.parameters(), lr=0.1), manager)
+        for k in range(3):
+            ft.start_step()
+            loss_of(ft, k).backward()
+            assert ft.step()
+            manager._ahead.settled()  # the job handed over as the vote committed has ended
+            assert records[-1] == ("manualdp-ft-quorum-one", k + 1), records
+        assert [s for _, s in records] == [1, 2, 3]  # once per commit: the asks wrote none again
