@@ -11,6 +11,7 @@ import time
 
 import torch
 
+from manualdp.spmd.ft import keys
 from manualdp.spmd.ft.keys import PREFIX
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
@@ -79,6 +80,28 @@ class Run:
             os.kill(p.pid, signal.SIGSTOP)
         try:
             yield
+        finally:
+            for p in held:
+                os.kill(p.pid, signal.SIGCONT)
+
+    def kill_while_held(self, victim: subprocess.Popen, held: list[subprocess.Popen], what: str, condition) -> None:
+        """Once `condition` holds, stop `held` (SIGSTOP) at once, kill `victim` (SIGKILL), then let `held` go on.
+
+        With the survivors held the run cannot end before the kill lands, however loaded the machine
+        (a kill that came after the last step would test nothing: the run ended, and a replica started
+        again is told so).
+        """
+        deadline = time.monotonic() + 60.0
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within 60 s; logs:\n{self.logs()}")
+            time.sleep(0.005)
+        for p in held:
+            os.kill(p.pid, signal.SIGSTOP)
+        try:
+            assert self.key(keys.FINISHED) is None, f"the run ended before the kill ({what}); logs:\n{self.logs()}"
+            victim.send_signal(signal.SIGKILL)
+            victim.wait(timeout=10)
         finally:
             for p in held:
                 os.kill(p.pid, signal.SIGCONT)
