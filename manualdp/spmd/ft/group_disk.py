@@ -22,6 +22,7 @@ import os
 
 import torch.distributed as dist
 
+from ...validate import non_negative_int, positive_int
 from .durable import Checkpoints, RunFinished, mark_finished, record_committed
 from .history import logged_steps
 from .quorum import publish_mark
@@ -86,6 +87,8 @@ class GroupDisk:
     def __init__(self, directory: str, group_id: str, rank: int, size: int) -> None:
         if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
             raise ValueError(f"checkpoint_dir must be a path of a folder, got {directory!r}")
+        non_negative_int("rank", rank)
+        positive_int("size", size)
         directory = os.fspath(directory)
         alone = glob.glob(os.path.join(glob.escape(directory), "*", "ckpt-*.pt"))
         if alone:  # DIR/ID/ckpt-*.pt: one-process replicas' folders, which a group cannot go on from

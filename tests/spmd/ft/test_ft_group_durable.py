@@ -47,6 +47,16 @@ def test_a_folder_saved_by_groups_of_another_size_is_refused_naming_the_size(tmp
     assert "\n" not in str(info.value) and "group_size 2" in str(info.value) and "4" in str(info.value), info.value
 
 
+@pytest.mark.parametrize("args, words", [(("", "A", 0, 2), ["checkpoint_dir", "''"]), ((None, "A", 0, 2), ["None"]),
+                                         (("d", "A", -1, 2), ["rank", "-1"]), (("d", "A", 0, 0), ["size", "0"])])
+def test_group_disk_names_a_bad_argument(tmp_path, args, words):
+    folder = args[0] if args[0] in ("", None) else str(tmp_path / args[0])
+    with pytest.raises((ValueError, TypeError)) as info:
+        GroupDisk(folder, *args[1:])
+    assert all(w in str(info.value) for w in words), info.value
+    assert not (tmp_path / "d").exists()  # nothing made
+
+
 def test_one_process_replicas_and_groups_refuse_each_others_folders_in_one_line(tmp_path):
     alone, groups = tmp_path / "alone", tmp_path / "groups"
     Checkpoints(str(alone), "a").save(2, {"lr": 0.1}, {"model": {}}, [])
@@ -178,6 +188,16 @@ def test_groups_that_all_stopped_go_on_from_disk_and_end_on_the_one_process_run(
         for gid in "AB":
             procs += start_group(gid, 2, r.port, again, EPOCHS, extra)
         codes = exit_codes(procs[4:], 300)
+        if killed == "all" and not behind and codes == [0, 0, 0, 0]:  # the run ended: its folders say so
+            os.killpg(r.coordinator.pid, signal.SIGKILL)
+            r.coordinator.wait(timeout=10)
+            restart_coordinator(r, tmp_path)  # which knows nothing of the run
+            (again / "late").mkdir()
+            late = start_group("A", 2, r.port, again / "late", EPOCHS, extra)
+            procs += late
+            assert exit_codes(late, 120) == [0, 0], all_logs(r, tmp_path)
+            told = (again / "late" / "A-0.log").read_text()
+            assert "the run ended at step 24" in told and not (again / "late" / "A.json").exists(), told
     logs, ref = all_logs(r, tmp_path), reference(tmp_path, EPOCHS)
     assert codes == [0, 0, 0, 0], logs
     results = {gid: json.loads((again / f"{gid}.json").read_text()) for gid in "AB"}
