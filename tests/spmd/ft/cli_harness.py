@@ -84,10 +84,11 @@ class Run:
             for p in held:
                 os.kill(p.pid, signal.SIGCONT)
 
-    def kill_while_held(self, victim: subprocess.Popen, held: list[subprocess.Popen], what: str, condition) -> None:
-        """Once `condition` holds, stop `held` (SIGSTOP) at once, kill `victim` (SIGKILL), then let `held` go on.
+    def kill_while_held(self, victims: list[subprocess.Popen], held: list[subprocess.Popen], what: str,
+                        condition) -> None:
+        """Once `condition` holds, stop `held` (SIGSTOP) at once, kill `victims` (SIGKILL), then let the rest go on.
 
-        With the survivors held the run cannot end before the kill lands, however loaded the machine
+        With the replicas held the run cannot end before the kill lands, however loaded the machine
         (a kill that came after the last step would test nothing: the run ended, and a replica started
         again is told so).
         """
@@ -100,11 +101,13 @@ class Run:
             os.kill(p.pid, signal.SIGSTOP)
         try:
             assert self.key(keys.FINISHED) is None, f"the run ended before the kill ({what}); logs:\n{self.logs()}"
-            victim.send_signal(signal.SIGKILL)
-            victim.wait(timeout=10)
+            for p in victims:
+                p.send_signal(signal.SIGKILL)
+                p.wait(timeout=10)
         finally:
             for p in held:
-                os.kill(p.pid, signal.SIGCONT)
+                if p.poll() is None:
+                    os.kill(p.pid, signal.SIGCONT)
 
     def registrations(self) -> int:
         raw = self.key("replicas")

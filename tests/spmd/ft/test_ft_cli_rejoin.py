@@ -51,7 +51,7 @@ def test_two_replicas_one_killed_and_started_again_end_as_one_process(tmp_path):
     with run(tmp_path, epochs=1, min_replicas=2, timeout=10) as r:
         r.start("a")
         b = r.start("b")
-        r.kill_while_held(b, [r.replicas["a"][0]], "2 steps committed by a and b",
+        r.kill_while_held([b], [r.replicas["a"][0]], "2 steps committed by a and b",
                           lambda: r.committed_with(["a", "b"]) >= 2)
         r.start("b")
         results = r.finish()
@@ -74,7 +74,7 @@ def test_diloco_by_the_commands_a_replica_killed_and_started_again_rejoins_at_a_
         r.options += ["--diloco", "3"]
         r.start("a")
         b = r.start("b")
-        r.kill_while_held(b, [r.replicas["a"][0]], "2 blocks committed by a and b",
+        r.kill_while_held([b], [r.replicas["a"][0]], "2 blocks committed by a and b",
                           lambda: r.committed_with(["a", "b"]) >= 2)
         r.start("b")
         results = r.finish()

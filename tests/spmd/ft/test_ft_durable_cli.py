@@ -4,7 +4,6 @@ commands, go on from the checkpoint folder; a replica started after the run ende
     python -m pytest -q -m soak tests/spmd/ft/test_ft_durable_cli.py      (about a minute; bench/soak_tests.sh runs it)
 """
 import json
-import signal
 
 import pytest
 import torch
@@ -23,10 +22,9 @@ def test_a_run_whose_replicas_and_coordinator_all_died_goes_on_from_disk_and_end
         r.options += ["--checkpoint-dir", str(ckpt)]
         for rid in "ab":
             r.start(rid)
-        r.wait("5 steps committed by a and b", lambda: r.committed_with(["a", "b"]) >= 5)
-        for proc in (r.replicas["a"][0], r.replicas["b"][0], r.coordinator):
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(timeout=10)
+        replicas = [r.replicas["a"][0], r.replicas["b"][0]]
+        r.kill_while_held([*replicas, r.coordinator], replicas, "5 steps committed by a and b",
+                          lambda: r.committed_with(["a", "b"]) >= 5)
         r.coordinator = manualdp(["coordinator", "--port", str(r.port)], tmp_path / "coordinator-1.log")
         r.procs.append(r.coordinator)
         r.wait("the coordinator again", lambda: "listening" in (tmp_path / "coordinator-1.log").read_text())
