@@ -77,6 +77,11 @@ def exit_codes(procs: list, timeout: float) -> list[int]:
         kill_all(procs)
 
 
+def signal_all(procs: list, sig: int) -> None:
+    for p in procs:
+        os.killpg(p.pid, sig)
+
+
 def kill_all(procs: list) -> None:
     for p in procs:
         if p.poll() is None:
@@ -130,8 +135,9 @@ def saved_steps(ckpt, rank: int) -> set[int]:
 
 @contextlib.contextmanager
 def two_groups(tmp_path, options: list[str], together: int):
-    """A coordinator, and groups A and B of 2 ranks given `options` once they committed `together` steps together:
-    (the run, the processes, their options); every process still running at the end is killed."""
+    """A coordinator, and groups A and B of 2 ranks given `options`, held (SIGSTOP) once they committed `together`
+    steps together, so that the run cannot end before the faults land: (the run, the processes, their options);
+    every process still running at the end is killed."""
     (tmp_path / "again").mkdir()
     extra = {rank: ["--checkpoint-dir", str(tmp_path / "ckpt"), *options] for rank in (0, 1)}
     procs = []
@@ -141,6 +147,7 @@ def two_groups(tmp_path, options: list[str], together: int):
                 procs += start_group(gid, 2, r.port, tmp_path, EPOCHS, extra)
             r.wait(f"{together} steps committed by A and B", lambda: r.committed_with(["A", "B"]) >= together,
                    timeout=180)
+            signal_all(procs, signal.SIGSTOP)
             yield r, procs, extra
         finally:
             kill_all(procs)
@@ -171,6 +178,7 @@ def test_groups_that_all_stopped_go_on_from_disk_and_end_on_the_one_process_run(
             os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group and/or the coordinator, at once
             proc.wait(timeout=10)
         if killed == "coordinator":  # each group's leader names it, and where the run goes on from, in one line
+            signal_all(procs, signal.SIGCONT)
             assert exit_codes(procs, 120) == [1, 1, 1, 1], all_logs(r, tmp_path)
             for gid in "AB":  # (torch's store client logs its own lines after it: not ours to silence here)
                 said = [s for s in (tmp_path / f"{gid}-0.log").read_text().splitlines() if "error:" in s]
@@ -218,14 +226,13 @@ def test_a_group_killed_alone_with_a_checkpoint_dir_goes_on_with_the_live_group(
         for proc in procs[:2]:
             os.killpg(proc.pid, signal.SIGKILL)  # both ranks of A; B lives
             proc.wait(timeout=10)
+        signal_all(procs[2:], signal.SIGCONT)
         r.wait("2 steps committed by B alone", lambda: r.committed_with(["B"]) >= 2, timeout=180)
-        for proc in procs[2:]:
-            os.killpg(proc.pid, signal.SIGSTOP)  # B is held until A has resumed from disk: the run is not over
+        signal_all(procs[2:], signal.SIGSTOP)  # B is held until A has resumed from disk: the run is not over
         on_disk = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))
         procs += start_group("A", 2, r.port, again, EPOCHS, extra)
         r.wait("A resumed from disk", lambda: r.key(keys.held("A")) == f"{on_disk} 0".encode(), timeout=180)
-        for proc in procs[2:4]:
-            os.killpg(proc.pid, signal.SIGCONT)
+        signal_all(procs[2:4], signal.SIGCONT)
         codes = exit_codes(procs[2:], 300)
     logs, ref = all_logs(r, tmp_path), reference(tmp_path, EPOCHS)
     assert codes == [0, 0, 0, 0], logs
