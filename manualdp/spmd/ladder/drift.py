@@ -76,31 +76,35 @@ def digests(named_tensors) -> dict[str, int]:
     return dict(zip(names, values))
 
 
-def due(step: int, every: int) -> bool:
-    """Whether the replicas are compared at `step` (from 0): 0, 1, 2, 4, ... while below `every`, then its multiples."""
+def due(step: int, every: int, early: bool = True) -> bool:
+    """Whether the replicas are compared at `step` (from 0): 0, 1, 2, 4, ... while below `every` (`early`), then its
+    multiples."""
     if not every:
         return False
-    return step % every == 0 or (step < every and step & (step - 1) == 0)
+    return step % every == 0 or (early and step < every and step & (step - 1) == 0)
 
 
 def check_replicas(named_tensors, group=None, *, who: str, step: int, timeout: float | None = None,
-                   number: int | None = None) -> None:
+                   number: int | None = None, call_step: int = -1) -> None:
     """Raise RuntimeError on every rank of `group` unless every rank holds bitwise the same tensors.
 
     `named_tensors`: (name, tensor) pairs, the same names in the same order on every rank; `who`
     (the wrapper) and `step` name the check in the error, which names the first tensor that differs.
     `number`: the wrapper's number (`identity.take_number`), compared first: ranks that called two
     different wrappers here are named as such, not as replicas that drifted.
+    `call_step`: the step field of the wrapper's own collectives, compared by the first call check.
     Every rank must call it at the same point of the program.
     """
     if dist.get_world_size(group) == 1:
         return
     if number is not None:  # first which wrapper: two wrappers' parameters always differ, and that is not drift
         agree(f"{who}'s replica at step {step}", {"wrapper": f"#{number}"}, group, error=RuntimeError,
-              timeout=timeout, check=True, hint="wrappers are numbered in the order each rank built them: the ranks "
-              "called different wrappers here, as a(b(x)) on one rank and b(a(x)) on another does")
+              timeout=timeout, check=True, call_step=call_step, identity=number or 0,
+              hint="wrappers are numbered in the order each rank built them: the ranks called different wrappers "
+                   "here, as a(b(x)) on one rank and b(a(x)) on another does")
     fields = {f"parameter {name}": value for name, value in digests(named_tensors).items()}
     agree(f"{who}'s replica at step {step}", fields, group, error=RuntimeError, timeout=timeout, check=True,
+          call_step=call_step, identity=number or 0,
           hint="the replicas no longer hold the same parameters (the per-rank values are digests of their bits): "
                "a rank loaded other weights or changed a parameter by hand, a parameter was unfrozen after "
                "wrapping (build the wrapper after unfreezing it), or the ranks built their models from other "
@@ -113,13 +117,28 @@ class DriftCheck:
     def __init__(self, every: int) -> None:
         self.every = non_negative_int("drift_check_every", every)
         self.steps = 0  # steps begun so far
+        self.last: int | None = None  # the last step given to `tick` (the drop-in's count of synchronised backwards)
 
     def tick(self, named_tensors, group, *, who: str, timeout: float | None = None, number: int | None = None,
-             names: list[str] | None = None) -> None:
+             names: list[str] | None = None, step: int | None = None, call_step: int = -1, before=None,
+             early: bool = True) -> None:
         """A step begins: compare the replicas if it is due (`named_tensors` is read only then); `names`: the
-        wrapper's parameters as built, to name one a peer replaced (`identity.naming_wrappers`)."""
-        step, self.steps = self.steps, self.steps + 1
-        if due(step, self.every):
+        wrapper's parameters as built, to name one a peer replaced (`identity.naming_wrappers`).
+
+        `step`: the wrapper's own count of finished steps (the drop-in's synchronised backward passes), checked once
+        each: a forward without backward on one rank (torch's DDP takes it) must not shift its schedule against its
+        peers'; None: count the calls. `call_step`: the step field the wrapper's collectives carry, compared by the
+        check's call check too, so that a rank out of step is named by its step even where a check meets them.
+        `before`: called first when a check is due (the drop-in compares the step's calls there: out of step, named
+        so). `early`: also at steps 1, 2, 4, ... below `every` (`due`)."""
+        if step is None:
+            step, self.steps = self.steps, self.steps + 1
+        elif step == self.last:
+            return
+        self.last = step
+        if due(step, self.every, early):
+            if before is not None:
+                before()
             with naming_wrappers(names, who):
                 check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
-                               step=step, timeout=timeout, number=number)
+                               step=step, timeout=timeout, number=number, call_step=call_step)

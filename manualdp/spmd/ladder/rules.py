@@ -176,7 +176,7 @@ class Rung(nn.Module):
             return self.module(*args, **kwargs)
         self._refuse_replaced()
         self.drift.tick(self.module.named_parameters, self.group, who=type(self).__name__, timeout=self.timeout,
-                        number=self.number, names=self.built.names)
+                        number=self.number, names=self.built.names, call_step=self.steps + 1)
         self.steps += 1
         if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
             self.copy_buffers()

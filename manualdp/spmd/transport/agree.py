@@ -38,7 +38,7 @@ SHOWN_CHARS = 200  # each value is cut to this many characters
 
 def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must pass the same",
           error: type[Exception] = ValueError, timeout: float | None = None, shown: dict | None = None,
-          check: bool = False) -> None:
+          check: bool = False, call_step: int = -1, identity: int = 0) -> None:
     """Raise `error` on every rank of `group` unless every rank passes equal `fields` (name -> value).
 
     Args:
@@ -50,7 +50,8 @@ def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must p
         timeout: seconds to wait for a silent peer (`PeerError`); default: the group's.
         shown: more of this rank's state, printed in the error (per rank) but not compared.
         check: first compare the calls themselves (`call_check.same_call`, a round trip): a rank that
-            is in another collective altogether raises instead of pairing its messages with these.
+            is in another collective altogether raises instead of pairing its messages with these;
+            `call_step` and `identity`: the step and wrapper fields that check compares (`allreduce`'s).
 
     Every rank must call it at the same point of the program with the same `what`; the exchange
     is run inline, so call it where the group's other collectives are ordered (on the group's
@@ -67,7 +68,7 @@ def agree(what: str, fields: dict, group=None, *, hint: str = "every rank must p
     table = torch.zeros(n, dtype=torch.int64, device=torch.cuda.current_device() if nccl else "cpu")
     table[state.rank] = _digest(mine)
     if check:
-        same_call(state, table, "naive", DEFAULT_SEGMENT_BYTES, timeout)
+        same_call(state, table, "naive", DEFAULT_SEGMENT_BYTES, timeout, step=call_step, identity=identity)
     run_allreduce(table, "naive", state, DEFAULT_SEGMENT_BYTES, timeout)
     if len(set(table.tolist())) == 1:
         return
