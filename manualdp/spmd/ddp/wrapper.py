@@ -33,7 +33,7 @@ from ..transport.peers import group_ranks, group_timeout
 from .reducer import Reducer
 from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
 from ..ladder.identity import take_number
-from ..ladder.loading import check_loadable
+from ..ladder.loading import check_loadable, unchanged_if_refused
 from ..auto.tune import ENGINE_ALGORITHMS
 
 __all__ = ["DistributedDataParallel", "NoParametersError"]
@@ -192,7 +192,8 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
         check_loadable(self, state_dict, strict, "DistributedDataParallel")
-        return super().load_state_dict(state_dict, strict, assign)
+        with unchanged_if_refused(self, objects=assign):  # what torch refuses that the check did not foresee
+            return super().load_state_dict(state_dict, strict, assign)
 
     def __getstate__(self):
         if self.process_group is not dist.group.WORLD:  # the copy would average over another group
@@ -253,7 +254,8 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             if not parts_replicas(self.calls.comm_hook):  # the no-op hook parts the replicas on purpose: no drift
                 self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
                                 number=self.calls.number, names=self.calls.built.names, step=self.reducer.steps,
-                                before=self.calls.settle, early=not self.calls.debug)  # debug: per bucket
+                                before=self.calls.settle if self.reducer.steps else None,  # out of step: named
+                                early=not self.calls.debug)  # debug mode compares each bucket's step
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32

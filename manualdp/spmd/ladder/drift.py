@@ -99,12 +99,12 @@ def check_replicas(named_tensors, group=None, *, who: str, step: int, timeout: f
         return
     if number is not None:  # first which wrapper: two wrappers' parameters always differ, and that is not drift
         agree(f"{who}'s replica at step {step}", {"wrapper": f"#{number}"}, group, error=RuntimeError,
-              timeout=timeout, check=True, call_step=call_step, identity=number or 0,
+              timeout=timeout, check=True, call_step=call_step,
               hint="wrappers are numbered in the order each rank built them: the ranks called different wrappers "
                    "here, as a(b(x)) on one rank and b(a(x)) on another does")
     fields = {f"parameter {name}": value for name, value in digests(named_tensors).items()}
     agree(f"{who}'s replica at step {step}", fields, group, error=RuntimeError, timeout=timeout, check=True,
-          call_step=call_step, identity=number or 0,
+          call_step=call_step,
           hint="the replicas no longer hold the same parameters (the per-rank values are digests of their bits): "
                "a rank loaded other weights or changed a parameter by hand, a parameter was unfrozen after "
                "wrapping (build the wrapper after unfreezing it), or the ranks built their models from other "
