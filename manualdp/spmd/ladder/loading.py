@@ -3,17 +3,23 @@
 torch's `nn.Module.load_state_dict` copies each key as it walks the submodules and raises at the end (a size
 mismatch, a missing or unexpected key), or in the middle (a submodule's pre-hook refusing): the submodules walked
 first are loaded, the rest are not. The drop-ins (`DistributedDataParallel`, `fully_shard`'s modules) check the whole
-state dict first, so that a refused load changes no tensor of the model (`check_loadable`).
+state dict first, so that a refused load says what is wrong in one line (`check_loadable`). Checking every way
+torch's loader can refuse ahead of time would always miss one (a meta or sparse value, a DTensor for a plain
+parameter, an `_extra_state` or `num_batches_tracked` key, a user's pre-hook): so the load also runs inside
+`unchanged_if_refused`, which keeps the data of every parameter and buffer and every extra state, and puts them back,
+bitwise, if torch's load raises. A refused load changes nothing.
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping
+import copy
+from contextlib import contextmanager
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["check_loadable"]
+__all__ = ["check_loadable", "unchanged_if_refused"]
 
 _LEGACY = ("num_batches_tracked", "_extra_state")  # keys that a module's own loader may fill in, or handle itself
 _PLAIN = (nn.Module._load_from_state_dict, nn.modules.batchnorm._NormBase._load_from_state_dict)  # torch's usual
@@ -38,9 +44,8 @@ def check_loadable(module: nn.Module, state_dict: Mapping, strict: bool, who: st
                 continue
             key = prefix + name
             expected.add(key)
-            if key not in state_dict or (sharded is not None and sharded(sub, name)):
-                continue
-            _check_value(key, state_dict[key], held, who)
+            if key in state_dict:  # a shard's shape is checked elsewhere, that it is a tensor here
+                _check_value(key, state_dict[key], None if sharded is not None and sharded(sub, name) else held, who)
     if strict:
         given = set(state_dict.keys())
         missing = sorted(k for k in expected - given if not k.endswith(_LEGACY) and not k.startswith(tuple(own)))
@@ -52,12 +57,63 @@ def check_loadable(module: nn.Module, state_dict: Mapping, strict: bool, who: st
                                "(pass strict=False to load the keys that match)")
 
 
-def _check_value(key: str, value, held: torch.Tensor, who: str) -> None:
-    """One key: a tensor of the held tensor's shape (torch's loader takes a 1-element vector for a scalar too)."""
+def _check_value(key: str, value, held: torch.Tensor | None, who: str) -> None:
+    """One key: a tensor of the held tensor's shape (torch's loader takes a 1-element vector for a scalar too);
+    `held` None: a tensor of any shape."""
     if not isinstance(value, torch.Tensor):
         raise RuntimeError(f"{who}: load_state_dict: {key} is a {type(value).__name__}, not a tensor; nothing was "
                            "loaded")
-    if is_lazy(held) or value.shape == held.shape or (held.dim() == 0 and value.shape == (1,)):
+    if held is None or is_lazy(held) or value.shape == held.shape or (held.dim() == 0 and value.shape == (1,)):
         return
     raise RuntimeError(f"{who}: load_state_dict: size mismatch for {key}: shape {tuple(value.shape)} in the state "
                        f"dict, {tuple(held.shape)} in the model; nothing was loaded")
+
+
+@contextmanager
+def unchanged_if_refused(module: nn.Module, objects: bool = False,
+                         kept: Callable[[nn.Module, str, torch.Tensor], torch.Tensor] | None = None) -> Iterator[None]:
+    """Run a load of `module`; if it raises, put back bitwise what it may have changed, then re-raise.
+
+    Kept: the data of every persistent parameter and buffer (one copy of the model's state for the load's time) and
+    each submodule's extra state. `objects`: also put the tensors themselves back in their places (a load with
+    `assign=True` replaces them). `kept(sub, name, tensor)`: the tensor that holds `name`'s value (a shard)."""
+    places, data, extras = [], {}, []
+    with torch.no_grad():
+        for sub in module.modules():
+            persistent = {n: b for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set}
+            for table, tensors in (("_parameters", sub._parameters), ("_buffers", persistent)):
+                for name, held in tensors.items():
+                    if held is None:
+                        continue
+                    held = kept(sub, name, held) if kept is not None else held
+                    places.append((sub, table, name, held))
+                    if id(held) not in data and not is_lazy(held):
+                        data[id(held)] = (held, _local(held).clone())
+            if type(sub).get_extra_state is not nn.Module.get_extra_state:
+                extras.append((sub, copy.deepcopy(sub.get_extra_state())))
+    try:
+        yield
+    except BaseException:
+        _put_back(places, data.values(), extras, objects)
+        raise
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage holds `t`'s values on this rank (a DTensor's local shard)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _put_back(places, data, extras, objects: bool) -> None:
+    """What `unchanged_if_refused` kept, back where it was, in place (storage and version of each tensor kept)."""
+    with torch.no_grad():
+        if objects:
+            for sub, table, name, held in places:
+                getattr(sub, table)[name] = held
+        for held, saved in data:
+            local = _local(held)
+            if local.shape == saved.shape and local.dtype == saved.dtype:
+                local.copy_(saved)
+            else:  # torch's loader materialised a lazy one, or a user's hook resized it
+                held.data = saved
+        for sub, state in extras:
+            sub.set_extra_state(state)

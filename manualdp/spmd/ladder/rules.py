@@ -54,7 +54,7 @@ from ..transport.peers import group_ranks, group_timeout
 from ..transport.plan import DEFAULT_SEGMENT_BYTES
 from .drift import DRIFT_CHECK_EVERY, DriftCheck
 from .identity import BuiltWith, frozen_alike, naming_wrappers, replaced_line, take_number
-from .loading import check_loadable
+from .loading import check_loadable, unchanged_if_refused
 
 __all__ = ["Rung", "weak_hook"]
 
@@ -153,7 +153,8 @@ class Rung(nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
         check_loadable(self, state_dict, strict, type(self).__name__)
-        return super().load_state_dict(state_dict, strict, assign)
+        with unchanged_if_refused(self, objects=assign):  # what torch refuses that the check did not foresee
+            return super().load_state_dict(state_dict, strict, assign)
 
     def rebuild_kwargs(self) -> dict:
         """The keywords this rung was built with: a deep copy is built with them."""

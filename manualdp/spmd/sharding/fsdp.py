@@ -72,7 +72,7 @@ from .fsdp_init import Checked, checked_arguments
 from .fsdp_meta import init_full
 from .fsdp_norm import register_empty_shard_norms
 from .fsdp_param import Param, watch_optimizers
-from .fsdp_state_dict import check_whole, install_state_dict_hooks
+from .fsdp_state_dict import check_whole, install_state_dict_hooks, shards_kept
 from .fsdp_unit import UNIT, Unit
 
 __all__ = ["fully_shard", "full_state_dict", "init_full", "FSDPModule", "UnshardHandle"]
@@ -195,7 +195,8 @@ class FSDPModule(TorchFSDPModule):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
         check_whole(self, state_dict, strict)
-        return super().load_state_dict(state_dict, strict, assign)
+        with shards_kept(self):  # what torch refuses that the check did not foresee: put back, bitwise
+            return super().load_state_dict(state_dict, strict, assign)
 
     def _apply(self, fn, recurse: bool = True):  # to_empty, to, float...: take the new tensors as the shards
         out = super(TorchFSDPModule, self)._apply(fn, recurse)  # the module's own, not torch's FSDP state

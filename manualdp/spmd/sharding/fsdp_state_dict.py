@@ -24,11 +24,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..ladder.loading import check_loadable
+from ..ladder.loading import check_loadable, unchanged_if_refused
 from .fsdp_param import SLOTS
 from .fsdp_unit import UNIT
 
-__all__ = ["install_state_dict_hooks", "check_whole"]
+__all__ = ["install_state_dict_hooks", "check_whole", "shards_kept"]
 
 HOOKED = "_manualdp_fsdp_state_dict_hooks"  # in a submodule's __dict__: its hooks are registered
 _CHECKED = "_manualdp_fsdp_checked"  # on torch's copy of a state dict under load: `check_whole` ran for this load
@@ -80,8 +80,26 @@ def check_whole(module: nn.Module, state_dict, strict: bool) -> None:
                    sub.__dict__.get(SLOTS, {}))
 
 
+def shards_kept(module: nn.Module):
+    """`unchanged_if_refused` for a sharded module: its shards kept (and put back, bitwise, if the load raises)."""
+    return unchanged_if_refused(module, kept=_shard_of)
+
+
+def _shard_of(sub: nn.Module, name: str, held: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds `name`'s value between steps: the shard, also while the full one sits in its place."""
+    return next((p.sharded for attr, p in _held(sub) if attr == name), held)
+
+
+def _whole(value: torch.Tensor, p) -> bool:
+    """A DTensor replicated on `p`'s mesh holding the whole value: torch's loader takes this rank's shard of it."""
+    return (isinstance(value, DTensor) and value.device_mesh == p.sharded.device_mesh and value.shape == p.shape
+            and all(placement.is_replicate() for placement in value.placements))
+
+
 def _refuse(key: str, value: torch.Tensor, p) -> None:
     """A full tensor, a shard of another world size, or a DTensor on another mesh, where `p`'s shard sits."""
+    if _whole(value, p):
+        return
     if not isinstance(value, DTensor):
         raise ValueError(f"load_state_dict: {key} is a full tensor of shape {tuple(value.shape)}, and the model "
                          "holds this rank's shard of it: load a full state dict with torch.distributed.checkpoint."
@@ -145,6 +163,8 @@ def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys,
         value = state_dict.get(prefix + attr)
         if isinstance(value, torch.Tensor):
             _refuse(prefix + attr, value, p)
+        if isinstance(value, torch.Tensor) and _whole(value, p):  # this rank's shard of it, cut as the model's is
+            state_dict[prefix + attr] = value.redistribute(p.sharded.device_mesh, p.sharded.placements)
     for attr, p in held:  # the values load into the shards; a backward still to come gathers them again (as torch's)
         if p.full is not None and sub._parameters.get(attr) is p.full:
             sub.__dict__[SLOTS][attr].free()
