@@ -152,6 +152,8 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "allreduce_program_outside.py": (rf"{CALL} it tried to write \S+/stamp{OUTSIDE}", []),
     "ddp_forges_its_rank.py": (r"rank 0: Patched: your code replaced manualdp\.runners\.grader\.properties\.ddp\."
                                r"train_steps, which the grader runs in your rank", []),
+    "ddp_patch_clone.py": (r"rank \d: Patched: your code added torch\.Tensor\.clone, over "
+                           r"torch\._C\.TensorBase\.clone, which the grader runs in your rank", []),
 }
 PASS = {name: (SOLUTIONS / f"{name}.py", SLOW_CALL if name == "checkpoint" else [])
         for name in ("split_batch", "allreduce", "schedule", "cost", "zero1", "checkpoint", "ddp", "hook", "diloco")}

@@ -1,6 +1,7 @@
 """An answer that patches, in its rank, the grader's own functions that measure it (to forge the rank's results)
 fails naming what it replaced (`runners/grader/intact.py`): a module's name rebound, a function's code replaced."""
 import pathlib
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from manualdp.runners.grader import intact
 from .test_check_ddp_frozen import one_rank  # noqa: F401 (a fixture: one gloo rank in this process)
 
 FORGES = pathlib.Path(__file__).resolve().parents[1] / "answers" / "ddp_forges_its_rank.py"
+CLONE = pathlib.Path(__file__).resolve().parents[1] / "answers" / "ddp_patch_clone.py"
 CODE = """
 import manualdp.runners.grader.properties.ddp as grader
 
@@ -42,6 +44,44 @@ def test_nothing_patched_passes_and_a_rebound_name_or_replaced_code_is_named():
     finally:
         torch.nn.functional.cross_entropy.__code__ = code
     intact.check(before)
+
+
+@pytest.mark.parametrize("owner, name, value, told", [
+    (torch.Tensor, "clone", lambda self, *a, **k: self, "added torch.Tensor.clone, over torch._C.TensorBase.clone"),
+    (torch.optim.SGD, "zero_grad", lambda self, set_to_none=True: None,
+     "added torch.optim.sgd.SGD.zero_grad, over torch.optim.optimizer.Optimizer.zero_grad"),
+    (torch._C._distributed_c10d.ProcessGroup, "allreduce", lambda *a, **k: None,
+     "replaced torch.distributed.distributed_c10d.ProcessGroup.allreduce"),
+    (torch.distributed, "new_name", 1, "added torch.distributed.new_name")])
+def test_an_attribute_added_or_replaced_in_a_class_or_module_the_ranks_reach_is_named(owner, name, value, told):
+    before = intact.snapshot()
+    saved = vars(owner).get(name, intact.MISSING)
+    try:
+        setattr(owner, name, value)
+        with pytest.raises(intact.Patched, match=re.escape(f"your code {told}, which the grader runs in your rank")):
+            intact.check(before)
+    finally:
+        if saved is intact.MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, saved)
+    intact.check(before)
+
+
+def test_a_submodule_imported_after_the_snapshot_is_not_a_patch():
+    before = intact.snapshot()
+    import torch.distributed.algorithms.join  # noqa: F401 (sets `join` on its package, perhaps for the first time)
+
+    intact.check(before)
+
+
+def test_a_rank_whose_answer_shadows_tensor_clone_reports_it_not_an_average(one_rank, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "clone", torch._C.TensorBase.clone, raising=False)  # the answer sets it
+    monkeypatch.delattr(torch.Tensor, "clone")  # put back after: none of its own, as before
+    out = ddp.ddp_job(str(CLONE), steps=1)
+    assert set(out) == {"error"} and out["error"].startswith(
+        "rank 0: Patched: your code added torch.Tensor.clone, over torch._C.TensorBase.clone, which the grader runs "
+        "in your rank"), out
 
 
 def test_a_rank_whose_answer_rebinds_the_graders_train_steps_reports_that_not_forged_results(one_rank, monkeypatch):
