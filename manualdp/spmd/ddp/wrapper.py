@@ -254,8 +254,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             if not parts_replicas(self.calls.comm_hook):  # the no-op hook parts the replicas on purpose: no drift
                 self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
                                 number=self.calls.number, names=self.calls.built.names, step=self.reducer.steps,
-                                before=self.calls.settle if self.reducer.steps else None,  # out of step: named
-                                early=not self.calls.debug)  # debug mode compares each bucket's step
+                                before=self.reducer.steps and self.calls.settle, early=not self.calls.debug)
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32

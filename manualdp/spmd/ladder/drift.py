@@ -129,15 +129,16 @@ class DriftCheck:
         each: a forward without backward on one rank (torch's DDP takes it) must not shift its schedule against its
         peers'; None: count the calls. `call_step`: the step field the wrapper's collectives carry, compared by the
         check's call check too, so that a rank out of step is named by its step even where a check meets them.
-        `before`: called first when a check is due (the drop-in compares the step's calls there: out of step, named
-        so). `early`: also at steps 1, 2, 4, ... below `every` (`due`)."""
+        `before`: called first when a check is due (the drop-in compares the step's calls there after its first step:
+        a rank out of step is named so). `early`: also at steps 1, 2, 4, ... below `every` (`due`; the drop-in's debug
+        mode keeps the interval: its per-bucket comparison would meet an early check)."""
         if step is None:
             step, self.steps = self.steps, self.steps + 1
         elif step == self.last:
             return
         self.last = step
         if due(step, self.every, early):
-            if before is not None:
+            if before:
                 before()
             with naming_wrappers(names, who):
                 check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
