@@ -1,4 +1,4 @@
-"""What a wrapper checks of a state dict before `load_state_dict` writes any tensor of it.
+"""What a wrapper checks of a state dict before `load_state_dict` writes any tensor, and what it puts back after.
 
 torch's `nn.Module.load_state_dict` copies each key as it walks the submodules and raises at the end (a size
 mismatch, a missing or unexpected key), or in the middle (a submodule's pre-hook refusing): the submodules walked
@@ -7,7 +7,8 @@ state dict first, so that a refused load says what is wrong in one line (`check_
 torch's loader can refuse ahead of time would always miss one (a meta or sparse value, a DTensor for a plain
 parameter, an `_extra_state` or `num_batches_tracked` key, a user's pre-hook): so the load also runs inside
 `unchanged_if_refused`, which keeps the data of every parameter and buffer and every extra state, and puts them back,
-bitwise, if torch's load raises. A refused load changes nothing.
+bitwise, if torch's load raises. A refused load changes nothing; the price is one copy of the model's state (on its
+device) for the load's time.
 """
 from __future__ import annotations
 
@@ -90,12 +91,20 @@ def unchanged_if_refused(module: nn.Module, objects: bool = False,
                     if id(held) not in data and not is_lazy(held):
                         data[id(held)] = (held, _local(held).clone())
             if type(sub).get_extra_state is not nn.Module.get_extra_state:
-                extras.append((sub, copy.deepcopy(sub.get_extra_state())))
+                extras.append((sub, _copied(sub.get_extra_state())))
     try:
         yield
     except BaseException:
         _put_back(places, data.values(), extras, objects)
         raise
+
+
+def _copied(state):
+    """A deep copy of an extra state, or the state itself where it cannot be copied (it is put back as it was)."""
+    try:
+        return copy.deepcopy(state)
+    except Exception:  # noqa: BLE001 - a state that holds a lock or a handle: keep the object, not a copy
+        return state
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,12 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
   them again (torch's FSDP2 does the same); `check_whole` makes the same checks, and torch's, for the whole
   tree before a sharded module's `load_state_dict` writes anything (or, under a plain module over sharded
-  children, before the first of them loads), so a refused load leaves the model as it was;
+  children, before the first of them loads), so a refused load leaves the model as it was; a DTensor replicated on
+  the model's mesh that holds the whole value is taken as torch's FSDP2 takes it: this rank's shard of it. What
+  torch's loader refuses beyond these checks (a meta DTensor, a user's hook) changes nothing either: a sharded
+  module's load runs inside `shards_kept`, which keeps a copy of every shard and buffer for the load's time and
+  puts it back, bitwise, if the load raises (a plain root over sharded children loads by torch's own
+  `load_state_dict`, which nothing wraps: there, only `check_whole`'s refusals leave the model as it was);
 - after it: a DTensor that `load_state_dict(..., assign=True)` put in a parameter's place becomes its shard
   (pytorch/examples' FSDP2 script resumes a model built on the meta device that way), as torch's does.
 """
