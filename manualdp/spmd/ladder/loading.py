@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from ...validate import boolean, nn_module
+
 __all__ = ["check_loadable", "unchanged_if_refused"]
 
 _LEGACY = ("num_batches_tracked", "_extra_state")  # keys that a module's own loader may fill in, or handle itself
@@ -78,6 +80,10 @@ def unchanged_if_refused(module: nn.Module, objects: bool = False,
     Kept: the data of every persistent parameter and buffer (one copy of the model's state for the load's time) and
     each submodule's extra state. `objects`: also put the tensors themselves back in their places (a load with
     `assign=True` replaces them). `kept(sub, name, tensor)`: the tensor that holds `name`'s value (a shard)."""
+    nn_module("module", module)
+    boolean("objects", objects)
+    if kept is not None and not callable(kept):
+        raise TypeError(f"kept must be callable, got {type(kept).__name__}")
     places, data, extras = [], {}, []
     with torch.no_grad():
         for sub in module.modules():

@@ -154,3 +154,15 @@ def test_unchanged_if_refused_leaves_a_load_that_succeeds_alone():
         with torch.no_grad():
             model.weight.fill_(3.0)
     assert torch.equal(model.weight.detach(), torch.full((2, 2), 3.0))
+
+
+def test_unchanged_if_refused_names_a_bad_argument():
+    with pytest.raises(TypeError, match="module must be an nn.Module, got dict"):
+        with unchanged_if_refused({}):
+            pass
+    with pytest.raises(TypeError, match="objects must be a bool, got 1"):
+        with unchanged_if_refused(nn.Linear(1, 1), objects=1):
+            pass
+    with pytest.raises(TypeError, match="kept must be callable, got int"):
+        with unchanged_if_refused(nn.Linear(1, 1), kept=3):
+            pass
