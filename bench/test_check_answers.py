@@ -152,6 +152,10 @@ VERDICTS = {  # answer -> (what its first line must say, extra options)
     "allreduce_program_outside.py": (rf"{CALL} it tried to write \S+/stamp{OUTSIDE}", []),
     "ddp_forges_its_rank.py": (r"rank 0: Patched: your code replaced manualdp\.runners\.grader\.properties\.ddp\."
                                r"train_steps, which the grader runs in your rank", []),
+    "allreduce_utimes_ctypes.py": (rf"{CALL} it tried to call libc's utimes through ctypes, whose calls the grader "
+                                   r"cannot judge: an answer may write only in its own folder", []),
+    "allreduce_unix_socket_outside.py": (rf"{CALL} it tried to bind a socket at \S+/sock{OUTSIDE}", []),
+    "allreduce_mkfifo_outside.py": (rf"{CALL} it tried to make a FIFO at \S+/fifo{OUTSIDE}", []),
     "ddp_patch_clone.py": (r"rank \d: Patched: your code added torch\.Tensor\.clone, over "
                            r"torch\._C\.TensorBase\.clone, which the grader runs in your rank", []),
 }

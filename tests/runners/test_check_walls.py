@@ -54,25 +54,18 @@ def test_a_careless_answer_that_removes_a_folder_beside_its_own_fails_naming_it(
     assert (victim / "deep" / "keep.txt").read_text() == "keep"
 
 
-def test_the_audit_hook_reads_a_path_relative_to_a_descriptor_against_its_folder(tmp_path):
-    mine, other = tmp_path / "mine", tmp_path / "other"
-    (mine / "tree" / "deep").mkdir(parents=True)
-    (mine / "tree" / "deep" / "f").write_text("x")
-    other.mkdir()
-    (other / "keep").write_text("keep")
+def refused_by_the_hook(mine: pathlib.Path, other: pathlib.Path, body: str, tries: str) -> list:
+    """What the audit hook refused (`Walls.refused`) in a Python that may write `mine` and read `other` (not write
+    there), ran `body`, then each of the calls `tries` (a tuple of lambdas), their errors caught."""
     probe = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {os.path.dirname(walls.__file__)!r})
-        import os, shutil, walls
-        w = walls.Walls([{str(mine)!r}], [{str(other)!r}])  # it may read `other`, not write there
+        import ctypes, os, shutil, socket, stat, walls
+        w = walls.Walls([{str(mine)!r}], [{str(other)!r}])
         w.audit(programs=True)
-        os.chdir("/")  # where the names below, read against the working folder, are other paths
-        shutil.rmtree({str(mine / 'tree')!r})  # opens, lists and deletes relative to each folder's descriptor
         mine_fd, other_fd = os.open({str(mine)!r}, os.O_RDONLY), os.open({str(other)!r}, os.O_RDONLY)
-        os.mkdir("made", dir_fd=mine_fd)
-        os.rename("made", "moved", src_dir_fd=mine_fd, dst_dir_fd=mine_fd)
-        for op in (lambda: os.remove("keep", dir_fd=other_fd), lambda: os.mkdir("d", dir_fd=other_fd),
-                   lambda: os.rename("moved", "moved", src_dir_fd=mine_fd, dst_dir_fd=other_fd)):
+    """) + textwrap.dedent(body) + textwrap.dedent(f"""
+        for op in {tries}:
             try:
                 op()
             except OSError:
@@ -81,8 +74,25 @@ def test_the_audit_hook_reads_a_path_relative_to_a_descriptor_against_its_folder
     """)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done
-    assert eval(done.stdout) == [("delete", f"{other}/keep"), ("make the folder", f"{other}/d"),
-                                 ("rename", f"{other}/moved")]
+    return eval(done.stdout)
+
+
+def test_the_audit_hook_reads_a_path_relative_to_a_descriptor_against_its_folder(tmp_path):
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    (mine / "tree" / "deep").mkdir(parents=True)
+    (mine / "tree" / "deep" / "f").write_text("x")
+    other.mkdir()
+    (other / "keep").write_text("keep")
+    body = f"""
+        os.chdir("/")  # where the names below, read against the working folder, are other paths
+        shutil.rmtree({str(mine / 'tree')!r})  # opens, lists and deletes relative to each folder's descriptor
+        os.mkdir("made", dir_fd=mine_fd)
+        os.rename("made", "moved", src_dir_fd=mine_fd, dst_dir_fd=mine_fd)
+    """
+    tries = ('(lambda: os.remove("keep", dir_fd=other_fd), lambda: os.mkdir("d", dir_fd=other_fd), '
+             'lambda: os.rename("moved", "moved", src_dir_fd=mine_fd, dst_dir_fd=other_fd))')
+    assert refused_by_the_hook(mine, other, body, tries) == [
+        ("delete", f"{other}/keep"), ("make the folder", f"{other}/d"), ("rename", f"{other}/moved")]
     assert not (mine / "tree").exists() and (mine / "moved").is_dir() and (other / "keep").read_text() == "keep"
 
 
@@ -135,3 +145,42 @@ def test_a_rank_that_tried_to_write_outside_its_folder_is_told_so(one_rank, tmp_
     answer.write_text(RANK_WRITES_OUTSIDE)
     error = ddp_job(str(answer), steps=1)["error"]
     assert error.startswith("rank 0: it tried to write /srv/weights.pt, outside its own folder"), error
+
+
+@pytest.mark.parametrize("answer, named", [
+    ("allreduce_utimes_ctypes", "it tried to call libc's utimes through ctypes, whose calls the grader cannot judge: "
+                                "an answer may write only in its own folder"),
+    ("allreduce_unix_socket_outside", "it tried to bind a socket at {folder}/sock, outside its own folder"),
+    ("allreduce_mkfifo_outside", "it tried to make a FIFO at {folder}/fifo, outside its own folder")])
+def test_an_attempt_outside_that_the_answer_caught_or_ignored_is_named(answer, named, graded):
+    folder, check = graded
+    (folder / "victim.txt").write_text("keep")
+    os.utime(folder / "victim.txt", (0, 0))
+    status, out = check(ANSWERS / f"{answer}.py")
+    assert status == 1 and named.format(folder=folder) in out, out
+    assert sorted(os.listdir(folder)) == ["victim.txt"] and os.stat(folder / "victim.txt").st_mtime == 0
+
+
+def test_the_audit_hook_names_binds_fifos_nodes_and_libc_lookups_outside_and_allows_its_own(tmp_path):
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    mine.mkdir()
+    other.mkdir()
+    body = f"""
+        os.chdir({str(mine)!r})
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.open, libc.close, libc.getpid  # no path changed by these alone: the kernel's walls judge their calls
+        os.mkfifo("fifo")
+        os.mknod("node", stat.S_IFREG | 0o600)
+        socket.socket(socket.AF_UNIX).bind("sock")
+        socket.socket(socket.AF_UNIX).bind("\\0manualdp-abstract-probe")  # an abstract socket: no file anywhere
+    """
+    tries = (f'(lambda: os.mkfifo({str(other / "fifo")!r}), lambda: os.mkfifo("f", dir_fd=other_fd), '
+             f'lambda: os.mknod({str(other / "node")!r}), '
+             f'lambda: socket.socket(socket.AF_UNIX).bind({str(other / "sock")!r}), lambda: libc.utimes, '
+             'lambda: ctypes.CDLL("libc.so.6")["chmod"])')
+    judged = "whose calls the grader cannot judge"
+    assert refused_by_the_hook(mine, other, body, tries) == [
+        ("make a FIFO at", f"{other}/fifo"), ("make a FIFO at", f"{other}/f"), ("make a node at", f"{other}/node"),
+        ("bind a socket at", f"{other}/sock"), (f"call libc's utimes through ctypes, {judged}", ""),
+        (f"call libc's chmod through ctypes, {judged}", "")]
+    assert sorted(os.listdir(mine)) == ["fifo", "node", "sock"] and os.listdir(other) == []

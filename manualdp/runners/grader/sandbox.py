@@ -242,7 +242,8 @@ class Child:
             self.close()
             what, path = (list(reply["refused"]) + ["", ""])[:2]
             walls = reply.get("walls") or self.walls
-            raise Stopped(f"it tried to {what} {path}, outside its own folder: an answer may write only in its own "
+            where = f" {path}, outside its own folder" if path else ""  # none: a call the walls cannot judge
+            raise Stopped(f"it tried to {what}{where}: an answer may write only in its own "
                           f"folder and read only what it imports (refused by the grader's walls: {walls})")
         return reply
 

@@ -18,8 +18,11 @@ walls hold that, each where the machine allows it, and the grader names those in
   Landlock) it is a fallback a determined answer gets round (ctypes, a rank's process, which it does not reach). It
   resolves every link before it judges a path.
 
-Writes made through ctypes, a program it runs or torch's C++ writer (`torch.save`) are stopped by the kernel's walls
-(mount, Landlock) only: the audit hook does not see them. Where the answer raised because of one, `tried.py` reads
+The hook also names a Unix socket bound, and a FIFO or node made (os.mkfifo and os.mknod raise no audit event: it
+wraps them to raise one), outside its folders. Writes made through ctypes, a program it runs or torch's C++ writer
+(`torch.save`) are stopped by the kernel's walls (mount, Landlock) only: the audit hook does not see them. Of a call
+through ctypes it sees the name looked up in libc, not the call: a lookup of one that changes a file at a path
+(`LIBC_WRITES`: utimes, chmod, mkfifo...) is refused, since the kernel's refusal of its call may go unseen. Where the answer raised because of one, `tried.py` reads
 the path from the error, and the grader names it as the hook's refusals. A path relative to a folder's descriptor
 (`dir_fd=`, as shutil.rmtree gives) is judged against that folder (/proc/self/fd/N), not the working folder.
 
@@ -30,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import socket
 import sys
 
 __all__ = ["Walls", "build"]
@@ -48,19 +52,47 @@ WRITES = {"os.remove": "delete", "os.rmdir": "delete the folder", "shutil.rmtree
           "os.rename": "rename", "os.mkdir": "make the folder", "os.link": "link", "os.symlink": "make a link at",
           "os.truncate": "truncate", "os.chmod": "chmod", "os.chown": "chown", "os.utime": "touch",
           "os.setxattr": "set an attribute of", "os.removexattr": "remove an attribute of", "os.chflags": "chflags",
-          "shutil.copyfile": "copy onto", "shutil.move": "move"}
+          "shutil.copyfile": "copy onto", "shutil.move": "move", "os.mkfifo": "make a FIFO at",
+          "os.mknod": "make a node at", "socket.bind": "bind a socket at"}
 READS = {"os.listdir": "list", "os.scandir": "list"}
 # where an event's paths are in its audit arguments: (path, the descriptor of the folder it is relative to, or None)
 PATHS = {"os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)), "shutil.move": ((0, None), (1, None)),
          "os.symlink": ((1, 2),), "shutil.copyfile": ((1, None),), "os.remove": ((0, 1),), "os.rmdir": ((0, 1),),
          "shutil.rmtree": ((0, 1),), "os.mkdir": ((0, 2),), "os.chmod": ((0, 2),), "os.chown": ((0, 3),),
-         "os.utime": ((0, 3),)}
+         "os.utime": ((0, 3),), "os.mkfifo": ((0, 2),), "os.mknod": ((0, 3),), "socket.bind": ((1, None),)}
+# os functions that raise no audit event of their own (Python 3.11-3.13): the hook wraps them to raise one
+SILENT = {"mkfifo": lambda path, mode=0o666, *, dir_fd=None: (path, mode, dir_fd),
+          "mknod": lambda path, mode=0o600, device=0, *, dir_fd=None: (path, mode, device, dir_fd)}
+# libc's functions that change a file at a path: looked up through ctypes, their calls raise no audit event, and
+# what the kernel's walls refuse an answer may ignore; only the name looked up ("ctypes.dlsym") can be seen
+LIBC_WRITES = {"utime", "utimes", "lutimes", "futimesat", "utimensat", "chmod", "lchmod", "fchmodat", "chown",
+               "lchown", "fchownat", "mkfifo", "mkfifoat", "mknod", "mknodat", "__xmknod", "__xmknodat", "bind",
+               "unlink", "unlinkat", "rmdir", "rename", "renameat", "renameat2", "link", "linkat", "symlink",
+               "symlinkat", "mkdir", "mkdirat", "truncate", "setxattr", "lsetxattr", "removexattr", "syscall"}
+CTYPES = ("ctypes.dlsym", "ctypes.dlsym/handle")
 # the "open" event has no descriptor: shutil.rmtree's opens of a folder's entries, relative to that folder's, the
 # local variable that holds it (Python 3.11-3.12, then 3.13 on)
 RMTREE_OPENS = {"_rmtree_safe_fd": "topfd", "_rmtree_safe_fd_step": "dirfd"}
 PROGRAMS = ("os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "pty.spawn")
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # manualdp's folder
 NAMES = {"mount": "a read-only mount namespace", "landlock": "Landlock", "audit": "an audit hook"}
+
+
+def _audited(name: str, call) -> None:
+    """Make os's `name` (its posix function) raise the audit event "os.`name`" with its arguments (`call`'s)."""
+    import posix
+
+    real = getattr(posix, name, None)
+    if real is None:
+        return
+
+    def audited(*args, **kwargs):
+        sys.audit(f"os.{name}", *call(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    audited.__name__ = audited.__qualname__ = name
+    setattr(posix, name, audited)
+    setattr(os, name, audited)
 
 
 def _libc():
@@ -136,7 +168,8 @@ class Walls:
         busy = [False]
 
         def hook(event: str, args: tuple) -> None:
-            if busy[0] or not (event == "open" or event in WRITES or event in READS or event.startswith(PROGRAMS)):
+            if busy[0] or not (event == "open" or event in WRITES or event in READS or event in CTYPES or
+                               event.startswith(PROGRAMS)):
                 return
             busy[0] = True  # what the judging itself calls is not judged
             try:
@@ -147,10 +180,12 @@ class Walls:
                 busy[0] = False
             if refused:
                 self.refused.append(refused)
-                raise PermissionError(f"manualdp check: your code may not {refused[0]} {refused[1]}: an answer may "
-                                      "write only in its own folder, and read only what it imports")
+                raise PermissionError(f"manualdp check: your code may not {' '.join(filter(None, refused))}: an "
+                                      "answer may write only in its own folder, and read only what it imports")
 
         sys.addaudithook(hook)
+        for name, call in SILENT.items():
+            _audited(name, call)
 
     def _judge(self, event: str, args: tuple, programs: bool) -> tuple[str, str] | None:
         """(operation, path) if the hook refuses `event`, else None."""
@@ -168,6 +203,12 @@ class Walls:
             return self._read("read", path, _folder_of(_rmtree_fd()))
         if event in READS:
             return self._read(READS[event], args[0] if args else ".")
+        if event in CTYPES:
+            return (f"call libc's {args[1]} through ctypes, whose calls the grader cannot judge", "") if (
+                args[1] in LIBC_WRITES) else None
+        if event == "socket.bind" and (getattr(args[0], "family", None) != socket.AF_UNIX or not isinstance(
+                args[1], (str, bytes)) or args[1][:1] in ("\0", b"\0", "", b"")):  # abstract sockets: no file
+            return None
         for at, fd_at in PATHS.get(event, ((0, None),)):
             folder = _folder_of(args[fd_at] if fd_at is not None and fd_at < len(args) else None)
             refused = self._write(WRITES[event], args[at], event in ("os.truncate", "os.chmod", "shutil.copyfile"),
