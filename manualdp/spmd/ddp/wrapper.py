@@ -191,7 +191,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
-        check_loadable(self, state_dict, strict, "DistributedDataParallel")
+        check_loadable(self, state_dict, strict, "DistributedDataParallel", assign=assign)
         with unchanged_if_refused(self, objects=assign):  # what torch refuses that the check did not foresee
             return super().load_state_dict(state_dict, strict, assign)
 

@@ -18,41 +18,50 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parameter import is_lazy
 
 from ...validate import boolean, nn_module
 
 __all__ = ["check_loadable", "unchanged_if_refused"]
 
-_LEGACY = ("num_batches_tracked", "_extra_state")  # keys that a module's own loader may fill in, or handle itself
+_COUNT = "num_batches_tracked"  # BatchNorm's, which its loader fills in for a state saved before version 2
+_EXTRA = "_extra_state"  # the key of a module's extra state (`get_extra_state`)
 _PLAIN = (nn.Module._load_from_state_dict, nn.modules.batchnorm._NormBase._load_from_state_dict)  # torch's usual
 
 
 def check_loadable(module: nn.Module, state_dict: Mapping, strict: bool, who: str,
-                   sharded: Callable[[nn.Module, str], bool] | None = None) -> None:
-    """Raise one line, before anything is written, where `module.load_state_dict(state_dict, strict)` would refuse:
-    a value that is not a tensor, a tensor of another shape, and (`strict`) a missing or unexpected key.
+                   sharded: Callable[[nn.Module, str], bool] | None = None, assign: bool = False) -> None:
+    """Raise one line, before anything is written, where `module.load_state_dict(state_dict, strict, assign)` would
+    refuse: a value that is not a tensor, a tensor of another shape, (without `assign`) a meta or sparse value or a
+    DTensor for a plain tensor, and (`strict`) a missing or unexpected key, extra states and BatchNorm's
+    `num_batches_tracked` counted as torch's loader counts them.
 
-    `sharded(sub, name)`: whether parameter `name` of submodule `sub` is checked elsewhere (a shard), not here."""
+    `sharded(sub, name)`: whether parameter `name` of submodule `sub` is a shard, whose shape is checked elsewhere."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"{who}: load_state_dict: state_dict must be a mapping, got {type(state_dict).__name__}")
-    expected, own = set(), []  # own: prefixes of submodules that load their keys their own way, left to torch
+    expected, optional, own = set(), set(), []  # own: prefixes of submodules that load their own way, left to torch
     for prefix, sub in module.named_modules(remove_duplicate=False):
         prefix = f"{prefix}." if prefix else ""
         if type(sub)._load_from_state_dict not in _PLAIN:
             own.append(prefix)
+        if type(sub).set_extra_state is not nn.Module.set_extra_state:  # torch's loader then wants the key
+            expected.add(prefix + _EXTRA)
+        if _fills_count(sub, state_dict, prefix):
+            optional.add(prefix + _COUNT)
         persistent = {n: b for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set}
         for name, held in [*sub._parameters.items(), *persistent.items()]:
             if held is None:
                 continue
             key = prefix + name
             expected.add(key)
-            if key in state_dict:  # a shard's shape is checked elsewhere, that it is a tensor here
-                _check_value(key, state_dict[key], None if sharded is not None and sharded(sub, name) else held, who)
+            if key in state_dict:
+                shard = sharded is not None and sharded(sub, name)
+                _check_value(key, state_dict[key], held, who, shaped=not shard, assign=assign)
     if strict:
-        given = set(state_dict.keys())
-        missing = sorted(k for k in expected - given if not k.endswith(_LEGACY) and not k.startswith(tuple(own)))
-        unexpected = sorted(k for k in given - expected if not k.endswith(_LEGACY) and not k.startswith(tuple(own)))
+        given, own = set(state_dict.keys()), tuple(own)
+        missing = sorted(k for k in expected - given - optional if not k.startswith(own))
+        unexpected = sorted(k for k in given - expected if not k.startswith(own))
         if missing or unexpected:
             said = [f"missing key(s) {', '.join(missing)}" if missing else "",
                     f"unexpected key(s) {', '.join(unexpected)}" if unexpected else ""]
@@ -60,13 +69,33 @@ def check_loadable(module: nn.Module, state_dict: Mapping, strict: bool, who: st
                                "(pass strict=False to load the keys that match)")
 
 
-def _check_value(key: str, value, held: torch.Tensor | None, who: str) -> None:
-    """One key: a tensor of the held tensor's shape (torch's loader takes a 1-element vector for a scalar too);
-    `held` None: a tensor of any shape."""
+def _fills_count(sub: nn.Module, state_dict: Mapping, prefix: str) -> bool:
+    """Whether BatchNorm's loader fills in a missing `num_batches_tracked`: a state saved before version 2."""
+    if not isinstance(sub, nn.modules.batchnorm._NormBase) or not sub.track_running_stats:
+        return False
+    version = (getattr(state_dict, "_metadata", None) or {}).get(prefix[:-1], {}).get("version")
+    return version is None or version < 2
+
+
+def _check_value(key: str, value, held: torch.Tensor, who: str, shaped: bool, assign: bool) -> None:
+    """One key: a tensor of the held tensor's shape (torch's loader takes a 1-element vector for a scalar too) that
+    torch's loader can copy (without `assign`); `shaped` False: a shard, whose shape and placement are checked
+    elsewhere."""
     if not isinstance(value, torch.Tensor):
         raise RuntimeError(f"{who}: load_state_dict: {key} is a {type(value).__name__}, not a tensor; nothing was "
                            "loaded")
-    if held is None or is_lazy(held) or value.shape == held.shape or (held.dim() == 0 and value.shape == (1,)):
+    if not assign and value.device.type == "meta" and held.device.type != "meta":
+        raise RuntimeError(f"{who}: load_state_dict: {key} is on the meta device (it holds no values); nothing was "
+                           "loaded")
+    if not assign and value.layout != held.layout:
+        raise RuntimeError(f"{who}: load_state_dict: {key} is a {value.layout} tensor and the model holds a "
+                           f"{held.layout} one (load value.to_dense()); nothing was loaded")
+    if not shaped:
+        return
+    if not assign and isinstance(value, DTensor) and not isinstance(held, DTensor):
+        raise RuntimeError(f"{who}: load_state_dict: {key} is a DTensor and the model holds a plain tensor (load "
+                           "value.full_tensor()); nothing was loaded")
+    if is_lazy(held) or value.shape == held.shape or (held.dim() == 0 and value.shape == (1,)):
         return
     raise RuntimeError(f"{who}: load_state_dict: size mismatch for {key}: shape {tuple(value.shape)} in the state "
                        f"dict, {tuple(held.shape)} in the model; nothing was loaded")

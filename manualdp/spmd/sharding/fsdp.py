@@ -194,7 +194,7 @@ class FSDPModule(TorchFSDPModule):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """torch's, with the whole state dict checked before any tensor is written: a refused load changes nothing."""
-        check_whole(self, state_dict, strict)
+        check_whole(self, state_dict, strict, assign)
         with shards_kept(self):  # what torch refuses that the check did not foresee: put back, bitwise
             return super().load_state_dict(state_dict, strict, assign)
 

@@ -72,7 +72,7 @@ def _fulls_back(sub: nn.Module, state_dict, prefix: str, local_metadata) -> None
         sub._parameters[attr] = full
 
 
-def check_whole(module: nn.Module, state_dict, strict: bool) -> None:
+def check_whole(module: nn.Module, state_dict, strict: bool, assign: bool = False) -> None:
     """Every refusal of a load into `module` (the sharded ones below, torch's own: `ladder.loading`), before any
     submodule's tensors are written: a refused load leaves the model as it was."""
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -82,7 +82,7 @@ def check_whole(module: nn.Module, state_dict, strict: bool) -> None:
             if isinstance(value, torch.Tensor):
                 _refuse(key, value, p)
     check_loadable(module, state_dict, strict, type(module).__name__, sharded=lambda sub, name: name in
-                   sub.__dict__.get(SLOTS, {}))
+                   sub.__dict__.get(SLOTS, {}), assign=assign)
 
 
 def shards_kept(module: nn.Module):
@@ -124,8 +124,8 @@ def _refuse(key: str, value: torch.Tensor, p) -> None:
                          "model_param.device_mesh, model_param.placements)), or load with dcp.load")
 
 
-def _outermost_load() -> tuple[nn.Module, Mapping, bool] | None:
-    """(module, its whole state dict, strict) of the outermost `nn.Module.load_state_dict` under way on this thread.
+def _outermost_load() -> tuple[nn.Module, Mapping, bool, bool] | None:
+    """(module, its whole state dict, strict, assign) of the outermost `nn.Module.load_state_dict` under way here.
 
     A plain module over sharded children (`fully_shard` on the children only) loads with torch's `load_state_dict`,
     whose hooks on each child see that child's keys only: the whole is read from torch's frame, the one place it is.
@@ -141,7 +141,7 @@ def _outermost_load() -> tuple[nn.Module, Mapping, bool] | None:
     module, state_dict = found.get("self"), found.get("state_dict")
     if not isinstance(module, nn.Module) or not isinstance(state_dict, Mapping):
         return None
-    return module, state_dict, bool(found.get("strict", True))
+    return module, state_dict, bool(found.get("strict", True)), bool(found.get("assign", False))
 
 
 def _check_whole_once(state_dict) -> None:
@@ -151,10 +151,10 @@ def _check_whole_once(state_dict) -> None:
     outer = _outermost_load()
     if outer is None:
         return
-    module, whole, strict = outer
+    module, whole, strict, assign = outer
     if UNIT in module.__dict__ or getattr(whole, _CHECKED, False):  # a sharded module's own load checked it first
         return
-    check_whole(module, whole, strict)
+    check_whole(module, whole, strict, assign)
     try:
         setattr(whole, _CHECKED, True)
     except AttributeError:  # a mapping that takes no attributes: checked again at the next sharded child, alike

@@ -1,10 +1,11 @@
-"""A load that torch's own loader refuses, in ways `check_loadable` does not foresee, changes nothing either (issue 43).
+"""A load that torch's own loader refuses changes nothing, and is refused in one line (issue 43).
 
 Before: torch's loader wrote the keys walked before the bad one and then raised (a half-loaded model). Each row is
 the adversary's: a meta, a sparse or a DTensor value for a plain parameter, an unexpected `num_batches_tracked` key,
 an old BatchNorm state without one under `_metadata` version 2, a missing or unexpected `_extra_state`, a user's
-load pre-hook that raises on the last submodule. On the drop-in and on a rung, on both ranks, every parameter, buffer
-and extra state is bitwise what it was; a load torch accepts still loads what torch's loader does.
+load pre-hook that raises on the last submodule. On the drop-in and on a rung, on both ranks, each is refused in one
+line (`check_loadable`; the hook's own error for the hook, which `unchanged_if_refused` undoes), every parameter,
+buffer and extra state is bitwise what it was; a load torch accepts still loads what torch's loader does.
 """
 from collections import OrderedDict
 
@@ -110,7 +111,7 @@ def _job():
                 said = None
             except RuntimeError as e:
                 said = str(e)
-            out[f"{wrapper.__name__} {row}"] = (said is not None, _same(before, _snapshot(model)))
+            out[f"{wrapper.__name__} {row}"] = (said, _same(before, _snapshot(model)))
         model = wrapper(_net("extra"), timeout=20)  # a load torch accepts: loaded as torch's loader loads it
         state = _plus(model.state_dict())
         state["module.2._extra_state"] = {"count": 9}
@@ -128,8 +129,18 @@ def test_a_load_torch_refuses_changes_nothing_on_the_wrappers():
             if case.endswith("accepted"):
                 assert value, (rank, case)
             else:
-                refused, unchanged = value
-                assert refused and unchanged, (rank, case, refused, unchanged)
+                said, unchanged = value
+                assert said is not None and unchanged, (rank, case, said, unchanged)
+                assert "\n" not in said, (rank, case, said)  # one line: ours, or the user's hook's own
+                assert case.endswith("pre-hook") or ("module.1." in said or "module.2." in said or
+                                                     "module.9." in said) and "nothing was loaded" in said, said
+        assert "module.1.bias is on the meta device" in out["DistributedDataParallel A1 meta"][0]
+        assert "module.1.bias is a torch.sparse_coo tensor" in out["BucketedDDP A2 sparse"][0]
+        assert "module.1.bias is a DTensor and the model holds a plain tensor" in out["BucketedDDP A3 dtensor"][0]
+        assert "unexpected key(s) module.9.num_batches_tracked;" in out["BucketedDDP A6 num_batches_tracked"][0]
+        assert "missing key(s) module.1.num_batches_tracked;" in out["DistributedDataParallel A7 bn v2"][0]
+        assert "missing key(s) module.2._extra_state;" in out["DistributedDataParallel A9 extra missing"][0]
+        assert "unexpected key(s) module.1._extra_state;" in out["BucketedDDP A10 extra unexpected"][0]
 
 
 def test_unchanged_if_refused_puts_back_data_objects_and_extra_state_bitwise():

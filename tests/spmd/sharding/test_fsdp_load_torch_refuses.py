@@ -3,8 +3,9 @@
 Before: a float or a list for a sharded parameter passed `check_whole`, and a meta DTensor reached torch's loader,
 which wrote the keys before it and raised (a half-loaded model); a Replicate DTensor holding the whole value for a
 Shard(0) parameter was refused as "a shard cut for another world size", where torch's FSDP2 loads this rank's shard
-of it. Now the first two are refused in one line, every refusal leaves every shard and buffer bitwise as it was on
-every rank, and the replicated value loads equal to torch's `fully_shard`.
+of it. Now the three are refused in one line, a user's pre-hook that raises after the first layer loaded is undone
+(`shards_kept`), every refusal leaves every shard and buffer bitwise as it was on every rank, and the replicated
+value loads equal to torch's `fully_shard`.
 """
 import torch
 import torch.distributed as dist
@@ -34,6 +35,10 @@ def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def _refusing(module, *args):
+    raise RuntimeError("the user's pre-hook refuses")
+
+
 def _job():
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -45,6 +50,9 @@ def _job():
     for row, value in (("B1 float", 3.0), ("B2 list", [1.0, 2.0, 3.0]), ("B12 meta", meta)):
         said = error_of(lambda: model.load_state_dict({**plus, "2.bias": value}))
         out[row] = (said, _same(before, _locals(model)))
+    handle = model[2].register_load_state_dict_pre_hook(_refusing)  # raises after layer 0 loaded: put back
+    out["hook"] = (error_of(lambda: model.load_state_dict(plus)), _same(before, _locals(model)))
+    handle.remove()
     whole = torch.tensor([7.0, 8.0, 9.0])
     replicated = {**plus, "2.bias": DTensor.from_local(whole, mesh, [Replicate()])}
     out["B4"] = error_of(lambda: model.load_state_dict(replicated))
@@ -63,5 +71,7 @@ def test_a_refused_load_changes_no_shard_and_a_replicated_whole_value_loads_as_t
                 (rank, row, said)
             assert unchanged, (rank, row)
         said, unchanged = out["B12 meta"]
-        assert said is not None and unchanged, (rank, said)
+        assert said is not None and "2.bias is on the meta device" in said and "\n" not in said, (rank, said)
+        assert unchanged, rank
+        assert out["hook"] == ("RuntimeError: the user's pre-hook refuses", True), (rank, out["hook"])
         assert out["B4"] is None and out["B4 whole"] and out["B4 as torch's"], (rank, out)
