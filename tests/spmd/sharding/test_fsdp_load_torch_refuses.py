@@ -60,6 +60,10 @@ def _job():
     theirs = _sharded(torch_fully_shard)
     theirs.load_state_dict({**plus, "2.bias": DTensor.from_local(whole, theirs[2].bias.device_mesh, [Replicate()])})
     out["B4 as torch's"] = _same(_locals(theirs), _locals(model))
+    plain_root = _sharded(lambda module: module if isinstance(module, nn.Sequential) else fully_shard(module))
+    replicated = {**plain_root.state_dict(), "2.bias": DTensor.from_local(whole, mesh, [Replicate()])}
+    out["B4 plain root"] = error_of(lambda: plain_root.load_state_dict(replicated))
+    out["B4 plain root whole"] = torch.equal(plain_root[2].bias.full_tensor(), whole)
     return out
 
 
@@ -75,3 +79,4 @@ def test_a_refused_load_changes_no_shard_and_a_replicated_whole_value_loads_as_t
         assert unchanged, rank
         assert out["hook"] == ("RuntimeError: the user's pre-hook refuses", True), (rank, out["hook"])
         assert out["B4"] is None and out["B4 whole"] and out["B4 as torch's"], (rank, out)
+        assert out["B4 plain root"] is None and out["B4 plain root whole"], (rank, out)
