@@ -125,13 +125,19 @@ def unchanged_if_refused(module: nn.Module, objects: bool = False,
                     places.append((sub, table, name, held))
                     if id(held) not in data and not is_lazy(held):
                         data[id(held)] = (held, _local(held).clone())
-            if type(sub).get_extra_state is not nn.Module.get_extra_state:
+            if _own_extra_state(sub):  # what torch's loader may set (`set_extra_state`), as it was (`get_extra_state`)
                 extras.append((sub, _copied(sub.get_extra_state())))
     try:
         yield
     except BaseException:
         _put_back(places, data.values(), extras, objects)
         raise
+
+
+def _own_extra_state(sub: nn.Module) -> bool:
+    """Whether `sub` both reads and sets an extra state of its own."""
+    return (type(sub).get_extra_state is not nn.Module.get_extra_state
+            and type(sub).set_extra_state is not nn.Module.set_extra_state)
 
 
 def _copied(state):

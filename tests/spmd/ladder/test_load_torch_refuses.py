@@ -177,3 +177,21 @@ def test_unchanged_if_refused_names_a_bad_argument():
     with pytest.raises(TypeError, match="kept must be callable, got int"):
         with unchanged_if_refused(nn.Linear(1, 1), kept=3):
             pass
+
+
+class _SavesOnly(nn.Linear):
+    """Saves an extra state but takes none back (no `set_extra_state`): nothing of it to put back."""
+
+    def get_extra_state(self):
+        return {"note": 1}
+
+
+def test_a_module_that_only_saves_an_extra_state_gets_the_loads_own_error_back():
+    model = _SavesOnly(2, 2)
+    before = model.weight.detach().clone()
+    with pytest.raises(ValueError, match="refused"):
+        with unchanged_if_refused(model):
+            with torch.no_grad():
+                model.weight.add_(1)
+            raise ValueError("refused")
+    assert torch.equal(model.weight.detach(), before)
