@@ -68,6 +68,22 @@ def test_an_attribute_added_or_replaced_in_a_class_or_module_the_ranks_reach_is_
     intact.check(before)
 
 
+@pytest.mark.parametrize("attribute, value", [("__defaults__", (1e9,)), ("__kwdefaults__", {"atol": 1e9})])
+def test_a_grader_function_whose_defaults_are_replaced_is_named(attribute, value):
+    def close(mine, theirs, atol=1e-12):
+        return abs(mine - theirs) <= atol
+
+    close.__kwdefaults__ = {"atol": 1e-12}  # as a keyword-only default would be
+    ddp.close_enough = close  # a function of the grader's module, there at the snapshot
+    try:
+        before = intact.snapshot()
+        setattr(close, attribute, value)
+        with pytest.raises(intact.Patched, match=r"replaced manualdp\.runners\.grader\.properties\.ddp\.close_enough"):
+            intact.check(before)
+    finally:
+        del ddp.close_enough
+
+
 def test_a_submodule_imported_after_the_snapshot_is_not_a_patch():
     before = intact.snapshot()
     import torch.distributed.algorithms.join  # noqa: F401 (sets `join` on its package, perhaps for the first time)

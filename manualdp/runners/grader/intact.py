@@ -2,10 +2,10 @@
 
 A rank of the ddp, hook and buckets checks loads the file and then trains with the grader's functions (`train_steps`,
 `_hooked_steps`...), torch's and manualdp's, in the same process: a file that replaces one of them (an attribute of a
-module or a class, or a function's `__code__`) could forge what the rank reports. Each job binds its own functions
-before the file loads, `snapshot()` records the rest there, and `check(before)` raises `Patched` after the run, naming
-the first one replaced. Watched are the modules of `WATCHED` and every manualdp module, every class they hold
-(torch's C++ ones too: `ProcessGroup`, `Work`) and every class above those (`torch._C.TensorBase` above
+module or a class, or a function's `__code__` or defaults) could forge what the rank reports. Each job binds its own
+functions before the file loads, `snapshot()` records the rest there, and `check(before)` raises `Patched` after the
+run, naming the first one replaced. Watched are the modules of `WATCHED` and every manualdp module, every class they
+hold (torch's C++ ones too: `ProcessGroup`, `Work`) and every class above those (`torch._C.TensorBase` above
 `torch.Tensor`): an attribute replaced, removed, or added to one of them (`torch.Tensor.clone = f` shadows
 `TensorBase.clone`: what `getattr` finds through the class's MRO changed) is named. Classes that Python refuses to
 change (built-in, immutable) are skipped. A patch undone before the run ends is not seen: the checks that matter
@@ -57,23 +57,24 @@ def _watched(owners: dict) -> dict:
 
 def snapshot() -> dict:
     """What `check` compares against: every function, class and descriptor of the watched modules and classes, with
-    its `__code__`; each owner's attribute names; each class's MRO."""
+    its code and defaults; each owner's attribute names; each class's MRO."""
     import torch
 
     torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # torch wraps SGD.step on its first instance
     owners = _owners()
-    return {"functions": {key: (v, getattr(v, "__code__", None)) for key, v in _watched(owners).items()},
+    return {"functions": {key: (v, _inside(v)) for key, v in _watched(owners).items()},
             "names": {name: (owner, frozenset(vars(owner))) for name, owner in owners.items()},
             "mro": {name: owner.__mro__ for name, owner in owners.items() if isinstance(owner, type)}}
 
 
 def check(before: dict) -> None:
     """Raise `Patched` naming the first function, class or descriptor of `before` (a `snapshot`) replaced since (or
-    whose code was), or the first attribute added since to a module or class it watched."""
+    its code or defaults), or the first attribute added since to a module or class it watched."""
     functions = _watched({name: owner for name, (owner, _) in before["names"].items()})
-    for key, (obj, code) in before["functions"].items():
+    for key, (obj, inside) in before["functions"].items():
         now = functions.get(key, MISSING)
-        if now is not obj or getattr(now, "__code__", None) is not code:
+        now_inside = _inside(now)
+        if now is not obj or len(now_inside) != len(inside) or any(a is not b for a, b in zip(now_inside, inside)):
             raise Patched(_told(f"replaced {'.'.join(key)}"))
     for name, (owner, names) in before["names"].items():
         for k in set(vars(owner)) - names:
@@ -81,6 +82,13 @@ def check(before: dict) -> None:
                 raise Patched(_told(f"added {name}.{k}{_shadowing(owner, k)}"))
         if isinstance(owner, type) and owner.__mro__ != before["mro"][name]:
             raise Patched(_told(f"replaced the base classes of {name}"))
+
+
+def _inside(fn: object) -> tuple:
+    """What a function runs with besides its name: its code, its defaults, its keyword-only defaults (each value)."""
+    kw = getattr(fn, "__kwdefaults__", None)
+    kw = tuple(kw.items()) if type(kw) is dict else ()
+    return (getattr(fn, "__code__", None), getattr(fn, "__defaults__", None), *(x for item in kw for x in item))
 
 
 def _harmless(name: str, owner: object, k: str) -> bool:
