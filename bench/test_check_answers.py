@@ -213,7 +213,7 @@ def cwd_under(folder: pathlib.Path) -> list[int]:
 BACKGROUND = {"allreduce_loop.py", "schedule_loop.py", "split_batch_loop.py", "allreduce_sigstop.py",
               "allreduce_fork.py", "ddp_patch_torch.py", "hook_sum_then_divide.py", "hook_float32.py",
               "diloco_loop.py", "hook_divides_by_two.py", "hook_returns_none.py", "hook_no_decompress.py",
-              "ddp_forges_its_rank.py",
+              "ddp_forges_its_rank.py", "ddp_patch_clone.py",
               "ddp", "hook"} | {n for n in VERDICTS if n.startswith("buckets")}  # they wait out their timeout, or
 # start ranks (ddp, hook: reference solutions; buckets: every answer)
 
