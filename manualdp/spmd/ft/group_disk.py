@@ -58,7 +58,8 @@ def _raise_first(errors: list, group_id: str) -> None:
 
 
 def _line(error: BaseException) -> tuple[str, str]:
-    return type(error).__name__, (str(error).strip().splitlines() or [type(error).__name__])[0]
+    kind = "OSError" if isinstance(error, OSError) else type(error).__name__
+    return kind, (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def open_disk(directory: str | None, group_id: str, rank: int, size: int,
@@ -69,7 +70,7 @@ def open_disk(directory: str | None, group_id: str, rank: int, size: int,
     disk, error = None, None
     try:
         disk = GroupDisk(directory, group_id, rank, size)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # OSError: a file where a folder should be, a folder that cannot be made
         error = _line(e)
     _raise_first(_every_rank(error, group), group_id)
     return disk

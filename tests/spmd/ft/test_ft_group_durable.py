@@ -17,7 +17,8 @@ from manualdp.runners.cli import build_parser, check_train_args
 from manualdp.spmd.ft import Coordinator
 from manualdp.spmd.ft import keys
 from manualdp.spmd.ft.durable import Checkpoints
-from manualdp.spmd.ft.group_disk import GroupDisk
+from manualdp.spmd.ft.group_disk import GroupDisk, open_disk
+from manualdp.spmd.launch import launch
 from manualdp.spmd.ft.keys import PREFIX
 from tests.spmd.ft.cli_harness import check_against_reference, committed, manualdp, reference, run
 from tests.spmd.ft.test_ft_group_cli import start_group
@@ -244,3 +245,22 @@ def test_a_group_killed_alone_with_a_checkpoint_dir_goes_on_with_the_live_group(
     assert first >= on_disk and bool(got["recoveries"]) == (first > on_disk), (on_disk, got["recoveries"], first)
     check_histories(ckpt)
     check_against_reference(results, ref)
+
+
+def _open_where_rank_1s_folder_is_a_file(folder: str) -> str:
+    import torch.distributed as dist
+    try:
+        open_disk(folder, "A", dist.get_rank(), 2, None)
+    except OSError as e:
+        return f"{type(e).__name__}: {e}"
+    return "opened"
+
+
+def test_a_file_where_one_ranks_folder_should_be_is_refused_in_one_line_on_every_rank(tmp_path):
+    # adversary 70 (F15): rank 1 raised FileExistsError alone, and rank 0 waited in the group's all_gather until gloo
+    # gave up ("Connection closed by peer")
+    (tmp_path / "rank1").mkdir()
+    (tmp_path / "rank1" / "A").write_text("not a folder")
+    got = launch(_open_where_rank_1s_folder_is_a_file, 2, args=(str(tmp_path),), timeout=120)
+    for line in got:
+        assert line.startswith("OSError: rank 1:") and "File exists" in line and "\n" not in line, got
