@@ -101,10 +101,15 @@ def register_hook(calls, reducer, state: object, hook, errors) -> None:
     calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
 
 
+# hooks that leave each rank its own gradients by design: `noop_hook` (manualdp's or torch's, for timing a step
+# without communication) and torch's `post_localSGD_hook` (after its start step it averages within a subgroup only;
+# a model averager such as `PeriodicModelAverager` brings the replicas together every few steps)
+_PARTING = ("noop_hook", "post_localSGD_hook")
+
+
 def parts_replicas(hook: CommHook | None) -> bool:
-    """Whether `hook` leaves each rank its own gradients by design (manualdp's or torch's `noop_hook`, for timing a
-    step without communication): its replicas part, and the drift check would call that drift."""
-    return hook is not None and getattr(hook.hook, "__name__", None) == "noop_hook"
+    """Whether `hook` parts the replicas on purpose (`_PARTING`): the drift check would call that drift."""
+    return hook is not None and getattr(hook.hook, "__name__", None) in _PARTING
 
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:
