@@ -218,11 +218,14 @@ def _checks_per_step():
         ddp_debug.check_same_call, reducer.run_allreduce = check, reduce
 
 
-def test_on_gloo_each_bucket_carries_the_steps_call_check_and_no_check_goes_alone():
-    # At two ranks the check is the tag each bucket's data travels on: nothing is exchanged for it alone (issue 44);
-    # a second forward before the backward begins no step of its own, so the ranks' steps still pair.
+def test_on_gloo_each_bucket_carries_the_steps_call_check_and_a_check_goes_alone_only_before_a_drift_check():
+    # At two ranks the check is the tag each bucket's data travels on: nothing is exchanged for it alone (issue 44),
+    # but before the replicas' drift check, a collective of its own, at its due steps after the first (steps 1 and 2
+    # here: 0, 1, 2, 4, ...), the step's check goes first, whole, as before a buffer broadcast, and that step's
+    # buckets then carry none; a second forward before the backward begins no step of its own, so the steps pair.
     results = launch(_checks_per_step, 2, timeout=60)
     for seen, sizes, _ in results:
         assert len(sizes) == 3
-        assert seen == [("bucket", n, True) for n in sizes] * 3
+        checked, settled = [("bucket", n, True) for n in sizes], [("bucket", n, False) for n in sizes]
+        assert seen == checked + [("check", sum(sizes))] + settled + [("check", sum(sizes))] + settled
     assert torch.equal(results[0][2], results[1][2])  # the steps paired up: equal averaged gradients

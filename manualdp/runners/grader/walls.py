@@ -22,8 +22,9 @@ The hook also names a Unix socket bound, and a FIFO or node made (os.mkfifo and 
 wraps them to raise one), outside its folders. Writes made through ctypes, a program it runs or torch's C++ writer
 (`torch.save`) are stopped by the kernel's walls (mount, Landlock) only: the audit hook does not see them. Of a call
 through ctypes it sees the name looked up in libc, not the call: a lookup of one that changes a file at a path
-(`LIBC_WRITES`: utimes, chmod, mkfifo...) is refused, since the kernel's refusal of its call may go unseen. Where the answer raised because of one, `tried.py` reads
-the path from the error, and the grader names it as the hook's refusals. A path relative to a folder's descriptor
+(`LIBC_WRITES`: utimes, chmod, mkfifo...) is refused, since the kernel's refusal of its call may go unseen. Where
+the answer raised because of one, `tried.py` reads the path from the error, and the grader names it as the hook's
+refusals. A path relative to a folder's descriptor
 (`dir_fd=`, as shutil.rmtree gives) is judged against that folder (/proc/self/fd/N), not the working folder.
 
 Standard library only.
