@@ -118,9 +118,9 @@ def test_an_answer_that_writes_into_home_in_its_function_fails_naming_it(tmp_pat
 BYPASS = """
 import ctypes, os
 libc = ctypes.CDLL(None)
-libc.unlink({victim!r}.encode())  # no audit event: only the kernel's walls stop these
-fd = libc.open({home!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644)
-os.system("rm -f {victim} ; touch {cwd} {tmp}")
+fd = libc.open({home!r}.encode(), os.O_WRONLY | os.O_CREAT, 0o644)  # no audit event: only the kernel's walls stop
+os.system("rm -f {victim} ; touch {cwd} {tmp}")                       # these two, and the answer ignores it
+libc.unlink({victim!r}.encode())  # a lookup of a path-changing libc function: the audit hook names it
 """
 
 
@@ -131,8 +131,8 @@ def test_ctypes_and_programs_cannot_touch_files_outside_behind_the_kernels_walls
         pytest.fail(f"this machine lacks the walls of {mode}: run it where it has them")
     code, out = run_check(tmp_path, BYPASS.format(**places) + RIGHT, mode, os.path.dirname(places["home"]),
                           os.path.dirname(places["cwd"]))
-    untouched(places)
-    assert (code, out.split(":")[0]) == (0, f"PASS allreduce ({tmp_path / 'answer.py'})"), out
+    untouched(places)  # the kernel's walls stopped the open and the program
+    assert code == 1 and out.startswith("FAIL allreduce") and "it tried to call libc's unlink through ctypes" in out
 
 
 @pytest.mark.soak
