@@ -447,10 +447,13 @@ def test_resume_under_torchrun_equals_one_run(tmp_path):
 def test_a_rank_that_stops_on_an_error_under_torchrun_ends_without_the_interpreters_exit(tmp_path):
     # Left to the interpreter's exit, gloo's threads freeing the last broadcast's tensors aborted
     # about one run in four refused for a bad MANUALDP_LINK ("terminate called without an active
-    # exception"): `python -m manualdp` ends at once after writing its error.
+    # exception"): `python -m manualdp` ends at once after writing its error, its exit handlers run first (atexit:
+    # multiprocessing removes its temporary folder there), the interpreter's finalization never (threading's own
+    # exit hooks run there, first)
     script = tmp_path / "rank.py"
-    script.write_text("import atexit, runpy\n"
-                      "atexit.register(lambda: print('interpreter exit', flush=True))\n"
+    script.write_text("import atexit, runpy, threading\n"
+                      "atexit.register(lambda: print('exit handlers', flush=True))\n"
+                      "threading._register_atexit(lambda: print('interpreter exit', flush=True))\n"
                       "runpy.run_module('manualdp', run_name='__main__')\n")
     env = dict(os.environ, OMP_NUM_THREADS="1", MANUALDP_LINK="fast", XDG_CACHE_HOME=str(tmp_path))
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
@@ -458,6 +461,7 @@ def test_a_rank_that_stops_on_an_error_under_torchrun_ends_without_the_interpret
                          env=env, cwd=ROOT)
     assert out.returncode != 0 and "manualdp train: error: MANUALDP_LINK must be" in out.stderr, out.stderr[-2000:]
     assert "interpreter exit" not in out.stdout and "terminate called" not in out.stderr
+    assert out.stdout.count("exit handlers") == 2, out.stdout
 
 
 def test_a_rank_whose_peers_never_come_gives_up_after_timeout_with_one_line(tmp_path):
