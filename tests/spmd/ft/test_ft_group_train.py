@@ -30,6 +30,8 @@ def free_port() -> int:
 class Groups:
     """A coordinator in this process, and rank processes started by group, each killed at the end."""
 
+    worker = "tests.spmd.ft.group_worker"  # the module each rank runs
+
     def __init__(self, tmp: pathlib.Path) -> None:
         self.tmp, self.coordinator, self.procs, self.starts = tmp, Coordinator(0), [], {}
 
@@ -41,7 +43,7 @@ class Groups:
             cfg = {"group": group, "rank": rank, "size": size, "group_port": port,
                    "port": self.coordinator.port, "out": str(out), **config}
             log = open(out.with_suffix(".log"), "w")
-            proc = subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.group_worker", json.dumps(cfg)], cwd=ROOT,
+            proc = subprocess.Popen([sys.executable, "-m", self.worker, json.dumps(cfg)], cwd=ROOT,
                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
             self.procs.append(proc)
