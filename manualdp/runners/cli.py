@@ -393,7 +393,7 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
         problem = group_problem(args)
         if problem:
             return problem
-    refused = [("--zero", args.zero is not None, "the replicas hold whole copies"),
+    refused = [("--zero", args.zero is not None and world_size == 1, "the replicas hold whole copies"),
                ("--devices", args.devices not in (None, 1), "each replica is one process and one device"),
                ("--algorithm auto", args.algorithm == "auto", "each new quorum would measure the link again; "
                                                               "pass naive, ring, tree, ..."),
@@ -765,7 +765,7 @@ def _run_group_rank(args, loaded: tuple, token: str | None, timeout: float) -> i
                                quorum_timeout=min(10.0, timeout), token=token, guard=args.nonfinite != "off",
                                checkpoint_dir=args.checkpoint_dir)
         history = train_group_rank(net, train_iter, test_iter, epochs, lr, manager, progress=not args.no_progress,
-                                   settings=run_config(args), guard=args.nonfinite != "off",
+                                   settings=run_config(args), guard=args.nonfinite != "off", zero=args.zero,
                                    **{k: v for k, v in _optimizer_args(args).items() if k == "optimizer"})
     except RunFinished as e:  # started after its run ended: nothing to do, nothing wrong
         if dist.get_rank() == 0:

@@ -18,7 +18,13 @@ start the whole group again (torchrun's restart does), and rank i receives its s
 of a healthy group. With `--checkpoint-dir DIR` each rank also keeps its committed state on disk
 (`spmd/ft/group_disk.py`): groups that all died, or lost their coordinator, started again by the same
 commands go on from the newest step every rank of the group holds. Not yet with a group of more than one
-rank: `--local-sgd`, `--diloco`, `--zero`.
+rank: `--local-sgd`, `--diloco`, `--zero 1` and `2`.
+
+With `--zero 3` (fault-tolerant HSDP, as torchft's) each group shards the model among its ranks by
+`fully_shard` (the gradients reduce-scattered in the group during backward), and rank i's shard is
+averaged with rank i of the other groups (its lane); rank i registers only its shard's state (model and
+optimizer, as local tensors: `spmd/ft/group_shards.py`), which is what its lane sends to a group started
+again and what `--checkpoint-dir` keeps. `--zero` is one of the run's settings: a group with another is refused.
 
 The guard on every contribution (on unless `--nonfinite off`, as for a one-process replica): a
 group whose gradients or loss totals are non-finite after the sum inside the group (the same on
@@ -38,8 +44,11 @@ from torch import nn
 
 from ..loss import count_correct, logits_of, summed_loss
 from ..spmd.ft.group import GroupManager
+from ..spmd.ft.group_shards import (like, load_local_model_state, load_local_optim_state, local, local_model_state,
+                                   local_optim_state)
 from ..spmd.ft.guard import STRIKES, Removed
 from ..spmd.launch import shard
+from ..spmd.sharding.fsdp import FSDPModule, full_state_dict, fully_shard
 from ..validate import learning_rate, timeout_seconds
 from .ft_train import Run, check_loop_args, parameters_sha256, progress_bar, write_line
 from .options import optimizer_factory
@@ -51,7 +60,7 @@ def group_problem(args) -> str | None:
     """What `manualdp train --fault-tolerant` under torchrun (a replica group) cannot do yet, in one line; None."""
     why = {"--local-sgd": (args.local_sgd is not None, "a group averages its gradients every step"),
            "--diloco": (args.diloco is not None, "a group averages its gradients every step"),
-           "--zero": (args.zero is not None, "each rank of a group holds the whole model (no --zero 3 yet)"),
+           "--zero": (args.zero not in (None, 3), "a group's ranks hold the whole model, or shard it by --zero 3"),
            "--devices": (args.devices is not None, "every rank of the group is one device"),
            "--algorithm": (args.algorithm is not None, "the groups average by gloo's own allreduce")}
     bad = [f"{option} with --fault-tolerant under torchrun (a replica group): {text}"
@@ -69,22 +78,35 @@ def init_group(timeout: float) -> None:
 
 def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr: float, manager: GroupManager, *,
                      loss_fn=None, optimizer=None, progress: bool = True, log=print, settings: dict | None = None,
-                     guard: bool = True):
-    """Train `net` as this rank of `manager`'s replica group for `num_epochs`; the History, the same on every rank."""
+                     guard: bool = True, zero: int | None = None):
+    """Train `net` as this rank of `manager`'s replica group for `num_epochs`; the History, the same on every rank.
+
+    `zero=3`: `net` is sharded by `fully_shard` over the group's ranks (HSDP across the groups); each rank
+    registers its own shard's state (`spmd/ft/group_shards.py`), which rank i of a recovering group receives.
+    """
     check_loop_args(net, train_iter, test_iter, num_epochs)
     learning_rate("lr", lr)
     if not isinstance(manager, GroupManager):
         raise TypeError(f"manager must be a manualdp.spmd.ft.group.GroupManager, got {type(manager).__name__}")
     if not isinstance(guard, bool):
         raise TypeError(f"guard must be True or False, got {guard!r}")
+    if zero not in (None, 3):
+        raise ValueError(f"zero must be None or 3 (a replica group shards by fully_shard or not at all), got {zero!r}")
     manager.guard = guard  # the run's setting: the manager fails a step whose average is not finite
+    if zero == 3:
+        shard_in_group(net)
     make, kwargs = optimizer_factory(optimizer, lr, 0.0, 0.0)
     opt = make(net.parameters(), **kwargs)
     run = Run(train_iter, num_epochs, summed_loss(loss_fn))
+    # --zero is the run's: a group that shards (or not) where the others do not is refused at admission
     manager.require_same(**{"num_epochs": num_epochs, "batch_size": train_iter.batch_size, "lr": lr,
-                            "optimizer": type(opt).__name__, "guard": guard, **(settings or {})})
-    manager.register_state("model", net.state_dict, net.load_state_dict)
-    manager.register_state("optim", opt.state_dict, opt.load_state_dict)
+                            "optimizer": type(opt).__name__, "guard": guard, "zero": zero or 0, **(settings or {})})
+    if zero == 3:
+        manager.register_state("model", lambda: local_model_state(net), lambda s: load_local_model_state(net, s))
+        manager.register_state("optim", lambda: local_optim_state(opt), lambda s: load_local_optim_state(opt, s))
+    else:
+        manager.register_state("model", net.state_dict, net.load_state_dict)
+        manager.register_state("optim", opt.state_dict, opt.load_state_dict)
     manager.register_state("loop", run.state_dict, run.load_state_dict)
     size = train_iter.batch_size or 1
     manager.capacity = max(1, size // manager.size)  # every rank of every group needs an example
@@ -123,8 +145,25 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
             bar.close()
     run.history.config["fault_tolerant"] = {
         "replica_id": manager.id, "group_size": manager.size, "group_rank": manager.rank, "sync": "ddp",
-        "steps": run.records, "recoveries": manager.recoveries, "parameters_sha256": parameters_sha256(net)}
+        "steps": run.records, "recoveries": manager.recoveries, "zero": zero or 0,
+        "parameters_sha256": parameters_sha256(_whole(net) if zero == 3 else net)}
     return run.history
+
+
+def shard_in_group(net: nn.Module) -> None:
+    """`fully_shard` each child of `net` that holds parameters, then `net`, over the replica group's own ranks."""
+    for child in net.children():  # the default process group: the group's (torchrun's world), as its sums use
+        if any(True for _ in child.parameters()):
+            fully_shard(child)
+    fully_shard(net)
+
+
+def _whole(net: nn.Module) -> nn.Module:
+    """A plain copy of sharded `net` holding the full parameters (a collective of the group): for its digest."""
+    full, whole = full_state_dict(net), nn.Module()
+    for i, (name, _) in enumerate(net.named_parameters()):  # in the order of the plain model's parameters
+        whole.register_parameter(f"p{i}", nn.Parameter(full[name], requires_grad=False))
+    return whole
 
 
 def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum, guard: bool,
@@ -140,18 +179,25 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
     loss = run.loss_fn(out, ys)
     (loss / n * groups * manager.size).backward()
     params = [p for p in net.parameters() if p.requires_grad]
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    sharded = isinstance(net, FSDPModule)  # --zero 3: fully_shard reduce-scattered the gradients in the group
+    locals_ = [local(p) for p in params]  # this rank's shard of each parameter (all of it without --zero 3)
+    flat = torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(q)).reshape(-1)
+                      for p, q in zip(params, locals_)])
     # this rank's loss and correct count ride along, in float64: summed over the group and the lane, the batch's
     totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
+    # sharded, each rank holds its own shard: whether any rank's is not finite, summed in the group, judged alike
+    bad = torch.tensor([0.0 if not sharded or bool(torch.isfinite(flat).all()) else 1.0], dtype=torch.float64)
     try:
-        for t in (flat, totals):
-            dist.all_reduce(t)  # inside the group: plain data parallelism
+        for t in ([totals, bad] if sharded else [flat, totals]):
+            dist.all_reduce(t)  # inside the group: plain data parallelism (fully_shard's reduce-scatter averaged)
     except RuntimeError:  # a rank of the group died: voting down raises GroupBroken on every rank left
         manager.should_commit(False)
         raise
-    flat.div_(manager.size)
-    # after the sum inside the group every rank holds the same flat: its ranks judge alike
-    own_finite = not guard or bool(torch.isfinite(flat).all() and torch.isfinite(totals).all())
+    if not sharded:
+        flat.div_(manager.size)
+    # after the sum inside the group every rank judges the same: its ranks judge alike
+    flat_finite = bad.item() == 0 if sharded else bool(torch.isfinite(flat).all())
+    own_finite = not guard or (flat_finite and bool(torch.isfinite(totals).all()))
     # taken part in even when not finite: the lane waits; the manager's guard (on with `guard`) fails a step whose
     # average is not finite, another group's contribution or this one's, on every rank of the lane alike
     ok = manager.average(flat) and manager.average(totals)
@@ -160,8 +206,8 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
             f"the step is discarded on every member group and taken again")
     committed = manager.should_commit(ok)
     if committed:
-        for p, g in zip(params, flat.split([p.numel() for p in params])):
-            p.grad = g.view_as(p).clone()
+        for p, q, g in zip(params, locals_, flat.split([q.numel() for q in locals_])):
+            p.grad = like(g.view_as(q).clone(), p) if sharded else g.view_as(p).clone()
         opt.step()
     record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
     if not own_finite:

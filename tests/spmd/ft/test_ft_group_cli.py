@@ -33,7 +33,7 @@ def free_port() -> int:
 @pytest.mark.parametrize("extra, words", [
     (["--local-sgd", "2"], ["--local-sgd with --fault-tolerant under torchrun"]),
     (["--diloco", "2"], ["--diloco with --fault-tolerant under torchrun"]),
-    (["--zero", "3"], ["--zero with --fault-tolerant under torchrun", "no --zero 3"]),
+    (["--zero", "2"], ["--zero with --fault-tolerant under torchrun", "by --zero 3"]),
     (["--devices", "2"], ["--devices with --fault-tolerant under torchrun"]),
     (["--algorithm", "ring"], ["--algorithm with --fault-tolerant under torchrun"]),
     (["--bucket-mb", "1"], ["--bucket-mb with --fault-tolerant"]),
