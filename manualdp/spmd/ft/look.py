@@ -3,9 +3,10 @@
 A quorum's look reads the run's committed step three times (the claims, the marks, the floor),
 the previous quorum twice, and checks each key before it gets it: two round trips where one
 would do. A `Look` answers every read of a key after the first from what the first found, and
-a `check` and the `get` after it in one round trip (`SignedStore.peek`). A decision taken from
-one look is taken from one set of values, as if they were read at one moment; the next look
-reads everything again. Writes go through at once, and the next read of a key written reads it
+a `check` and the `get` after it in one round trip (`SignedStore.peek`); the keys a decision
+reads that exist in a steady step are read together (`prefetch`: one `check`, one `multi_get`).
+A decision taken from one look is taken from one set of values, as if they were read at one
+moment; the next look reads everything again. Writes go through at once, and the next read of a key written reads it
 again.
 
 Between two looks a replica waits for the one key a peer writes next (a round's quorum, its
@@ -17,9 +18,11 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch.distributed as dist
+
 from .signed_store import SignedStore
 
-__all__ = ["Look", "look", "peek", "glance", "POLL"]
+__all__ = ["Look", "look", "peek", "prefetch", "glance", "POLL"]
 
 POLL = 0.005  # seconds between two looks at the store while waiting
 FIRST = 0.0002  # seconds before the first glance at the key a peer writes next
@@ -35,6 +38,12 @@ def peek(store, key: str) -> bytes | None:
     if isinstance(store, SignedStore):
         return store.peek(key)
     return store.get(key) if store.check([key]) else None
+
+
+def prefetch(store, keys: list[str]) -> None:
+    """Read `keys` into a `Look` in two round trips if they all hold a value (else nothing: each is read alone)."""
+    if isinstance(store, Look):
+        store.prefetch(keys)
 
 
 def glance(ready: Callable[[], bool], seconds: float = POLL) -> None:
@@ -59,6 +68,21 @@ class Look(SignedStore):
         if key not in self._seen:
             self._seen[key] = super().peek(key)
         return self._seen[key]
+
+    def prefetch(self, keys: list[str]) -> None:
+        """One `check` of the unread `keys` and, if they all exist, one `multi_get`: two round trips where n would do.
+
+        Worth it only for keys that exist in a steady step: one missing costs the check and changes nothing.
+        """
+        unread = [k for k in dict.fromkeys(keys) if k not in self._seen]
+        if len(unread) < 2 or not self._client.check([self._name(k) for k in unread]):
+            return
+        try:
+            raws = self._client.multi_get([self._name(k) for k in unread])
+        except dist.DistStoreError:  # a key deleted since the check (a stranger can): read each alone
+            return
+        for key, raw in zip(unread, raws):
+            self._seen[key] = self._open(key, raw)
 
     def check(self, keys: list[str]) -> bool:
         return all(self.peek(k) is not None for k in keys)

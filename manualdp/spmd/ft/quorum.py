@@ -52,7 +52,7 @@ from .admission import Misfit, admissible, fit, left_out, run_digest, split
 from .bar import barred
 from .guard import Removed
 from .heartbeat import Liveness, registered
-from .look import POLL, glance, look, peek
+from .look import POLL, glance, look, peek, prefetch
 from .signed_store import ignore
 from .trust import checked_claims, committed_record, count_value, json_lines, majority_need, mark_value, well_formed
 
@@ -154,7 +154,9 @@ def publish_mark(store: dist.Store, replica_id: str, mark: tuple[int, int] | Non
 
 
 def _held(store: dist.Store, live: set[str], round_: int) -> dict[str, tuple[int, int]]:
-    """The marks of the live replicas that hold the agreed state, as published, or as the newest quorum implies."""
+    """The marks of the `live` replicas that hold the agreed state, as published, or as the newest quorum implies."""
+    if not live:  # nobody outside the members: no mark to read (a steady step)
+        return {}
     ids = [r for r in sorted(live) if store.check([keys.held(r)])]
     held, committed = {}, committed_record(store)
     for rid, value in zip(ids, store.multi_get([keys.held(r) for r in ids]) if ids else []):
@@ -210,7 +212,7 @@ def _decided(store: dist.Store, round_: int) -> Quorum | None:
 
 def _first_open_round(store: dist.Store, after: int) -> int:
     """The first round after `after` (and after the newest one known to be decided) that has no quorum yet."""
-    round_ = after + 1
+    round_, store = after + 1, look(store)  # one read of each round's quorum
     if after == 0 or peek(store, keys.quorum(round_)) is not None:  # a member in step finds its next round open
         latest = peek(store, keys.LATEST)
         round_ = max(after, (count_value(store, keys.LATEST, latest) or 0) if latest is not None else 0) + 1
@@ -233,6 +235,9 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
     while True:
         store = look(whole)  # each pass decides from one read of each key
         quorum = _decided(store, round_)
+        if quorum is None:  # what a decision reads that exists in a steady step: in two round trips
+            prefetch(store, [keys.asks(round_), keys.COMMITTED, keys.REPLICAS, keys.SETTINGS]
+                     + ([keys.quorum(round_ - 1)] if round_ > 1 else []))
         if quorum is not None:
             if me.id in quorum.ids:
                 return quorum
@@ -266,8 +271,9 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         elif members is None and floor is not None:
             floor.allows(me.step, None, store)  # the run may have ended while this replica waited
         if members is not None:
+            outside = live - {m.id for m in members}  # `agreed` weighs only the marks of those outside
             proposal = Quorum(round_, tuple(members), group_for(members, round_),
-                              agreed(members, _held(store, live, round_)))
+                              agreed(members, _held(store, outside, round_)))
             text = proposal.to_json()
             written = store.compare_set(keys.quorum(round_), "", text)
             if written != text.encode() and _decided(store, round_) is None:  # a malformed value in place: replace it

@@ -1,19 +1,30 @@
 """What a fault-tolerant step of `FaultTolerantDDP` costs, in counts (never times): the work each bucket and each
 average does beyond the drop-in's, held to what it must be (issue 44: `bench/ft.py`'s 0.33x at the mlp)."""
+import collections
+import concurrent.futures
+import dataclasses
+import json
 import math
 import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager
+from manualdp.spmd.ft import keys
+from manualdp.spmd.ft.coordinator import connect
+from manualdp.spmd.ft.heartbeat import Heartbeat, Liveness, register
+from manualdp.spmd.ft.quorum import Member, Quorum, wait_for_quorum
 from manualdp.spmd import allreduce
 from manualdp.spmd.ft.bucketed import finite
 from manualdp.spmd.ft.manager import ONE_ROUND, schedule_for
 from manualdp.spmd.launch import launch
 from manualdp.spmd.transport.p2p import plan, schedule_of
 from tests.spmd.ft.test_ft_ddp_buckets import loss_of, make, two_members
+
+STEADY_ASK = 10  # store round trips of a steady ask (`test_a_steady_quorum_is_decided_in_few_round_trips`)
 
 
 @pytest.fixture
@@ -102,3 +113,68 @@ def test_a_commits_mark_and_record_go_on_the_ask_thread_as_the_vote_commits_not_
             manager._ahead.settled()  # the job handed over as the vote committed has ended
             assert records[-1] == ("manualdp-ft-quorum-one", k + 1), records
         assert [s for _, s in records] == [1, 2, 3]  # once per commit: the asks wrote none again
+
+
+# ---------------------------------------------------------------- the quorum's round trips in a steady step
+
+class _Counted:
+    """A store client that counts its calls (round trips to the coordinator), by call."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.calls = inner, collections.Counter()
+
+    def __getattr__(self, name: str):
+        attribute = getattr(self._inner, name)
+        if not callable(attribute) or name == "clone":
+            return attribute
+
+        def counted(*args, **kwargs):
+            self.calls[name] += 1
+            return attribute(*args, **kwargs)
+        return counted
+
+
+def _steady_ask(connect_, min_replicas: int = 2) -> tuple[Quorum, collections.Counter]:
+    """Replica a's ask for round 2 after a and b stepped in round 1 and committed, b's ask already in: its calls."""
+    from manualdp.spmd.ft import admission
+    from manualdp.spmd.ft.durable import Floor, record_committed
+    from manualdp.spmd.ft.quorum import publish_mark
+    beats = []
+    for rid in "ab":
+        register(connect_(), rid)
+        beats.append(Heartbeat(connect_(), rid, 0.05))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            first = list(pool.map(lambda rid: _ask(connect_(), rid, min_replicas), "ab"))[0]
+        s = connect_()
+        record_committed(s, 1)
+        admission.publish(s, "a", admission.canonical({"lr": 0.1}))  # the run's settings, as its first quorum's
+        for rid in "ab":
+            publish_mark(s, rid, (1, first.round))
+        s.append(keys.asks(first.round + 1), json.dumps(dataclasses.asdict(
+            Member("b", 1, True, (first.group, 2), min_replicas, first.round))) + "\n")
+        s = connect_()
+        liveness = Liveness(s, 5.0)
+        liveness.live(["a", "b"])  # a member has seen the others' heartbeats before
+        counted = s._client = _Counted(s._client)
+        me = Member("a", 1, True, (first.group, 2), min_replicas, first.round)
+        quorum = wait_for_quorum(s, me, liveness, first.round, 30.0, 30.0, time.monotonic(), Floor(s, "a", 10.0))
+        return quorum, counted.calls
+    finally:
+        for b in beats:
+            b.stop(leave=True)
+
+
+def _ask(s, rid, min_replicas) -> Quorum:
+    me = Member(rid, 0, True, None, min_replicas)
+    return wait_for_quorum(s, me, Liveness(s, 5.0), 0, 30.0, 30.0, time.monotonic())
+
+
+@pytest.mark.parametrize("token", [None, "a-secret-of-the-run"])
+def test_a_steady_quorum_is_decided_in_few_round_trips(token, request):
+    """Before: 16 round trips for the ask of a member whose quorum did not change (the round's quorum peeked twice
+    before the ask, each key read alone, the marks read though nobody is outside the members). Now `STEADY_ASK`."""
+    with Coordinator(0, token=token) as c:
+        quorum, calls = _steady_ask(lambda: connect("127.0.0.1", c.port, 10, token=token, namespace=request.node.name))
+    assert quorum.ids == ["a", "b"] and quorum.agreed and quorum.step == 1
+    assert sum(calls.values()) <= STEADY_ASK, calls
