@@ -65,7 +65,8 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from ...validate import boolean, nn_module
+from ...validate import boolean, nn_module, non_negative_int
+from ..ladder.drift import DriftCheck
 from ..transport.agree import broadcast_from_rank0
 from .fsdp_hooks import ForwardHooks, install_hooks
 from .fsdp_init import Checked, checked_arguments
@@ -141,6 +142,11 @@ class FSDPModule(TorchFSDPModule):
         boolean("reshard_after_backward", reshard_after_backward)
         for m in self._fsdp_modules(recurse):
             m._unit().reshard_after_backward = reshard_after_backward
+
+    def set_drift_check_every(self, every: int) -> None:
+        """HSDP (ours): compare the replicas' shards at steps 0, 1, 2, 4, ... below `every`, then at its multiples
+        (`fsdp_drift.py`); 0 turns the check off. For the whole tree: call it on the outermost module."""
+        self._unit().step.drift = DriftCheck(non_negative_int("every", every))
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start these modules' all-gathers when this module's forward starts (instead of the last step's next)."""

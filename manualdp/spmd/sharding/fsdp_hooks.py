@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from .fsdp_drift import tick as drift_tick
 from .fsdp_step import inside_backward
 
 __all__ = ["install_hooks", "ForwardHooks"]
@@ -80,6 +81,8 @@ def _gather_for_forward(unit) -> None:
     if step.depth == 0:  # a new step
         step.in_backward = False  # a backward that raised never reached `end_backward`
         step.end()                # a forward never followed by backward is dropped
+        if torch.is_grad_enabled():
+            drift_tick(unit)      # HSDP: the replicas' shards compared, at due steps
     step.depth, unit.entered = step.depth + 1, unit.entered + 1
     step.order.append(unit)
     unit.gather("forward", wait=False)

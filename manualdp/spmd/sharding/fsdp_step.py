@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
+
 __all__ = ["Step", "inside_backward"]
 
 
@@ -30,6 +32,7 @@ class Step:
         self.in_backward = False
         self.failure: Exception | None = None  # a collective of the tree that raised: the later ones raise it too
         self.tied_apart: str | None = None  # a unit of the tree left out a weight tied apart: every forward raises
+        self.drift = DriftCheck(DRIFT_CHECK_EVERY)  # HSDP: the replicas' shards compared at due steps (`fsdp_drift`)
 
     def backward_begins(self) -> None:
         """Queue `end_backward` for the end of this backward pass, once."""

@@ -1,0 +1,98 @@
+"""HSDP's drift check (issue 43) at 4 ranks (2 x 2): replicas of a shard that parted are named on every rank.
+
+- rank (1, 0) steps a stale `.grad` once more after step 2 (its replica parts from replica 0): every rank of the mesh
+  raises one line at the next due step, naming the replica and the parameter (before: every rank trained on);
+- a normal run (mixed precision, gradient accumulation with `set_requires_all_reduce(False)`): no false alarm, and
+  the check ran at every due forward;
+- a 1-D mesh replicates nothing: no check, no collective, though every rank's shards differ.
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from manualdp.spmd import launch
+from manualdp.spmd.ladder.drift import due
+from manualdp.spmd.sharding import fsdp_drift
+from manualdp.spmd.sharding.fsdp import fully_shard
+from tests.helpers import error_of
+
+from .test_fsdp_list_and_assign import VOCAB, Titan, _apply_fsdp, _batch
+
+PARTED_AFTER = 3  # rank (1, 0) steps a stale .grad again after its third step
+
+
+def _loss(model, x):
+    return nn.functional.cross_entropy(model(x)[:, :-1].float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
+
+
+def _run(mesh, steps, micro=1, stale_on=None, **kwargs):
+    """`steps` optimizer steps of `micro` forwards each (all-reduce at the last only); returns the forwards run."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Titan()
+    _apply_fsdp(fully_shard, model, mesh=mesh, **kwargs)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    forwards = 0
+    for step in range(steps):
+        for i in range(micro):
+            if micro > 1:
+                model.set_requires_all_reduce(i == micro - 1)
+            _loss(model, _batch(rank, n, micro * step + i)).backward()
+            forwards += 1
+        opt.step()
+        if step + 1 == PARTED_AFTER and rank == stale_on:
+            opt.step()  # the stale .grad stepped again on one replica only
+        opt.zero_grad()
+    return forwards
+
+
+def _job():
+    torch.set_num_threads(1)
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    calls = []
+    compare = fsdp_drift._compare
+    fsdp_drift._compare = lambda root, number: (calls.append(number), compare(root, number))[1]
+    out = {"parted": error_of(lambda: _run(mesh, 6, stale_on=2))}  # global rank 2: replica 1, shard 0
+    calls.clear()
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out["normal"] = error_of(lambda: out.__setitem__("forwards", _run(mesh, 5, micro=2, mp_policy=bf16)))
+    out["checked"] = list(calls)
+    calls.clear()
+    flat = init_device_mesh("cpu", (4,))
+    out["1-D"] = error_of(lambda: _run(flat, 3, stale_on=2))
+    out["1-D checked"] = list(calls)
+    out["rank"] = rank
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results():
+    return launch(_job, 4, timeout=300.0)
+
+
+def test_a_replica_that_stepped_a_stale_grad_is_named_on_every_rank_at_the_next_due_step():
+    checked = next(s for s in range(PARTED_AFTER + 1, 100) if due(s, 100))  # the first check after it parted
+    for out in _results():
+        message = out["parted"]
+        assert message is not None and "\n" not in message, message
+        assert message.startswith(f"RuntimeError: rank {out['rank']} (replica {out['rank'] // 2}, shard "
+                                  f"{out['rank'] % 2}): fully_shard's HSDP replicas parted before step {checked}: "
+                                  "parameter "), message
+        assert "parameter tok_embeddings.weight's shard 0 differs between replica 0 and replica 1" in message, message
+
+
+def test_a_normal_run_with_mixed_precision_and_accumulation_raises_nothing_and_was_checked_at_every_due_step():
+    for out in _results():
+        assert out["normal"] is None, out["normal"]
+        assert out["checked"] == [s for s in range(out["forwards"]) if due(s, 100)]
+        assert len(out["checked"]) >= 4
+
+
+def test_a_1d_mesh_has_no_drift_check():
+    for out in _results():
+        assert out["1-D"] is None and out["1-D checked"] == [], out
