@@ -1,7 +1,8 @@
 """HSDP's drift check (issue 43) at 4 ranks (2 x 2): replicas of a shard that parted are named on every rank.
 
 - rank (1, 0) steps a stale `.grad` once more after step 2 (its replica parts from replica 0): every rank of the mesh
-  raises one line at the next due step, naming the replica and the parameter (before: every rank trained on);
+  raises one line at the next due step, naming the replica and the parameter (before: every rank trained on); so does
+  rank (1, 1) changing its shard by hand; `set_drift_check_every(0)` turns the check off;
 - a normal run (mixed precision, gradient accumulation with `set_requires_all_reduce(False)`): no false alarm, and
   the check ran at every due forward;
 - a 1-D mesh replicates nothing: no check, no collective, though every rank's shards differ.
@@ -29,12 +30,16 @@ def _loss(model, x):
     return nn.functional.cross_entropy(model(x)[:, :-1].float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
-def _run(mesh, steps, micro=1, stale_on=None, **kwargs):
-    """`steps` optimizer steps of `micro` forwards each (all-reduce at the last only); returns the forwards run."""
+def _run(mesh, steps, micro=1, stale_on=None, edit_on=None, every=None, **kwargs):
+    """`steps` optimizer steps of `micro` forwards each (all-reduce at the last only); returns the forwards run.
+    `stale_on`, `edit_on`: the rank that steps a stale .grad again, or adds to its shard of layers.1's weight, after
+    step `PARTED_AFTER`."""
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Titan()
     _apply_fsdp(fully_shard, model, mesh=mesh, **kwargs)
+    if every is not None:
+        model.set_drift_check_every(every)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     forwards = 0
     for step in range(steps):
@@ -46,6 +51,9 @@ def _run(mesh, steps, micro=1, stale_on=None, **kwargs):
         opt.step()
         if step + 1 == PARTED_AFTER and rank == stale_on:
             opt.step()  # the stale .grad stepped again on one replica only
+        if step + 1 == PARTED_AFTER and rank == edit_on:
+            with torch.no_grad():
+                model.layers[1].weight.to_local()[0, 0] += 1  # a user's code changes one replica's shard
         opt.zero_grad()
     return forwards
 
@@ -57,7 +65,12 @@ def _job():
     calls = []
     compare = fsdp_drift._compare
     fsdp_drift._compare = lambda root, number: (calls.append(number), compare(root, number))[1]
-    out = {"parted": error_of(lambda: _run(mesh, 6, stale_on=2))}  # global rank 2: replica 1, shard 0
+    out = {"parted": error_of(lambda: _run(mesh, 6, stale_on=2)),  # global rank 2: replica 1, shard 0
+           "edited": error_of(lambda: _run(mesh, 6, edit_on=3)),  # global rank 3: replica 1, shard 1
+           "off": error_of(lambda: _run(mesh, 6, stale_on=2, every=0))}
+    torch.manual_seed(0)
+    model = fully_shard(nn.Linear(4, 4), mesh=mesh)
+    out["bad every"] = error_of(lambda: model.set_drift_check_every(-1))
     calls.clear()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out["normal"] = error_of(lambda: out.__setitem__("forwards", _run(mesh, 5, micro=2, mp_policy=bf16)))
@@ -70,20 +83,33 @@ def _job():
     return out
 
 
+def _expect(message, rank, name, shard):
+    checked = next(s for s in range(PARTED_AFTER + 1, 100) if due(s, 100))  # the first check after it parted
+    assert message is not None and "\n" not in message, message
+    assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // 2}, shard {rank % 2}): fully_shard's "
+                              f"HSDP replicas parted before step {checked}: parameter {name}'s shard {shard} differs "
+                              "between replica 0 and replica 1 "), message
+
+
 @functools.lru_cache(maxsize=None)
 def _results():
     return launch(_job, 4, timeout=300.0)
 
 
 def test_a_replica_that_stepped_a_stale_grad_is_named_on_every_rank_at_the_next_due_step():
-    checked = next(s for s in range(PARTED_AFTER + 1, 100) if due(s, 100))  # the first check after it parted
+    for out in _results():  # Adam's second step moves every parameter: the first of the tree is named
+        _expect(out["parted"], out["rank"], "tok_embeddings.weight", 0)
+
+
+def test_a_shard_changed_by_hand_on_one_replica_is_named_on_every_rank():
     for out in _results():
-        message = out["parted"]
-        assert message is not None and "\n" not in message, message
-        assert message.startswith(f"RuntimeError: rank {out['rank']} (replica {out['rank'] // 2}, shard "
-                                  f"{out['rank'] % 2}): fully_shard's HSDP replicas parted before step {checked}: "
-                                  "parameter "), message
-        assert "parameter tok_embeddings.weight's shard 0 differs between replica 0 and replica 1" in message, message
+        _expect(out["edited"], out["rank"], "layers.1.weight", 1)
+
+
+def test_the_check_turned_off_trains_on_and_a_bad_interval_is_refused_naming_it():
+    for out in _results():
+        assert out["off"] is None, out["off"]
+        assert out["bad every"].startswith("ValueError: every must be"), out["bad every"]
 
 
 def test_a_normal_run_with_mixed_precision_and_accumulation_raises_nothing_and_was_checked_at_every_due_step():
