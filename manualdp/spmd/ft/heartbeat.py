@@ -108,7 +108,12 @@ class Liveness:
         self.left: set[str] = set()  # the ids whose replica left on purpose (-1), as of the last look
         self._looked: float | None = None  # when this observer last looked
 
-    def live(self, ids: list[str]) -> set[str]:
+    @property
+    def seen(self) -> list[str]:
+        """The ids whose counter this observer has seen move: the heartbeats a look may read ahead (`look.prefetch`)."""
+        return list(self._moved)
+
+    def live(self, ids: list[str], store: dist.Store | None = None) -> set[str]:
         """The ids among `ids` whose replica is alive now, as far as this observer can tell.
 
         A counter seen for the first time counts as moving now: a replica is given `timeout`
@@ -116,21 +121,21 @@ class Liveness:
         not look for `timeout` s (it was stopped, or swapped out): its own silence says nothing
         of the others, who may have been stopped with it.
         """
-        now = time.monotonic()
+        now, store = time.monotonic(), store if store is not None else self._store  # a look's, or this observer's
         if self._looked is not None and now - self._looked > self._timeout:
             self._moved = {r: (nonce, now) for r, (nonce, _) in self._moved.items()}
         self._looked = now
-        known = [r for r in ids if r in self._moved or self._store.check([keys.heartbeat(r)])]
+        known = [r for r in ids if r in self._moved or store.check([keys.heartbeat(r)])]
         if len(known) < len(ids):  # `register` writes the heartbeat before the id: an id without one is forged
             missing = sorted(set(ids) - set(known))[:3]
-            ignore(self._store, keys.REPLICAS, f"ids without a heartbeat (or one that verifies): {missing}")
+            ignore(store, keys.REPLICAS, f"ids without a heartbeat (or one that verifies): {missing}")
         ids = known
         if not ids:
             return set()
-        for replica, value in zip(ids, self._store.multi_get([keys.heartbeat(r) for r in ids])):
+        for replica, value in zip(ids, store.multi_get([keys.heartbeat(r) for r in ids])):
             beat = _beat(value)
             if beat is None:
-                ignore(self._store, keys.heartbeat(replica), f"{(value or b'')[:40]!r} is not 'NONCE COUNTER'")
+                ignore(store, keys.heartbeat(replica), f"{(value or b'')[:40]!r} is not 'NONCE COUNTER'")
             else:
                 self._note(replica, *beat, now)
         return {r for r in ids if r in self._moved and r not in self.left and now - self._moved[r][1] < self._timeout}

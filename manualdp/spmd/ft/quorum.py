@@ -237,7 +237,7 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
         quorum = _decided(store, round_)
         if quorum is None:  # what a decision reads that exists in a steady step: in two round trips
             prefetch(store, [keys.asks(round_), keys.COMMITTED, keys.REPLICAS, keys.SETTINGS]
-                     + ([keys.quorum(round_ - 1)] if round_ > 1 else []))
+                     + ([keys.quorum(round_ - 1)] if round_ > 1 else []) + [keys.heartbeat(r) for r in liveness.seen])
         if quorum is not None:
             if me.id in quorum.ids:
                 return quorum
@@ -247,7 +247,7 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
             asked = time.monotonic()
             continue
         asks = checked_claims(store, _asks(store, round_), committed_record(store))
-        live = liveness.live(registered(store)) | {me.id}
+        live = liveness.live(registered(store), store) | {me.id}
         out = barred(store, live)  # removed members whose process did not exit (bar.py)
         if me.id in out:
             raise Removed(f"replica {me.id!r} was removed from the run ({out[me.id]}): its asks are refused; its "
