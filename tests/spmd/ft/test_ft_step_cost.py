@@ -172,9 +172,9 @@ def _ask(s, rid, min_replicas) -> Quorum:
 
 @pytest.mark.parametrize("token", [None, "a-secret-of-the-run"])
 def test_a_steady_quorum_is_decided_in_few_round_trips(token, request):
-    """Before: 16 round trips (then 10) for the ask of a member whose quorum did not change (the round's quorum peeked twice
-    before the ask, each key read alone, the heartbeats in a call of their own, the marks read though nobody is
-    outside the members). Now `STEADY_ASK`."""
+    """Before: 16 round trips (then 10) for the ask of a member whose quorum did not change (the round's quorum
+    peeked twice before the ask, each key read alone, the heartbeats in a call of their own, the marks read though
+    nobody is outside the members). Now `STEADY_ASK`."""
     with Coordinator(0, token=token) as c:
         quorum, calls = _steady_ask(lambda: connect("127.0.0.1", c.port, 10, token=token, namespace=request.node.name))
     assert quorum.ids == ["a", "b"] and quorum.agreed and quorum.step == 1
