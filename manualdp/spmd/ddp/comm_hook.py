@@ -3,8 +3,12 @@
 The hook sees the bucket's gradients only (as a `GradBucket`, `hooks.py`) and hands back their
 averages; the two flags per parameter ("used", "ready") that the reducer sends beside them are
 still summed by manualdp's allreduce. At the first synchronised step after a hook is registered
-(before training, or later, as torch's takes it) the ranks compare their hooks: a hook on one
-rank only would send other messages than its peers' allreduce.
+(before training, later, or between a forward pass and its backward, as torch's takes it: the hook
+runs from that backward on) the ranks compare their hooks (`hook_identity`: its name, and a
+`functools.partial`'s bound arguments). A hook registered on some ranks only makes their calls
+differ; each rank wrote what it registered, and when, to the group's store (`publish`), so the
+refused call is named as the hooks that differ, on every rank (`hooks_named`). Torch's DDP
+trains on there when the one hook happens to average too; we name it.
 
 A hook that raises, or hands back the wrong thing, fails that step on every rank alike: its
 rank still sends the bucket's flags, marked, so every peer learns of it in the same message and
@@ -18,13 +22,23 @@ its hook's error after the wrapper's timeout, and the peers' torch collective en
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
+
+import torch
+import torch.distributed as dist
+
 from ..collectives import allreduce
 from ..comm_hooks import GradBucket, hook_name, hook_result
 from ..transport.agree import agree
+from ..transport.call_check import differs
+from ..transport.late import group_store
 from ..transport.peers import DEFAULT_TIMEOUT, PeerError, is_refused_alike, refused_alike
 
-__all__ = ["CommHook", "check_same_hook", "register_hook", "parts_replicas"]
+__all__ = ["CommHook", "check_same_hook", "register_hook", "parts_replicas", "hook_identity", "hooks_named"]
 
+_NONE = "none (manualdp's allreduce)"  # a rank without a comm hook
 _FAILED = -1024.0  # a failed hook's flags: a summed flag is at least 0 on every rank whose hook worked
 
 
@@ -93,12 +107,15 @@ def register_hook(calls, reducer, state: object, hook, errors) -> None:
         raise errors(TypeError(f"hook must be callable, got {hook!r}"))
     if calls.comm_hook is not None:
         raise errors(RuntimeError("register_comm_hook can only be called once"))
-    if calls.queued or reducer.in_backward:
-        raise errors(RuntimeError("register_comm_hook must be called between steps, not between a forward pass and "
-                                  "its backward"))
+    if reducer.in_backward:
+        raise errors(RuntimeError("register_comm_hook must not be called during a backward pass"))
     calls.comm_hook = CommHook(state, hook, reducer)
     calls.comm_hook.install()
+    when = f"between forward and backward of step {calls.steps - 1}" if calls.queued else f"before step {calls.steps}"
+    publish(calls.number, reducer.group, f"{hook_identity(hook)} {when}")
     calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
+    if calls.queued:  # between a forward and its backward: compared before this backward's buckets, which it reduces
+        calls.compare_hooks_now()
 
 
 # hooks that leave each rank its own gradients by design: `noop_hook` (manualdp's or torch's, for timing a step
@@ -114,6 +131,74 @@ def parts_replicas(hook: CommHook | None) -> bool:
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:
     """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them."""
-    mine = hook_name(hook.hook) if hook is not None else "none (manualdp's allreduce)"
+    mine = hook_identity(hook.hook) if hook is not None else _NONE
     agree("DistributedDataParallel's comm hook", {"comm hook": mine}, group, timeout=timeout, check=True,
           hint="call register_comm_hook with the same hook on every rank")
+
+
+def hook_identity(hook) -> str:
+    """What the ranks compare of a hook: its name, and a `functools.partial`'s function and bound arguments."""
+    return _described(hook) if isinstance(hook, functools.partial) else hook_name(hook)
+
+
+def _described(value) -> str:
+    """`value` as text that is equal on two ranks when the values are: never an address, a tensor by a digest."""
+    if isinstance(value, functools.partial):
+        bound = [_described(a) for a in value.args]
+        bound += [f"{k}={_described(v)}" for k, v in sorted(value.keywords.items())]
+        return f"{hook_identity(value.func)}({', '.join(bound)})"
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    if isinstance(value, torch.Tensor):
+        return _tensor_digest(value)
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__}({', '.join(_described(v) for v in value)})"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{_described(k)}: {_described(v)}" for k, v in value.items()) + "}"
+    if callable(value) and hasattr(value, "__qualname__"):
+        return hook_name(value)
+    text = repr(value)
+    return type(value).__qualname__ if " at 0x" in text else text  # an address differs on every rank
+
+
+def _tensor_digest(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and a digest of its bytes (its repr would round and cut its values)."""
+    head = f"tensor({str(t.dtype).replace('torch.', '')}, {list(t.shape)}"
+    try:
+        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    except (RuntimeError, TypeError, NotImplementedError):  # meta, sparse, a subclass: compared by dtype and shape
+        return head + ")"
+    return f"{head}, sha1 {hashlib.sha1(data).hexdigest()[:12]})"
+
+
+def _key(number: int, rank: int) -> str:
+    return f"manualdp/comm_hook/{number}/{rank}"
+
+
+def publish(number: int, group, what: str) -> None:
+    """Write to the group's store which hook this rank registered on wrapper `number`, and when (`hooks_named`)."""
+    store = group_store(group if group is not None else dist.group.WORLD)
+    if store is not None:
+        store.set(_key(number, dist.get_rank(group)), what)
+
+
+@contextlib.contextmanager
+def hooks_named(number: int, group):
+    """A refused call of wrapper `number`'s step, where the ranks registered other comm hooks, named as the hooks.
+
+    The peer that registered a hook wrote it to the store before its first call with it, so every
+    rank whose call was refused by that call reads it there.
+    """
+    try:
+        yield
+    except ValueError as error:
+        store = group_store(group if group is not None else dist.group.WORLD)
+        if store is None:
+            raise
+        keys = [_key(number, r) for r in range(dist.get_world_size(group))]
+        hooks = [store.get(k).decode() if store.check([k]) else _NONE for k in keys]
+        if len(set(hooks)) > 1:
+            error.args = (f"rank {dist.get_rank(group)}: DistributedDataParallel's comm hook differs across ranks: "
+                          f"{differs('comm hook', hooks)}; call register_comm_hook with the same hook at the same "
+                          "step on every rank", *error.args[1:])
+        raise

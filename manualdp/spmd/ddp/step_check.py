@@ -24,7 +24,7 @@ import contextlib
 from ..transport.agree import ANY, agree
 from ..transport.call_check import check_same_call, make_check
 from .graph import refuse_in_backward_optimizers
-from .comm_hook import check_same_hook
+from .comm_hook import check_same_hook, hooks_named
 from .init_sync import kept_named
 from .feature import Feature
 from ..ladder.identity import BuiltWith, frozen_alike, naming_wrappers, replaced_line
@@ -73,6 +73,10 @@ class CallCheck(Feature):
         elif force and not self.alone:  # the buckets were to carry it, but something unchecked goes first
             self.future = self._submit(force)
 
+    def compare_hooks_now(self) -> None:
+        """A comm hook registered between forward and backward: the hooks and calls compared before its buckets."""
+        self.future = self._submit(force=True)
+
     def settle(self) -> None:
         """Queue the step's check now and wait for it (before the buffers' copy, which has no check of its own)."""
         self.queue(force=True)
@@ -92,7 +96,8 @@ class CallCheck(Feature):
             if index > 0 and (error := r.buckets[index - 1].future.exception()) is not None:
                 raise error  # every rank refused the bucket before (or the worker stopped): send nothing more
             bucket.check = _Named(make_check(r.state, bucket.flat, algorithm, r.segment_bytes, r.timeout,
-                                             schedule=algorithm, step=self.steps, identity=self.number), self.names)
+                                             schedule=algorithm, step=self.steps, identity=self.number), self.names,
+                                  self.number, r.group)
 
     def reset(self) -> None:
         self.future, self.queued, self.alone = None, False, False
@@ -111,8 +116,8 @@ class CallCheck(Feature):
         recorder, call = r.recorder, (first, r.algorithms[0], r.segment_bytes, r.group, r.timeout)
         comm_hook, step, number = self.comm_hook, self.steps, self.number
 
-        def run() -> None:
-            with naming_wrappers(self.names):  # the hooks' comparison is a checked call too: out of step, named
+        def run() -> None:  # the hooks' comparison is a checked call too: out of step, named; a hook on one rank too
+            with hooks_named(number, r.group), naming_wrappers(self.names):
                 if hooks:
                     check_same_hook(comm_hook, r.group, r.timeout)
                 if calls:
@@ -147,18 +152,18 @@ class CallCheck(Feature):
 class _Named:
     """A call check carried by a bucket, whose refusal names the wrappers and their steps (`naming_wrappers`)."""
 
-    def __init__(self, check, names: list[str] | None) -> None:
-        self.check, self.names = check, names
+    def __init__(self, check, names: list[str] | None, number: int, group) -> None:
+        self.check, self.names, self.number, self.group = check, names, number, group
 
     def __getattr__(self, name: str):
         return getattr(self.check, name)
 
     def __call__(self) -> None:
-        with naming_wrappers(self.names):
+        with hooks_named(self.number, self.group), naming_wrappers(self.names):
             self.check()
 
     def landed(self) -> None:
-        with naming_wrappers(self.names):
+        with hooks_named(self.number, self.group), naming_wrappers(self.names):
             self.check.landed()
 
 
