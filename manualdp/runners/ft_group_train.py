@@ -111,7 +111,7 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
     size = train_iter.batch_size or 1
     manager.capacity = max(1, size // manager.size)  # every rank of every group needs an example
     bar = progress_bar(run.total, progress and manager.rank == 0, manager.id)
-    members, strikes = None, 0
+    members, strikes, seen = None, 0, 0
 
     def say(line: str) -> None:
         if log and manager.rank == 0:
@@ -129,7 +129,10 @@ def train_group_rank(net: nn.Module, train_iter, test_iter, num_epochs: int, lr:
                 write_line(bar, log, f"replica group {manager.id}: step {manager.step}, quorum of {len(quorum.ids)}: "
                                  f"{', '.join(quorum.ids)} (round {quorum.round})")
             members = quorum.ids
-            record = _group_step(run, net, opt, manager, quorum, guard, say)
+            # what this rank's lane received in this step's entry, the bytes that came (said summed over the group)
+            received = sum(r.get("bytes", 0) for r in manager.recoveries[seen:])
+            seen = len(manager.recoveries)
+            record = _group_step(run, net, opt, manager, quorum, guard, say, received)
             strikes = strikes + 1 if record.get("nonfinite") else 0
             if strikes >= STRIKES:
                 raise Removed(f"replica group {manager.id!r}, rank {manager.rank}: its contribution was non-finite "
@@ -167,7 +170,7 @@ def _whole(net: nn.Module) -> nn.Module:
 
 
 def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: GroupManager, quorum, guard: bool,
-                say) -> dict:
+                say, received: int = 0) -> dict:
     """Train on this rank's shard of global batch `manager.step`: sum in the group, average in the lane; the record."""
     b = manager.step
     X, y = run.batches.get(b // run.per_epoch, b % run.per_epoch)
@@ -175,9 +178,13 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
     Xg, yg = shard(X, y, quorum.rank(manager.id), groups)
     Xs, ys = shard(Xg, yg, manager.rank, manager.size)
     opt.zero_grad(set_to_none=True)
-    out = net(Xs)
-    loss = run.loss_fn(out, ys)
-    (loss / n * groups * manager.size).backward()
+    try:  # sharded (--zero 3), forward and backward gather and reduce-scatter inside the group
+        out = net(Xs)
+        loss = run.loss_fn(out, ys)
+        (loss / n * groups * manager.size).backward()
+    except RuntimeError:  # a rank of the group died there: voting down raises GroupBroken on every rank left
+        manager.should_commit(False)
+        raise
     params = [p for p in net.parameters() if p.requires_grad]
     sharded = isinstance(net, FSDPModule)  # --zero 3: fully_shard reduce-scattered the gradients in the group
     locals_ = [local(p) for p in params]  # this rank's shard of each parameter (all of it without --zero 3)
@@ -185,10 +192,12 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
                       for p, q in zip(params, locals_)])
     # this rank's loss and correct count ride along, in float64: summed over the group and the lane, the batch's
     totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
-    # sharded, each rank holds its own shard: whether any rank's is not finite, summed in the group, judged alike
-    bad = torch.tensor([0.0 if not sharded or bool(torch.isfinite(flat).all()) else 1.0], dtype=torch.float64)
+    # sharded, each rank holds its own shard: whether any rank's is not finite, summed in the group, judged alike;
+    # and the bytes of state this rank's lane received in the step's entry: the recovery's, summed over the group
+    side = torch.tensor([0.0 if not sharded or bool(torch.isfinite(flat).all()) else 1.0, received],
+                        dtype=torch.float64)
     try:
-        for t in ([totals, bad] if sharded else [flat, totals]):
+        for t in ([totals, side] if sharded else [flat, totals, side]):
             dist.all_reduce(t)  # inside the group: plain data parallelism (fully_shard's reduce-scatter averaged)
     except RuntimeError:  # a rank of the group died: voting down raises GroupBroken on every rank left
         manager.should_commit(False)
@@ -196,7 +205,7 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
     if not sharded:
         flat.div_(manager.size)
     # after the sum inside the group every rank judges the same: its ranks judge alike
-    flat_finite = bad.item() == 0 if sharded else bool(torch.isfinite(flat).all())
+    flat_finite = side[0].item() == 0 if sharded else bool(torch.isfinite(flat).all())
     own_finite = not guard or (flat_finite and bool(torch.isfinite(totals).all()))
     # taken part in even when not finite: the lane waits; the manager's guard (on with `guard`) fails a step whose
     # average is not finite, another group's contribution or this one's, on every rank of the lane alike
@@ -210,6 +219,10 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
             p.grad = like(g.view_as(q).clone(), p) if sharded else g.view_as(p).clone()
         opt.step()
     record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
+    if side[1].item() > 0:  # measured: what the store handed the group's lanes, the state's blobs and digests
+        record["received_bytes"] = int(side[1].item())
+        say(f"replica group {manager.id}: step {b}: received its state over its {manager.size} lane(s): "
+            f"{int(side[1].item())} bytes")
     if not own_finite:
         record["nonfinite"] = True
     return run.record(record, totals * groups, n)

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import keys
+from .counted_store import CountedStore
 from .heartbeat import Liveness
 from .look import POLL
 from .quorum_group import meeting
@@ -141,10 +142,11 @@ class Lane:
         source = lane_source(source_group, self.index)
         live = self._liveness
         gone = None if live is None else lambda: source_group not in live.live([source_group])
-        state, digest = receive_state(self.store, round_, source, self.timeout, gone,
+        counted = CountedStore(self.store)  # the bytes that came: the state's blob and its SHA-256
+        state, digest = receive_state(counted, round_, source, self.timeout, gone,
                                       f"replica group {source_group!r} (rank {self.index})")
         load(state)
-        return {"round": round_, "source": source, "sha256": digest}
+        return {"round": round_, "source": source, "sha256": digest, "bytes": counted.received}
 
 
 def gloo_words(error: BaseException, most: int = 80) -> str:

@@ -115,7 +115,12 @@ def test_a_sharded_group_killed_mid_run_receives_its_shards_and_ends_on_the_one_
     assert got["steps"][0]["step"] >= 4, got["steps"][:2]  # A went on from B's step, never from step 0
     assert any(m == ["B"] for m in steps.values()) and steps[8 * KILLED_EPOCHS - 1] == ["A", "B"], steps
     check_against_reference(results, reference(tmp_path, KILLED_EPOCHS))
-    check_parameters(tmp_path / "ckpt", "B", reference_parameters(tmp_path, KILLED_EPOCHS))
+    expected = reference_parameters(tmp_path, KILLED_EPOCHS)
+    check_parameters(tmp_path / "ckpt", "B", expected)
+    # the bytes its lanes received, measured (the store's replies): each lane its half, so at least the model's
+    said = [line for line in (again / "A-0.log").read_text().splitlines() if "received its state over its 2" in line]
+    assert len(said) == 1 and int(said[0].split(": ")[-1].split()[0]) >= sum(
+        4 * v.numel() for v in expected.values()), said
 
 
 @pytest.mark.soak

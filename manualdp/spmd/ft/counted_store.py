@@ -1,0 +1,22 @@
+"""`CountedStore`: a store seen through a counter of the bytes its reads return (what a recovery received)."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+__all__ = ["CountedStore"]
+
+
+class CountedStore:
+    """`store`'s `check` and `get`, with `received`: the bytes every `get` returned so far (values, not keys)."""
+
+    def __init__(self, store: dist.Store) -> None:
+        self._store = store
+        self.received = 0  # bytes read back: a state's blob and its SHA-256, as they came over the socket
+
+    def check(self, names: list[str]) -> bool:
+        return self._store.check(names)
+
+    def get(self, name: str) -> bytes:
+        value = self._store.get(name)
+        self.received += len(value)
+        return value
