@@ -215,18 +215,22 @@ class Manager(Phases):
                                       gone=lambda: source not in self._liveness.live([source]))
         return state, plan[self.id], digest
 
-    def average(self, tensor: torch.Tensor) -> bool:
+    def average(self, tensor: torch.Tensor, divide_first: bool = False) -> bool:
         """Average `tensor` in place over the quorum's members; False (and the step cannot commit) if a member failed.
 
         The sum over the members that contributed, divided by how many they are: a member that
         died took its shard of the batch with it, and the step's gradient is the mean of the others'.
-        Afterwards the members hold bitwise identical tensors (on False: anything).
+        Afterwards the members hold bitwise identical tensors (on False: anything). `divide_first`
+        (every member alike): each share divided before the sum, as torch's DDP does: no sum of
+        finite shares overflows, but the bits differ from sum-then-divide (`average.average_fitting`).
         """
         self._check_open("average")
         if self.quorum is None:  # takes the quorum asked ahead
             raise RuntimeError("average() before start_step(): there is no quorum to average over")
         if not self._ok:
             return False
+        if divide_first:
+            tensor.div_(len(self._quorum.members))
         try:
             allreduce(tensor, schedule_for(self.algorithm, len(self._quorum.members), tensor), timeout=self.timeout)
         except ValueError:
@@ -234,7 +238,8 @@ class Manager(Phases):
         except RuntimeError as e:  # PeerError, or gloo's own: a member died or hangs
             self.last_error, self._ok = without_traceback(e), False
             return False
-        tensor.div_(len(self._quorum.members))
+        if not divide_first:
+            tensor.div_(len(self._quorum.members))
         return True
 
     def should_commit(self, ok: bool = True) -> bool:
