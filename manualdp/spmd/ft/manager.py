@@ -285,9 +285,12 @@ class Manager(Phases):
 
     # ------------------------------------------------------------ what outlives the process (durable.py)
 
-    def _make_durable(self, finishing: bool = False) -> None:
-        """Resume from disk (first call); save the steps committed since the last call, mark them in the store, log."""
-        if not finishing:  # a member of the last quorum may find the run marked finished by another: it still saves
+    def _make_durable(self, finishing: bool = False, asking: bool = False) -> None:
+        """Resume from disk (first call); save the steps committed since the last call, mark them in the store, log.
+
+        `asking`: an ask follows on this thread, which reads the run's end anyway (`quorum.py`): not read here too.
+        """
+        if not (finishing or asking):  # a member of the last quorum may find the run marked finished: it still saves
             self._floor.allows(self.step, None)  # RunFinished if the run has ended
         if self._disk is not None and not self._looked_on_disk:
             self._looked_on_disk = True

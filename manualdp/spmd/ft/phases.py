@@ -101,7 +101,7 @@ class Phases:
     def _tidy(self) -> None:
         """In `AskAhead`'s thread, as the vote commits (no disk): publish the commit's mark and record the step."""
         self._publish_due()
-        self._make_durable()
+        self._make_durable(asking=True)  # the next ask on this thread raises RunFinished if the run has ended
         self._tidied = True
 
     def _tidy_taken(self) -> None:
@@ -118,7 +118,7 @@ class Phases:
         if not self._tidied:
             self._publish_due()
             if self._disk is None:
-                self._make_durable()
+                self._make_durable(asking=True)
         self._tidied = False
         quorum = wait_for_quorum(self.store, self._member(admission.canonical(self._settings)), self._liveness,
                                  self._round, self.quorum_timeout, self.timeout, time.monotonic(), self._floor)
