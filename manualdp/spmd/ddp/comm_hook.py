@@ -196,7 +196,10 @@ def hooks_named(number: int, group):
         if store is None:
             raise
         keys = [_key(number, r) for r in range(dist.get_world_size(group))]
-        hooks = [store.get(k).decode() if store.check([k]) else _NONE for k in keys]
+        try:
+            hooks = [store.get(k).decode() if store.check([k]) else _NONE for k in keys]
+        except Exception:  # noqa: BLE001 - the store gone with a peer: the refusal as it was
+            raise error from error.__cause__
         if len(set(hooks)) > 1:
             error.args = (f"rank {dist.get_rank(group)}: DistributedDataParallel's comm hook differs across ranks: "
                           f"{differs('comm hook', hooks)}; call register_comm_hook with the same hook at the same "
