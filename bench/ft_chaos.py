@@ -5,6 +5,7 @@
     python bench/ft_chaos.py --kills 40 --epochs 30 --json chaos.json
     python bench/ft_chaos.py --group-size 2 --kills 100   # 2 groups of 2 ranks: bench/ft_chaos_groups.py
     python bench/ft_chaos.py --group-size 2 --kills 3 --epochs 2 --plot groups.png  # the membership, drawn
+    python bench/ft_chaos.py --group-size 2 --zero 3 --kills 100   # groups sharded within (fault-tolerant HSDP)
 
 Starts `manualdp coordinator` and 3 replicas (`manualdp train --fault-tolerant ... --checkpoint-dir`)
 as processes, then kills a random replica every 0.3-2.5 s (two at once one time in five) and
@@ -24,7 +25,8 @@ Checked at the end (a line each, and the exit status 1 if one fails):
 
 Reported: kills, rounds committed and discarded (read from the store before each coordinator
 goes), recovery time (from a kill to the first step the replica's new process commits) p50 and
-p99, and the bytes a recovery moves (a committed state's size).
+p99, and the bytes a recovery moves (a committed state's size; for groups, what the store handed the
+lanes of the group started again, as its rank 0 says it: with `--zero 3` each lane carries its shard).
 """
 from __future__ import annotations
 
@@ -302,8 +304,20 @@ def report(summary: dict) -> str:
     return (f"kills {summary['kills']} (+ coordinator {summary['coordinator_kills']}), rounds committed "
             f"{r.get('commit', 0)} and discarded {r.get('discard', 0)}, {len(rec)} recoveries: p50 "
             f"{_percentile(rec, 50):.2f} s, p99 {_percentile(rec, 99):.2f} s, "
-            f"{summary['state_bytes'] if summary['state_bytes'] is not None else 'unmeasured'} bytes per "
-            f"recovery (the state), {summary['seconds']:.0f} s in all")
+            f"{_bytes_per_recovery(summary)}, {summary['seconds']:.0f} s in all")
+
+
+def _bytes_per_recovery(summary: dict) -> str:
+    """One-process replicas: a committed state's size; groups: the bytes their lanes received per recovery."""
+    got = summary.get("recovery_bytes")
+    if got is None:
+        return (f"{summary['state_bytes'] if summary['state_bytes'] is not None else 'unmeasured'} bytes per "
+                f"recovery (the state)")
+    mode = "--zero 3: each lane its shard" if summary.get("zero") == 3 else "each lane the whole model"
+    if not got:
+        return f"no recovery's bytes said ({mode})"
+    return (f"bytes per recovery (received over the lanes, {mode}): p50 {_percentile(got, 50):.0f}, "
+            f"max {max(got)} over {len(got)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -321,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
                         "of one killed at a time (default 1: 3 replicas of one process, the coordinator killed once)")
     p.add_argument("--min-groups", type=int, default=2, choices=(1, 2),
                    help="with --group-size: the groups a step needs (default 2: the survivor waits; 1: it trains on)")
+    p.add_argument("--zero", type=int, default=None, choices=(3,),
+                   help="with --group-size 2 or more: each group shards the model by fully_shard (fault-tolerant HSDP)")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="with --group-size 2 or more: draw the groups in each step's quorum, and the kills, here")
     args = p.parse_args(argv)
@@ -328,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot is not None and (args.group_size < 2 or output_problem(args.plot) or not args.plot.endswith(".png")):
         p.error(f"--plot {args.plot!r}: " + (output_problem(args.plot) or ("draws replica groups: add --group-size 2"
                                               if args.group_size < 2 else "a PNG: end the name in .png")))
+    if args.zero is not None and args.group_size < 2:
+        p.error(f"--zero {args.zero}: shards a replica group's model: add --group-size 2")
     if kills < 0:
         p.error(f"--kills must be >= 0, got {kills}")
     if not 1 <= args.group_size <= 4:
@@ -339,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         from bench.ft_chaos_groups import check_groups, group_chaos
         epochs = args.epochs or max(4, kills)
         summary = group_chaos(workdir, kills, epochs, args.group_size, args.seed, min_groups=args.min_groups,
-                              timeout=args.timeout or 120 + 20 * kills + 4 * epochs)
+                              timeout=args.timeout or 120 + 20 * kills + 4 * epochs, zero=args.zero)
         problems = check_groups(summary, reference_run(workdir, epochs))
     else:
         epochs = args.epochs or max(2, kills // 4)  # a kill every 1.4 s on average; a quiet epoch takes about 2 s

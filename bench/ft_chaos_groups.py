@@ -40,13 +40,15 @@ GROUPS = ("A", "B")
 class GroupChaos:
     """The coordinator and the groups' rank processes, by generation; kills, restarts, and the store's rounds."""
 
-    def __init__(self, workdir: str, epochs: int, size: int, rng: random.Random, min_groups: int = 2) -> None:
+    def __init__(self, workdir: str, epochs: int, size: int, rng: random.Random, min_groups: int = 2,
+                 zero: int | None = None) -> None:
         self.dir, self.size, self.rng, self.port = workdir, size, rng, _free_port()
         os.makedirs(workdir, exist_ok=True)
         # a quorum of both groups: the survivor waits for the group started again (its imports and data take
         # longer than what is left of a short run alone, and a run that ended cannot take a group back in)
         run = RUN[:RUN.index("--min-replicas")] + RUN[RUN.index("--timeout") + 2:]
         self.options = [*run, "--min-replicas", str(min_groups), "--timeout", "90", "--epochs", str(epochs)]
+        self.options += ["--zero", str(zero)] if zero else []  # 3: each group shards the model (fault-tolerant HSDP)
         self.total = epochs * STEPS_PER_EPOCH
         self.procs: dict[str, list[list[subprocess.Popen]]] = {g: [] for g in GROUPS}  # a generation: its ranks
         self.killed: list[tuple[str, int, int]] = []  # (group, generation, rank killed)
@@ -130,10 +132,10 @@ class GroupChaos:
 
 
 def group_chaos(workdir: str, kills: int, epochs: int, size: int = 2, seed: int = 0, timeout: float = 600,
-                min_groups: int = 2) -> dict:
+                min_groups: int = 2, zero: int | None = None) -> dict:
     """Run the chaos of replica groups in `workdir`; a summary for `check_groups` and `ft_chaos.report`."""
     rng, started = random.Random(seed), time.monotonic()
-    c = GroupChaos(workdir, epochs, size, rng, min_groups)  # 1: the survivor trains on alone
+    c = GroupChaos(workdir, epochs, size, rng, min_groups, zero)  # 1: the survivor trains on alone
     try:
         while c.committed() == 0 and time.monotonic() - started < timeout / 2:
             time.sleep(0.2)
@@ -157,7 +159,19 @@ def group_chaos(workdir: str, kills: int, epochs: int, size: int = 2, seed: int 
             "discarded": {str(r): (s, ids) for r, (o, s, ids) in c.rounds.items() if o != "commit"},
             "kill_rounds": c.kill_rounds,
             "procs": {g: [[p.returncode for p in gen] for gen in c.procs[g]] for g in GROUPS},
-            "seconds": time.monotonic() - started, "dir": workdir, "total": c.total, "state_bytes": None}
+            "seconds": time.monotonic() - started, "dir": workdir, "total": c.total, "state_bytes": None,
+            "recovery_bytes": received_bytes(c), "zero": zero or 0}
+
+
+def received_bytes(c: GroupChaos) -> list[int]:
+    """Each recovery's bytes, as its group's rank 0 said them: what the store handed its lanes (measured, not sized)."""
+    said = []
+    for gid in GROUPS:
+        for n in range(len(c.procs[gid])):
+            with open(c.log(gid, n, 0), errors="replace") as f:
+                said += [int(line.rsplit(": ", 1)[1].split()[0]) for line in f
+                         if "received its state over its" in line and line.rstrip().endswith(" bytes")]
+    return said
 
 
 def check_groups(summary: dict, reference: dict | None = None) -> list[str]:
