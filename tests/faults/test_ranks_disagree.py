@@ -193,13 +193,15 @@ def test_check_same_layout_refuses_bad_arguments_before_any_communication():
 
 def _checks_per_step():
     """A 3-bucket wrapper for 3 steps: what goes through the worker, in order (a bucket: its size, whether it carries
-    a call check)."""
+    a call check), and the agreements' own call checks (the drift check's: the step each compares)."""
     from manualdp.spmd.ddp import reducer, step_check as ddp_debug
     from manualdp.spmd.ddp.wrapper import DistributedDataParallel
+    from manualdp.spmd.transport import agree
     seen = []
-    check, reduce = ddp_debug.check_same_call, reducer.run_allreduce
+    check, reduce, agreed = ddp_debug.check_same_call, reducer.run_allreduce, agree.same_call
     ddp_debug.check_same_call = lambda t, *a, numel=None, **k: (seen.append(("check", numel)),
                                                                  check(t, *a, numel=numel, **k))[1]
+    agree.same_call = lambda *a, step=-1, **k: (seen.append(("agree", step)), agreed(*a, step=step, **k))[1]
     # buckets go straight to the executor, carrying the step's call check on gloo
     reducer.run_allreduce = lambda t, *a, **k: (seen.append(("bucket", t.numel(), k.get("check") is not None)),
                                                 reduce(t, *a, **k))[1]
@@ -215,17 +217,21 @@ def _checks_per_step():
         grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
         return seen, sizes, grads
     finally:
-        ddp_debug.check_same_call, reducer.run_allreduce = check, reduce
+        ddp_debug.check_same_call, reducer.run_allreduce, agree.same_call = check, reduce, agreed
 
 
-def test_on_gloo_each_bucket_carries_the_steps_call_check_and_a_check_goes_alone_only_before_a_drift_check():
-    # At two ranks the check is the tag each bucket's data travels on: nothing is exchanged for it alone (issue 44),
-    # but before the replicas' drift check, a collective of its own, at its due steps after the first (steps 1 and 2
-    # here: 0, 1, 2, 4, ...), the step's check goes first, whole, as before a buffer broadcast, and that step's
-    # buckets then carry none; a second forward before the backward begins no step of its own, so the steps pair.
+def test_on_gloo_each_bucket_carries_the_steps_call_check_and_no_check_goes_alone_also_at_a_drift_check():
+    # At two ranks the check is the tag each bucket's data travels on: nothing is exchanged for it alone (issue 44).
+    # The replicas' drift check at its due steps (0, 1, 2, 4, ...: all three here) is two agreements (which wrapper,
+    # then the digests) whose own call checks carry the step about to begin, so a rank out of step is named by its
+    # step there, and no lone check of the step's calls goes first (was: one before each due check after the first,
+    # and that step's buckets carried none); the first step's comparison of comm hooks is an agreement too; a second
+    # forward before the backward begins no step of its own (nor a drift check), so the steps pair.
     results = launch(_checks_per_step, 2, timeout=60)
     for seen, sizes, _ in results:
         assert len(sizes) == 3
-        checked, settled = [("bucket", n, True) for n in sizes], [("bucket", n, False) for n in sizes]
-        assert seen == checked + [("check", sum(sizes))] + settled + [("check", sum(sizes))] + settled
+        checked = [("bucket", n, True) for n in sizes]
+        drift = [[("agree", step), ("agree", step)] for step in (1, 2, 3)]
+        built, hooks = [("agree", -1)], [("agree", -1)]  # the construction's comparison, the first step's hooks'
+        assert seen == built + drift[0] + hooks + checked + drift[1] + checked + drift[2] + checked, seen
     assert torch.equal(results[0][2], results[1][2])  # the steps paired up: equal averaged gradients

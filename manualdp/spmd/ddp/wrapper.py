@@ -254,7 +254,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             if not parts_replicas(self.calls.comm_hook):  # the no-op hook parts the replicas on purpose: no drift
                 self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
                                 number=self.calls.number, names=self.calls.built.names, step=self.reducer.steps,
-                                before=self.reducer.steps and self.calls.settle, early=not self.calls.debug)
+                                call_step=self.calls.steps + 1, early=not self.calls.debug)  # out of step: named
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32

@@ -5,8 +5,8 @@ whose replicas have parted: a rank that loaded other weights between steps, a pa
 after wrapping (the wrapper never averages it), a ZeRO optimizer over ranks that built their models
 from other seeds. Each rank trains on, and the run ends with as many models as ranks.
 
-So every wrapper (the rungs, the drop-in, ZeRO; `fully_shard` may call `check_replicas` on its
-shards) counts its steps and compares the parameters across the ranks (`DriftCheck.tick`) at steps
+So every wrapper (the rungs, the drop-in, ZeRO; HSDP's replicas of each shard in `sharding/fsdp_drift.py`, on
+the same schedule: a 1-D `fully_shard` replicates nothing) counts its steps and compares the parameters across the ranks (`DriftCheck.tick`) at steps
 0, 1, 2, 4, 8, ... below `every`, then at every multiple of `every` (`due`): a run shorter than `every`
 steps is checked too, within twice the steps a drift began at, and a long run pays the same per step.
 A check is one 64-bit digest per parameter, a sum of its bit patterns read as integers, each
@@ -120,26 +120,24 @@ class DriftCheck:
         self.last: int | None = None  # the last step given to `tick` (the drop-in's count of synchronised backwards)
 
     def tick(self, named_tensors, group, *, who: str, timeout: float | None = None, number: int | None = None,
-             names: list[str] | None = None, step: int | None = None, call_step: int = -1, before=None,
+             names: list[str] | None = None, step: int | None = None, call_step: int = -1,
              early: bool = True) -> None:
         """A step begins: compare the replicas if it is due (`named_tensors` is read only then); `names`: the
         wrapper's parameters as built, to name one a peer replaced (`identity.naming_wrappers`).
 
         `step`: the wrapper's own count of finished steps (the drop-in's synchronised backward passes), checked once
         each: a forward without backward on one rank (torch's DDP takes it) must not shift its schedule against its
-        peers'; None: count the calls. `call_step`: the step field the wrapper's collectives carry, compared by the
-        check's call check too, so that a rank out of step is named by its step even where a check meets them.
-        `before`: called first when a check is due (the drop-in compares the step's calls there after its first step:
-        a rank out of step is named so). `early`: also at steps 1, 2, 4, ... below `every` (`due`; the drop-in's debug
-        mode keeps the interval: its per-bucket comparison would meet an early check)."""
+        peers'; None: count the calls. `call_step`: the step field the wrapper's collectives carry (the step about to
+        begin), compared by the check's own call check, so that a rank out of step (one backward more) is named by its
+        step where a check meets its peers' buckets, with no exchange of the step's calls alone before the check.
+        `early`: also at steps 1, 2, 4, ... below `every` (`due`; the drop-in's debug mode keeps the interval: its
+        per-bucket comparison would meet an early check)."""
         if step is None:
             step, self.steps = self.steps, self.steps + 1
         elif step == self.last:
             return
         self.last = step
         if due(step, self.every, early):
-            if before:
-                before()
             with naming_wrappers(names, who):
                 check_replicas(named_tensors() if callable(named_tensors) else named_tensors, group, who=who,
                                step=step, timeout=timeout, number=number, call_step=call_step)
