@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ...buckets import by_dtype, flatten, unflatten_
+from .bucketed import average_fitting
 from .manager import Manager
 
 __all__ = ["average_and_vote"]
@@ -32,7 +33,9 @@ def average_and_vote(manager: Manager, tensors: list[torch.Tensor], also: tuple[
     guard = getattr(manager, "guard", None)
     judged = flats[len(also):] if judged is None else judged
     passed = guard is None or guard.passes(manager, judged, flats[:len(also)])  # the same answer on all
-    ok = ok and passed and all([manager.average(flat) for flat in flats])  # a list: every buffer goes, as on the others
+    # a list: every buffer goes, as on the others; one whose sum overflowed goes again, divided first
+    ok = ok and passed and all([average_fitting(manager, flat, lambda f, g=group: f.copy_(flatten(g)))
+                                for flat, group in zip(flats, groups)])
     if not manager.should_commit(ok):
         return False
     for flat, group in zip(flats, groups):

@@ -16,9 +16,10 @@ the current quorum's group. Where it departs from the drop-in, and why:
   the quorum is entered; the step is voted down anyway, but a newcomer is not left waiting;
 - a member gone mid-bucket makes `Manager.average` return False: the later buckets go nowhere,
   and the vote discards the step on every member;
-- an average that comes back NaN or Inf from finite norms (corrupted on the way, or a sum that
-  overflowed) is noted (`nonfinite`): the guard judged the norms before it, so `step()` votes
-  discard, and every member does, holding the same averages.
+- an average that comes back NaN or Inf is averaged again, each share divided first (`average_fitting`:
+  finite shares whose sum overflows, as two float16 40000s); if it is still NaN or Inf (a member's
+  NaN, or one corrupted on the way) it is noted (`nonfinite`): the guard judged the norms before
+  it, so `step()` votes discard, and every member does, holding the same averages.
 The guard (`guard.py`) judges every member's whole contribution, known only once every bucket is
 in: each bucket's norm is taken before its average, and the guard judges them in `step()`. An
 out-of-line contribution has then been averaged, but the step is discarded: it is never applied.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 from torch import nn
@@ -37,8 +39,9 @@ from ..ddp.feature import Feature
 from ..ddp.reducer import Reducer
 from ..transport.p2p import DEFAULT_SEGMENT_BYTES
 from ..transport.worker import SerialWorker
+from .guard import norm_of
 
-__all__ = ["QuorumReducer", "finite"]
+__all__ = ["QuorumReducer", "finite", "average_fitting"]
 
 
 class QuorumReducer(Reducer):
@@ -72,12 +75,19 @@ class QuorumReducer(Reducer):
         bucket.flags.fill_(1)  # every parameter used by every member: `write_grads` writes them all
         if self.late:
             return
-        self.norms.append(float(torch.linalg.vector_norm(bucket.grads, dtype=torch.float64)))
+        self.norms.append(norm_of(bucket.grads))
         # False (a member failed): the manager votes discard, later buckets skip. True: every member holds the
-        # same average, so a NaN in it (a fault on the way, a sum of finite buckets that overflowed) is seen by all
-        if self.manager.average(bucket.grads) and self.nonfinite is None and not finite(bucket.grads):
+        # same average, so a NaN left in it (a member's NaN, a fault on the way) is seen by all
+        ok = average_fitting(self.manager, bucket.grads, lambda grads: self.refill(bucket))
+        if ok and self.nonfinite is None and not finite(bucket.grads):
             self.nonfinite = index
         self.averaged = True
+
+    @staticmethod
+    def refill(bucket) -> None:
+        """`bucket`'s gradients copied in again from `.grad` (untouched until `write_grads`), as `mark_ready` did."""
+        for i, p in enumerate(bucket.params):
+            bucket.copy_in(i, p.grad)
 
     @torch.no_grad()
     def average_late(self) -> None:
@@ -85,8 +95,7 @@ class QuorumReducer(Reducer):
         self.manager.quorum  # noqa: B018 - enters a quorum asked ahead (it may load a state: not under autograd)
         self.late = False
         for b, bucket in enumerate(self.buckets):
-            for i, p in enumerate(bucket.params):
-                bucket.copy_in(i, p.grad)
+            self.refill(bucket)
             self.average_bucket(b, bucket)
             self.write_grads(bucket)
         self.reset()
@@ -104,8 +113,29 @@ class QuorumReducer(Reducer):
 
 def finite(t: torch.Tensor) -> bool:
     """Whether every element of `t` is finite: its norm, one pass, is; else (NaN, Inf, or squares that overflowed) the
-    exact test. `isfinite(t).all()` alone makes a boolean tensor of `t`'s size: about 16x the norm's CPU time."""
+    exact test. `isfinite(t).all()` alone makes a boolean tensor of `t`'s size: about 16x the norm's CPU time.
+    Integers and booleans are always finite (torch's norm refuses them)."""
+    if not (t.is_floating_point() or t.is_complex()):
+        return True
     return math.isfinite(float(torch.linalg.vector_norm(t))) or bool(torch.isfinite(t).all())
+
+
+def average_fitting(manager, t: torch.Tensor, refill: Callable[[torch.Tensor], None]) -> bool:
+    """`manager.average(t)`; if the average came back NaN or Inf, `refill(t)` with the shares and average again,
+    each member's share divided first. False if a member failed.
+
+    Sum then divide is kept where it fits: its bits are what every reference holds (torchft's formula, the
+    one-process runs). But shares whose average fits the dtype can sum past it (two float16 40000s, two float32
+    2e38s): torch's DDP divides first for that. A discarded step retakes the same batch, so that step would be
+    discarded forever. Every member holds the same average, so all see alike that it is not finite, and all
+    average again; a member's NaN comes back NaN again (the guard names it), at one more allreduce.
+    """
+    if not manager.average(t):
+        return False
+    if finite(t):
+        return True
+    refill(t)
+    return manager.average(t, divide_first=True)
 
 
 class _TakeQuorum(Feature):

@@ -34,19 +34,23 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import sys
 
 import torch
 
 from .admission import Misfit
 from .bar import bar
 
-__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "MIN_EXAMPLES", "Removed", "offenders", "ContributionGuard",
-           "guard_settings"]
+__all__ = ["FACTOR", "PAIR_FACTOR", "STRIKES", "MIN_EXAMPLES", "HUGE", "Removed", "offenders", "norm_of",
+           "ContributionGuard", "guard_settings"]
 
 FACTOR = 100.0       # 3+ members: out of line above this many times the median of the others' norms
 PAIR_FACTOR = 100.0  # 2 members: out of line above this many times the other's norm
 STRIKES = 3          # offences in a row that remove a member from the quorum
 MIN_EXAMPLES = 8     # the fewest examples per member at which the norms are compared
+# A finite contribution's norm past float64 stands at this: its slot is divided by the members' count and
+# multiplied back, which must stay finite; comparisons with it stay sane (`factor * HUGE` is inf, not an offence)
+HUGE = sys.float_info.max / 2
 
 _log = logging.getLogger("manualdp.spmd.ft")
 
@@ -76,6 +80,20 @@ def offenders(norms: list[float], factor: float = FACTOR, pair_factor: float = P
         elif math.isfinite(pair_factor) and x > 0 == y:
             bad[j] = f"norm 0, under 1/{pair_factor:g} of the other member's ({x:.3g})"
     return dict(sorted(bad.items()))
+
+
+def norm_of(t: torch.Tensor) -> float:
+    """The float64 norm of `t`: NaN if an element is NaN or Inf; at most `HUGE`, also where the squares overflow."""
+    if not t.is_floating_point():
+        t = t.double()  # integers are always finite, and torch's norm refuses them
+    norm = float(torch.linalg.vector_norm(t, dtype=torch.float64))
+    if math.isfinite(norm):
+        return min(norm, HUGE)
+    if not bool(torch.isfinite(t).all()):
+        return math.nan
+    # finite elements whose squares overflowed (float64 past 1e154): the norm of t scaled by its largest element
+    big = float(t.abs().max())
+    return min(big * float(torch.linalg.vector_norm(t.double() / big)), HUGE)
 
 
 def guard_settings(guard: "ContributionGuard | None") -> str:
@@ -109,10 +127,11 @@ class ContributionGuard:
         quorum = manager.quorum
         ids = quorum.ids
         norms = torch.zeros(len(ids), dtype=torch.float64)
-        # NaN or Inf where any element is: one pass over the buffers, where isfinite() and a norm took two
-        mine = math.hypot(*(float(torch.linalg.vector_norm(t, dtype=torch.float64)) for t in contribution))
-        finite = math.isfinite(mine) and all(bool(torch.isfinite(t).all()) for t in also)
-        norms[quorum.rank(manager.id)] = mine if finite else math.nan
+        # NaN where any element is NaN or Inf (`norm_of`: one pass over finite buffers, where isfinite() and a norm
+        # took two); finite values whose norm is past float64 are not non-finite: their norm stands at HUGE
+        parts = [norm_of(t) for t in contribution]
+        finite = all(map(math.isfinite, parts)) and all(bool(torch.isfinite(t).all()) for t in also)
+        norms[quorum.rank(manager.id)] = min(math.hypot(*parts), HUGE) if finite else math.nan
         if not manager.average(norms):
             return False  # a member failed: the step cannot commit anyway
         batch = getattr(manager, "capacity", 0)

@@ -39,11 +39,13 @@ def two_members(manager: Manager, fail_at: int | None = None, nan_at: int | None
     """Make `manager.average` stand for two members; each call's (thread, elements) goes into the list returned.
 
     `fail_at`: that call (0: the first) fails, as a member gone mid-bucket makes it. `nan_at`: that call's
-    average comes back with a NaN (corrupted on the way, after its norm was taken), and True.
+    average comes back with a NaN (corrupted on the way, after its norm was taken), and True; so does the
+    average again that a non-finite one calls for (`average_fitting`, each share divided first).
     """
     calls, real = [], manager.average
 
-    def average(t: torch.Tensor) -> bool:
+    def average(t: torch.Tensor, divide_first: bool = False) -> bool:
+        again = divide_first and len(calls) - 1 == nan_at
         calls.append((threading.current_thread().name, t.numel()))
         if len(calls) - 1 == fail_at:
             manager._ok = False  # what a failed allreduce leaves (Manager.average)
@@ -51,7 +53,7 @@ def two_members(manager: Manager, fail_at: int | None = None, nan_at: int | None
         if not real(t):  # the quorum of one's own (it refuses a step not under way)
             return False
         t.add_(t * 3).div_(2)
-        if len(calls) - 1 == nan_at:
+        if len(calls) - 1 == nan_at or again:
             t.view(-1)[0] = float("nan")
         return True
 
@@ -129,8 +131,9 @@ def test_a_bucket_whose_average_comes_back_non_finite_discards_the_step_and_the_
         with caplog.at_level("WARNING", logger="manualdp.spmd.ft"):
             assert ft.step(also=(totals,)) is False
         assert "step 0 discarded: bucket 2's average came back non-finite" in caplog.text
-        # every bucket went, then the guard's norms (it judged them finite), not `also`: the vote discards
-        assert [n for _, n in calls] == [2, 8, 4, 12, 1]
+        # every bucket went (bucket 2 twice: again divided first), then the guard's norms (it judged them
+        # finite), not `also`: the vote discards
+        assert [n for _, n in calls] == [2, 8, 4, 4, 12, 1]
         assert manager.step == 0 and totals.tolist() == [1.0]
         assert all(torch.equal(p, b) for p, b in zip(net.parameters(), before)) and all(
             p.grad is None for p in net.parameters())
