@@ -22,7 +22,7 @@ One role a file, as FSDP2's `torch/distributed/fsdp/_fully_shard/`: this page is
 forward and backward; `fsdp_step.py` is the step under way of a tree of units; `fsdp_state_dict.py`
 keeps `state_dict()` to the shards; `fsdp_norm.py` gives an empty shard its infinity norm;
 `fsdp_meta.py` initialises a meta-device model as one process would (`init_full`); `fsdp_hsdp.py` all-reduces
-across HSDP's replicas.
+across HSDP's replicas, and `fsdp_drift.py` checks that they still hold the same shards.
 
 As torch's: a sharded module is torch's `FSDPModule` too (`isinstance`, `register_fsdp_forward_method`);
 `requires_grad_` after sharding takes effect at the next forward; the hook that gathers a unit again for
@@ -43,7 +43,9 @@ Where it differs from torch's FSDP2:
 - `reshard_after_forward` as an int smaller than the group (torch's: keep a copy sharded over fewer
   ranks) reshards over all of them: the same numbers, less memory, one more all-gather's latency;
 - ranks that run other units, or one unit more, or use a parameter on some ranks only, all raise
-  naming the unit (torch's pairs the collectives up, or hangs).
+  naming the unit (torch's pairs the collectives up, or hangs);
+- HSDP's replicas of a shard that parted (a shard changed on one rank, a stale .grad stepped on one replica) are
+  named on every rank at steps 0, 1, 2, 4, ... then every 100 (`set_drift_check_every`; torch's trains on).
 HSDP, as torch's: on a 2-D mesh (replicate, shard) each parameter is sharded over dim 1 (a DTensor placed
 `(Replicate(), Shard(0))`), and a unit's gradients are reduce-scattered there, then all-reduced across the
 replicas over dim 0 (`fsdp_hsdp.py`); `set_requires_all_reduce(False)` keeps the sums for a later backward.

@@ -1,7 +1,8 @@
 """Replicas that part in a run shorter than `drift_check_every` are named too (issue 43): with the default interval
 (100), a 10-step run at 2 ranks in which rank 1 alone loads other weights after step 2 raises on every rank at the
 next check of the schedule 0, 1, 2, 4, 8, ... (was: checked at step 0 only, the run ended with two models).
-`fully_shard` has no drift check (its ranks hold different shards); ZeRO heals a drift into one mixed model at its
+A 1-D `fully_shard` has no drift check (its ranks hold different shards; HSDP's replicas are checked:
+tests/spmd/sharding/test_fsdp_hsdp_drift.py); ZeRO heals a drift into one mixed model at its
 next all-gather, so only a load right before a checked step is seen there.
 """
 import torch
