@@ -11,7 +11,9 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
   them again (torch's FSDP2 does the same); `check_whole` makes the same checks, and torch's, for the whole
   tree before a sharded module's `load_state_dict` writes anything (or, under a plain module over sharded
-  children, before the first of them loads), so a refused load leaves the model as it was; a DTensor replicated on
+  children, before the first of them loads: torch has loaded the plain module's own tensors and the plain
+  children walked before it by then, and the refusal names them), so a refused load of a sharded root leaves the
+  model as it was; a DTensor replicated on
   the model's mesh that holds the whole value is taken as torch's FSDP2 takes it: this rank's shard of it. What
   torch's loader refuses beyond these checks (a meta DTensor, a user's hook) changes nothing either: a sharded
   module's load runs inside `shards_kept`, which keeps a copy of every shard and buffer for the load's time and
@@ -144,25 +146,50 @@ def _outermost_load() -> tuple[nn.Module, Mapping, bool, bool] | None:
     return module, state_dict, bool(found.get("strict", True)), bool(found.get("assign", False))
 
 
-def _check_whole_once(state_dict) -> None:
+def _check_whole_once(state_dict, prefix: str) -> None:
     """Before the first sharded submodule of a load under a plain module loads: `check_whole` of the outermost
-    module, once per load (a mark on torch's copy of the state dict), so that a refusal comes before any child
-    loaded (was: the children walked before the refused one were loaded, a half-loaded model)."""
+    module, once per load (a mark on torch's copy of the state dict), so that a refusal comes before any sharded
+    child loaded. torch's loader has already loaded the plain module's own tensors and the plain children walked
+    before this one (no hook of ours reaches a plain root before its load starts): a refusal names them."""
     outer = _outermost_load()
     if outer is None:
         return
     module, whole, strict, assign = outer
     if UNIT in module.__dict__ or getattr(whole, _CHECKED, False):  # a sharded module's own load checked it first
         return
-    check_whole(module, whole, strict, assign)
+    try:
+        check_whole(module, whole, strict, assign)
+    except (ValueError, RuntimeError, TypeError) as e:
+        loaded = _loaded_before(module, whole, prefix)
+        if not loaded:
+            raise
+        said = str(e).replace("; nothing was loaded", "")
+        raise type(e)(f"{said}; but torch's load_state_dict had loaded {', '.join(loaded)} before it reached "
+                      f"{prefix[:-1]}, the first sharded submodule (shard the root too, fully_shard(model) after "
+                      f"its children, and a refused load changes nothing)") from None
     try:
         setattr(whole, _CHECKED, True)
     except AttributeError:  # a mapping that takes no attributes: checked again at the next sharded child, alike
         pass
 
 
+def _loaded_before(module: nn.Module, state_dict: Mapping, prefix: str) -> list[str]:
+    """The keys torch's loader copied into `module` before it reached the submodule at `prefix` (in its walk order)."""
+    loaded = []
+    for name, sub in module.named_modules(remove_duplicate=False):
+        at = f"{name}." if name else ""
+        if at == prefix:
+            break
+        persistent = [(n, b) for n, b in sub._buffers.items() if n not in sub._non_persistent_buffers_set]
+        for attr, held in [*sub._parameters.items(), *persistent]:
+            value = state_dict.get(at + attr)
+            if held is not None and isinstance(value, torch.Tensor) and value.shape == held.shape:
+                loaded.append(at + attr)
+    return loaded
+
+
 def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs) -> None:
-    _check_whole_once(state_dict)
+    _check_whole_once(state_dict, prefix)
     held = list(_held(sub))
     for attr, p in held:
         value = state_dict.get(prefix + attr)
