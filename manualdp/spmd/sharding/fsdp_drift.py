@@ -7,7 +7,7 @@ edit on one rank, a stale `.grad` stepped on one replica) parts them silently: e
 `full_state_dict` mixes them. A 1-D mesh replicates nothing: no check there, and no collective.
 
 So as a step's first forward with grad begins, at the steps `ladder.drift.due` names (0, 1, 2, 4, ...
-below `every`, then its multiples), every rank puts one digest per local shard (`ladder.drift.digests`)
+below `every`, then its multiples; a step: a backward pass of the tree), every rank puts one digest per local shard (`ladder.drift.digests`)
 in its replica's row of a table, summed by one checked allreduce across the replicas: every rank of a
 column then knows the first parameter whose replicas differ, and which replica differs from replica 0.
 A second allreduce of two numbers per column, over the shard group, tells every rank of the mesh, so that
@@ -27,12 +27,14 @@ __all__ = ["tick"]
 
 
 def tick(unit) -> None:
-    """A step of `unit`'s tree begins with a forward with grad: compare the replicas' shards if the step is due."""
+    """A forward with grad begins a step of `unit`'s tree: compare the replicas' shards if the step is due, once per
+    count of finished backward passes (a forward without backward on one replica, a validation pass, shifts nothing:
+    its peers meet the same check at their next forward)."""
     step = unit.step
-    root, check = step.root, step.drift
-    if root.replicate is None or step.failure is not None:  # 1-D: nothing replicated; failed: the next call says so
+    root, check, number = step.root, step.drift, step.backwards
+    if root.replicate is None or step.failure is not None or number == check.last:  # 1-D: nothing replicated
         return
-    number, check.steps = check.steps, check.steps + 1
+    check.last = number
     if due(number, check.every):
         root.worker.submit(_compare, root, number).result()  # in line with the tree's collectives
 

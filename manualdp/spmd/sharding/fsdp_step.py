@@ -33,6 +33,7 @@ class Step:
         self.failure: Exception | None = None  # a collective of the tree that raised: the later ones raise it too
         self.tied_apart: str | None = None  # a unit of the tree left out a weight tied apart: every forward raises
         self.drift = DriftCheck(DRIFT_CHECK_EVERY)  # HSDP: the replicas' shards compared at due steps (`fsdp_drift`)
+        self.backwards = 0  # backward passes of the tree that ended: the drift check's count of steps
 
     def backward_begins(self) -> None:
         """Queue `end_backward` for the end of this backward pass, once."""
@@ -60,6 +61,7 @@ class Step:
             self.abandon()  # raise what went wrong first, not what the collectives queued behind it run into
             raise
         self.in_backward = False
+        self.backwards += 1
         self.end(after_backward=True)
 
     def abandon(self) -> None:

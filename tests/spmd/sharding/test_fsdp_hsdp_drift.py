@@ -3,8 +3,8 @@
 - rank (1, 0) steps a stale `.grad` once more after step 2 (its replica parts from replica 0): every rank of the mesh
   raises one line at the next due step, naming the replica and the parameter (before: every rank trained on); so does
   rank (1, 1) changing its shard by hand; `set_drift_check_every(0)` turns the check off;
-- a normal run (mixed precision, gradient accumulation with `set_requires_all_reduce(False)`): no false alarm, and
-  the check ran at every due forward;
+- a normal run (mixed precision, gradient accumulation with `set_requires_all_reduce(False)`, a forward with grad and
+  no backward on replica 1 only): no false alarm, and the check ran at every due step (a step: a backward pass);
 - a 1-D mesh replicates nothing: no check, no collective, though every rank's shards differ.
 """
 import functools
@@ -30,10 +30,10 @@ def _loss(model, x):
     return nn.functional.cross_entropy(model(x)[:, :-1].float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
 
 
-def _run(mesh, steps, micro=1, stale_on=None, edit_on=None, every=None, **kwargs):
+def _run(mesh, steps, micro=1, stale_on=None, edit_on=None, every=None, validate_on=(), **kwargs):
     """`steps` optimizer steps of `micro` forwards each (all-reduce at the last only); returns the forwards run.
     `stale_on`, `edit_on`: the rank that steps a stale .grad again, or adds to its shard of layers.1's weight, after
-    step `PARTED_AFTER`."""
+    step `PARTED_AFTER`; `validate_on`: the ranks that run a forward with grad and no backward before step 1."""
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Titan()
@@ -43,6 +43,8 @@ def _run(mesh, steps, micro=1, stale_on=None, edit_on=None, every=None, **kwargs
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     forwards = 0
     for step in range(steps):
+        if step == 1 and rank in validate_on:
+            model(_batch(rank, n, 99))  # a validation pass on one replica: not a step, no false alarm
         for i in range(micro):
             if micro > 1:
                 model.set_requires_all_reduce(i == micro - 1)
@@ -73,7 +75,8 @@ def _job():
     out["bad every"] = error_of(lambda: model.set_drift_check_every(-1))
     calls.clear()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    out["normal"] = error_of(lambda: out.__setitem__("forwards", _run(mesh, 5, micro=2, mp_policy=bf16)))
+    out["normal"] = error_of(lambda: out.__setitem__("forwards", _run(mesh, 5, micro=2, mp_policy=bf16,
+                                                                      validate_on=(2, 3))))
     out["checked"] = list(calls)
     calls.clear()
     flat = init_device_mesh("cpu", (4,))
@@ -112,7 +115,7 @@ def test_the_check_turned_off_trains_on_and_a_bad_interval_is_refused_naming_it(
         assert out["bad every"].startswith("ValueError: every must be"), out["bad every"]
 
 
-def test_a_normal_run_with_mixed_precision_and_accumulation_raises_nothing_and_was_checked_at_every_due_step():
+def test_a_normal_run_with_mixed_precision_accumulation_and_a_validation_pass_on_one_replica_raises_nothing():
     for out in _results():
         assert out["normal"] is None, out["normal"]
         assert out["checked"] == [s for s in range(out["forwards"]) if due(s, 100)]
