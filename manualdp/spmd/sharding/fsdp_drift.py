@@ -9,7 +9,8 @@ edit on one rank, a stale `.grad` stepped on one replica) parts them silently: e
 So as a step's first forward with grad begins, at the steps `ladder.drift.due` names (0, 1, 2, 4, ...
 below `every`, then its multiples; a step: a backward pass of the tree), every rank puts one digest per
 local shard (`ladder.drift.digests`) in its replica's row of a table, summed by one checked allreduce
-across the replicas: every rank of a column then knows the first parameter whose replicas differ, and which replica differs from replica 0.
+across the replicas: every rank of a column then knows the first parameter whose replicas differ, and
+which replica differs from replica 0.
 A second allreduce of two numbers per column, over the shard group, tells every rank of the mesh, so that
 all raise the same line (the columns that agree would otherwise wait in the next all-gather for peers
 that raised). Both carry the check's step in their call check: replicas out of step are named so.
