@@ -93,7 +93,8 @@ def test_spmd_trace_has_each_buckets_ready_allreduce_and_wait_in_order(tmp_path)
         buckets = sorted({e["args"]["bucket"] for e in allreduces})
         assert len(buckets) >= 2 and len(allreduces) == steps * len(buckets)
         # each bucket's allreduce carries the step's call check (on gloo): no exchange of its own to show, also at the
-        # replicas' drift check's due steps (1, 2, 4, ...: `drift.due`), whose own call check compares the step (issue 44)
+        # replicas' drift check's due steps (1, 2, 4, ...: `drift.due`), whose own call check compares the step
+        # (issue 44)
         assert sum(due(s, 100) for s in range(1, steps)) >= 2  # the case: due steps after the first
         lone = [e for e in spans["comm"] if e["name"] == "step check"]
         assert not lone, lone

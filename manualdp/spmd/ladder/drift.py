@@ -6,8 +6,8 @@ after wrapping (the wrapper never averages it), a ZeRO optimizer over ranks that
 from other seeds. Each rank trains on, and the run ends with as many models as ranks.
 
 So every wrapper (the rungs, the drop-in, ZeRO; HSDP's replicas of each shard in `sharding/fsdp_drift.py`, on
-the same schedule: a 1-D `fully_shard` replicates nothing) counts its steps and compares the parameters across the ranks (`DriftCheck.tick`) at steps
-0, 1, 2, 4, 8, ... below `every`, then at every multiple of `every` (`due`): a run shorter than `every`
+the same schedule: a 1-D `fully_shard` replicates nothing) counts its steps and compares the parameters across
+the ranks (`DriftCheck.tick`) at steps 0, 1, 2, 4, 8, ... below `every`, then at every multiple of `every` (`due`): a run shorter than `every`
 steps is checked too, within twice the steps a drift began at, and a long run pays the same per step.
 A check is one 64-bit digest per parameter, a sum of its bit patterns read as integers, each
 weighted by its position (`digests`: a plain sum would miss a permuted parameter, a square weight
