@@ -7,15 +7,14 @@ from other seeds. Each rank trains on, and the run ends with as many models as r
 
 So every wrapper (the rungs, the drop-in, ZeRO; HSDP's replicas of each shard in `sharding/fsdp_drift.py`, on
 the same schedule: a 1-D `fully_shard` replicates nothing) counts its steps and compares the parameters across
-the ranks (`DriftCheck.tick`) at steps 0, 1, 2, 4, 8, ... below `every`, then at every multiple of `every` (`due`): a run shorter than `every`
-steps is checked too, within twice the steps a drift began at, and a long run pays the same per step.
-A check is one 64-bit digest per parameter, a sum of its bit patterns read as integers, each
-weighted by its position (`digests`: a plain sum would miss a permuted parameter, a square weight
-loaded transposed on one rank), then the ranks' agreement (`transport.agree.agree`: a round trip
-of 8 bytes per rank that compares the calls, and one that compares the digests). Replicas are
-bitwise equal after every step (the collectives leave every rank the same bits, and the optimizers
-step alike), so any difference is drift: every rank raises, naming the first parameter that
-differs. `every=0` turns the check off.
+the ranks (`DriftCheck.tick`) at steps 0, 1, 2, 4, 8, ... below `every`, then at every multiple of `every`
+(`due`): a run shorter than `every` steps is checked too, within twice the steps a drift began at, and a long
+run pays the same per step. A check is one 64-bit digest per parameter, a sum of its bit patterns read as
+integers, each weighted by its position (`digests`: a plain sum would miss a permuted parameter, a square weight
+loaded transposed on one rank), then the ranks' agreement (`transport.agree.agree`: a round trip of 8 bytes per
+rank that compares the calls, and one that compares the digests). Replicas are bitwise equal after every step
+(the collectives leave every rank the same bits, and the optimizers step alike), so any difference is drift:
+every rank raises, naming the first parameter that differs. `every=0` turns the check off.
 
 Its cost, a weighted sum over the parameters and two small round trips every `every` steps (and
 log2(`every`) more at the start), is in `bench/drift_cost.py`.
