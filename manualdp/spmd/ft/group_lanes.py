@@ -19,12 +19,16 @@ for `Manager.average`.
 Gloo's rendezvous waits its whole timeout for a member that never comes. So the members first
 answer a roll call in the lane's meeting place, and a member group whose heartbeat stops before it
 answered ends the wait at once (`LaneLost`), as a recovery's lost sender does (`recovery.receive_state`'s
-`gone`): the step is discarded and asked again within about one heartbeat timeout.
+`gone`): the step is discarded and asked again within about one heartbeat timeout. A member lost after it
+answered leaves gloo connecting to a process that is gone for longer than gloo's own timeout, while this group's
+other ranks wait for this one inside the group: so the rendezvous runs on a thread of its own, waited for only
+while every member group's heartbeat goes on (`LaneLost` at once when one stops), at most `timeout`.
 """
 from __future__ import annotations
 
 import datetime
 import re
+import threading
 import time
 from typing import Callable
 
@@ -78,7 +82,9 @@ class Lane:
         store = meeting(self.store, keys.lane(number, self.index))
         if members is not None and self._liveness is not None:
             self._roll_call(store, number, rank, members)
-        self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
+            self._pg = self._rendezvous(store, number, rank, size, members)
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
         self.number, self.size, self._rank = number, size, rank
 
     def _roll_call(self, store: dist.Store, number: int, rank: int, members: list[str]) -> None:
@@ -88,14 +94,42 @@ class Lane:
         deadline = time.monotonic() + self.timeout
         while not store.check(names):
             missing = [members[r] for r, name in enumerate(names) if not store.check([name])]
-            lost = sorted(set(missing) - self._liveness.live(missing))
-            if lost:
-                raise LaneLost(f"lane {self.name!r} of quorum group {number}: replica group(s) {', '.join(lost)} "
-                               f"gone before the lane formed (heartbeat stopped); the step is asked again")
-            if time.monotonic() > deadline:
-                raise LaneLost(f"lane {self.name!r} of quorum group {number}: replica group(s) {', '.join(missing)} "
-                               f"did not come within {self.timeout:g} s; the step is asked again")
+            self._raise_if_lost(number, missing, deadline, "gone before the lane formed", "did not come")
             time.sleep(POLL)
+
+    def _rendezvous(self, store: dist.Store, number: int, rank: int, size: int,
+                    members: list[str]) -> dist.ProcessGroup:
+        """gloo's rendezvous, on a thread of its own, given up (LaneLost) once a member group's heartbeat stops.
+
+        A member lost after the roll call leaves gloo trying to connect to it for longer than its timeout (a
+        minute and more), while this group's other ranks wait for this one inside the group: so this rank waits
+        only while every member group lives, at most `timeout`; the thread, left behind, ends with gloo's error.
+        """
+        done, box = threading.Event(), {}
+
+        def build() -> None:
+            try:
+                box["pg"] = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
+            except BaseException as e:  # noqa: BLE001 - raised again below, on the rank's own thread
+                box["error"] = e
+            done.set()
+        threading.Thread(target=build, name=f"rendezvous of lane {self.name}", daemon=True).start()
+        others, deadline = [m for r, m in enumerate(members) if r != rank], time.monotonic() + self.timeout
+        while not done.wait(POLL):
+            self._raise_if_lost(number, others, deadline, "lost during the lane's rendezvous", "did not connect")
+        if "error" in box:
+            raise box["error"]
+        return box["pg"]
+
+    def _raise_if_lost(self, number: int, waited: list[str], deadline: float, lost_words: str, late_words: str) -> None:
+        """LaneLost if a group of `waited` is gone (its heartbeat stopped) or `deadline` (time.monotonic()) passed."""
+        lost = sorted(set(waited) - self._liveness.live(waited))
+        if lost:
+            raise LaneLost(f"lane {self.name!r} of quorum group {number}: replica group(s) {', '.join(lost)} "
+                           f"{lost_words} (heartbeat stopped); the step is asked again")
+        if time.monotonic() > deadline:
+            raise LaneLost(f"lane {self.name!r} of quorum group {number}: replica group(s) {', '.join(waited)} "
+                           f"{late_words} within {self.timeout:g} s; the step is asked again")
 
     def drop(self) -> None:
         """Leave the lane held, if any (its peers are not told: their next collective on it fails)."""
