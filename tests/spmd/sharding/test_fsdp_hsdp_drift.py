@@ -2,7 +2,8 @@
 
 - rank (1, 0) steps a stale `.grad` once more after step 2 (its replica parts from replica 0): every rank of the mesh
   raises one line at the next due step, naming the replica and the parameter (before: every rank trained on); so does
-  rank (1, 1) changing its shard by hand; `set_drift_check_every(0)` turns the check off;
+  rank (1, 1) changing its shard by hand, and on a 4 x 1 mesh rank 2 (replica 2); `set_drift_check_every(0)` turns
+  the check off;
 - a normal run (mixed precision, gradient accumulation with `set_requires_all_reduce(False)`, a forward with grad and
   no backward on replica 1 only): no false alarm, and the check ran at every due step (a step: a backward pass);
 - a 1-D mesh replicates nothing: no check, no collective, though every rank's shards differ.
@@ -69,7 +70,10 @@ def _job():
     fsdp_drift._compare = lambda root, number: (calls.append(number), compare(root, number))[1]
     out = {"parted": error_of(lambda: _run(mesh, 6, stale_on=2)),  # global rank 2: replica 1, shard 0
            "edited": error_of(lambda: _run(mesh, 6, edit_on=3)),  # global rank 3: replica 1, shard 1
-           "off": error_of(lambda: _run(mesh, 6, stale_on=2, every=0))}
+           "off": error_of(lambda: _run(mesh, 6, stale_on=2, every=0)),
+           # four replicas of one shard (DDP's shape): replica 2 named against replica 0
+           "4x1": error_of(lambda: _run(init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard")), 6,
+                                        edit_on=2))}
     torch.manual_seed(0)
     model = fully_shard(nn.Linear(4, 4), mesh=mesh)
     out["bad every"] = error_of(lambda: model.set_drift_check_every(-1))
@@ -86,12 +90,12 @@ def _job():
     return out
 
 
-def _expect(message, rank, name, shard):
+def _expect(message, rank, name, shard, shards=2, replica=1):
     checked = next(s for s in range(PARTED_AFTER + 1, 100) if due(s, 100))  # the first check after it parted
     assert message is not None and "\n" not in message, message
-    assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // 2}, shard {rank % 2}): fully_shard's "
-                              f"HSDP replicas parted before step {checked}: parameter {name}'s shard {shard} differs "
-                              "between replica 0 and replica 1 "), message
+    assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // shards}, shard {rank % shards}): "
+                              f"fully_shard's HSDP replicas parted before step {checked}: parameter {name}'s shard "
+                              f"{shard} differs between replica 0 and replica {replica} "), message
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,6 +111,11 @@ def test_a_replica_that_stepped_a_stale_grad_is_named_on_every_rank_at_the_next_
 def test_a_shard_changed_by_hand_on_one_replica_is_named_on_every_rank():
     for out in _results():
         _expect(out["edited"], out["rank"], "layers.1.weight", 1)
+
+
+def test_at_four_replicas_of_one_shard_the_replica_that_parted_is_named():
+    for out in _results():
+        _expect(out["4x1"], out["rank"], "layers.1.weight", 0, shards=1, replica=2)
 
 
 def test_the_check_turned_off_trains_on_and_a_bad_interval_is_refused_naming_it():
