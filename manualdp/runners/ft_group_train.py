@@ -44,8 +44,8 @@ from torch import nn
 
 from ..loss import count_correct, logits_of, summed_loss
 from ..spmd.ft.group import GroupManager
-from ..spmd.ft.group_shards import (like, load_local_model_state, load_local_optim_state, local, local_model_state,
-                                   local_optim_state)
+from ..spmd.ft.group_shards import (flat_local_grads, load_local_model_state, load_local_optim_state,
+                                   local_model_state, local_optim_state, put_local_grads)
 from ..spmd.ft.guard import STRIKES, Removed
 from ..spmd.launch import shard
 from ..spmd.sharding.fsdp import FSDPModule, full_state_dict, fully_shard
@@ -187,9 +187,7 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
         raise
     params = [p for p in net.parameters() if p.requires_grad]
     sharded = isinstance(net, FSDPModule)  # --zero 3: fully_shard reduce-scattered the gradients in the group
-    locals_ = [local(p) for p in params]  # this rank's shard of each parameter (all of it without --zero 3)
-    flat = torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(q)).reshape(-1)
-                      for p, q in zip(params, locals_)])
+    flat = flat_local_grads(params)  # this rank's shard of each gradient (all of it without --zero 3)
     # this rank's loss and correct count ride along, in float64: summed over the group and the lane, the batch's
     totals = torch.tensor([loss.item(), count_correct(logits_of(out).detach(), ys)], dtype=torch.float64)
     # sharded, each rank holds its own shard: whether any rank's is not finite, summed in the group, judged alike;
@@ -215,8 +213,7 @@ def _group_step(run: Run, net: nn.Module, opt: torch.optim.Optimizer, manager: G
             f"the step is discarded on every member group and taken again")
     committed = manager.should_commit(ok)
     if committed:
-        for p, q, g in zip(params, locals_, flat.split([q.numel() for q in locals_])):
-            p.grad = like(g.view_as(q).clone(), p) if sharded else g.view_as(p).clone()
+        put_local_grads(params, flat)
         opt.step()
     record = {"step": b, "round": quorum.round, "members": quorum.ids, "committed": committed}
     if side[1].item() > 0:  # measured: what the store handed the group's lanes, the state's blobs and digests

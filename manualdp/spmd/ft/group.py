@@ -10,7 +10,7 @@ Every rank of every group runs the same loop; only the groups are fault tolerant
     while manager.step < steps:
         quorum = manager.start_step()          # the groups agree; a group behind receives each lane's state
         loss_of(model, my_shard(batch, quorum.rank("a"), dist.get_rank())).backward()
-        ...                                    # inside the group: average (DDP) or reduce-scatter (fully_shard)
+        ...                                    # in the group: average (DDP), or fully_shard's (group_shards.py)
         ok = manager.average(flat_grads)       # rank i with rank i of the other groups: sum / how many groups
         if manager.should_commit(ok):          # every rank of every member group averaged: all apply it
             optimizer.step()
