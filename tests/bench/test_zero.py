@@ -9,8 +9,9 @@ from bench.zero import ROWS, format_table, measure, model_sizes, plot, summarize
 from manualdp.spmd import launch
 
 N, WIDTH, LAYERS = 2, 12, 2
-# timed steps 5 and 6: steps the replicas' drift check (a collective of its own, at steps 0, 1, 2, 4, ... below its
-# interval: `drift.due`) leaves alone, so that each step's bytes are the formula's
+# timed steps 5 and 6: steps the replicas' drift check (its agreements' int64 tables, at steps 0, 1, 2, 4, ... below
+# its interval: `drift.due`; no lone step check before it since issue 44) leaves alone, so that each step's bytes are
+# the formula's, other bytes too
 CONFIG = {"world_size": N, "width": WIDTH, "layers": LAYERS, "batch_size": 4, "warmup": 5, "steps": 2, "repeats": 1,
           "optimizer": "adam", "lr": 1e-3}
 
