@@ -125,13 +125,23 @@ def history(ckpt, gid: str) -> list[dict]:
     return [json.loads(line) for line in (ckpt / "rank0" / gid / "steps.jsonl").read_text().splitlines()]
 
 
-def newest_step(folder) -> int:
-    return max(int(p.name[5:13]) for p in folder.glob("ckpt-*.pt"))
-
-
 def saved_steps(ckpt, rank: int) -> set[int]:
     """The steps lane `rank` holds on disk, in any group's folder."""
     return {int(p.name[5:13]) for p in (ckpt / f"rank{rank}").glob("*/ckpt-*.pt")}
+
+
+def one_lane_behind(ckpt) -> None:
+    """As a kill mid-save leaves it: one lane (rank i of every group) lacks the newest step the other holds.
+
+    The SIGKILL itself may have left it so: each rank saves a step on its own before its group asks for the next
+    quorum, and one rank of a group may have saved one step more than the other (rank 1 ahead of rank 0, too: then
+    deleting rank 1's newest file made the lanes equal, and the test failed about 1 run in 5). Only where both
+    lanes hold the same newest step is lane 1's copy of it deleted, in every group's folder.
+    """
+    newest = max(saved_steps(ckpt, 0))
+    if newest == max(saved_steps(ckpt, 1)):
+        for path in (ckpt / "rank1").glob(f"*/ckpt-{newest:08d}.pt"):
+            path.unlink()
 
 
 @contextlib.contextmanager
@@ -184,11 +194,10 @@ def test_groups_that_all_stopped_go_on_from_disk_and_end_on_the_one_process_run(
             for gid in "AB":  # (torch's store client logs its own lines after it: not ours to silence here)
                 said = [s for s in (tmp_path / f"{gid}-0.log").read_text().splitlines() if "error:" in s]
                 assert len(said) == 1 and "lost the coordinator" in said[0] and f"in {ckpt}" in said[0], said
-        if behind:  # as a kill mid-save leaves it: rank 1 lacks the newest step rank 0 holds
-            for gid in "AB":
-                (ckpt / "rank1" / gid / f"ckpt-{newest_step(ckpt / 'rank1' / gid):08d}.pt").unlink()
+        if behind:
+            one_lane_behind(ckpt)
         held = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))  # the newest step both lanes hold, any group's
-        assert held >= 4 and (held < max(saved_steps(ckpt, 0)) or not behind), held
+        assert held >= 4 and (held < max(saved_steps(ckpt, 0) | saved_steps(ckpt, 1)) or not behind), held
         for gid in "AB" if behind else "":  # a step is logged once every rank saved it: a kill mid-save, none
             lines = [s for s in history(ckpt, gid) if s["step"] < held]
             (ckpt / "rank0" / gid / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
