@@ -1,9 +1,9 @@
 """A rank of `group_worker.py` whose group is lost as a lane forms: `python -m tests.spmd.ft.lane_loss_worker CONFIG`.
 
-`lost_in_lane` (in CONFIG): "kill": each rank SIGKILLs itself once it answered the roll call of a lane of two
-groups and published its address in gloo's rendezvous (its peer then connects to a process that is gone);
-"term": rank 0 SIGTERMs every rank of its group right after that roll call, itself last (the group leaves on
-purpose, as a job its scheduler stops), wherever the other ranks are.
+`lost_in_lane` (in CONFIG): the moment is the same, once a rank answered the roll call of a lane of two groups
+and published its address in gloo's rendezvous (its peer then connects to a process that is gone); "kill": each
+rank SIGKILLs itself then; "term": rank 0 SIGTERMs every rank of its group then, itself last (the group leaves on
+purpose, as a job its scheduler stops), wherever its other ranks are.
 """
 import json
 import os
@@ -16,16 +16,16 @@ from tests.spmd.ft import group_worker
 
 
 class DyingStore(dist.Store):
-    """A store that SIGKILLs this process right after a write of gloo's (not of manualdp's) once `armed`."""
+    """A store that calls `armed[0]` (the group lost) right after a write of gloo's (not of manualdp's)."""
 
-    def __init__(self, inner: dist.Store, armed: list[bool]) -> None:
+    def __init__(self, inner: dist.Store, armed: list) -> None:
         super().__init__()
         self.inner, self.armed = inner, armed
 
     def set(self, key, value):
         self.inner.set(key, value)
-        if self.armed[0] and not key.startswith("manualdp"):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if self.armed[0] is not None and not key.startswith("manualdp"):
+            self.armed[0]()
 
     # gloo's rendezvous may call any of these
     def get(self, key): return self.inner.get(key)  # noqa: E704
@@ -42,17 +42,19 @@ class DyingStore(dist.Store):
 def lose_in_lane(how: str, pids: list[int]) -> None:
     """Patch the lanes: once this rank answered a roll call of two groups, its group is lost (`how`)."""
     from manualdp.spmd.ft import group_lanes
-    roll_call, meeting, armed = group_lanes.Lane._roll_call, group_lanes.meeting, [False]
+    roll_call, meeting, armed = group_lanes.Lane._roll_call, group_lanes.meeting, [None]
+
+    def kill() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def term() -> None:
+        for pid in sorted(pids, key=lambda p: p == os.getpid()):  # the other ranks first, then this one
+            os.kill(pid, signal.SIGTERM)
 
     def then_lost(self, store, number, rank, members):
         roll_call(self, store, number, rank, members)
-        if len(members) < 2:
-            return
-        if how == "kill":
-            armed[0] = True  # at gloo's first write in this lane's store
-        elif self.index == 0:
-            for pid in sorted(pids, key=lambda p: p == os.getpid()):  # the other ranks first, then this one
-                os.kill(pid, signal.SIGTERM)
+        if len(members) == 2 and (how == "kill" or self.index == 0):
+            armed[0] = kill if how == "kill" else term  # at gloo's first write in this lane's store
     group_lanes.Lane._roll_call = then_lost
     group_lanes.meeting = lambda store, name: DyingStore(meeting(store, name), armed)
 

@@ -1,8 +1,7 @@
 """A replica group lost right after a lane's roll call (soak: 4 rank processes, `lane_loss_worker.py`).
 
-Groups A and B of 2 ranks meet; B's ranks answer the roll call of their lanes and are lost: killed (SIGKILL)
-in gloo's rendezvous of the lane, once they published their address, or leaving on purpose (SIGTERM) right after
-the roll call (adversary 51, L1 and L3: A's ranks waited in gloo's rendezvous, and on each other inside the group,
+Groups A and B of 2 ranks meet; B's ranks answer the roll call of their lanes and are lost in gloo's rendezvous of
+the lane, once they published their address: killed (SIGKILL) or leaving on purpose (SIGTERM) (adversary 51, L1 and L3: A's ranks waited in gloo's rendezvous, and on each other inside the group,
 until the group's gloo timeout, and the whole job was lost). A's ranks discard the step, drop B from the quorum
 and train on to the end, equal to the one-process reference of the steps' members.
 """
