@@ -7,12 +7,11 @@
         optimizer.step()
 
 `FaultTolerantDDP` (`ddp.py`), `LocalSGD` and `DiLoCo` (`local_sgd.py`) make these calls for
-you. A replica that dies costs the others the step it interrupted: their allreduce fails, they
-vote to discard it, and the next `start_step` forms a quorum without it. A replica that comes
-back (the same id, a new process) asks in, receives the state of a member at the highest step,
-and trains on. With `async_quorum=True` the quorum is asked in a thread while forward and
-backward run (`ahead.py`, as torchft's async quorum): a step where nothing changed waits for no
-store round trip but its vote's; one whose quorum changed is voted down, and the next one starts in it.
+you. A replica that dies costs the others the step it interrupted: their allreduce fails, they vote to discard it, and
+the next `start_step` forms a quorum without it. A replica that comes back (the same id, a new process) asks in,
+receives the state of a member at the highest step, and trains on. With `async_quorum=True` the quorum is asked in a
+thread while forward and backward run (`ahead.py`, as torchft's async quorum): a step where nothing changed waits for
+no store round trip but its vote's; one whose quorum changed is voted down, and the next one starts in it.
 """
 from __future__ import annotations
 
@@ -286,11 +285,8 @@ class Manager(Phases):
     # ------------------------------------------------------------ what outlives the process (durable.py)
 
     def _make_durable(self, finishing: bool = False, asking: bool = False) -> None:
-        """Resume from disk (first call); save the steps committed since the last call, mark them in the store, log.
-
-        `asking`: an ask follows on this thread, which reads the run's end anyway (`quorum.py`): not read here too.
-        """
-        if not (finishing or asking):  # a member of the last quorum may find the run marked finished: it still saves
+        """Resume from disk (first call); save the steps committed since the last call, mark them in the store, log."""
+        if not (finishing or asking):  # finishing: saved even if the run ended; asking: the ask after this reads it
             self._floor.allows(self.step, None)  # RunFinished if the run has ended
         if self._disk is not None and not self._looked_on_disk:
             self._looked_on_disk = True
