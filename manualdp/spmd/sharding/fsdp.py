@@ -45,7 +45,7 @@ Where it differs from torch's FSDP2:
 - ranks that run other units, or one unit more, or use a parameter on some ranks only, all raise
   naming the unit (torch's pairs the collectives up, or hangs);
 - HSDP's replicas of a shard that parted (a shard changed on one rank, a stale .grad stepped on one replica) are
-  named on every rank at steps 0, 1, 2, 4, ... then every 100 (`set_drift_check_every`; torch's trains on).
+  named on every rank at steps 0, 1, 2, 4, ... then every 100 (`drift_check_every`; torch's trains on).
 HSDP, as torch's: on a 2-D mesh (replicate, shard) each parameter is sharded over dim 1 (a DTensor placed
 `(Replicate(), Shard(0))`), and a unit's gradients are reduce-scattered there, then all-reduced across the
 replicas over dim 0 (`fsdp_hsdp.py`); `set_requires_all_reduce(False)` keeps the sums for a later backward.
@@ -67,8 +67,8 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
-from ...validate import boolean, nn_module, non_negative_int
-from ..ladder.drift import DriftCheck
+from ...validate import boolean, nn_module
+from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
 from ..transport.agree import broadcast_from_rank0
 from .fsdp_hooks import ForwardHooks, install_hooks
 from .fsdp_init import Checked, checked_arguments
@@ -144,11 +144,6 @@ class FSDPModule(TorchFSDPModule):
         boolean("reshard_after_backward", reshard_after_backward)
         for m in self._fsdp_modules(recurse):
             m._unit().reshard_after_backward = reshard_after_backward
-
-    def set_drift_check_every(self, every: int) -> None:
-        """HSDP (ours): compare the replicas' shards at steps 0, 1, 2, 4, ... below `every`, then at its multiples
-        (`fsdp_drift.py`); 0 turns the check off. For the whole tree: call it on the outermost module."""
-        self._unit().step.drift = DriftCheck(non_negative_int("every", every))
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]) -> None:
         """Start these modules' all-gathers when this module's forward starts (instead of the last step's next)."""
@@ -251,7 +246,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 reshard_after_forward: bool | int | None = None, shard_placement_fn=None,
                 mp_policy: MixedPrecisionPolicy | None = None, offload_policy=None,
                 ignored_params: set[nn.Parameter] | None = None, group=None, timeout: float | None = None,
-                recorder=None) -> nn.Module | list[nn.Module]:
+                recorder=None, drift_check_every: int = DRIFT_CHECK_EVERY) -> nn.Module | list[nn.Module]:
     """Shard `module`'s parameters over the ranks of `mesh` (or `group`; default: all), in place; returns `module`.
 
     Apply it to submodules first, then to their parents and the root, as torch's `fully_shard`. A list of
@@ -263,15 +258,18 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     reduce in `reduce_dtype`, cast outputs to `output_dtype`), `ignored_params` (left whole, not
     sharded, not synchronised). Ours: `group` (instead of `mesh`), `timeout` (seconds to wait for a
     silent peer; default: the group's, or on a mesh the world group's), `recorder` (a
-    `manualdp.support.trace.Trace` that gets every collective).
+    `manualdp.support.trace.Trace` that gets every collective), `drift_check_every` (HSDP: compare the replicas'
+    shards at steps 0, 1, 2, 4, ... below it, then at its multiples, `fsdp_drift.py`; 0: never; the outermost
+    call's holds for the tree).
     Every rank must call it alike; it compares the ranks' calls first.
     """
     call = checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                             ignored_params, group, timeout)
+                             ignored_params, group, timeout, drift_check_every)
     # Checked: from here on every rank changes the module the same way.
     unit = Unit(call.modules, call.group, call.mesh, call.reshard, call.mp_policy, call.timeout, recorder,
                 call.replicate)
     unit.step.tied_apart = call.tied_apart
+    unit.step.drift = DriftCheck(call.drift_check_every)
     unit.take_in(call.nested)  # the units already inside: one tree, one step
     fresh = [p for p, _, _ in call.taken.values() if not isinstance(p, Param)]
     if not call.meta:  # every rank starts from rank 0's values, sent on the worker in line with the collectives

@@ -68,4 +68,4 @@ def _compare(root, number: int) -> None:  # on the worker thread
         f"{number}: parameter {name}'s shard {s} differs between replica 0 and replica {r}{more} (digests of its "
         "bits); the replicas of a shard must hold the same values (the all-reduced gradients step them alike): a "
         "rank changed or loaded its shard alone, or stepped a stale .grad on one replica "
-        "(set_drift_check_every(0) turns this check off)"))
+        "(fully_shard(..., drift_check_every=0) turns this check off)"))

@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from torch.distributed.tensor import DTensor
 
-from ...validate import initialized, nn_module, timeout_seconds
+from ...validate import initialized, nn_module, non_negative_int, timeout_seconds
+from ..ladder.drift import DRIFT_CHECK_EVERY
 from ..transport.agree import agree
 from ..transport.peers import group_ranks, group_timeout
 from .fsdp_param import SLOTS, Param, owner_of
@@ -42,10 +43,11 @@ class Checked:
     modules: list        # the modules of the unit: one, or the roots of a list (torch's `fully_shard([a, b])`)
     replicate: object = None  # HSDP: the group of this rank's replicas (mesh dim 0); None on a 1-D mesh
     tied_apart: str | None = None  # a weight tied to another unit's, not inside: left out, the forward raises this
+    drift_check_every: int = DRIFT_CHECK_EVERY  # HSDP: the replicas' shards compared at `drift.due` steps
 
 
 def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
-                      ignored_params, group, timeout) -> Checked:
+                      ignored_params, group, timeout, drift_check_every=DRIFT_CHECK_EVERY) -> Checked:
     """Check `fully_shard`'s arguments and module, then that every rank calls it alike; raise before any change."""
     modules = _modules(module)
     if shard_placement_fn is not None:
@@ -56,6 +58,7 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
                         f"{type(mp_policy).__name__}")
     ignored = _ignored(ignored_params)
     timeout = timeout_seconds("timeout", timeout)
+    non_negative_int("drift_check_every", drift_check_every)
     for m in modules:
         if UNIT in m.__dict__:
             raise ValueError(f"module ({type(m).__name__}) is already sharded by fully_shard: "
@@ -71,13 +74,22 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
     # leave its peers waiting in the agreement: the refusal is one of the fields, then raised on every rank
     refused = next((e for p, _, name in taken.values() if not isinstance(p, Param)
                     for e in (_refusal(p, name),) if e is not None), None)
-    for g in (group, replicate) if replicate is not None else (group,):  # HSDP: the replicas agree too
-        _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored,
-                         f"{type(refused).__name__}: {refused}" if refused is not None else "nothing")
+    # HSDP: the replicas agree too, told whether the shard group did: a difference inside one shard group must not
+    # leave the other groups' ranks waiting for it in the replicas' agreement
+    failed = None
+    for g in (group, replicate) if replicate is not None else (group,):
+        try:
+            _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored,
+                             f"{type(refused).__name__}: {refused}" if refused is not None else "nothing",
+                             drift_check_every, "no" if failed is not None else "yes")
+        except ValueError as e:
+            failed = failed or e
+    if failed is not None:
+        raise failed
     if refused is not None:
         raise refused
     return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules, replicate,
-                   tied_apart)
+                   tied_apart, drift_check_every)
 
 
 def _refusal(p: nn.Parameter, name: str) -> Exception | None:
@@ -248,9 +260,12 @@ def _walk(modules: list[nn.Module], ignored: set[int]):
     return taken, nested, list(buffers.values()), tied_apart
 
 
-def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored, refused: str) -> None:
-    """Raise on every rank unless every rank shards the same parameters, buffers and units alike, and refuses alike."""
+def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored, refused: str,
+                     drift_check_every: int, shard_group: str) -> None:
+    """Raise on every rank unless every rank shards the same parameters, buffers and units alike, and refuses alike
+    (and checks HSDP's replicas at the same steps: a rank that skipped a check would leave its peers waiting)."""
     fields = {"refused": refused, "reshard_after_forward": reshard, "mp_policy": mp_policy,
+              "drift_check_every": drift_check_every, "shard group (mesh dim 1) agreed": shard_group,
               "ignored_params": len(ignored), "units inside": [path for path, _ in nested],
               "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
     for p, _, name in taken.values():

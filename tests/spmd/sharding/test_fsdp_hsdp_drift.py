@@ -2,8 +2,9 @@
 
 - rank (1, 0) steps a stale `.grad` once more after step 2 (its replica parts from replica 0): every rank of the mesh
   raises one line at the next due step, naming the replica and the parameter (before: every rank trained on); so does
-  rank (1, 1) changing its shard by hand, and on a 4 x 1 mesh rank 2 (replica 2); `set_drift_check_every(0)` turns
-  the check off;
+  rank (1, 1) changing its shard by hand, and on a 4 x 1 mesh rank 2 (replica 2); `drift_check_every=0` turns the
+  check off, and an interval that differs on one rank is refused at `fully_shard` on every rank (a difference within
+  one shard group no longer leaves the other group's ranks waiting in the replicas' agreement);
 - a normal run (mixed precision, gradient accumulation with `set_requires_all_reduce(False)`, a forward with grad and
   no backward on replica 1 only): no false alarm, and the check ran at every due step (a step: a backward pass);
 - a 1-D mesh replicates nothing: no check, no collective, though every rank's shards differ.
@@ -38,9 +39,7 @@ def _run(mesh, steps, micro=1, stale_on=None, edit_on=None, every=None, validate
     rank, n = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Titan()
-    _apply_fsdp(fully_shard, model, mesh=mesh, **kwargs)
-    if every is not None:
-        model.set_drift_check_every(every)
+    _apply_fsdp(fully_shard, model, mesh=mesh, **({} if every is None else {"drift_check_every": every}), **kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     forwards = 0
     for step in range(steps):
@@ -74,9 +73,9 @@ def _job():
            # four replicas of one shard (DDP's shape): replica 2 named against replica 0
            "4x1": error_of(lambda: _run(init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard")), 6,
                                         edit_on=2))}
-    torch.manual_seed(0)
-    model = fully_shard(nn.Linear(4, 4), mesh=mesh)
-    out["bad every"] = error_of(lambda: model.set_drift_check_every(-1))
+    out["bad every"] = error_of(lambda: fully_shard(nn.Linear(4, 4), mesh=mesh, drift_check_every=-1))
+    # one rank's interval alone would leave its peers waiting in a check it skips: refused at fully_shard, on every rank
+    out["one rank off"] = error_of(lambda: _run(mesh, 1, every=0 if rank == 3 else 100))
     calls.clear()
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     out["normal"] = error_of(lambda: out.__setitem__("forwards", _run(mesh, 5, micro=2, mp_policy=bf16,
@@ -118,10 +117,16 @@ def test_at_four_replicas_of_one_shard_the_replica_that_parted_is_named():
         _expect(out["4x1"], out["rank"], "layers.1.weight", 0, shards=1, replica=2)
 
 
-def test_the_check_turned_off_trains_on_and_a_bad_interval_is_refused_naming_it():
+def test_the_check_turned_off_trains_on_and_a_bad_or_disagreeing_interval_is_refused_naming_it():
     for out in _results():
         assert out["off"] is None, out["off"]
-        assert out["bad every"].startswith("ValueError: every must be"), out["bad every"]
+        assert out["bad every"].startswith("ValueError: drift_check_every must be"), out["bad every"]
+        message = out["one rank off"]  # rank 3's value differs from its shard group's (2) and its replicas' (1)
+        assert message.startswith("ValueError: rank ") and "\n" not in message, message
+        if out["rank"] == 0:  # its groups agree: it learns that rank 2's shard group did not
+            assert "shard group (mesh dim 1) agreed no..yes (per rank: yes, no)" in message, message
+        else:
+            assert "drift_check_every 0..100 (per rank: " in message, message
 
 
 def test_a_normal_run_with_mixed_precision_accumulation_and_a_validation_pass_on_one_replica_raises_nothing():
