@@ -18,6 +18,7 @@ import torch
 
 from manualdp.runners.cli import main
 from manualdp.spmd.ft import keys
+from manualdp.spmd.ft.group_disk import GroupDisk
 from manualdp.support.checkpoint import load_latest
 from tests.spmd.ft.cli_harness import RUN, check_against_reference, committed, reference, run
 from tests.spmd.ft.test_ft_group_cli import start_group
@@ -56,6 +57,15 @@ def check_parameters(ckpt, gids: str, expected: dict[str, torch.Tensor]) -> None
         assert all(torch.equal(whole[k], first[k]) for k in first), gid
         for name, value in expected.items():
             torch.testing.assert_close(whole[name], value, rtol=1e-5, atol=1e-6, msg=f"{gid} {name}")
+
+
+def test_a_folder_saved_without_zero3_is_refused_by_a_sharded_group_naming_zero(tmp_path):
+    saved = GroupDisk(str(tmp_path), "A", 0, 2)
+    saved.lane.save(3, saved.identity({"lr": 0.1, "zero": 0}), {"model": {}}, [])  # whole models on its lanes
+    sharded = GroupDisk(str(tmp_path), "A", 0, 2)
+    with pytest.raises(ValueError) as info:
+        sharded.held(sharded.identity({"lr": 0.1, "zero": 3}))
+    assert "\n" not in str(info.value) and "zero 0 here 3" in str(info.value), info.value
 
 
 @pytest.mark.soak
