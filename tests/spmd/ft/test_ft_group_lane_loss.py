@@ -1,9 +1,10 @@
-"""A replica group lost right after a lane's roll call (soak: 4 rank processes, `lane_loss_worker.py`).
+"""A replica group lost as a lane forms, after its roll call (soak: 4 rank processes, `lane_loss_worker.py`).
 
-Groups A and B of 2 ranks meet; B's ranks answer the roll call of their lanes and are lost in gloo's rendezvous of
-the lane, once they published their address: killed (SIGKILL) or leaving on purpose (SIGTERM) (adversary 51, L1 and L3: A's ranks waited in gloo's rendezvous, and on each other inside the group,
-until the group's gloo timeout, and the whole job was lost). A's ranks discard the step, drop B from the quorum
-and train on to the end, equal to the one-process reference of the steps' members.
+Groups A and B of 2 ranks meet; B's ranks answer the roll call of their lanes and are lost in gloo's rendezvous
+of the lane once they published their address: killed (SIGKILL) or leaving on purpose (SIGTERM). Adversary 51's
+L1 and L3: A's ranks waited there (gloo connecting for minutes) while their group-mates waited on them inside
+the group until its gloo timeout, and the whole job was lost. Now A's ranks say it in one line, discard the step,
+drop B from the quorum and train on to the end, equal to the one-process reference of the steps' members.
 """
 import time
 
@@ -51,3 +52,6 @@ def test_a_group_lost_right_after_the_lane_roll_call_leaves_the_other_training_t
     assert all(sorted(run) == list(range(STEPS)) for run in runs), logs
     members = check_against_reference(runs, STEPS)
     assert members == [["A"]] * STEPS, members
+    said = "replica group 'A', rank 0: lane 'A/lane/0' of quorum group 1: replica group(s) B lost during the lane's " \
+        "rendezvous (heartbeat stopped); the step is asked again"
+    assert said in log(a[0][1]), logs[0]  # in one line, at once: not at a gloo timeout
