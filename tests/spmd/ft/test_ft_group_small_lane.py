@@ -55,6 +55,8 @@ def test_a_member_group_that_left_ends_the_formation(store):
 def test_live_members_form_the_lane_and_sum_over_it(store):
     register(store(), "B")
     beat = Heartbeat(store(), "B", 0.05)  # B's group is alive while A waits for it to come
+    register(store(), "A")
+    beat_a = Heartbeat(store(), "A", 0.05)  # and A's while B waits for it in gloo's rendezvous (a live group beats)
     try:
         lanes = [Lane(store(), group, 0, DEADLINE, heartbeat_timeout=BEAT) for group in "AB"]
         tensors = [torch.ones(3), torch.full((3,), 2.0)]
@@ -78,6 +80,7 @@ def test_live_members_form_the_lane_and_sum_over_it(store):
         assert all(torch.equal(t, torch.full((3,), 3.0)) for t in tensors)
     finally:
         beat.stop()
+        beat_a.stop()
 
 
 @pytest.mark.parametrize("members", [None, ["A", "B"]])
