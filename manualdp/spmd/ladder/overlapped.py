@@ -34,6 +34,7 @@ import torch
 
 from .flat import FlatDDP
 from .identity import naming_wrappers
+from .rules import steps_named
 from ..collectives import allreduce
 from ..transport.group import group_worker  # the one thread per process group that runs collectives in order
 
@@ -87,7 +88,7 @@ class OverlappedDDP(FlatDDP):
         """On the worker: sum `tensor` over the ranks; the step's first call compares the ranks' steps and wrappers
         (`step`: this wrapper's step count, its number the call's identity)."""
         if checked is None:  # the step's first: every rank raises if the ranks are at different steps
-            with naming_wrappers(self.built.names, type(self).__name__):
+            with steps_named(type(self).__name__), naming_wrappers(self.built.names, type(self).__name__):
                 allreduce(tensor, self.algorithm, self.group, timeout=self.timeout, check=True, step=step,
                           identity=self.number)
         else:

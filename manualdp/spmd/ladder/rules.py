@@ -12,6 +12,9 @@ rank alike, is a new rung of its own over a deep copy of the module, as torch's 
 step they compare the step itself before its first allreduce (`check_step`): a rank that
 skipped a backward pass, or ran one more, or ran another number of forward passes, makes every
 rank raise, naming the rank and the field, instead of averaging gradients of two different steps.
+A forward pass with grad and no backward (a validation pass without `torch.no_grad()`) counts as
+a step here, where torch's DDP takes it: a rung cannot tell it from a skipped backward before its
+peers have waited out their timeout, so every rank raises at once, in one line naming it (`steps_named`).
 
 Two more rules:
 - a parameter that no rank's backward pass reached keeps its `.grad` as it was (None stays None,
@@ -39,6 +42,8 @@ a plain module again.
 """
 from __future__ import annotations
 
+import contextlib
+import re
 import weakref
 from copy import deepcopy as _deepcopy
 
@@ -56,7 +61,9 @@ from .drift import DRIFT_CHECK_EVERY, DriftCheck
 from .identity import BuiltWith, frozen_alike, naming_wrappers, replaced_line, take_number
 from .loading import check_loadable, unchanged_if_refused
 
-__all__ = ["Rung", "weak_hook"]
+__all__ = ["Rung", "weak_hook", "steps_named"]
+
+_STEPS = re.compile(r"\bstep \S+\.\.\S+ \(per rank")  # a refused call check whose step field differs
 
 # id(parameter) -> (the parameter, the rung that averages it), both held weakly: not on the parameter itself,
 # which must stay picklable (`pickle.dumps(module)`, `torch.save(module)`)
@@ -176,8 +183,9 @@ class Rung(nn.Module):
         if not torch.is_grad_enabled():
             return self.module(*args, **kwargs)
         self._refuse_replaced()
-        self.drift.tick(self.module.named_parameters, self.group, who=type(self).__name__, timeout=self.timeout,
-                        number=self.number, names=self.built.names, call_step=self.steps + 1)
+        with steps_named(type(self).__name__):  # its check may meet a peer's step check
+            self.drift.tick(self.module.named_parameters, self.group, who=type(self).__name__, timeout=self.timeout,
+                            number=self.number, names=self.built.names, call_step=self.steps + 1)
         self.steps += 1
         if self.synced_buffers:  # as torch's DDP: rank 0's running statistics everywhere, before a training forward
             self.copy_buffers()
@@ -212,7 +220,7 @@ class Rung(nn.Module):
         if self.world_size == 1:
             return flag
         timeout = self.timeout if self.timeout is not None else group_timeout(self.group)
-        with naming_wrappers(self.built.names, type(self).__name__):
+        with steps_named(type(self).__name__), naming_wrappers(self.built.names, type(self).__name__):
             return same_call(self.state, self.params[0], self.algorithm, DEFAULT_SEGMENT_BYTES, timeout,
                              numel=sum(p.numel() for p in self.params), step=self.steps, identity=self.number,
                              flag=flag)
@@ -239,7 +247,7 @@ class Rung(nn.Module):
                 flat = torch.empty(end, dtype=torch.uint8, device=device)
                 for b, at in zip(same, places):
                     flat[at:at + b.numel() * b.element_size()].copy_(b.reshape(-1).view(torch.uint8))
-                with naming_wrappers(self.built.names, type(self).__name__):
+                with steps_named(type(self).__name__), naming_wrappers(self.built.names, type(self).__name__):
                     broadcast(flat, 0, "tree", self.group, timeout=timeout, check=k == 0, step=self.steps,
                               identity=self.number)
                 for b, at in zip(same, places):  # .data: autograd may have saved them (two forwards, one backward)
@@ -269,3 +277,17 @@ class Rung(nn.Module):
         """Put back the `.grad` of the parameters no rank used: None stays None, as with torch's DDP."""
         for p, grad in untouched:
             p.grad = None if grad is None else p.grad.copy_(grad)
+
+
+@contextlib.contextmanager
+def steps_named(who: str):
+    """A refused check whose steps differ, explained: on a rung, unlike torch's DDP, a forward with grad is a step."""
+    try:
+        yield
+    except ValueError as error:
+        message = str(error.args[0]) if error.args else ""
+        if _STEPS.search(message):
+            error.args = (f"{message}; on {who} every forward pass with grad begins a step: a rank that ran one and no "
+                          "backward (run it under torch.no_grad()) or skipped a backward is a step ahead",
+                          *error.args[1:])
+        raise
