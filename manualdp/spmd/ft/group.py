@@ -43,7 +43,6 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-
 from torch import nn
 
 from ...validate import a_callable, nn_module, positive_int, timeout_seconds
@@ -160,7 +159,8 @@ class GroupManager:
         else:
             self._follow({"ready"})
             store = connect(host, port, timeout, token)
-        self._lane = Lane(store, group_id, self.rank, self.timeout, heartbeat_timeout)
+        self._lane = Lane(store, group_id, self.rank, self.timeout, heartbeat_timeout,
+                          connect=lambda: connect(host, port, timeout, token))
 
     # ------------------------------------------------------------ this rank's part of the state
 

@@ -61,8 +61,11 @@ class Lane:
     """This rank's lane: its gloo group with rank `index` of the other member groups, and the state it sent."""
 
     def __init__(self, store: dist.Store, group_id: str, index: int, timeout: float,
-                 heartbeat_timeout: float | None = None) -> None:
+                 heartbeat_timeout: float | None = None, connect: Callable[[], dist.Store] | None = None) -> None:
         self.store, self.index, self.timeout = store, index, timeout
+        # a new connection to the store for each rendezvous: a client's wait holds its connection, and a rendezvous
+        # given up still waits in it (None: `store`'s)
+        self._connect = connect
         # a sender's group whose heartbeat stops is lost: its state never comes (None: wait `timeout`)
         self._liveness = Liveness(store, heartbeat_timeout) if heartbeat_timeout is not None else None
         self.name = lane_source(group_id, index)
@@ -82,7 +85,8 @@ class Lane:
         store = meeting(self.store, keys.lane(number, self.index))
         if members is not None and self._liveness is not None:
             self._roll_call(store, number, rank, members)
-            self._pg = self._rendezvous(store, number, rank, size, members)
+            own = meeting(self._connect(), keys.lane(number, self.index)) if self._connect is not None else store
+            self._pg = self._rendezvous(own, number, rank, size, members)
         else:
             self._pg = dist.ProcessGroupGloo(store, rank, size, datetime.timedelta(seconds=self.timeout))
         self.number, self.size, self._rank = number, size, rank
