@@ -83,7 +83,9 @@ class Heartbeat:
     def stop(self, leave: bool = False) -> None:
         """Stop beating; with `leave`, mark this replica gone (-1) so that nobody waits for it."""
         self._stopped.set()
-        self._thread.join(timeout=2 * self._interval + 1)
+        # No timeout: a beat still in flight would land after it, under this process's old nonce, over the
+        # same id started again in this process (a new nonce) or over the -1 below; the store's own timeout ends it.
+        self._thread.join()
         if leave:
             try:
                 self._store.set(self._key, f"{self._nonce} -1")
@@ -112,6 +114,10 @@ class Liveness:
     def seen(self) -> list[str]:
         """The ids whose counter this observer has seen move: the heartbeats a look may read ahead (`look.prefetch`)."""
         return list(self._moved)
+
+    def nonce(self, replica_id: str) -> str | None:
+        """The nonce whose counter moved last for `replica_id`, as far as this observer saw (None: never seen)."""
+        return self._moved.get(replica_id, (None,))[0]
 
     def live(self, ids: list[str], store: dist.Store | None = None) -> set[str]:
         """The ids among `ids` whose replica is alive now, as far as this observer can tell.

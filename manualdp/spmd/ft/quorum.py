@@ -51,7 +51,7 @@ from . import keys
 from .admission import Misfit, admissible, fit, left_out, run_digest, split
 from .bar import barred
 from .guard import Removed
-from .heartbeat import Liveness, registered
+from .heartbeat import Liveness, nonce_of, registered
 from .look import POLL, glance, look, peek, prefetch
 from .signed_store import ignore
 from .trust import checked_claims, committed_record, count_value, json_lines, majority_need, mark_value, well_formed
@@ -181,9 +181,12 @@ def group_for(members: list[Member], round_: int) -> int:
     return round_
 
 
-def _asks(store: dist.Store, round_: int) -> dict[str, Member]:
+def _asks(store: dist.Store, round_: int, liveness: Liveness) -> dict[str, Member]:
     asks = {}
     for raw in json_lines(store, keys.asks(round_)):
+        now = liveness.nonce(raw["id"]) if isinstance(raw.get("id"), str) else None
+        if raw.get("nonce") not in (None, now) and now is not None:  # an earlier process of that id asked
+            continue
         try:
             member = _member(raw)
         except (KeyError, TypeError, ValueError):
@@ -230,7 +233,9 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
     `floor` (`durable.Floor`): no quorum below the run's committed step; RunFinished once it ended.
     """
     whole, round_ = store, _first_open_round(store, after)
-    store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
+    # the ask names this process (its heartbeat's nonce): a process of the same id started after it asked is not it
+    ask = json.dumps({**dataclasses.asdict(me), "nonce": liveness.nonce(me.id) or nonce_of(store, me.id)}) + "\n"
+    store.append(keys.asks(round_), ask)
     asked, short_since = time.monotonic(), None
     while True:
         store = look(whole)  # each pass decides from one read of each key
@@ -243,11 +248,11 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
                 return quorum
             left_out(store, me, quorum)  # a misfit is refused here; one merely late asks again
             round_ = _first_open_round(store, round_)  # left out: ask in the next round
-            store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
+            store.append(keys.asks(round_), ask)
             asked = time.monotonic()
             continue
-        asks = checked_claims(store, _asks(store, round_), committed_record(store))
         live = liveness.live(registered(store), store) | {me.id}
+        asks = checked_claims(store, _asks(store, round_, liveness), committed_record(store))
         out = barred(store, live)  # removed members whose process did not exit (bar.py)
         if me.id in out:
             raise Removed(f"replica {me.id!r} was removed from the run ({out[me.id]}): its asks are refused; its "
@@ -256,7 +261,7 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
             ignore(store, keys.asks(round_), f"the asks of {sorted(out)}: removed from the run, barred")
             live, asks = live - set(out), {rid: m for rid, m in asks.items() if rid not in out}
         if me.id not in asks:  # this replica's ask was overwritten (a stranger?): ask again
-            store.append(keys.asks(round_), json.dumps(dataclasses.asdict(me)) + "\n")
+            store.append(keys.asks(round_), ask)
             asks[me.id] = me
         run = run_digest(store, [m for m in asks.values() if m.id in live])
         members = decide(asks, live, time.monotonic() - asked >= quorum_timeout, run)

@@ -14,7 +14,7 @@ from manualdp.spmd.ft import Quorum
 from manualdp.spmd.ft.average import average_and_vote
 from manualdp.spmd.ft.bar import bar, barred
 from manualdp.spmd.ft.guard import STRIKES, ContributionGuard, Removed
-from manualdp.spmd.ft.heartbeat import Liveness
+from manualdp.spmd.ft.heartbeat import Heartbeat, Liveness
 from manualdp.spmd.ft.quorum import wait_for_quorum
 from tests.spmd.ft.harness import member
 from tests.spmd.ft.test_ft_quorum import registered_with_heartbeat
@@ -77,3 +77,49 @@ def test_a_bar_on_an_id_without_a_heartbeat_writes_nothing(store):
     s = store()
     bar(s, "nobody", "why")
     assert not s.check(["barred"]) and barred(s, ["nobody"]) == {}
+
+
+def test_an_ask_left_by_an_earlier_process_of_an_id_is_not_taken_for_the_same_id_started_again(store):
+    beats = registered_with_heartbeat(store, "ac")
+    try:
+        bar(store(), "c", "a test")
+        with pytest.raises(Removed):  # c's barred process appends its ask to round 1, then is refused
+            ask(store, "c")
+        beats[1].stop()
+        beats[1] = registered_with_heartbeat(store, "c")[0]  # c started again: it has not asked yet
+        s = store()
+        quorum = wait_for_quorum(s, member("a"), Liveness(s, 2.0), 0, 0.0, 20.0, time.monotonic())
+        assert quorum.ids == ["a"], quorum  # a quorum_timeout of 0: the askers now, and the old c's ask is not c's
+    finally:
+        for b in beats:
+            b.stop(leave=True)
+
+
+class SlowStore:
+    """A store whose `set` takes longer than a heartbeat's interval and records each value as it lands."""
+
+    def __init__(self) -> None:
+        self.started, self.landed = 0, []
+
+    def clone(self):
+        return self
+
+    def check(self, keys) -> bool:
+        return False
+
+    def set(self, key, value) -> None:
+        self.started += 1
+        time.sleep(1.5)  # longer than stop() used to wait for the beat thread (2 intervals + 1 s)
+        self.landed.append(value)
+
+
+def test_no_beat_lands_after_stop_returns_so_the_same_id_started_again_is_never_shadowed():
+    slow = SlowStore()
+    beat = Heartbeat(slow, "c", 0.01)
+    deadline = time.monotonic() + 60
+    while slow.started < 2 and time.monotonic() < deadline:  # its second beat is in flight
+        time.sleep(0.01)
+    beat.stop()
+    after_stop = list(slow.landed)
+    beat._thread.join()
+    assert len(after_stop) == 2 and slow.landed == after_stop, (after_stop, slow.landed)
