@@ -4,7 +4,10 @@ A quorum's look reads the run's committed step three times (the claims, the mark
 the previous quorum twice, and checks each key before it gets it: two round trips where one
 would do. A `Look` answers every read of a key after the first from what the first found, and
 a `check` and the `get` after it in one round trip (`SignedStore.peek`); the keys a decision
-reads that exist in a steady step are read together (`prefetch`: one `check`, one `multi_get`).
+reads that exist in a steady step are read together (`prefetch`: one `check`, one `multi_get`). torch's
+`multi_get` waits for a missing key up to the client's timeout, so a key deleted between the two (a
+stranger can) would stall the decision that long: the `multi_get` waits at most `VANISH` s, then each
+key is read alone, and the vanished key is logged once.
 A decision taken from one look is taken from one set of values, as if they were read at one
 moment; the next look reads everything again. Writes go through at once, and the next read of a key written reads it
 again.
@@ -15,6 +18,7 @@ outcome), peeking at it after a fifth of a millisecond, then at doubling interva
 """
 from __future__ import annotations
 
+import datetime
 import time
 from typing import Callable
 
@@ -26,6 +30,7 @@ __all__ = ["Look", "look", "peek", "prefetch", "glance", "POLL"]
 
 POLL = 0.005  # seconds between two looks at the store while waiting
 FIRST = 0.0002  # seconds before the first glance at the key a peer writes next
+VANISH = 0.5  # seconds a prefetch's multi_get waits: its keys existed at its check, so only a deleted one waits
 
 
 def look(store):
@@ -75,12 +80,19 @@ class Look(SignedStore):
         Worth it only for keys that exist in a steady step: one missing costs the check and changes nothing.
         """
         unread = [k for k in dict.fromkeys(keys) if k not in self._seen]
-        if len(unread) < 2 or not self._client.check([self._name(k) for k in unread]):
+        names = [self._name(k) for k in unread]
+        if len(unread) < 2 or not self._client.check(names):
             return
+        whole = self._client.timeout
+        self._client.set_timeout(datetime.timedelta(seconds=VANISH))  # this client's own setting: no round trip
         try:
-            raws = self._client.multi_get([self._name(k) for k in unread])
+            raws = self._client.multi_get(names)
         except dist.DistStoreError:  # a key deleted since the check (a stranger can): read each alone
+            self.ignore(", ".join(unread), f"one of these keys was deleted between its check and its read (a "
+                                           f"stranger can delete keys): each is read alone")
             return
+        finally:
+            self._client.set_timeout(whole)
         for key, raw in zip(unread, raws):
             self._seen[key] = self._open(key, raw)
 
