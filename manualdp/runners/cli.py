@@ -393,7 +393,9 @@ def _fault_tolerant_problem(args, world_size: int) -> str | None:
         problem = group_problem(args)
         if problem:
             return problem
-    refused = [("--zero", args.zero is not None and world_size == 1, "the replicas hold whole copies"),
+    refused = [("--zero", args.zero is not None and world_size == 1,
+                "a replica of one process holds the whole model; --zero 3 shards it inside a replica group "
+                "of several ranks (torchrun --nproc-per-node 2 or more)"),
                ("--devices", args.devices not in (None, 1), "each replica is one process and one device"),
                ("--algorithm auto", args.algorithm == "auto", "each new quorum would measure the link again; "
                                                               "pass naive, ring, tree, ..."),

@@ -28,6 +28,8 @@ FT = ["train", "--fault-tolerant", "127.0.0.1:29510", "--replica-id", "a"]
     (["train", "--replica-id", "a"], ["--replica-id need --fault-tolerant"]),
     (["train", "--min-replicas", "2"], ["--min-replicas need --fault-tolerant"]),
     ([*FT, "--zero", "1"], ["--zero with --fault-tolerant"]),
+    # a group of one rank is a one-process replica: --zero 3 is told what it needs, not only that it is refused
+    ([*FT, "--zero", "3"], ["--zero with --fault-tolerant", "replica of one process", "--nproc-per-node 2 or more"]),
     ([*FT, "--devices", "2"], ["--devices with --fault-tolerant", "one process and one device"]),
     ([*FT, "--algorithm", "auto"], ["--algorithm auto with --fault-tolerant"]),
     ([*FT, "--checkpoint-dir", "c", "--checkpoint-every", "2"], ["--checkpoint-every with --fault-tolerant"]),
