@@ -34,13 +34,11 @@ from .heartbeat import Heartbeat, Liveness, register
 from .phases import Phases, without_traceback
 from .quorum import POLL, Quorum, publish_mark
 from .quorum_group import drop_group
+from .share import ONE_ROUND, average_shares, schedule_for
 from .signed_store import StoreLost
 from .recovery import check_loadable, plan_recovery, receive_state, send_state  # here: the fault harnesses patch them
 
 __all__ = ["Manager", "CoordinatorLost", "schedule_for", "ONE_ROUND"]
-
-ONE_ROUND = 1 << 20  # bytes: at two members, a buffer up to this size is averaged in one round (`schedule_for`)
-
 
 class Manager(Phases):
     """One per replica process: membership, the quorum's process group, commit or discard, recovery.
@@ -221,24 +219,23 @@ class Manager(Phases):
         died took its shard of the batch with it, and the step's gradient is the mean of the others'.
         Afterwards the members hold bitwise identical tensors (on False: anything). `divide_first`
         (every member alike): each share divided before the sum, as torch's DDP does: no sum of
-        finite shares overflows, but the bits differ from sum-then-divide (`average.average_fitting`).
+        finite shares overflows (float16 and bfloat16 summed in float32: `share.py`), but the bits differ from
+        sum-then-divide (`bucketed.average_fitting`).
         """
         self._check_open("average")
         if self.quorum is None:  # takes the quorum asked ahead
             raise RuntimeError("average() before start_step(): there is no quorum to average over")
         if not self._ok:
             return False
-        if divide_first:
-            tensor.div_(len(self._quorum.members))
+        n = len(self._quorum.members)
         try:
-            allreduce(tensor, schedule_for(self.algorithm, len(self._quorum.members), tensor), timeout=self.timeout)
+            average_shares(tensor, n, lambda t: allreduce(t, schedule_for(self.algorithm, n, t), timeout=self.timeout),
+                           divide_first)
         except ValueError:
             raise  # the members called it differently (another model?): a bug to fix, not a fault to ride out
         except RuntimeError as e:  # PeerError, or gloo's own: a member died or hangs
             self.last_error, self._ok = without_traceback(e), False
             return False
-        if not divide_first:
-            tensor.div_(len(self._quorum.members))
         return True
 
     def should_commit(self, ok: bool = True) -> bool:
@@ -368,19 +365,6 @@ class Manager(Phases):
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def schedule_for(algorithm: str, members: int, tensor: torch.Tensor) -> str:
-    """The schedule `average` runs: `algorithm`, but at two members one round (recursive doubling) up to `ONE_ROUND`.
-
-    At two members every schedule adds the same two numbers (the partners in opposite order, and
-    IEEE addition is commutative): the same bits. The ring's two rounds cost a small buffer twice
-    the messages and about 3x the CPU (an mlp's bucket, the guard's norms); from a few MiB on, the
-    ring's half-size additions cost less.
-    """
-    if members == 2 and tensor.numel() * tensor.element_size() <= ONE_ROUND:
-        return "recursive_doubling"
-    return algorithm
 
 
 def _refuse_a_live_twin(store, replica_id: str, heartbeat_timeout: float) -> None:

@@ -5,9 +5,11 @@ shares (so the average must be the share itself); with replica processes (soak, 
 file), two `FaultTolerantDDP` replicas whose float16 gradients of 40000 sum past float16.
 """
 import json
+import logging
 import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from manualdp.spmd.ft import Coordinator, FaultTolerantDDP, Manager
 from manualdp.spmd.ft.average import average_and_vote
 from manualdp.spmd.ft.bucketed import average_fitting, finite
 from manualdp.spmd.ft.guard import HUGE, norm_of, offenders
+from manualdp.spmd.ft.share import average_shares
 from tests.spmd.ft.harness import ROOT
 
 # dtype: a share whose average (itself) fits the dtype, but whose sum with the same share does not
@@ -134,6 +137,75 @@ def test_finite_says_integers_and_booleans_are_finite():
     assert finite(torch.tensor([1, 2], dtype=torch.int64)) and finite(torch.tensor([True, False]))
     assert finite(torch.zeros(2, dtype=torch.uint8)) and finite(torch.tensor([1.0, 2.0]))
     assert not finite(torch.tensor([1.0, math.inf])) and not finite(torch.tensor([math.nan], dtype=torch.float16))
+
+
+def members_sending_the_same(members: int):
+    """A sum over `members` that all send the same shares, in the buffer's own dtype: the share added members times."""
+    def sum_(t: torch.Tensor) -> None:
+        share = t.clone()
+        for _ in range(members - 1):
+            t.add_(share)
+    return sum_
+
+
+@pytest.mark.parametrize("dtype, members", [(torch.float16, 3), (torch.bfloat16, 10)], ids=str)
+def test_divide_first_sums_half_precision_shares_in_float32(dtype, members):
+    """Three float16 65504s divide to 21840 (rounded), whose sum rounds to Inf: was the average, though 65504 fits."""
+    big = torch.finfo(dtype).max
+    t = torch.tensor([big, 1.0, -big, 3.0], dtype=dtype)
+    average_shares(t, members, members_sending_the_same(members), divide_first=True)
+    # the average of equal shares is the share: float32 holds each part and their sum within the half's step
+    assert t.dtype == dtype and torch.equal(t, torch.tensor([big, 1.0, -big, 3.0], dtype=dtype))
+    old = torch.tensor([big], dtype=dtype).div_(members)  # what the divide-first pass did before: all in the dtype
+    members_sending_the_same(members)(old)
+    assert not finite(old)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_average_shares_keeps_the_bits_of_the_normal_path(dtype):
+    """Sum then divide in the dtype (every reference's bits); float32 and float64 divide first in their own dtype."""
+    x = torch.tensor([0.1, 1.0 / 3, 7.0, -2.5e-3, 1e4], dtype=dtype)
+    for members in (2, 3):
+        t = x.clone()
+        average_shares(t, members, members_sending_the_same(members))
+        reference = x.clone()
+        members_sending_the_same(members)(reference)
+        assert torch.equal(t, reference / members)
+    if dtype not in (torch.float16, torch.bfloat16):
+        t = x.clone()
+        average_shares(t, 3, members_sending_the_same(3), divide_first=True)
+        reference = x / 3
+        members_sending_the_same(3)(reference)
+        assert torch.equal(t, reference)
+
+
+class Corrupting(SameShares):
+    """`SameShares` with a guard that passes every contribution, and an average corrupted on the way (Inf)."""
+
+    id, step = "one", 4
+    guard = SimpleNamespace(passes=lambda manager, judged, totals: True)
+
+    def average(self, flat: torch.Tensor, divide_first: bool = False) -> bool:
+        super().average(flat, divide_first)
+        flat[-1] = math.inf
+        return True
+
+
+def test_average_and_vote_with_the_guard_never_commits_a_non_finite_average(caplog):
+    params = [torch.full((2,), 3.0, dtype=torch.float16), torch.tensor([1.5, 2.0])]
+    before = [p.clone() for p in params]
+    with caplog.at_level(logging.WARNING, logger="manualdp.spmd.ft"):
+        assert not average_and_vote(Corrupting(), params)  # was: True, and Inf written into every replica's model
+    assert all(torch.equal(p, b) for p, b in zip(params, before))  # left as it was
+    lines = [r.getMessage() for r in caplog.records if "discarded" in r.getMessage()]
+    assert len(lines) == 1 and "step 4" in lines[0] and "non-finite" in lines[0] and "float16" in lines[0], lines
+
+
+def test_average_and_vote_without_a_guard_leaves_the_average_to_the_user():
+    params = [torch.tensor([1.5, 2.0])]
+    manager = Corrupting()
+    manager.guard = None
+    assert average_and_vote(manager, params) and params[0][-1].item() == math.inf  # guard=None: nothing judged
 
 
 # ---------------------------------------------------------------- replica processes (soak)
