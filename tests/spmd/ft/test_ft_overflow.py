@@ -226,3 +226,21 @@ def test_two_replicas_whose_shares_sum_past_the_dtype_commit_at_once(tmp_path, d
         out = json.loads((tmp_path / f"{rid}.json").read_text())
         assert out["committed"] == [True] and out["step"] == 1  # the first attempt: was discarded forever
         assert out["p0"] == [-g] * 3 and out["p1"] == [-1.0] * 3
+
+
+@pytest.mark.soak
+def test_three_float16_replicas_at_the_dtypes_largest_commit_it_at_once(tmp_path):
+    """Divided first in float16, three 65504s summed to Inf again: the step was discarded forever, no member named."""
+    g = torch.finfo(torch.float16).max
+    with Coordinator(0) as c:
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.overflow_worker", rid, str(c.port), "float16",
+                                   str(g), str(tmp_path / f"{rid}.json"), "3"], cwd=ROOT) for rid in "abc"]
+        try:
+            assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
+        finally:
+            for p in procs:
+                p.kill()
+    for rid in "abc":
+        out = json.loads((tmp_path / f"{rid}.json").read_text())
+        assert out["committed"] == [True] and out["step"] == 1
+        assert out["p0"] == [-g] * 3 and out["p1"] == [-1.0] * 3
