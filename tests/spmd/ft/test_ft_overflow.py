@@ -244,3 +244,20 @@ def test_three_float16_replicas_at_the_dtypes_largest_commit_it_at_once(tmp_path
         out = json.loads((tmp_path / f"{rid}.json").read_text())
         assert out["committed"] == [True] and out["step"] == 1
         assert out["p0"] == [-g] * 3 and out["p1"] == [-1.0] * 3
+
+
+@pytest.mark.soak
+def test_three_float16_local_sgd_replicas_at_the_dtypes_largest_average_it_not_inf(tmp_path):
+    """Divided first in float16, three 65504s summed to Inf, and LocalSGD committed Inf on every replica, guard on."""
+    v = torch.finfo(torch.float16).max
+    with Coordinator(0) as c:
+        procs = [subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.local_overflow_worker", rid, str(c.port),
+                                   "float16", str(v), "3", str(tmp_path / f"{rid}.json")], cwd=ROOT) for rid in "abc"]
+        try:
+            assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
+        finally:
+            for p in procs:
+                p.kill()
+    for rid in "abc":
+        out = json.loads((tmp_path / f"{rid}.json").read_text())
+        assert out["committed"] == [True] and out["weight"] == [v] * 4  # the average of equal parameters: them
