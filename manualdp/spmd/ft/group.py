@@ -39,6 +39,7 @@ word meanwhile): give `init_process_group` a timeout of a few times `timeout`.
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -47,15 +48,17 @@ from torch import nn
 
 from ...validate import a_callable, nn_module, positive_int, timeout_seconds
 from .admission import Misfit
+from .bucketed import average_fitting, finite
 from .coordinator import connect
-from .durable import CoordinatorLost, RunFinished, lost_line
+from .durable import RunFinished
 from .group_backward import BackwardCount
 from .group_disk import open_disk
 from .group_lanes import Lane, LaneLost, gloo_words
-from .manager import Manager
+from .group_leader import Leader
 from .phases import without_traceback
 from .quorum import Quorum
 from .recovery import RecoveryError, plan_recovery
+from .share import average_shares
 
 __all__ = ["GroupManager", "GroupBroken"]
 
@@ -74,30 +77,6 @@ def _stop(error: BaseException) -> tuple:
 
 class GroupBroken(ConnectionError):
     """A rank of this replica group failed: the whole group has left the quorum; start all its ranks again."""
-
-
-class _Leader(Manager):
-    """The group's rank 0: a `Manager` whose quorum's group is its ranks' lanes, not its own default group."""
-
-    def __init__(self, enter_lanes: Callable[[Quorum], None], *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._enter_lanes = enter_lanes
-        self.guard = None  # the guard gathers norms over the default group: here, the replica group's own
-        self.disk = None  # the group's checkpoints (`group_disk.py`): its ranks saved each step before it was marked
-
-    def _lost(self, error: BaseException) -> CoordinatorLost:
-        return CoordinatorLost(lost_line(self.id, self._where, error, self.disk, self._durable))
-
-    def _exchange_state(self, quorum: Quorum):
-        received = super()._exchange_state(quorum)  # the loop step (the lanes carry the rest)
-        self._enter_lanes(quorum)  # RuntimeError if a rank could not: the round is voted down, and asked again
-        return received
-
-    def _join_group(self, quorum: Quorum) -> None:
-        pass  # the ranks joined their lanes with the state, above
-
-    def _leave_group(self) -> None:
-        self._group = None  # the ranks leave their lanes on the outcome (`GroupManager.should_commit`)
 
 
 class GroupManager:
@@ -139,14 +118,14 @@ class GroupManager:
         self._states: dict[str, tuple[Callable, Callable]] = {}  # name -> (state_dict, load_state_dict)
         self._quorum: Quorum | None = None
         self._in_step = self._ok = False
-        self._manager: _Leader | None = None
+        self._manager: Leader | None = None
         self._backwards: BackwardCount | None = None  # `watch`: this rank's backward passes in the step
         self._compared = False                        # the ranks' counts were compared in this step
         self._settings, self._synced, self.resumed = {}, False, None  # `require_same`'s; the leader's word; from disk
         self._disk = open_disk(checkpoint_dir, group_id, self.rank, self.size, group)  # None: no checkpoint_dir
         if self.rank == 0:
             try:
-                self._manager = _Leader(self._lead_lanes, group_id, host, port, min_replicas=min_groups,
+                self._manager = Leader(self._lead_lanes, group_id, host, port, min_replicas=min_groups,
                                         timeout=timeout, quorum_timeout=quorum_timeout, token=token,
                                         heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout)
                 self._manager.require_same(group_size=self.size)  # admission refuses a group of another size
@@ -265,7 +244,11 @@ class GroupManager:
             return False
 
     def average(self, tensor: torch.Tensor) -> bool:
-        """Average `tensor` in place over this rank's lane; False (the step cannot commit) if a peer failed."""
+        """Average `tensor` in place over this rank's lane; False (the step cannot commit) if a peer failed.
+
+        Sum then divide; an average that comes back NaN or Inf is averaged again from the shares, each divided
+        first (`bucketed.average_fitting`: finite shares whose sum overflows commit, not retaken forever).
+        """
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
         if not self._in_step:
@@ -273,13 +256,13 @@ class GroupManager:
         if not self._ok:
             return False
         alike = self._compared or self._same_backwards()
-        try:
-            self._lane.sum(tensor, self._quorum.ids)  # ValueError (another tensor on a peer group) goes up
+        share = tensor.clone()  # what a second average starts from: the first overwrote the tensor with the sum
+        try:  # ValueError (another tensor on a peer group) goes up
+            average_fitting(SimpleNamespace(average=self._lane_average), tensor, lambda t: t.copy_(share))
         except RuntimeError as e:  # gloo's: a peer of the lane died or hangs
             self.last_error, self._ok = without_traceback(e), False
             return False
-        tensor.div_(self._lane.size)
-        if alike and self.guard and not bool(torch.isfinite(tensor).all()):
+        if alike and self.guard and not finite(tensor):
             _log.warning(f"replica group {self.id!r}, rank {self.rank}: step {self.step}: the average over "
                          f"{', '.join(self._quorum.ids)} is not finite (NaN or Inf): the step is discarded on every "
                          f"member group")
@@ -287,21 +270,18 @@ class GroupManager:
         self._ok = alike  # summed all the same: the other groups' ranks wait on this one in the lane
         return alike
 
+    def _lane_average(self, tensor: torch.Tensor, divide_first: bool = False) -> bool:
+        average_shares(tensor, self._lane.size, lambda t: self._lane.sum(t, self._quorum.ids), divide_first)
+        return True
+
     def _same_backwards(self) -> bool:
         """At the step's first average: whether the group's ranks ran as many backward passes (`watch`)."""
         self._compared = True
-        if self._backwards is None:
-            return True
         try:
-            fewest, most = self._backwards.spread(self._group)
+            return self._backwards is None or self._backwards.alike(
+                self._group, f"replica group {self.id!r}, rank {self.rank}: step {self.step}")
         except RuntimeError as e:
             raise self._broken(e) from None
-        if fewest == most:
-            return True
-        _log.warning(f"replica group {self.id!r}, rank {self.rank}: step {self.step} discarded on every member group: "
-                     f"the group's ranks ran backward from {fewest} to {most} times since start_step() (this rank "
-                     f"{self._backwards.count}); every rank must run the same backward passes per step")
-        return False
 
     def should_commit(self, ok: bool = True) -> bool:
         """Vote on this step for this rank; True on every rank of every member group if all of them averaged."""

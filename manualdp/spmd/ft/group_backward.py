@@ -11,9 +11,13 @@ group saying so in one line. Ranks that all run the same number (gradient accumu
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+_log = logging.getLogger("manualdp.spmd.ft")
 
 __all__ = ["BackwardCount"]
 
@@ -39,6 +43,16 @@ class BackwardCount:
         both = torch.tensor([self.count, -self.count], dtype=torch.int64)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         return -int(both[1]), int(both[0])
+
+    def alike(self, group: dist.ProcessGroup | None, who: str) -> bool:
+        """Whether every rank of `group` ran as many backward passes; if not, `who` (the rank and step) says so."""
+        fewest, most = self.spread(group)
+        if fewest == most:
+            return True
+        _log.warning(f"{who} discarded on every member group: the group's ranks ran backward from {fewest} to {most} "
+                     f"times since start_step() (this rank {self.count}); every rank must run the same backward "
+                     "passes per step")
+        return False
 
     def remove(self) -> None:
         self._handle.remove()

@@ -115,3 +115,23 @@ def test_the_python_api_fails_a_step_whose_average_is_not_finite_unless_the_guar
         manager.close()
     with pytest.raises(TypeError, match="guard must be True or False, got 'on'"):
         GroupManager("B", "127.0.0.1", one_rank_group.port, guard="on")
+
+
+# dtype: a share whose average over two groups sending it (the share itself) fits, but whose sum does not
+HUGE_SHARES = {torch.float16: 40000.0, torch.bfloat16: 2e38, torch.float32: 2e38, torch.float64: 1e308}
+
+
+@pytest.mark.parametrize("dtype", list(HUGE_SHARES))
+def test_finite_shares_whose_sum_overflows_across_groups_commit_their_average(one_rank_group, dtype):
+    manager = GroupManager("A", "127.0.0.1", one_rank_group.port, min_groups=1, timeout=20, quorum_timeout=5)
+    try:
+        manager.start_step()
+        lane = manager._lane  # made to stand for a lane of two groups sending the same share
+        lane.size, lane.sum = 2, lambda t, ids: t.add_(t.clone())
+        share = torch.tensor([HUGE_SHARES[dtype], -1.0, 0.5], dtype=dtype)
+        grad = share.clone()
+        assert not torch.isfinite(share + share).all()  # sum then divide overflows
+        assert manager.average(grad) and manager.should_commit(True)  # before: discarded, the same batch retaken
+        assert torch.equal(grad, share) and manager.step == 1, grad  # two shares alike: their average is the share
+    finally:
+        manager.close()
