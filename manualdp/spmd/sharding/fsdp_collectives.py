@@ -87,10 +87,11 @@ def all_gather_params(unit, jobs, count: int, why: str) -> None:  # on the worke
 
 
 @torch.no_grad()
-def reduce_scatter_grads(unit, jobs, count: int, all_reduce: bool = True) -> list[tuple[Param, torch.Tensor]]:
+def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list[tuple[Param, torch.Tensor]]:
     """Sum each (dtype, params, their gradients or None) of `jobs` over the ranks: (param, this rank's rows) for
-    every parameter some rank produced a gradient for. HSDP: then over the replicas, unless not `all_reduce`
-    (nothing returned: the sums are kept for the next all-reduce, `fsdp_hsdp.py`). On the worker thread."""
+    every parameter some rank produced a gradient for. HSDP: then over the replicas, in the unit's all-reduce number
+    `across` (None: nothing returned, the sums are kept for the next all-reduce, `fsdp_hsdp.py`). On the worker
+    thread."""
     W, out = unit.world_size, []
     with unit.span(f"reduce_scatter {unit.name}", "comm", "comm"):
         for dtype, members, grads in jobs:
@@ -115,8 +116,7 @@ def reduce_scatter_grads(unit, jobs, count: int, all_reduce: bool = True) -> lis
             _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
             _check_factor(unit, [t[2] for t in tails])
             if unit.replicate is not None:  # HSDP: the same rows of every replica, flags and all
-                summed = across_replicas(unit, dtype, torch.cat([mine[:data], mine[data + 3 * W:]]), count, factor,
-                                         all_reduce)
+                summed = across_replicas(unit, dtype, torch.cat([mine[:data], mine[data + 3 * W:]]), across, factor)
                 if summed is None:
                     continue
                 mine = torch.cat([summed[:data], mine[data:data + 3 * W], summed[data:]])

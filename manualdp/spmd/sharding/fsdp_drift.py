@@ -7,7 +7,8 @@ edit on one rank, a stale `.grad` stepped on one replica) parts them silently: e
 `full_state_dict` mixes them. A 1-D mesh replicates nothing: no check there, and no collective.
 
 So as a step's first forward with grad begins, at the steps `ladder.drift.due` names (0, 1, 2, 4, ...
-below `every`, then its multiples; a step: a backward pass of the tree), every rank puts one digest per
+below `every`, then its multiples; a step: a backward pass of the tree that all-reduced across the replicas, so
+that replicas accumulating uneven numbers of micro-batches meet in the same check), every rank puts one digest per
 local shard (`ladder.drift.digests`) in its replica's row of a table, summed by one checked allreduce
 across the replicas: every rank of a column then knows the first parameter whose replicas differ, and
 which replica differs from replica 0.
@@ -29,10 +30,10 @@ __all__ = ["tick"]
 
 def tick(unit) -> None:
     """A forward with grad begins a step of `unit`'s tree: compare the replicas' shards if the step is due, once per
-    count of finished backward passes (a forward without backward on one replica, a validation pass, shifts nothing:
-    its peers meet the same check at their next forward)."""
+    count of steps that all-reduced across the replicas (a forward without backward on one replica, a validation
+    pass, or a micro-batch more shifts nothing: its peers meet the same check at their next forward)."""
     step = unit.step
-    root, check, number = step.root, step.drift, step.backwards
+    root, check, number = step.root, step.drift, step.steps
     if root.replicate is None or step.failure is not None or number == check.last:  # 1-D: nothing replicated
         return
     check.last = number

@@ -12,8 +12,10 @@ added to the next one that all-reduces (gradient accumulation across replicas at
 only); the shards get no gradient until then, as torch's.
 
 Each replica writes a short tail into its own slot of the message (the unit's number, its count of
-reduce-scatters, its divide factor): replicas that run other units, or one more, or divide otherwise, raise
-naming the unit on every rank.
+all-reduces across the replicas, its divide factor): replicas that run other units, or one all-reduce more, or
+divide otherwise, raise naming the unit on every rank. The replicas pair by what they all-reduce, not by how
+many backward passes led to it: one replica may accumulate 2 micro-batches and another 3 (as torch's HSDP
+allows), each reduce-scattering every micro-batch within its shard group, and all-reducing once, on its last.
 """
 from __future__ import annotations
 
@@ -27,14 +29,14 @@ __all__ = ["across_replicas"]
 
 
 @torch.no_grad()
-def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int, factor: float,
-                    all_reduce: bool):  # on the worker thread
+def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int | None,
+                    factor: float):  # on the worker thread
     """`summed` (this rank's rows and used-flags, summed over its shard group) plus what was kept, summed over the
-    replicas; None while `all_reduce` is off (then kept for the next)."""
+    replicas in the unit's all-reduce number `count` (mod 64); None while `count` is None (then kept for the next)."""
     kept = unit.partial.pop(dtype, None)
     if kept is not None:
         summed = summed + kept
-    if not all_reduce:
+    if count is None:
         unit.partial[dtype] = summed.clone()
         return None
     replica, peers = group_ranks(unit.replicate)
@@ -45,12 +47,13 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int, 
     allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
     tails = flat[n:].view(R, 3).tolist()
     if any(t != tails[replica] for t in tails):
-        per_replica = "; ".join(f"replica {r}: unit {int(a)}, reduce-scatter {int(c) // 2}, divide factor {f}"
+        per_replica = "; ".join(f"replica {r}: unit {int(a)}, all-reduce {int(c)}, divide factor {f}"
                                 for r, (a, c, f) in enumerate(tails))
         raise refused_alike(RuntimeError(
             f"rank {dist.get_rank()} (replica {replica}): fully_shard's all-reduce across replicas of unit "
             f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''}) met other units, "
             f"counts or divide factors on other replicas ({per_replica}; counts mod 64): every replica must run the "
-            "same units, the same number of "
-            "times, and call set_gradient_divide_factor alike"))
+            "same units, all-reduce them the same number of "
+            "times (set_requires_all_reduce(True) on every replica's last micro-batch), and call "
+            "set_gradient_divide_factor alike"))
     return flat[:n]

@@ -33,7 +33,10 @@ class Step:
         self.failure: Exception | None = None  # a collective of the tree that raised: the later ones raise it too
         self.tied_apart: str | None = None  # a unit of the tree left out a weight tied apart: every forward raises
         self.drift = DriftCheck(DRIFT_CHECK_EVERY)  # HSDP: the replicas' shards compared at due steps (`fsdp_drift`)
-        self.backwards = 0  # backward passes of the tree that ended: the drift check's count of steps
+        # HSDP's drift check counts steps that all-reduced across the replicas, not backward passes: replicas that
+        # accumulate 2 and 3 micro-batches meet in the same check (`fsdp_drift`)
+        self.all_reduced = False  # a unit of this backward all-reduced across the replicas
+        self.steps = 0  # backward passes of the tree that ended having all-reduced across the replicas
 
     def backward_begins(self) -> None:
         """Queue `end_backward` for the end of this backward pass, once."""
@@ -61,7 +64,8 @@ class Step:
             self.abandon()  # raise what went wrong first, not what the collectives queued behind it run into
             raise
         self.in_backward = False
-        self.backwards += 1
+        self.steps += self.all_reduced
+        self.all_reduced = False
         self.end(after_backward=True)
 
     def abandon(self) -> None:
@@ -69,6 +73,7 @@ class Step:
         after a refused call the ranks are out of step, and those would wait for a peer in vain.
         A unit whose all-gather is still queued keeps its full memory until that all-gather ends (the next
         forward waits for it: it writes there)."""
+        self.all_reduced = False
         for u in self.root.tree():
             if u.gathering is None:
                 u.free()

@@ -89,6 +89,8 @@ class Unit:
         self.reducing = None    # the reduce-scatter's future, until the end of backward
         self.gathers = 0        # all-gathers run so far (in every tail: ranks that ran one more disagree)
         self.reduces = 0        # reduce-scatters run so far
+        self.all_reduces = 0    # HSDP: all-reduces across the replicas so far (replicas pair by it: their
+        #                         reduce-scatters differ where they accumulate uneven numbers of micro-batches)
         self.accumulating = False  # the full parameters' .grad hold gradients kept with gradient sync off
         self.ready = 0          # trainable parameters whose gradient autograd has accumulated
         self.reduced = False    # the gradients are sent: this backward is done with the unit
@@ -263,8 +265,12 @@ class Unit:
                 p.full.grad = None
         self.accumulating = False
         self.reduces += 1
+        if self.requires_all_reduce:
+            self.all_reduces += 1
+            self.step.all_reduced = True
+        across = self.all_reduces % 64 if self.requires_all_reduce else None
         self.reduced, self.reducing = True, self.worker.submit(in_line, self, reduce_scatter_grads, jobs,
-                                                               (self.reduces % 64) * 2, self.requires_all_reduce)
+                                                               (self.reduces % 64) * 2, across)
 
     @torch.no_grad()
     def keep_gradients(self) -> None:
