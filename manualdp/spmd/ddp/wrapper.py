@@ -23,7 +23,7 @@ from ...validate import (boolean, initialized, nn_module, non_negative_int, one_
 from .buffers import POST_FORWARD, PRE_FORWARD, BufferSync, settle_buffer_flags
 from .graph import GraphChecks, mesh_group, module_device, refuse_in_backward_optimizers, to_device
 from .step_check import CallCheck, Desync
-from .comm_hook import parts_replicas, register_hook
+from .comm_hook import hooks_named, parts_replicas, register_hook
 from .join import JoinableWrapper, UnevenInputs
 from .private import ErrorLog, PrivateAPI
 from .init_sync import NOT_COPIED, check_same_layout, compare_and_copy, kept_named
@@ -252,9 +252,10 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
         if syncs and not joined:
             named = self.calls.refuse_replaced()  # a parameter replaced after wrapping on any rank: every rank raises
             if not parts_replicas(self.calls.comm_hook):  # the no-op hook parts the replicas on purpose: no drift
-                self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
-                                number=self.calls.number, names=self.calls.built.names, step=self.reducer.steps,
-                                call_step=self.calls.steps + 1, early=not self.calls.debug)  # out of step: named
+                with hooks_named(self.calls.number, self.process_group):  # it met a peer's hook check: hooks named
+                    self.drift.tick(named, self.process_group, who="DistributedDataParallel", timeout=self.timeout,
+                                    number=self.calls.number, names=self.calls.built.names, step=self.reducer.steps,
+                                    call_step=self.calls.steps + 1, early=not self.calls.debug)  # out of step: named
         Join.notify_join_context(self)  # inside a Join: tell the joined ranks that this one still trains
         r = self.reducer
         if any(b.flat.dtype != b.params[0].dtype for b in r.buckets):  # model.double(): buckets anew, not float32
