@@ -1,6 +1,6 @@
 """One `LocalSGD` replica whose parameters the local step sets to V exactly (test_ft_overflow.py's soak).
 
-    python -m tests.spmd.ft.local_overflow_worker ID PORT DTYPE V MIN_REPLICAS OUT
+    python -m tests.spmd.ft.local_overflow_worker ID PORT DTYPE V OUT MIN_REPLICAS
 """
 import json
 import sys
@@ -11,7 +11,7 @@ from torch import nn
 from manualdp.spmd.ft import LocalSGD, Manager
 
 
-def main(rid: str, port: int, dtype: str, v: float, min_replicas: int, out: str) -> None:
+def main(rid: str, port: int, dtype: str, v: float, out: str, min_replicas: int) -> None:
     """Up to 3 attempts at one synced step whose parameters are `v`; what happened into `out`."""
     torch.set_num_threads(1)
     dt = getattr(torch, dtype)
@@ -30,4 +30,4 @@ def main(rid: str, port: int, dtype: str, v: float, min_replicas: int, out: str)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), int(sys.argv[5]), sys.argv[6])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4]), sys.argv[5], int(sys.argv[6]))

@@ -210,39 +210,26 @@ def test_average_and_vote_without_a_guard_leaves_the_average_to_the_user():
 
 # ---------------------------------------------------------------- replica processes (soak)
 
-@pytest.mark.soak
-@pytest.mark.parametrize("dtype", ["float16", "float64"])
-def test_two_replicas_whose_shares_sum_past_the_dtype_commit_at_once(tmp_path, dtype):
-    g = {"float16": 40000.0, "float64": 1e200}[dtype]
+def replicas(tmp_path, worker: str, ids: str, dtype: str, value: float, min_replicas: int) -> list[dict]:
+    """Run `worker` (ID PORT DTYPE VALUE OUT MIN_REPLICAS) once per id of `ids`; each one's exit 0 and what it wrote."""
     with Coordinator(0) as c:
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.overflow_worker", rid, str(c.port), dtype,
-                                   str(g), str(tmp_path / f"{rid}.json")], cwd=ROOT) for rid in ("a", "b")]
+        procs = [subprocess.Popen([sys.executable, "-m", f"tests.spmd.ft.{worker}", rid, str(c.port), dtype, str(value),
+                                   str(tmp_path / f"{rid}.json"), str(min_replicas)], cwd=ROOT) for rid in ids]
         try:
-            assert [p.wait(timeout=240) for p in procs] == [0, 0]
+            assert [p.wait(timeout=240) for p in procs] == [0] * len(ids)
         finally:
             for p in procs:
                 p.kill()
-    for rid in ("a", "b"):
-        out = json.loads((tmp_path / f"{rid}.json").read_text())
+    return [json.loads((tmp_path / f"{rid}.json").read_text()) for rid in ids]
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("dtype, g, ids", [("float16", 40000.0, "ab"), ("float64", 1e200, "ab"),
+                                           ("float16", 65504.0, "abc")])
+def test_replicas_whose_shares_sum_past_the_dtype_commit_at_once(tmp_path, dtype, g, ids):
+    """65504 at three: divided first in float16, the shares summed to Inf again (discarded forever, no member named)."""
+    for out in replicas(tmp_path, "overflow_worker", ids, dtype, g, len(ids)):
         assert out["committed"] == [True] and out["step"] == 1  # the first attempt: was discarded forever
-        assert out["p0"] == [-g] * 3 and out["p1"] == [-1.0] * 3
-
-
-@pytest.mark.soak
-def test_three_float16_replicas_at_the_dtypes_largest_commit_it_at_once(tmp_path):
-    """Divided first in float16, three 65504s summed to Inf again: the step was discarded forever, no member named."""
-    g = torch.finfo(torch.float16).max
-    with Coordinator(0) as c:
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.overflow_worker", rid, str(c.port), "float16",
-                                   str(g), str(tmp_path / f"{rid}.json"), "3"], cwd=ROOT) for rid in "abc"]
-        try:
-            assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
-        finally:
-            for p in procs:
-                p.kill()
-    for rid in "abc":
-        out = json.loads((tmp_path / f"{rid}.json").read_text())
-        assert out["committed"] == [True] and out["step"] == 1
         assert out["p0"] == [-g] * 3 and out["p1"] == [-1.0] * 3
 
 
@@ -250,14 +237,5 @@ def test_three_float16_replicas_at_the_dtypes_largest_commit_it_at_once(tmp_path
 def test_three_float16_local_sgd_replicas_at_the_dtypes_largest_average_it_not_inf(tmp_path):
     """Divided first in float16, three 65504s summed to Inf, and LocalSGD committed Inf on every replica, guard on."""
     v = torch.finfo(torch.float16).max
-    with Coordinator(0) as c:
-        procs = [subprocess.Popen([sys.executable, "-m", "tests.spmd.ft.local_overflow_worker", rid, str(c.port),
-                                   "float16", str(v), "3", str(tmp_path / f"{rid}.json")], cwd=ROOT) for rid in "abc"]
-        try:
-            assert [p.wait(timeout=240) for p in procs] == [0, 0, 0]
-        finally:
-            for p in procs:
-                p.kill()
-    for rid in "abc":
-        out = json.loads((tmp_path / f"{rid}.json").read_text())
+    for out in replicas(tmp_path, "local_overflow_worker", "abc", "float16", v, 3):
         assert out["committed"] == [True] and out["weight"] == [v] * 4  # the average of equal parameters: them
