@@ -216,7 +216,7 @@ def test_replicas_that_run_units_in_another_order_all_raise_naming_the_unit(soak
         message = got["replicas apart"]
         assert message.startswith(f"RuntimeError: rank {r} (replica {r // 2}): fully_shard's all-reduce across "
                                   f"replicas of unit {3 - r // 2} (FSDPLinear {'ba'[r // 2]})"), message
-        assert "replica 0: unit 3, reduce-scatter 1" in message and "replica 1: unit 2" in message, message
+        assert "replica 0: unit 3, all-reduce 1" in message and "replica 1: unit 2" in message, message
 
 
 STOP_TIMEOUT = 6.0  # the world group's timeout in the stopped-rank test: torch's mesh sub-groups get 30 minutes
