@@ -89,7 +89,8 @@ class Look(SignedStore):
             raws = self._client.multi_get(names)
         except dist.DistStoreError:  # a key deleted since the check (a stranger can): read each alone
             self.ignore(", ".join(unread), f"one of these keys was deleted between its check and its read (a "
-                                           f"stranger can delete keys): each is read alone")
+                                           f"stranger can delete keys), or the store took over {VANISH:g} s to "
+                                           f"answer: each is read alone")
             return
         finally:
             self._client.set_timeout(whole)
