@@ -4,8 +4,9 @@ The hook sees the bucket's gradients only (as a `GradBucket`, `hooks.py`) and ha
 averages; the two flags per parameter ("used", "ready") that the reducer sends beside them are
 still summed by manualdp's allreduce. At the first synchronised step after a hook is registered
 (before training, later, or between a forward pass and its backward, as torch's takes it: the hook
-runs from that backward on) the ranks compare their hooks (`hook_identity`: its name, and a
-`functools.partial`'s bound arguments). A hook registered on some ranks only makes their calls
+runs from that backward on) the ranks compare their hooks and states (`hook_identity.py`: what the
+hook will compute, its code and the values it carries, never its module's name). A hook registered on some ranks
+only makes their calls
 differ; each rank wrote what it registered, and when, to the group's store (`publish`), so the
 refused call is named as the hooks that differ, on every rank (`hooks_named`). Torch's DDP
 trains on there when the one hook happens to average too; we name it.
@@ -23,10 +24,7 @@ its hook's error after the wrapper's timeout, and the peers' torch collective en
 from __future__ import annotations
 
 import contextlib
-import functools
-import hashlib
 
-import torch
 import torch.distributed as dist
 
 from ..collectives import allreduce
@@ -35,6 +33,7 @@ from ..transport.agree import agree
 from ..transport.call_check import differs
 from ..transport.late import group_store
 from ..transport.peers import DEFAULT_TIMEOUT, PeerError, is_refused_alike, refused_alike
+from .hook_identity import hook_identity, state_identity
 
 __all__ = ["CommHook", "check_same_hook", "register_hook", "parts_replicas", "hook_identity", "hooks_named"]
 
@@ -112,7 +111,7 @@ def register_hook(calls, reducer, state: object, hook, errors) -> None:
     calls.comm_hook = CommHook(state, hook, reducer)
     calls.comm_hook.install()
     when = f"between forward and backward of step {calls.steps - 1}" if calls.queued else f"before step {calls.steps}"
-    publish(calls.number, reducer.group, f"{hook_identity(hook)} {when}")
+    publish(calls.number, reducer.group, f"{described(calls.comm_hook)} {when}")
     calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
     if calls.queued:  # between a forward and its backward: compared before this backward's buckets, which it reduces
         calls.compare_hooks_now()
@@ -131,44 +130,15 @@ def parts_replicas(hook: CommHook | None) -> bool:
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:
     """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them."""
-    mine = hook_identity(hook.hook) if hook is not None else _NONE
+    mine = described(hook) if hook is not None else _NONE
     agree("DistributedDataParallel's comm hook", {"comm hook": mine}, group, timeout=timeout, check=True,
           hint="call register_comm_hook with the same hook on every rank")
 
 
-def hook_identity(hook) -> str:
-    """What the ranks compare of a hook: its name, and a `functools.partial`'s function and bound arguments."""
-    return _described(hook) if isinstance(hook, functools.partial) else hook_name(hook)
-
-
-def _described(value) -> str:
-    """`value` as text that is equal on two ranks when the values are: never an address, a tensor by a digest."""
-    if isinstance(value, functools.partial):
-        bound = [_described(a) for a in value.args]
-        bound += [f"{k}={_described(v)}" for k, v in sorted(value.keywords.items())]
-        return f"{hook_identity(value.func)}({', '.join(bound)})"
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return repr(value)
-    if isinstance(value, torch.Tensor):
-        return _tensor_digest(value)
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__name__}({', '.join(_described(v) for v in value)})"
-    if isinstance(value, dict):
-        return "{" + ", ".join(f"{_described(k)}: {_described(v)}" for k, v in value.items()) + "}"
-    if callable(value) and hasattr(value, "__qualname__"):
-        return hook_name(value)
-    text = repr(value)
-    return type(value).__qualname__ if " at 0x" in text else text  # an address differs on every rank
-
-
-def _tensor_digest(t: torch.Tensor) -> str:
-    """A tensor's dtype, shape and a digest of its bytes (its repr would round and cut its values)."""
-    head = f"tensor({str(t.dtype).replace('torch.', '')}, {list(t.shape)}"
-    try:
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    except (RuntimeError, TypeError, NotImplementedError):  # meta, sparse, a subclass: compared by dtype and shape
-        return head + ")"
-    return f"{head}, sha1 {hashlib.sha1(data).hexdigest()[:12]})"
+def described(hook: CommHook) -> str:
+    """What the ranks compare of a registered hook: the hook's identity, and its state's where it has one."""
+    text = hook_identity(hook.hook)
+    return text if hook.state is None else f"{text} with state {state_identity(hook.state)}"
 
 
 def _key(number: int, rank: int) -> str:

@@ -43,8 +43,9 @@ def _x(rank, step):
     return torch.randn(3, 4, generator=torch.Generator().manual_seed(100 * rank + step))
 
 
-def _train(hook, *, at=0, ranks=(0, 1), mid=False):
-    """STEPS steps; `hook` registered at step `at` on `ranks`, before the forward or (`mid`) between it and backward."""
+def train(hook, *, at=0, ranks=(0, 1), mid=False, state=None):
+    """STEPS steps; `hook` (with `state`) registered at step `at` on `ranks`, before the forward or (`mid`) between it
+    and backward."""
     rank = dist.get_rank()
     model = DistributedDataParallel(_net(), timeout=60)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
@@ -53,11 +54,11 @@ def _train(hook, *, at=0, ranks=(0, 1), mid=False):
         for step in range(STEPS):
             registers = step == at and rank in ranks
             if registers and not mid:
-                model.register_comm_hook(None, hook)
+                model.register_comm_hook(state, hook)
             opt.zero_grad()
             loss = model(_x(rank, step)).sum()
             if registers and mid:
-                model.register_comm_hook(None, hook)
+                model.register_comm_hook(state, hook)
             loss.backward()
             opt.step()
     error = error_of(steps)
@@ -68,11 +69,11 @@ def _job():
     torch.set_num_threads(1)
     rank = dist.get_rank()
     return {
-        "rank 0 only": _train(_average, at=1, ranks=(0,)),
-        "partial float": _train(functools.partial(_scaled, scale=1.0 + rank)),
-        "partial tensor": _train(functools.partial(_scaled, scale=torch.tensor([1.0, 2.0 + rank]))),
-        "partial same": _train(functools.partial(_scaled, scale=torch.tensor(1.0))),
-        "between": _train(functools.partial(_scaled, scale=2.0), at=1, mid=True),
+        "rank 0 only": train(_average, at=1, ranks=(0,)),
+        "partial float": train(functools.partial(_scaled, scale=1.0 + rank)),
+        "partial tensor": train(functools.partial(_scaled, scale=torch.tensor([1.0, 2.0 + rank]))),
+        "partial same": train(functools.partial(_scaled, scale=torch.tensor(1.0))),
+        "between": train(functools.partial(_scaled, scale=2.0), at=1, mid=True),
     }
 
 
@@ -94,8 +95,9 @@ def _reference(scale_from=STEPS, scale=1.0):
     return [p.detach() for p in net.parameters()]
 
 
-def _refused(case, *named):
-    for rank, out in enumerate(_results()):
+def refused(results, case, *named):
+    """Every rank's error in `case` is one line naming the comm hooks that differ, and each of `named`."""
+    for rank, out in enumerate(results):
         error = out[case][0]
         assert error is not None and "\n" not in error, (rank, error)
         assert error.startswith(f"ValueError: rank {rank}: DistributedDataParallel's comm hook differs across ranks"), \
@@ -105,12 +107,13 @@ def _refused(case, *named):
 
 
 def test_a_hook_registered_on_one_rank_only_is_named_with_its_rank_and_step_on_every_rank():
-    _refused("rank 0 only", "(per rank: ", "._scaled(scale=1.0) before step 1, none (manualdp's allreduce))")
+    refused(_results(), "rank 0 only", "(per rank: _scaled [code ",
+            "](scale=1.0) before step 1, none (manualdp's allreduce))")
 
 
 def test_partial_hooks_whose_bound_arguments_differ_are_named_on_every_rank():
-    _refused("partial float", "scale=1.0", "scale=2.0")
-    _refused("partial tensor", "scale=tensor(float32, [2], sha1 ")
+    refused(_results(), "partial float", "scale=1.0", "scale=2.0")
+    refused(_results(), "partial tensor", "scale=tensor(float32, [2], sha1 ")
 
 
 def test_the_same_partial_hook_on_every_rank_trains_as_one_process():
