@@ -24,6 +24,7 @@ its hook's error after the wrapper's timeout, and the peers' torch collective en
 from __future__ import annotations
 
 import contextlib
+import hashlib
 
 import torch.distributed as dist
 
@@ -38,6 +39,7 @@ from .hook_identity import hook_identity, state_identity
 __all__ = ["CommHook", "check_same_hook", "register_hook", "parts_replicas", "hook_identity", "hooks_named"]
 
 _NONE = "none (manualdp's allreduce)"  # a rank without a comm hook
+_LONGEST = 600  # characters of a hook's identity shown in full
 _FAILED = -1024.0  # a failed hook's flags: a summed flag is at least 0 on every rank whose hook worked
 
 
@@ -138,7 +140,10 @@ def check_same_hook(hook: CommHook | None, group, timeout) -> None:
 def described(hook: CommHook) -> str:
     """What the ranks compare of a registered hook: the hook's identity, and its state's where it has one."""
     text = hook_identity(hook.hook)
-    return text if hook.state is None else f"{text} with state {state_identity(hook.state)}"
+    text = text if hook.state is None else f"{text} with state {state_identity(hook.state)}"
+    if len(text) > _LONGEST:  # a long list in the state: its head and a digest, not the whole of it in every line
+        text = f"{text[:_LONGEST // 2]}... (sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]})"
+    return text
 
 
 def _key(number: int, rank: int) -> str:

@@ -102,3 +102,8 @@ def test_powersgd_states_are_compared_by_their_settings_not_their_memory():
     wider = torch_powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2)
     assert _with_state(wider, hook) != _with_state(theirs, hook) and "matrix_approximation_rank=2" in \
         _with_state(wider, hook)
+
+
+def test_a_long_state_is_shown_by_its_head_and_a_digest():
+    long, other = _with_state({"table": list(range(10_000))}), _with_state({"table": list(range(9_999)) + [0]})
+    assert len(long) < 1000 and long != other and "(sha1 " in long
