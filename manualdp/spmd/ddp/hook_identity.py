@@ -48,7 +48,7 @@ def _callable(fn, depth: int) -> str:
     if isinstance(fn, types.MethodType):
         return f"{_callable(fn.__func__, depth + 1)} of {_object(fn.__self__, depth + 1)}"
     if isinstance(fn, types.FunctionType):
-        return f"{fn.__qualname__} [{_function_digest(fn, depth)}]"
+        return f"{fn.__qualname__} [{_function_digest(fn, depth)}]{_closure(fn, depth)}"
     if _plain_object(fn):  # a callable object: its class's __call__ and its attributes
         call = getattr(type(fn), "__call__", None)
         code = f" [{_function_digest(call, depth)}]" if isinstance(call, types.FunctionType) else ""
@@ -57,16 +57,24 @@ def _callable(fn, depth: int) -> str:
 
 
 def _function_digest(fn: types.FunctionType, depth: int) -> str:
-    """A digest of `fn`'s code, defaults and closure values (its cells)."""
+    """A digest of `fn`'s code and defaults."""
     h = hashlib.sha1(_code_bytes(fn.__code__))
     h.update(_value(fn.__defaults__, depth + 1).encode())
     h.update(_value(fn.__kwdefaults__, depth + 1).encode())
-    for cell in fn.__closure__ or ():
-        try:
-            h.update(_value(cell.cell_contents, depth + 1).encode())
-        except ValueError:  # an empty cell (a name assigned later in the enclosing function)
-            h.update(b"<empty>")
     return f"code {h.hexdigest()[:12]}"
+
+
+def _closure(fn: types.FunctionType, depth: int) -> str:
+    """The values `fn` closes over, by name (its cells), shown so that a per-rank one is named; "" for none."""
+    if not fn.__closure__:
+        return ""
+    values = []
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+        try:
+            values.append(f"{name}={_value(cell.cell_contents, depth + 1)}")
+        except ValueError:  # an empty cell (a name assigned later in the enclosing function)
+            values.append(f"{name}=<empty>")
+    return f" over ({', '.join(values)})"
 
 
 def _code_bytes(code: types.CodeType) -> bytes:

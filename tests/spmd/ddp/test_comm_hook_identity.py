@@ -62,7 +62,8 @@ class _Scaled:
 
 
 def test_a_closure_over_another_value_differs():
-    assert hook_identity(_closure(1.0)) != hook_identity(_closure(2.0))
+    assert hook_identity(_closure(1.0)) != hook_identity(_closure(2.0)) and "over (scale=2.0)" in hook_identity(
+        _closure(2.0))
     assert hook_identity(_closure(torch.tensor([1.0, 2.0]))) != hook_identity(_closure(torch.tensor([1.0, 3.0])))
     assert hook_identity(_closure(1.0)) == hook_identity(_closure(1.0))
 

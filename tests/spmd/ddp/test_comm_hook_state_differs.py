@@ -94,7 +94,7 @@ def test_the_same_hook_defined_in_two_modules_trains_as_one_process():
 
 
 def test_hooks_carrying_a_per_rank_value_are_named_on_every_rank():
-    refused(_results(), "closure", "<lambda> [code ")
+    refused(_results(), "closure", "<lambda> [code ", "over (scale=1.0)", "over (scale=2.0)")
     refused(_results(), "callable object", "_Scale(scale=1.0)", "_Scale(scale=2.0)")
     refused(_results(), "bound method", "_Scale.method [code ", "of _Scale(scale=2.0)")
     refused(_results(), "state", "with state {'scale': 1.0}", "with state {'scale': 2.0}")
