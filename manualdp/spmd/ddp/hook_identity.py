@@ -7,7 +7,9 @@ carries that may differ per rank: a closure's cell values, a `functools.partial`
 object's (or a bound method's object's) plain attributes, and the `state` handed to `register_comm_hook`.
 Plain values are compared by value (scalars, strings, lists, tuples and dicts of them, tensors by a digest of
 their bytes); anything else (a process group, a lock, an RNG, an object whose text holds an address) by its type
-only. A PowerSGD state is compared by its settings only: its error feedback and RNG differ per rank by design.
+only; a value named (or keyed) `rank`, `local_rank` or `global_rank` not at all: it is which rank this is, as in
+a hook that logs on rank 0 only. A PowerSGD state is compared by its settings only: its error feedback and RNG
+differ per rank by design.
 The identity is taken once, at registration: a state that changes while training is not compared again.
 """
 from __future__ import annotations
@@ -24,6 +26,8 @@ __all__ = ["hook_identity", "state_identity"]
 
 _DEPTH = 4  # nested values deeper than this are compared by type (a cycle ends here too)
 # the settings of torch's and manualdp's `PowerSGDState`: what the ranks must share (not its per-rank memory)
+# names that hold which rank this is (a hook that logs on rank 0 only): differ by design, shown but not compared
+_RANK_NAMES = ("rank", "local_rank", "global_rank")
 _POWERSGD_SETTINGS = ("matrix_approximation_rank", "rank", "start_powerSGD_iter",
                       "min_compression_rate", "orthogonalization_epsilon", "use_error_feedback", "warm_start",
                       "batch_tensors_per_layer", "seed")
@@ -70,6 +74,9 @@ def _closure(fn: types.FunctionType, depth: int) -> str:
         return ""
     values = []
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__):
+        if name in _RANK_NAMES:
+            values.append(f"{name}=(this rank's)")
+            continue
         try:
             values.append(f"{name}={_value(cell.cell_contents, depth + 1)}")
         except ValueError:  # an empty cell (a name assigned later in the enclosing function)
@@ -94,7 +101,8 @@ def _value(value, depth: int) -> str:
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__}({', '.join(_value(v, depth + 1) for v in value)})"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_value(k, depth + 1)}: {_value(v, depth + 1)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_value(k, depth + 1)}: {_value(v, depth + 1)}" for k, v in value.items()
+                               if k not in _RANK_NAMES) + "}"
     if isinstance(value, type):
         return f"class {value.__qualname__}"
     if callable(value):
@@ -118,6 +126,8 @@ def _attributes(obj) -> dict:
         names += [slots] if isinstance(slots, str) else list(slots)
     if type(obj).__name__ == "PowerSGDState":
         names = [n for n in names if n in _POWERSGD_SETTINGS]
+    else:
+        names = [n for n in names if n not in _RANK_NAMES]
     return {n: getattr(obj, n) for n in sorted(set(names)) if not n.startswith("__") and hasattr(obj, n)}
 
 

@@ -108,3 +108,23 @@ def test_powersgd_states_are_compared_by_their_settings_not_their_memory():
 def test_a_long_state_is_shown_by_its_head_and_a_digest():
     long, other = _with_state({"table": list(range(10_000))}), _with_state({"table": list(range(9_999)) + [0]})
     assert len(long) < 1000 and long != other and "(sha1 " in long
+
+
+def _logging_on_rank(rank, scale=1.0):
+    return lambda state, bucket: bucket * scale if rank else bucket * scale + 0.0
+
+
+class _Logs:
+    def __init__(self, rank):
+        self.rank, self.scale = rank, 1.0
+
+    def __call__(self, state, bucket):
+        return bucket * self.scale
+
+
+def test_which_rank_this_is_is_not_compared():
+    assert hook_identity(_logging_on_rank(0)) == hook_identity(_logging_on_rank(1))
+    assert hook_identity(_logging_on_rank(0)) != hook_identity(_logging_on_rank(0, scale=2.0))
+    assert hook_identity(_Logs(0)) == hook_identity(_Logs(1))
+    assert _with_state({"rank": 0, "scale": 1.0}) == _with_state({"rank": 1, "scale": 1.0})
+    assert _with_state({"rank": 0, "scale": 1.0}) != _with_state({"rank": 0, "scale": 2.0})
