@@ -126,9 +126,10 @@ def average_fitting(manager, t: torch.Tensor, refill: Callable[[torch.Tensor], N
 
     Sum then divide is kept where it fits: its bits are what every reference holds (torchft's formula, the
     one-process runs). But shares whose average fits the dtype can sum past it (two float16 40000s, two float32
-    2e38s): torch's DDP divides first for that (float16 and bfloat16 summed in float32: `share.py`). A discarded step retakes the same batch, so that step would be
-    discarded forever. Every member holds the same average, so all see alike that it is not finite, and all
-    average again; a member's NaN comes back NaN again (the guard names it), at one more allreduce.
+    2e38s): torch's DDP divides first for that (float16 and bfloat16 summed in float32: `share.py`). A discarded
+    step retakes the same batch, so that step would be discarded forever. Every member holds the same average, so
+    all see alike that it is not finite, and all average again; a member's NaN comes back NaN again (the guard
+    names it), at one more allreduce.
     """
     if not manager.average(t):
         return False
