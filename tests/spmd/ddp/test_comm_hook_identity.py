@@ -3,10 +3,11 @@
 - the same code defined in two modules (a script run as `__main__` on one rank, imported on the other) is equal
   (was: its module's name made it differ, a false alarm where torch's DDP trains right); other code under the
   same name differs;
-- a closure's cell values, a callable object's and a bound method's object's plain attributes, and the `state`
-  argument are part of it (was: a per-rank scale there trained silently with rank-weighted gradients);
-- what may differ per rank by design is not: an RNG or a lock (by type), PowerSGD's error feedback and RNG
-  (torch's and ours compared by their settings only).
+- a `functools.partial`'s bound arguments are part of it (torch's DDP refuses a partial outright);
+- what a hook carries beside its code (a closure's cells, a callable object's or bound method's attributes, the
+  `state`) is compared by its class only, as torch's DDP compares nothing of it: nine hooks of an adversary's
+  that differ there only by design (a dict keyed by id(p), a rank-0 logging flag, a timestamp, a pid, a per-rank
+  path) were refused while they compared by value; PowerSGD's state by its settings (not its memory).
 """
 import threading
 import types
@@ -61,30 +62,24 @@ class _Scaled:
         return bucket * self.scale
 
 
-def test_a_closure_over_another_value_differs():
-    assert hook_identity(_closure(1.0)) != hook_identity(_closure(2.0)) and "over (scale=2.0)" in hook_identity(
-        _closure(2.0))
-    assert hook_identity(_closure(torch.tensor([1.0, 2.0]))) != hook_identity(_closure(torch.tensor([1.0, 3.0])))
-    assert hook_identity(_closure(1.0)) == hook_identity(_closure(1.0))
-
-
-def test_a_callable_object_and_a_bound_method_differ_by_their_plain_attributes_only():
+def test_what_a_hook_carries_is_compared_by_its_class_not_its_values():
+    assert hook_identity(_closure(1.0)) == hook_identity(_closure(2.0))  # as torch's: a closure's values not seen
+    assert hook_identity(_closure(torch.tensor([1.0]))) == hook_identity(_closure(torch.tensor([3.0])))
     one, two = _Scaled(1.0), _Scaled(2.0)
-    assert hook_identity(one) != hook_identity(two) and "scale=2.0" in hook_identity(two)
-    assert hook_identity(one.method) != hook_identity(two.method) and "scale=2.0" in hook_identity(two.method)
-    other = _Scaled(1.0)  # another lock, another RNG state: compared by type
-    other.rng.rand(3)
-    assert hook_identity(one) == hook_identity(other)
-    assert hook_identity(one.method) == hook_identity(other.method)
+    assert hook_identity(one) == hook_identity(two) and "_Scaled [code " in hook_identity(one)
+    assert hook_identity(one.method) == hook_identity(two.method) and " of _Scaled" in hook_identity(one.method)
     assert " at 0x" not in hook_identity(one) + hook_identity(one.method)
-
-
-def test_the_state_is_compared_by_its_plain_values():
-    assert _with_state({"scale": 1.0}) != _with_state({"scale": 2.0})
-    assert "with state {'scale': 2.0}" in _with_state({"scale": 2.0})
-    locked = [_with_state({"scale": 1.0, "lock": threading.Lock()}) for _ in range(2)]
-    assert locked[0] == locked[1] and "'lock': lock" in locked[0]
+    assert _with_state({"scale": 1.0}) == _with_state({"scale": 2.0}) and "with state dict" in _with_state({})
+    assert _with_state({"scale": 1.0}) != _with_state([1.0])  # another class of state: named
     assert _with_state(None) == hook_identity(_module("m").avg_hook)
+
+
+def test_the_values_that_differ_per_rank_by_design_are_not_compared():
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
+    keyed = [{id(p): 0 for p in params}, {id(p) + 8: 0 for p in params}]  # the keys of two processes
+    assert _with_state(keyed[0]) == _with_state(keyed[1])
+    assert hook_identity(_logging_on_rank(0)) == hook_identity(_logging_on_rank(1))
+    assert hook_identity(_Logs(0)) == hook_identity(_Logs(1))
 
 
 def test_powersgd_states_are_compared_by_their_settings_not_their_memory():
@@ -105,11 +100,6 @@ def test_powersgd_states_are_compared_by_their_settings_not_their_memory():
         _with_state(wider, hook)
 
 
-def test_a_long_state_is_shown_by_its_head_and_a_digest():
-    long, other = _with_state({"table": list(range(10_000))}), _with_state({"table": list(range(9_999)) + [0]})
-    assert len(long) < 1000 and long != other and "(sha1 " in long
-
-
 def _logging_on_rank(rank, scale=1.0):
     return lambda state, bucket: bucket * scale if rank else bucket * scale + 0.0
 
@@ -120,11 +110,3 @@ class _Logs:
 
     def __call__(self, state, bucket):
         return bucket * self.scale
-
-
-def test_which_rank_this_is_is_not_compared():
-    assert hook_identity(_logging_on_rank(0)) == hook_identity(_logging_on_rank(1))
-    assert hook_identity(_logging_on_rank(0)) != hook_identity(_logging_on_rank(0, scale=2.0))
-    assert hook_identity(_Logs(0)) == hook_identity(_Logs(1))
-    assert _with_state({"rank": 0, "scale": 1.0}) == _with_state({"rank": 1, "scale": 1.0})
-    assert _with_state({"rank": 0, "scale": 1.0}) != _with_state({"rank": 0, "scale": 2.0})
