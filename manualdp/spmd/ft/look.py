@@ -30,7 +30,9 @@ __all__ = ["Look", "look", "peek", "prefetch", "glance", "POLL"]
 
 POLL = 0.005  # seconds between two looks at the store while waiting
 FIRST = 0.0002  # seconds before the first glance at the key a peer writes next
-VANISH = 0.5  # seconds a prefetch's multi_get waits: its keys existed at its check, so only a deleted one waits
+# seconds a prefetch's multi_get waits: its keys existed at its check, so only a deleted one waits that long, or a
+# store stalled by a loaded host (0.5 s was passed by a store stopped for 1 s: a false line, and torch's C++ lines)
+VANISH = 2.0
 
 
 def look(store):
@@ -88,9 +90,10 @@ class Look(SignedStore):
         try:
             raws = self._client.multi_get(names)
         except dist.DistStoreError:  # a key deleted since the check (a stranger can): read each alone
-            self.ignore(", ".join(unread), f"one of these keys was deleted between its check and its read (a "
-                                           f"stranger can delete keys), or the store took over {VANISH:g} s to "
-                                           f"answer: each is read alone")
+            # logged once per connection (the keys name each round, so a line per key set would repeat each round)
+            self.ignore("prefetch", f"one of {', '.join(unread)} was deleted between its check and its read (a "
+                                    f"stranger can delete keys), or the store took over {VANISH:g} s to answer: "
+                                    f"each is read alone")
             return
         finally:
             self._client.set_timeout(whole)
