@@ -103,18 +103,16 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, ba
         # A file rendezvous in our own folder: no race for a port that another process may take.
         dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
-    store = dist.distributed_c10d._get_default_store() if init else None  # held: `fn` may destroy the group
     try:
         result = fn(*args)
     except BaseException:
-        if store is not None:
-            _done(store, rank, world_size, timeout, wait=False)
         if dist.is_initialized():
+            _done(rank, world_size, timeout, wait=False)
             dist.destroy_process_group()
         raise
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    if store is not None:
-        _done(store, rank, world_size, timeout, wait=True)
+    if init:
+        _done(rank, world_size, timeout, wait=True)
     # Done: leave without tearing the group down. gloo's teardown, while a peer tears down its
     # side at the same moment, once aborted a rank whose work was finished ("terminate called
     # without an active exception"); the result is saved, the parent reads it, the OS closes the rest.
@@ -123,12 +121,13 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, ba
     os._exit(0)
 
 
-def _done(store, rank: int, world_size: int, timeout: float, wait: bool) -> None:
+def _done(rank: int, world_size: int, timeout: float, wait: bool) -> None:
     """Say this rank is done, in the rendezvous store; with `wait`, wait (up to `timeout`) until every rank is.
 
     A rank that leaves while a peer still receives its last message can reset the connection under
     it (unread bytes make the OS answer with a reset): the peer's last receive then reads "connection closed".
     """
+    store = dist.distributed_c10d._get_default_store()
     store.set(f"manualdp/launch/done/{rank}", "1")
     if wait:
         store.wait([f"manualdp/launch/done/{r}" for r in range(world_size)], datetime.timedelta(seconds=timeout))

@@ -46,31 +46,3 @@ def test_shard_is_split_batch_shard(batch, n):
     for r in range(n):
         a, b = shard(X, y, r, n)
         assert torch.equal(a, Xs[r]) and torch.equal(b, ys[r])
-
-
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, exited but not yet reaped, does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _first_returns_at_once():
-    import os
-    import time
-    import torch.distributed as dist
-    store = dist.distributed_c10d._get_default_store()
-    if dist.get_rank() == 0:
-        store.set("pid0", str(os.getpid()))
-        return "returned"
-    pid = int(store.get("pid0"))  # waits for rank 0 to have returned (its key is set just before)
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline and _alive(pid):  # before: rank 0 exited at once, under this rank's receives
-        time.sleep(0.01)
-    return _alive(pid)
-
-
-def test_a_rank_that_returned_stays_until_every_rank_has_so_no_peer_loses_its_last_receive():
-    assert launch(_first_returns_at_once, 2, timeout=60) == ["returned", True]
