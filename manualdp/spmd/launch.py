@@ -107,30 +107,15 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, ba
         result = fn(*args)
     except BaseException:
         if dist.is_initialized():
-            _done(rank, world_size, timeout, wait=False)
             dist.destroy_process_group()
         raise
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
-    if init:
-        _done(rank, world_size, timeout, wait=True)
     # Done: leave without tearing the group down. gloo's teardown, while a peer tears down its
     # side at the same moment, once aborted a rank whose work was finished ("terminate called
     # without an active exception"); the result is saved, the parent reads it, the OS closes the rest.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def _done(rank: int, world_size: int, timeout: float, wait: bool) -> None:
-    """Say this rank is done, in the rendezvous store; with `wait`, wait (up to `timeout`) until every rank is.
-
-    A rank that leaves while a peer still receives its last message can reset the connection under
-    it (unread bytes make the OS answer with a reset): the peer's last receive then reads "connection closed".
-    """
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"manualdp/launch/done/{rank}", "1")
-    if wait:
-        store.wait([f"manualdp/launch/done/{r}" for r in range(world_size)], datetime.timedelta(seconds=timeout))
 
 
 def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1, init: bool = True,
