@@ -86,8 +86,7 @@ class DistributedDataParallel(nn.Module, JoinableWrapper, PrivateAPI):
             dtype, parameters) and all raise on a mismatch, naming the first parameter that
             differs and each rank's unused parameters. Default: on when the environment
             variable `MANUALDP_DEBUG` (or `TORCH_DISTRIBUTED_DEBUG=DETAIL`) is set.
-        timeout: seconds to wait for a silent peer before raising `PeerError` (default: the
-            process group's timeout).
+        timeout: seconds to wait for a silent peer before raising `PeerError` (default: the process group's timeout).
         drift_check_every: compare the replicas' parameters (a digest each) at synchronised forward
             passes 0, 1, 2, 4, ... below it and every this many after; every rank raises naming the first that differs
             (`manualdp.spmd.ladder.drift`); 0 turns the check off. Not under an enabled `Join`.

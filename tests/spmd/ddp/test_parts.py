@@ -35,8 +35,8 @@ def _private_names(name: str) -> set[str]:
 
 def test_the_split_has_its_files():
     assert all((SPMD / name).exists() for name in CORE)
-    assert FEATURES == sorted(["join.py", "comm_hook.py", "graph.py", "step_check.py", "buffers.py", "private.py",
-                               "init_sync.py"])
+    assert FEATURES == sorted(["join.py", "comm_hook.py", "hook_identity.py", "graph.py", "step_check.py", "buffers.py",
+                               "private.py", "init_sync.py"])
 
 
 def test_rung_5s_bucket_is_rung_4s_plus_flags():

@@ -266,7 +266,7 @@ def test_ddp_flags_hook_fully_shard_and_zero_settings_that_differ_are_named_on_e
     for flag in ("find_unused_parameters", "static_graph", "gradient_as_bucket_view", "debug"):
         _raised(res, f"DDP {flag}", "DistributedDataParallel's layout differs",
                 f"{flag} True..False {_per(n, 'False', 'True')}")
-    _raised(res, "DDP hook", "comm hook differs across ranks", "fp16_compress_hook before step 0)",
+    _raised(res, "DDP hook", "comm hook differs across ranks", "fp16_compress_hook [code ", "] before step 0)",
             "none (manualdp's allreduce)")
     _raised(res, "fsdp reshard", "reshard_after_forward True..False " + _per(n, "True", "False"))
     _raised(res, "fsdp units", "fully_shard(", "differs across ranks")
