@@ -14,6 +14,7 @@ import socket
 import sys
 import tempfile
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -137,6 +138,22 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, thr
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nccl" and gpus < world_size:
         raise ValueError(f"backend 'nccl' needs a GPU per rank: {world_size} ranks, {gpus} GPU(s) here")
+    for attempt in (1, 2):
+        try:
+            return _run(fn, world_size, args, threads, init, timeout, backend)
+        except mp.ProcessRaisedException as e:
+            # gloo's full mesh on 127.0.0.1 now and then reads "Connection closed by peer" while it forms (pytorch
+            # issue 53270): a torch flake before `fn` ran on that rank; the whole job is started once more.
+            if attempt == 2 or not (init and "connectFullMesh" in str(e) and "init_process_group" in str(e)):
+                raise
+            warnings.warn(f"launch: gloo failed to connect the {world_size} ranks as the group formed "
+                          f"({str(e).strip().splitlines()[-1][:160]}); starting them again once")
+
+
+def _run(fn, world_size: int, args: tuple, threads: int, init: bool, timeout: float, backend: str) -> list:
+    """Start the ranks once and return what each returned (`launch`, its arguments checked)."""
+    import torch.multiprocessing as mp
+
     with tempfile.TemporaryDirectory(prefix="manualdp-launch-") as outdir:
         context = mp.start_processes(_worker, nprocs=world_size, join=False, start_method=_start_method(),
                                      args=(fn, world_size, _free_port(), tuple(args), threads, init, timeout, outdir,
