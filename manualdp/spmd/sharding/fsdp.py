@@ -10,8 +10,8 @@
 
 It is a drop-in for `torch.distributed.fsdp.fully_shard`: the same keywords (`mesh`,
 `reshard_after_forward`, `mp_policy`, `ignored_params`), the same per-parameter shards (a DTensor
-per parameter, `Shard(0)` on a 1-D mesh, under the parameter's own name), and the methods of
-torch's `FSDPModule` that training scripts call (`FSDPModule` below). So torch's utilities work on
+per parameter, `Shard(0)` (or `shard_placement_fn`'s dim) on a 1-D mesh, under the parameter's own name), and
+the methods of torch's `FSDPModule` that training scripts call (`FSDPModule` below). So torch's utilities work on
 the sharded model unchanged: `clip_grad_norm_`, `torch.distributed.checkpoint`, `model.state_dict()`,
 `get_model_state_dict` / `set_model_state_dict` and their optimizer twins, full or sharded.
 
@@ -50,9 +50,11 @@ HSDP, as torch's: on a 2-D mesh (replicate, shard) each parameter is sharded ove
 `(Replicate(), Shard(0))`), and a unit's gradients are reduce-scattered there, then all-reduced across the
 replicas over dim 0 (`fsdp_hsdp.py`); `set_requires_all_reduce(False)` keeps the sums for a later backward.
 `CPUOffloadPolicy(pin_memory=False)` is taken on cpu, where the shards live in host memory already.
-Not supported (each refused in one line): a mesh of more than two dimensions, a 2-D mesh without
-`mesh_dim_names`, `shard_placement_fn`, offloading off cpu, custom all-gather, reduce-scatter and all-reduce, torch's
-all-gather extensions (`fsdp_pre_all_gather`/`fsdp_post_all_gather`, refused at the unit's first gather).
+`shard_placement_fn` (a parameter -> `Shard(dim)` or None) cuts a parameter along another dim
+(`fsdp_placement.py`), also unevenly. Not supported (each refused in one line): a mesh of more than two
+dimensions, a 2-D mesh without `mesh_dim_names`, a mesh per parameter, offloading off cpu, custom all-gather,
+reduce-scatter and all-reduce, torch's all-gather extensions (`fsdp_pre_all_gather`/`fsdp_post_all_gather`,
+refused at the unit's first gather).
 
 The book's ZeRO-3 (`manualdp.zero3.Zero3`) keeps one flat shard per unit instead: it teaches the idea
 on one page. Per-parameter shards cost a copy in and out of the flat buffer each all-gather and
@@ -290,16 +292,17 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
 
 
 def _values(call: Checked) -> tuple[list, list[nn.Parameter]]:
-    """What the unit lays out, (slots, full value, trainable, name) per parameter, and the user's parameters."""
+    """What the unit lays out, (slots, full value, trainable, name, shard dim) per parameter, and the user's
+    parameters."""
     values, originals = [], []
-    for p, slots, name in call.taken.values():
+    for key, (p, slots, name) in call.taken.items():
         if isinstance(p, Param):  # a weight tied to a unit inside this one: it moves here, where both users are
             inner = next(u for _, c in call.nested for u in c.tree() if p in u.params)
             more, value = inner.give_up(p)
-            values.append((more + slots, value, p.requires_grad, name))
+            values.append((more + slots, value, p.requires_grad, name, call.dims[key]))
             originals.append(p.original)
         else:
-            values.append((slots, p.detach(), p.requires_grad, name))
+            values.append((slots, p.detach(), p.requires_grad, name, call.dims[key]))
             originals.append(p)
     return values, originals
 

@@ -124,7 +124,7 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
             at = 0
             for p, users in zip(members, used):
                 if users > 0:  # no rank produced a gradient: none, as torch's FSDP2 leaves it
-                    grad = mine[at:at + p.local_rows * p.row_numel].view(p.local_rows, *p.shape[1:])
+                    grad = p.from_rows(mine[at:at + p.local_rows * p.row_numel])
                     out.append((p, (grad / post).to(p.dtype)))
                 at += p.padded
     return out
@@ -215,6 +215,11 @@ def _row_blocks(p: Param, segments: torch.Tensor):
 
 def _copy_out(segments: torch.Tensor, full: torch.Tensor, p: Param) -> None:
     """Each rank's rows from its segment of `segments` (W, padded) into `full`, in rank order."""
+    if p.dim:  # Shard(dim > 0): the rows are slices of `full` along dim, not contiguous
+        dest = p.as_rows(full)
+        for (lo, hi), part in _row_blocks(p, segments):
+            dest[lo:hi].copy_(part.reshape(dest[lo:hi].shape))
+        return
     dest = full.view(p.rows, p.row_numel) if p.row_numel else None
     for (lo, hi), part in _row_blocks(p, segments):
         dest[lo:hi].view(part.shape).copy_(part)
@@ -222,6 +227,6 @@ def _copy_out(segments: torch.Tensor, full: torch.Tensor, p: Param) -> None:
 
 def _copy_in(segments: torch.Tensor, grad: torch.Tensor, p: Param) -> None:
     """`grad`'s rows into each rank's segment of `segments` (W, padded): the inverse of `_copy_out`."""
-    src = grad.reshape(p.rows, p.row_numel) if p.row_numel else None
+    src = p.as_rows(grad).reshape(p.rows, p.row_numel) if p.row_numel else None
     for (lo, hi), part in _row_blocks(p, segments):
         part.copy_(src[lo:hi].reshape(part.shape))

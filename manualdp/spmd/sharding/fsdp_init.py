@@ -8,7 +8,7 @@ anything changes (`agree`), so that all ranks raise alike, naming the field. `fs
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,7 @@ from ..ladder.drift import DRIFT_CHECK_EVERY
 from ..transport.agree import agree
 from ..transport.peers import group_ranks, group_timeout
 from .fsdp_param import SLOTS, Param, owner_of
+from .fsdp_placement import shard_dims
 from .fsdp_unit import UNIT
 
 __all__ = ["checked_arguments", "Checked"]
@@ -44,14 +45,16 @@ class Checked:
     replicate: object = None  # HSDP: the group of this rank's replicas (mesh dim 0); None on a 1-D mesh
     tied_apart: str | None = None  # a weight tied to another unit's, not inside: left out, the forward raises this
     drift_check_every: int = DRIFT_CHECK_EVERY  # HSDP: the replicas' shards compared at `drift.due` steps
+    dims: dict = field(default_factory=dict)  # id (as `taken`) -> the dim `shard_placement_fn` shards it on
 
 
 def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, mp_policy, offload_policy,
                       ignored_params, group, timeout, drift_check_every=DRIFT_CHECK_EVERY) -> Checked:
     """Check `fully_shard`'s arguments and module, then that every rank calls it alike; raise before any change."""
     modules = _modules(module)
-    if shard_placement_fn is not None:
-        raise NotImplementedError("shard_placement_fn is not supported by manualdp's fully_shard: it shards dim 0")
+    if shard_placement_fn is not None and not callable(shard_placement_fn):
+        raise TypeError(f"shard_placement_fn must be a callable from a parameter to Shard(dim) or None, got "
+                        f"{type(shard_placement_fn).__name__}")
     mp_policy = mp_policy if mp_policy is not None else MixedPrecisionPolicy()
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
@@ -74,12 +77,14 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
     # leave its peers waiting in the agreement: the refusal is one of the fields, then raised on every rank
     refused = next((e for p, _, name in taken.values() if not isinstance(p, Param)
                     for e in (_refusal(p, name),) if e is not None), None)
+    dims, placement_refused = shard_dims(taken, shard_placement_fn)
+    refused = refused or placement_refused
     # HSDP: the replicas agree too, told whether the shard group did: a difference inside one shard group must not
     # leave the other groups' ranks waiting for it in the replicas' agreement
     failed = None
     for g in (group, replicate) if replicate is not None else (group,):
         try:
-            _check_same_call(modules, g, reshard, mp_policy, taken, nested, buffers, ignored,
+            _check_same_call(modules, g, reshard, mp_policy, taken, dims, nested, buffers, ignored,
                              f"{type(refused).__name__}: {refused}" if refused is not None else "nothing",
                              drift_check_every, "no" if failed is not None else "yes")
         except ValueError as e:
@@ -89,7 +94,7 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
     if refused is not None:
         raise refused
     return Checked(group, mesh, reshard, mp_policy, timeout, taken, nested, buffers, meta, modules, replicate,
-                   tied_apart, drift_check_every)
+                   tied_apart, drift_check_every, dims)
 
 
 def _refusal(p: nn.Parameter, name: str) -> Exception | None:
@@ -260,7 +265,7 @@ def _walk(modules: list[nn.Module], ignored: set[int]):
     return taken, nested, list(buffers.values()), tied_apart
 
 
-def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers, ignored, refused: str,
+def _check_same_call(modules, group, reshard, mp_policy, taken, dims, nested, buffers, ignored, refused: str,
                      drift_check_every: int, shard_group: str) -> None:
     """Raise on every rank unless every rank shards the same parameters, buffers and units alike, and refuses alike
     (and checks HSDP's replicas at the same steps: a rank that skipped a check would leave its peers waiting)."""
@@ -268,8 +273,9 @@ def _check_same_call(modules, group, reshard, mp_policy, taken, nested, buffers,
               "drift_check_every": drift_check_every, "shard group (mesh dim 1) agreed": shard_group,
               "ignored_params": len(ignored), "units inside": [path for path, _ in nested],
               "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
-    for p, _, name in taken.values():
+    for key, (p, _, name) in taken.items():
         fields[f"parameter {name}"] = ("tied" if isinstance(p, Param) else
-                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen"))
+                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")) + (
+                                       f" Shard({dims[key]})" if dims.get(key) else "")
     agree(f"fully_shard({label(modules)})", fields, group,
           hint="every rank must build the same model and shard it alike")

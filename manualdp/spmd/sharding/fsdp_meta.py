@@ -70,7 +70,7 @@ def init_full(module: nn.Module, init: Callable[[nn.Module], object]) -> nn.Modu
                                                  hint="seed every rank alike, and make init set every parameter")
                                ).result()
         for p, full in zip(params, fulls):  # this rank's rows, as torch.chunk cuts them
-            p.sharded.to_local().copy_(full[p.start:p.start + p.local_rows])
+            p.sharded.to_local().copy_(p.cut(full))
     finally:
         for p in params:
             p.put(p.sharded)

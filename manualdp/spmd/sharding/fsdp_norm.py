@@ -52,5 +52,7 @@ def _filled(t, fill: float):
     if not isinstance(t, DTensor) or t.to_local().numel() > 0 or t.dim() == 0:
         return t
     local = t.to_local()
-    one_row = torch.full((1, *local.shape[1:]), fill, dtype=local.dtype, device=local.device)
+    dim = next((pl.dim for pl in t.placements if pl.is_shard()), 0)  # shard_placement_fn may cut along another dim
+    one_row = torch.full(local.shape[:dim] + (1,) + local.shape[dim + 1:], fill, dtype=local.dtype,
+                         device=local.device)
     return DTensor.from_local(one_row, t.device_mesh, t.placements, run_check=False, shape=t.shape, stride=t.stride())

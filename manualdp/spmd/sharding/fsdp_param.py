@@ -2,8 +2,9 @@
 
 Each parameter lives in two forms:
 
-- its *shard*: this rank's rows of it (dim 0, cut as `torch.chunk` cuts: ceil(rows / W) rows per rank,
-  the last ranks may get fewer or none), an `nn.Parameter` holding a DTensor placed `Shard(0)` on a 1-D
+- its *shard*: this rank's rows of it (its slices along dim 0, or the dim `shard_placement_fn` chose, cut as
+  `torch.chunk` cuts: ceil(rows / W) rows per rank, the last ranks may get fewer or none; even on a dim past 0,
+  which torch's refuses), an `nn.Parameter` holding a DTensor placed `Shard(dim)` on a 1-D
   mesh of the group. That is what `module.parameters()` yields between steps and what the optimizer
   steps; torch's own utilities (`clip_grad_norm_`, `torch.distributed.checkpoint`, state dicts) see
   a sharded tensor and reduce or gather over the mesh themselves;
@@ -67,18 +68,18 @@ class Param:
     """One parameter of a unit: where it sits, its shard (a DTensor parameter) and its full form while gathered."""
 
     def __init__(self, slots: list[tuple[nn.Module, str]], value: torch.Tensor, requires_grad: bool, mesh,
-                 rank: int, world_size: int, name: str) -> None:
-        self.slots, self.name, self.requires_grad = slots, name, requires_grad
+                 rank: int, world_size: int, name: str, dim: int = 0) -> None:
+        self.slots, self.name, self.requires_grad, self.dim = slots, name, requires_grad, dim
         self.shape, self.dtype, self.device = value.shape, value.dtype, value.device
-        self.rows = value.shape[0]
-        self.row_numel = math.prod(value.shape[1:])
+        # "rows" are the slices along the shard dim (`shard_placement_fn`'s Shard(dim); dim 0 by default)
+        self.rows = value.shape[dim]
+        self.row_numel = math.prod(size for d, size in enumerate(value.shape) if d != dim)
         self.chunk_rows = -(-self.rows // world_size)  # ceil: torch.chunk's rows per rank (rank 0's, the padded size)
-        self.start = start = min(rank * self.chunk_rows, self.rows)  # this rank's first row
-        self.local_rows = min(self.chunk_rows, self.rows - start)
+        self.start = min(rank * self.chunk_rows, self.rows)  # this rank's first row
+        self.local_rows = min(self.chunk_rows, self.rows - self.start)
         self.padded = self.chunk_rows * self.row_numel  # this parameter's elements in every rank's segment
         with torch.no_grad():
-            local = value[start:start + self.local_rows].detach().clone()
-            self.sharded = nn.Parameter(_as_shard(local, mesh, self.shape), requires_grad=requires_grad)
+            self.sharded = nn.Parameter(_as_shard(self.cut(value), mesh, self.shape, dim), requires_grad=requires_grad)
         set_owner(self.sharded, self)
         self.full: nn.Parameter | None = None  # made at the first gather (after `to_empty` on a meta model)
         self.original: nn.Parameter | None = None  # the parameter the user's model held before
@@ -87,6 +88,20 @@ class Param:
     def local(self) -> torch.Tensor:
         """This rank's rows (the DTensor's local tensor), detached."""
         return self.sharded._local_tensor.detach()  # not to_local(): an autograd.Function, refused under jvp
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of `full` (a tensor of the parameter's shape), a contiguous copy."""
+        return full.detach().narrow(self.dim, self.start, self.local_rows).clone(memory_format=torch.contiguous_format)
+
+    def as_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` (of the parameter's layout) with the shard dim first: the collectives' layout, rows of `row_numel`."""
+        return t.movedim(self.dim, 0) if self.dim else t
+
+    def from_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """`flat` (this rank's rows, the collectives' layout) in the parameter's layout, contiguous."""
+        moved = self.as_rows(torch.empty(self.shape, device="meta")).shape[1:]
+        rows = flat.view(self.local_rows, *moved)
+        return rows.movedim(0, self.dim).contiguous() if self.dim else rows
 
     def make_full(self, dtype: torch.dtype, on_grad) -> nn.Parameter:
         """The full-shape parameter the modules use in forward (memory freed), made once per dtype and device;
@@ -167,9 +182,7 @@ class Param:
                 and now.placements == self.sharded.placements:
             fresh = now if isinstance(now, nn.Parameter) else nn.Parameter(now, requires_grad=now.requires_grad)
         elif isinstance(now, torch.Tensor) and not isinstance(now, DTensor) and now.shape == self.shape:
-            with torch.no_grad():
-                local = now[self.start:self.start + self.local_rows].detach().clone()
-            fresh = nn.Parameter(_as_shard(local, mesh, self.shape), requires_grad=now.requires_grad)
+            fresh = nn.Parameter(_as_shard(self.cut(now), mesh, self.shape, self.dim), requires_grad=now.requires_grad)
             if isinstance(now, nn.Parameter):
                 self.replaces(now)  # an optimizer built from it refuses to step (it would train nothing)
         else:
@@ -195,7 +208,7 @@ class Param:
         """Add `grad` (this rank's rows of the summed gradient) to the shard's `.grad`, a DTensor made at first."""
         own = self.sharded
         if own.grad is None:
-            own.grad = _as_shard(grad, mesh, self.shape)
+            own.grad = _as_shard(grad, mesh, self.shape, self.dim)
         else:
             own.grad.to_local().add_(grad)
 
@@ -206,11 +219,11 @@ class Param:
         self.accumulated = None
 
 
-def _as_shard(local: torch.Tensor, mesh, shape: torch.Size) -> DTensor:
-    """`local` (this rank's rows) as a DTensor of global `shape`, placed `Shard(0)` on `mesh` (HSDP's 2-D mesh:
-    `(Replicate(), Shard(0))`, as torch's)."""
+def _as_shard(local: torch.Tensor, mesh, shape: torch.Size, dim: int) -> DTensor:
+    """`local` (this rank's rows) as a DTensor of global `shape`, placed `Shard(dim)` on `mesh` (HSDP's 2-D mesh:
+    `(Replicate(), Shard(dim))`, as torch's)."""
     stride = torch.empty(shape, device="meta").stride()
-    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(0)]
+    placements = [Replicate()] * (mesh.ndim - 1) + [Shard(dim)]
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 

@@ -120,11 +120,12 @@ class Unit:
         """This unit and every unit inside it, outermost first."""
         return [self] + [u for child in self.children for u in child.tree()]
 
-    def lay_out(self, taken: list[tuple[list[tuple[nn.Module, str]], torch.Tensor, bool, str]]) -> list[Param]:
-        """Shard each (slots, full value, trainable, name) in `taken`: a `Param` whose shard takes its slots."""
+    def lay_out(self, taken: list[tuple[list[tuple[nn.Module, str]], torch.Tensor, bool, str, int]]) -> list[Param]:
+        """Shard each (slots, full value, trainable, name, shard dim) in `taken`: a `Param` whose shard takes its
+        slots."""
         made = []
-        for slots, value, trainable, name in taken:
-            p = Param(slots, value, trainable, self.mesh, self.rank, self.world_size, name)
+        for slots, value, trainable, name, dim in taken:
+            p = Param(slots, value, trainable, self.mesh, self.rank, self.world_size, name, dim)
             self.params.append(p)
             made.append(p)
             p.occupy(self)
@@ -205,7 +206,7 @@ class Unit:
                 fulls = [p.make_full(dtype, self.grad_ready) for p in members]
                 for full in fulls:
                     full.untyped_storage().resize_(full.numel() * full.element_size())
-                jobs.append((dtype, members, [p.local() for p in members], fulls))
+                jobs.append((dtype, members, [p.as_rows(p.local()) for p in members], fulls))
             self.gathers += 1
             self.gathered = True
             # the tail's count: all-gathers so far (mod 64), and whether this one is for backward
