@@ -78,6 +78,10 @@ class Member:
         """(step, since) if it holds the agreed state, else None: the higher mark holds more of the run."""
         return (self.step, self.since) if self.synced else None
 
+    def fields(self) -> dict:
+        """Its fields by name, in order: `dataclasses.asdict`'s JSON without its deep copies (a third of an ask's CPU)."""
+        return {name: getattr(self, name) for name in _FIELDS}
+
 
 @dataclasses.dataclass(frozen=True)
 class Quorum:
@@ -107,13 +111,17 @@ class Quorum:
         return self.ids.index(replica_id)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return json.dumps({"round": self.round, "members": [m.fields() for m in self.members], "group": self.group,
+                           "agreed": self.agreed})
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "Quorum":
         raw = json.loads(text)
         members = tuple(_member(m) for m in raw["members"])
         return cls(raw["round"], members, raw["group"], raw.get("agreed", True))
+
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(Member))
 
 
 def _member(raw: dict) -> Member:
@@ -234,7 +242,7 @@ def wait_for_quorum(store: dist.Store, me: Member, liveness: Liveness, after: in
     """
     whole, round_ = store, _first_open_round(store, after)
     # the ask names this process (its heartbeat's nonce): a process of the same id started after it asked is not it
-    ask = json.dumps({**dataclasses.asdict(me), "nonce": liveness.nonce(me.id) or nonce_of(store, me.id)}) + "\n"
+    ask = json.dumps({**me.fields(), "nonce": liveness.nonce(me.id) or nonce_of(store, me.id)}) + "\n"
     store.append(keys.asks(round_), ask)
     asked, short_since = time.monotonic(), None
     while True:
