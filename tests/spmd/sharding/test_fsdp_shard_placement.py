@@ -8,6 +8,9 @@ One spawned run at 2 ranks. Each case trains the same model, data and ranks with
   their gradients are contiguous (torch's `test_shard_placement_fn_contiguous_params_grads`);
 - uneven cuts past dim 0 (a weight of one column at 2 ranks: one rank's shard is empty; a Conv1d weight cut along
   its kernel dim, Shard(-1)), with gradient clipping: equal to the one-process model, shards cut as torch.chunk cuts;
+- its state dict loads into a fresh model, its full state dict (torch's `get_model_state_dict`) is torch's and
+  sets a fresh model (`set_model_state_dict`) as torch's; a meta-device model made by `init_full` starts where one
+  process does (torch's `test_dp_state_dict_save_load_shard_placement_fn`);
 - bad return values (an int, Replicate(), a dim past the end, a raising callable, one dim per rank) and a callable
   that is not one: refused in one line naming the value, on every rank.
 """
@@ -17,11 +20,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from manualdp.spmd import launch
 from manualdp.spmd.sharding.fsdp import fully_shard
+from manualdp.spmd.sharding.fsdp_meta import init_full
 
 from .test_fsdp_like_torch import _case, _full, _refusal
 from .test_fsdp_pytorch_behaviours_a import _same
@@ -111,6 +116,31 @@ def _uneven_case(rank, n):
             "placements": {k: tuple(p.placements) for k, p in model.named_parameters()}}
 
 
+def _state_dicts(shard_fn, rank, n):
+    """A Shard(1) model's state dict loaded into a fresh one; a full one set by torch's utility; meta init (ours)."""
+    trained = _train(_even(), _batches(6, rank, n), shard_fn, _largest_dim)
+    fresh = _even()
+    for m in (fresh[0], fresh[2], fresh[4], fresh):
+        shard_fn(m, shard_placement_fn=_largest_dim)
+    fresh.load_state_dict(trained.state_dict())
+    full = get_model_state_dict(trained, options=StateDictOptions(full_state_dict=True))
+    other = _even()
+    for m in (other[0], other[2], other[4], other):
+        shard_fn(m, shard_placement_fn=_largest_dim)
+    set_model_state_dict(other, full, options=StateDictOptions(full_state_dict=True))
+    out = {"loaded": _params(fresh), "full": {k: _full(v) for k, v in full.items()}, "set": _params(other)}
+    if shard_fn is fully_shard:
+        with torch.device("meta"):
+            meta = _even()
+        for m in (meta[0], meta[2], meta[4], meta):
+            shard_fn(m, shard_placement_fn=_largest_dim)
+        meta.to_empty(device="cpu")
+        torch.manual_seed(0)
+        init_full(meta, lambda m: [c.reset_parameters() for c in m.modules() if isinstance(c, nn.Linear)])
+        out["meta"] = _params(meta)
+    return out
+
+
 def _bad_values():
     bad = {"int": lambda p: 3, "Replicate": lambda p: Replicate(), "past the end": lambda p: Shard(2),
            "raises": lambda p: 1 / 0, "per rank": lambda p: Shard(dist.get_rank() % p.ndim)}
@@ -126,6 +156,7 @@ def _job():
     out["uneven"] = _case(_uneven_case, rank, n)
     out["uneven, one process"] = _params(_train(Uneven(), _batches(1, rank, n), whole=True))
     out["bad"] = _case(_bad_values)
+    out["state dicts"] = {name: _case(_state_dicts, fn, rank, n) for name, fn in SHARD_FNS.items()}
     return out
 
 
@@ -177,3 +208,15 @@ def test_a_bad_shard_placement_fn_is_refused_in_one_line_naming_the_value_on_eve
         assert "ZeroDivisionError" in bad["raises"]
         assert "Shard(1)" in bad["per rank"] and "rank" in bad["per rank"]
         assert bad["not callable"].startswith("TypeError") and "shard_placement_fn" in bad["not callable"]
+
+
+def test_a_shard_placement_fn_models_state_dicts_load_and_set_as_torch_does_and_meta_init_is_one_process_init(results):
+    for r, got in enumerate(results):
+        ours, theirs = got["state dicts"]["ours"], got["state dicts"]["torch"]
+        assert "raised" not in ours and "raised" not in theirs, (ours, theirs)
+        _same(ours["loaded"], got["ours"]["params"], f"rank {r}: loaded")
+        _same(ours["full"], theirs["full"], f"rank {r}: full state dict against torch's")
+        _same(ours["full"], ours["loaded"], f"rank {r}: full state dict")
+        _same(ours["set"], theirs["set"], f"rank {r}: set from a full state dict, against torch's")
+        _same(ours["set"], ours["loaded"], f"rank {r}: set from a full state dict")
+        _same(ours["meta"], _params(_even()), f"rank {r}: meta init against one process", atol=0)

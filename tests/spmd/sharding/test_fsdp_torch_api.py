@@ -261,7 +261,7 @@ def _options(rank, n):
     out["refused"] = {
         "deepcopy": _refusal(lambda: copy.deepcopy(model)),
         "0-dim": _refusal(lambda: fully_shard(_Scalar())),
-        "2-D mesh keyword": _refusal(lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: None)),
+        "2-D mesh keyword": _refusal(lambda: fully_shard(nn.Linear(2, 2), shard_placement_fn=lambda p: 0)),
         **{f"reshard {k}": _refusal(lambda k=k: fully_shard(nn.Linear(2, 2), reshard_after_forward=k))
            for k in (5, 0, -1, -2)},  # torch's int is a size to reshard to: it must divide the group size
         "custom all-gather": _refusal(lambda: model.set_custom_all_gather(None)),
