@@ -33,44 +33,63 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...validate import nn_module, tensor_list
+from ..sharding.fsdp import FSDPModule
+
 __all__ = ["local_model_state", "load_local_model_state", "local_optim_state", "load_local_optim_state", "local",
            "like", "flat_local_grads", "put_local_grads"]
 
 _SHARDED = "manualdp_sharded"  # in an optimizer's saved state: the (param index, key) pairs that were DTensors
 
 
-def local(value):
-    """`value`'s local shard if it is a DTensor, else `value`."""
+def _local(value):
     return value.to_local() if isinstance(value, DTensor) else value
+
+
+def local(value: torch.Tensor) -> torch.Tensor:
+    """`value`'s local shard if it is a DTensor, else `value`."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"value must be a torch.Tensor (a DTensor or a plain tensor), got {type(value).__name__}")
+    return _local(value)
 
 
 def like(value: torch.Tensor, model: DTensor) -> DTensor:
     """`value` (a local shard) as a DTensor on `model`'s mesh and placements, of `model`'s global shape."""
+    if not isinstance(model, DTensor):
+        raise TypeError(f"model must be a DTensor (a parameter sharded by fully_shard), got {type(model).__name__}")
+    _fits("value", value, model.to_local(), "model's local shard")
     return DTensor.from_local(value, model.device_mesh, model.placements, shape=model.shape, stride=model.stride())
 
 
 def local_model_state(module: nn.Module) -> dict:
     """`module.state_dict()` with each DTensor replaced by this rank's local shard."""
-    return {k: local(v) for k, v in module.state_dict().items()}
+    return {k: _local(v) for k, v in _sharded("module", module).state_dict().items()}
 
 
 def load_local_model_state(module: nn.Module, state: dict) -> None:
     """Load `local_model_state`'s output: each shard becomes a DTensor like the one it replaces."""
-    now = module.state_dict()
-    module.load_state_dict({k: like(v, now[k]) if isinstance(now.get(k), DTensor) else v for k, v in state.items()})
+    now = _sharded("module", module).state_dict()
+    _same_keys("state", state, now, "module's state_dict()")
+    for k, v in now.items():  # every entry checked before the load writes any
+        if isinstance(v, torch.Tensor):
+            what = "module's local shard" if isinstance(v, DTensor) else "module's"
+            _fits(f"state[{k!r}]", state[k], _local(v), what)
+    module.load_state_dict({k: like(v, now[k]) if isinstance(now[k], DTensor) else v for k, v in state.items()})
 
 
 def local_optim_state(optimizer: torch.optim.Optimizer) -> dict:
     """`optimizer.state_dict()` with each DTensor (momentum, Adam's moments) replaced by its local shard."""
+    _sharded_params("optimizer", optimizer)
     saved = optimizer.state_dict()
     sharded = [[i, key] for i, entry in saved["state"].items() for key, v in entry.items() if isinstance(v, DTensor)]
-    state = {i: {key: local(v) for key, v in entry.items()} for i, entry in saved["state"].items()}
+    state = {i: {key: _local(v) for key, v in entry.items()} for i, entry in saved["state"].items()}
     return {**saved, "state": state, _SHARDED: sharded}
 
 
 def load_local_optim_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """Load `local_optim_state`'s output: each entry that was a DTensor becomes one like its parameter."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _sharded_params("optimizer", optimizer)
+    _check_optim_state(state, params)
     entries = {i: dict(entry) for i, entry in state["state"].items()}
     for i, key in state.get(_SHARDED, []):
         entries[i][key] = like(entries[i][key], params[i])
@@ -79,12 +98,95 @@ def load_local_optim_state(optimizer: torch.optim.Optimizer, state: dict) -> Non
 
 def flat_local_grads(params: list[torch.Tensor]) -> torch.Tensor:
     """The local shard of each parameter's gradient (zeros where it has none), in order, in one flat tensor."""
-    return torch.cat([(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
+    _one_dtype("params", params)
+    return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
                       for p in params])
 
 
 def put_local_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Make `flat` (as `flat_local_grads` lays it out) the parameters' gradients: DTensors for sharded ones."""
-    shards = [local(p) for p in params]
+    dtype = _one_dtype("params", params)
+    shards = [_local(p) for p in params]
+    size = sum(q.numel() for q in shards)
+    if not isinstance(flat, torch.Tensor) or isinstance(flat, DTensor):
+        raise TypeError(f"flat must be a plain torch.Tensor (flat_local_grads' output), got {type(flat).__name__}")
+    if flat.dim() != 1 or flat.numel() != size or flat.dtype != dtype or flat.device != shards[0].device:
+        raise ValueError(f"flat must be 1-D of {size} {dtype} elements on {shards[0].device} (the local shards of "
+                         f"params, as flat_local_grads lays them out), got shape {tuple(flat.shape)}, {flat.dtype} "
+                         f"on {flat.device}")
     for p, q, g in zip(params, shards, flat.split([q.numel() for q in shards])):
         p.grad = like(g.view_as(q).clone(), p) if isinstance(p, DTensor) else g.view_as(p).clone()
+
+
+# The checks: each raises one line naming the argument and the value, before anything is written.
+
+def _sharded(name: str, module) -> nn.Module:
+    """A module that `fully_shard` sharded, itself or a module inside it: its state_dict holds DTensors."""
+    if not any(isinstance(m, FSDPModule) for m in nn_module(name, module).modules()):
+        raise ValueError(f"{name} ({type(module).__name__}) holds no module sharded by manualdp's fully_shard: its "
+                         f"state is not a shard; use {name}.state_dict() and {name}.load_state_dict()")
+    return module
+
+
+def _sharded_params(name: str, optimizer) -> list[torch.Tensor]:
+    """The parameters of an optimizer that steps at least one DTensor (a shard of `fully_shard`), in its order."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"{name} must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(isinstance(p, DTensor) for p in params):
+        raise ValueError(f"{name} ({type(optimizer).__name__}) steps no parameter sharded by fully_shard (none of "
+                         f"its {len(params)} is a DTensor): use {name}.state_dict() and {name}.load_state_dict()")
+    return params
+
+
+def _fits(name: str, value, model: torch.Tensor, what: str) -> None:
+    """`value` is a plain tensor of `model`'s shape, dtype and device."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+        raise TypeError(f"{name} must be a plain torch.Tensor (a local shard), got {type(value).__name__}")
+    ours, theirs = (tuple(value.shape), value.dtype, value.device), (tuple(model.shape), model.dtype, model.device)
+    if ours != theirs:
+        raise ValueError(f"{name} has shape {ours[0]}, {ours[1]} on {ours[2]}, but {what} has shape {theirs[0]}, "
+                         f"{theirs[1]} on {theirs[2]}: a state of another model, rank or dtype")
+
+
+def _same_keys(name: str, state, expected: dict, what: str) -> None:
+    if not isinstance(state, dict):
+        raise TypeError(f"{name} must be a dict, got {type(state).__name__}")
+    missing, extra = [k for k in expected if k not in state], [k for k in state if k not in expected]
+    if missing or extra:
+        raise ValueError(f"{name} does not hold the keys of {what}: missing {_few(missing)}, unexpected {_few(extra)}")
+
+
+def _few(keys: list) -> str:
+    return "none" if not keys else ", ".join(map(repr, keys[:3])) + (f" (and {len(keys) - 3} more)" if keys[3:] else "")
+
+
+def _check_optim_state(state, params: list[torch.Tensor]) -> None:
+    """`local_optim_state`'s output for `params`: every entry that becomes a DTensor of its parameter's shard."""
+    if not isinstance(state, dict) or not isinstance(state.get("state"), dict) or not isinstance(
+            state.get("param_groups"), list):
+        raise TypeError(f"state must be local_optim_state's dict (with 'state' and 'param_groups'), got "
+                        f"{type(state).__name__}{f' with keys {_few(list(state))}' if isinstance(state, dict) else ''}")
+    count = sum(len(g.get("params", ())) if isinstance(g, dict) else 0 for g in state["param_groups"])
+    if count != len(params) or any(not (isinstance(i, int) and 0 <= i < len(params)) for i in state["state"]):
+        raise ValueError(f"state holds the state of {count} parameters (indices {_few(list(state['state']))}), but "
+                         f"optimizer steps {len(params)}: a state of another optimizer")
+    sharded = state.get(_SHARDED, [])
+    for pair in sharded if isinstance(sharded, list) else [sharded]:
+        i, key = pair if isinstance(pair, (list, tuple)) and len(pair) == 2 else (None, None)
+        if not isinstance(state["state"].get(i), dict) or key not in state["state"][i]:
+            raise ValueError(f"state[{_SHARDED!r}] names {pair!r}, which is not an entry of state['state']")
+        if not isinstance(params[i], DTensor):
+            raise ValueError(f"state[{_SHARDED!r}] names {pair!r}, but parameter {i} of optimizer is not sharded")
+        _fits(f"state['state'][{i}][{key!r}]", state["state"][i][key], params[i].to_local(), f"parameter {i}'s shard")
+
+
+def _one_dtype(name: str, params) -> torch.dtype:
+    """A non-empty list of tensors of one dtype (one flat tensor holds one dtype)."""
+    tensor_list(name, params)
+    if not params:
+        raise ValueError(f"{name} must not be empty, got {params!r}")
+    dtypes = sorted({str(p.dtype) for p in params})
+    if len(dtypes) > 1:
+        raise TypeError(f"{name} hold {' and '.join(dtypes)}: one flat tensor holds one dtype; call once per dtype")
+    return params[0].dtype
