@@ -12,20 +12,33 @@ added to the next one that all-reduces (gradient accumulation across replicas at
 only); the shards get no gradient until then, as torch's.
 
 Each replica writes a short tail into its own slot of the message (the unit's number, its count of
-all-reduces across the replicas, its divide factor): replicas that run other units, or one all-reduce more, or
-divide otherwise, raise naming the unit on every rank. The replicas pair by what they all-reduce, not by how
-many backward passes led to it: one replica may accumulate 2 micro-batches and another 3 (as torch's HSDP
-allows), each reduce-scattering every micro-batch within its shard group, and all-reducing once, on its last.
+all-reduces across the replicas, its divide factor, whether it was asked to all-reduce): replicas that run other
+units, or one all-reduce more, or divide otherwise, raise naming the unit on every rank. The replicas pair by what
+they all-reduce, not by how many backward passes led to it: one replica may accumulate 2 micro-batches and another 3
+(as torch's HSDP allows), each reduce-scattering every micro-batch within its shard group, and all-reducing once, on
+its last.
+
+A replica that forgets `set_requires_all_reduce(True)` on its last micro-batch leaves the others waiting in that
+all-reduce (torch's waits out its timeout, or hangs). Its optimizer step is the moment it knows: the optimizer steps
+shards whose unit still keeps sums never all-reduced. So that step (a hook on every optimizer's step) joins the
+others' all-reduce with the first sums it kept, in the order the others all-reduce them, its tail saying "not asked":
+every rank of the mesh raises one line, at once, naming the replicas that did not all-reduce.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..collectives import allreduce
 from ..transport.peers import group_ranks, refused_alike
+from .fsdp_param import SLOTS, owner_of
 
-__all__ = ["across_replicas"]
+__all__ = ["across_replicas", "watch_unreduced"]
+
+TAIL = 4  # each replica's slot of the message: (unit number, all-reduces so far, divide factor, asked to all-reduce)
 
 
 @torch.no_grad()
@@ -36,24 +49,88 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int |
     kept = unit.partial.pop(dtype, None)
     if kept is not None:
         summed = summed + kept
+    unit.step.kept.pop((unit, dtype), None)
     if count is None:
         unit.partial[dtype] = summed.clone()
+        unit.step.kept[(unit, dtype)] = None  # last: the order the replicas that all-reduce send them in
         return None
+    return _exchange(unit, summed, count, factor, asked=True)
+
+
+def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool) -> torch.Tensor:
+    """All-reduce `summed` across the replicas with each replica's tail; raise on every rank unless the tails agree
+    and every replica was asked to all-reduce."""
     replica, peers = group_ranks(unit.replicate)
     R, n = len(peers), summed.numel()
-    flat = torch.zeros(n + 3 * R, dtype=summed.dtype, device=summed.device)
+    flat = torch.zeros(n + TAIL * R, dtype=summed.dtype, device=summed.device)
     flat[:n] = summed
-    flat[n + 3 * replica:n + 3 * replica + 3] = torch.tensor([unit.number, count, factor], dtype=torch.float64)
+    flat[n + TAIL * replica:n + TAIL * (replica + 1)] = torch.tensor([unit.number, count, factor, float(asked)],
+                                                                     dtype=torch.float64)
     allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
-    tails = flat[n:].view(R, 3).tolist()
+    tails = flat[n:].view(R, TAIL).tolist()
+    unasked = [r for r, t in enumerate(tails) if t[3] == 0]
+    if unasked:
+        raise refused_alike(RuntimeError(_unasked_line(unit, replica, unasked, R)))
     if any(t != tails[replica] for t in tails):
         per_replica = "; ".join(f"replica {r}: unit {int(a)}, all-reduce {int(c)}, divide factor {f}"
-                                for r, (a, c, f) in enumerate(tails))
+                                for r, (a, c, f, _) in enumerate(tails))
         raise refused_alike(RuntimeError(
             f"rank {dist.get_rank()} (replica {replica}): fully_shard's all-reduce across replicas of unit "
-            f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''}) met other units, "
-            f"counts or divide factors on other replicas ({per_replica}; counts mod 64): every replica must run the "
-            "same units, all-reduce them the same number of "
+            f"{_label(unit)} met other units, counts or divide factors on other replicas ({per_replica}; counts mod "
+            "64): every replica must run the same units, all-reduce them the same number of "
             "times (set_requires_all_reduce(True) on every replica's last micro-batch), and call "
             "set_gradient_divide_factor alike"))
     return flat[:n]
+
+
+def _unasked_line(unit, replica: int, unasked: list[int], R: int) -> str:
+    one = len(unasked) == 1
+    who = f"replica {unasked[0]}" if one else \
+        f"replicas {', '.join(str(r) for r in unasked[:-1])} and {unasked[-1]}"
+    return (f"rank {dist.get_rank()} (replica {replica}): fully_shard's HSDP {who} did not all-reduce "
+            f"{'its' if one else 'their'} gradients across the replicas before {'its' if one else 'their'} optimizer "
+            f"step (unit {_label(unit)}: its last micro-batch ran with set_requires_all_reduce(False)), "
+            f"{'while the other replicas did' if len(unasked) < R else 'nor did any other'}: call "
+            "set_requires_all_reduce(True) before the last micro-batch's backward on every replica")
+
+
+def _label(unit) -> str:
+    return f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''})"
+
+
+@functools.cache
+def watch_unreduced() -> None:
+    """Once: an optimizer step over HSDP shards whose unit keeps sums never all-reduced names it on every rank."""
+    register_optimizer_step_pre_hook(_refuse_unreduced)
+
+
+def _refuse_unreduced(optimizer, args, kwargs) -> None:
+    """(An optimizer step pre-hook) join the other replicas' all-reduce as a replica not asked to, and raise."""
+    units = (_unit_of(p) for group in optimizer.param_groups for p in group["params"])
+    unit = next((u for u in units if u is not None and u.partial), None)
+    if unit is not None:
+        _own_up(unit.step)
+
+
+def _unit_of(p: torch.Tensor):
+    """The unit whose shard `p` is, or None."""
+    param = owner_of(p)
+    if param is None or param.sharded is not p:
+        return None
+    sub, attr = param.slots[0]
+    return sub.__dict__.get(SLOTS, {}).get(attr)
+
+
+def _own_up(step) -> None:
+    """Send the first sums the tree kept into the all-reduce its peers wait in, tail "not asked": every rank raises."""
+    if step.failure is not None:
+        raise step.failure
+    unit, dtype = next(iter(step.kept))
+    factor = unit.divide_factor if unit.divide_factor is not None else unit.world_size * unit.replicas
+    try:
+        step.root.worker.submit(_exchange, unit, unit.partial[dtype], (unit.all_reduces + 1) % 64, factor,
+                                False).result()
+    except Exception as e:
+        step.failure = e  # the replicas are out of step: the tree's later collectives raise it at once
+        step.abandon()
+        raise

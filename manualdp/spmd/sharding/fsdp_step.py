@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..ladder.drift import DRIFT_CHECK_EVERY, DriftCheck
+from .fsdp_hsdp import watch_unreduced
 
 __all__ = ["Step", "inside_backward"]
 
@@ -37,6 +38,11 @@ class Step:
         # accumulate 2 and 3 micro-batches meet in the same check (`fsdp_drift`)
         self.all_reduced = False  # a unit of this backward all-reduced across the replicas
         self.steps = 0  # backward passes of the tree that ended having all-reduced across the replicas
+        # HSDP: (unit, dtype) whose sums are kept, not all-reduced, in the order kept: the order that replicas which
+        # all-reduce send them in, which an optimizer step that finds them kept joins (`fsdp_hsdp._own_up`)
+        self.kept: dict = {}
+        if root.replicate is not None:
+            watch_unreduced()
 
     def backward_begins(self) -> None:
         """Queue `end_backward` for the end of this backward pass, once."""
@@ -80,6 +86,7 @@ class Step:
             u.accumulating = False
             u.partial.clear()  # HSDP's sums kept without all-reduce: gradients of the step that raised
             u.forget_step(keep_gradients=False)
+        self.kept.clear()
         self._next_order()
 
     def end(self, after_backward: bool = False) -> None:
