@@ -51,15 +51,20 @@ def test_a_finite_buckets_average_is_judged_without_a_boolean_tensor_of_its_size
     the CPU time of its norm: 400 us of an mlp's step). Now one norm says so; `isfinite` runs only where it is not."""
     sizes, real = [], torch.isfinite
     monkeypatch.setattr(torch, "isfinite", lambda t: sizes.append(t.numel()) or real(t))
+    buckets = one_step_of_two(coordinator.port)
+    assert buckets == [2, 8, 4, 12] and not set(sizes) & set(buckets), sizes
+
+
+def one_step_of_two(port: int) -> list[int]:
+    """One committed step of `FaultTolerantDDP` (a bucket per parameter) as if of two members: each bucket's size."""
     net = make()
-    with Manager("one", "127.0.0.1", coordinator.port, timeout=10) as manager:
+    with Manager("one", "127.0.0.1", port, timeout=10) as manager:
         ft = FaultTolerantDDP(net, torch.optim.SGD(net.parameters(), lr=0.1), manager, bucket_cap_mb=None)
         calls = two_members(manager)
         ft.start_step()
         loss_of(ft, 0).backward()
         assert ft.step()
-    buckets = [n for _, n in calls][:-1]  # the last average is the guard's norms
-    assert buckets == [2, 8, 4, 12] and not set(sizes) & set(buckets), sizes
+    return [n for _, n in calls][:-1]  # the last average is the guard's norms
 
 
 def test_at_two_members_a_buffer_up_to_one_round_goes_in_one_round_and_larger_ones_or_more_members_as_asked():

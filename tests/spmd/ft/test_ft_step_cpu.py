@@ -1,15 +1,17 @@
 """The CPU a steady fault-tolerant step spends beyond the drop-in's, in counts (never times): issue 44's profile of
 `bench/ft.py --models mlp --profile 300` (replica 0's ask thread, its bucket thread), each cut held here."""
+import collections
 import dataclasses
 import json
+import threading
 import types
 
-import pytest
+import torch
 
 from manualdp.spmd.ft import Coordinator
 from manualdp.spmd.ft.coordinator import connect
 from manualdp.spmd.ft.quorum import Member, Quorum
-from tests.spmd.ft.test_ft_step_cost import _steady_ask
+from tests.spmd.ft.test_ft_step_cost import _steady_ask, one_step_of_two
 
 
 def test_a_steady_ask_deep_copies_nothing_and_writes_what_asdict_wrote(request, monkeypatch):
@@ -28,3 +30,19 @@ def test_a_steady_ask_deep_copies_nothing_and_writes_what_asdict_wrote(request, 
                              False)):
         assert q.to_json() == json.dumps(dataclasses.asdict(q))
         assert Quorum.from_json(q.to_json()) == q
+
+
+def test_each_buckets_average_is_judged_finite_once(monkeypatch):
+    """Before: `finite` on each bucket's average twice (`average_fitting`, then the reducer again): a norm of the whole
+    bucket more per step. Now a bucket's elements are normed twice in all: its norm for the guard, its average once."""
+    sizes, real = [], torch.linalg.vector_norm
+    def norm(t, *args, **kwargs):
+        if threading.current_thread().name == "manualdp-ft-buckets":  # not the guard's judging of the bucket norms
+            sizes.append(t.numel())
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.linalg, "vector_norm", norm)
+    with Coordinator(0) as c:
+        buckets = one_step_of_two(c.port)
+    assert buckets == [2, 8, 4, 12]
+    assert collections.Counter(sizes) == dict.fromkeys(buckets, 2), sizes
