@@ -256,9 +256,14 @@ class GroupManager:
         if not self._ok:
             return False
         alike = self._compared or self._same_backwards()
-        share = tensor.clone()  # what a second average starts from: the first overwrote the tensor with the sum
+        # What a second average starts from (the first overwrites the tensor with the sum): a copy of the share,
+        # taken only when some member's share might not sum finite (`share.may_not_sum`, agreed in the lane's
+        # header), the only case in which the first average can come back NaN/Inf and `refill` run.
+        kept: list[torch.Tensor] = []
+        def first_or_again(t: torch.Tensor, divide_first: bool = False) -> bool:
+            return self._lane_average(t, divide_first, None if divide_first else lambda s: kept.append(s.clone()))
         try:  # ValueError (another tensor on a peer group) goes up
-            average_fitting(SimpleNamespace(average=self._lane_average), tensor, lambda t: t.copy_(share))
+            average_fitting(SimpleNamespace(average=first_or_again), tensor, lambda t: t.copy_(kept[0]))
         except RuntimeError as e:  # gloo's: a peer of the lane died or hangs
             self.last_error, self._ok = without_traceback(e), False
             return False
@@ -270,8 +275,8 @@ class GroupManager:
         self._ok = alike  # summed all the same: the other groups' ranks wait on this one in the lane
         return alike
 
-    def _lane_average(self, tensor: torch.Tensor, divide_first: bool = False) -> bool:
-        average_shares(tensor, self._lane.size, lambda t: self._lane.sum(t, self._quorum.ids), divide_first)
+    def _lane_average(self, tensor: torch.Tensor, divide_first: bool, keep: Callable | None) -> bool:
+        average_shares(tensor, self._lane.size, lambda t: self._lane.sum(t, self._quorum.ids, keep), divide_first)
         return True
 
     def _same_backwards(self) -> bool:

@@ -41,6 +41,7 @@ from .heartbeat import Liveness
 from .look import POLL
 from .quorum_group import meeting
 from .recovery import check_loadable, forget_state, receive_state, send_state
+from .share import may_not_sum
 
 __all__ = ["Lane", "LaneLost", "lane_source", "gloo_words"]
 
@@ -139,28 +140,34 @@ class Lane:
         """Leave the lane held, if any (its peers are not told: their next collective on it fails)."""
         self._pg, self.number, self.size = None, None, 0
 
-    def sum(self, tensor: torch.Tensor, names: list[str] | None = None) -> None:
+    def sum(self, tensor: torch.Tensor, names: list[str] | None = None,
+            keep: Callable[[torch.Tensor], None] | None = None) -> None:
         """Sum `tensor` in place over the lane; RuntimeError if a peer failed or the lane is not held.
 
         ValueError on every member if the members' tensors differ in size or dtype; `names`: the
-        member groups' ids in lane order, for that message.
+        member groups' ids in lane order, for that message. `keep(tensor)` runs before the sum on every
+        member alike when any member's share might not sum finite (`share.may_not_sum`, told in the header).
         """
         if self._pg is None:
             raise RuntimeError(f"lane {self.name!r} is not held (its last step failed)")
-        self._check_alike(tensor, names or [f"member {i}" for i in range(self.size)])
+        large = keep is not None and may_not_sum(tensor, self.size)
+        if self._check_alike(tensor, names or [f"member {i}" for i in range(self.size)], large) and keep is not None:
+            keep(tensor)
         self._pg.allreduce([tensor]).wait()
 
-    def _check_alike(self, tensor: torch.Tensor, names: list[str]) -> None:
-        """Sum every member's (elements, dtype) row; ValueError on every member, naming each row, if they differ."""
+    def _check_alike(self, tensor: torch.Tensor, names: list[str], large: bool = False) -> bool:
+        """Sum every member's (elements, dtype, large) row; ValueError on every member, naming each row, if the
+        (elements, dtype) differ; whether any member's share is `large`."""
         code = _DTYPES.index(tensor.dtype) if tensor.dtype in _DTYPES else len(_DTYPES)
-        table = torch.zeros(self.size, 2, dtype=torch.int64)
-        table[self._rank] = torch.tensor([tensor.numel(), code])
+        table = torch.zeros(self.size, 3, dtype=torch.int64)
+        table[self._rank] = torch.tensor([tensor.numel(), code, int(large)])
         self._pg.allreduce([table]).wait()
-        rows = [tuple(row) for row in table.tolist()]
+        rows = [tuple(row[:2]) for row in table.tolist()]
         if len(set(rows)) > 1:
             named = "; ".join(f"{names[i]!r}: {n} elements of {_dtype_name(d)}" for i, (n, d) in enumerate(rows))
             raise ValueError(f"lane {self.name!r}: the groups average tensors of other sizes or dtypes ({named}); "
                              "each group's rank must pass the same tensor (the same model and arguments)")
+        return any(row[2] for row in table.tolist())
 
     def send(self, round_: int, state: dict) -> str:
         """Write this lane's `state` for the receivers of `round_`; return its SHA-256."""

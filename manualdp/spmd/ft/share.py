@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["average_shares", "schedule_for", "ONE_ROUND", "HALF"]
+__all__ = ["average_shares", "may_not_sum", "schedule_for", "ONE_ROUND", "HALF"]
 
 ONE_ROUND = 1 << 20  # bytes: at two members, a buffer up to this size is averaged in one round (`schedule_for`)
 HALF = (torch.float16, torch.bfloat16)  # dtypes whose divided-first shares are summed in float32
@@ -31,6 +31,19 @@ def average_shares(tensor: torch.Tensor, members: int, sum_: Callable[[torch.Ten
     sum_(wide)
     if wide is not tensor:
         tensor.copy_(wide)
+
+
+def may_not_sum(share: torch.Tensor, members: int) -> bool:
+    """Whether `members` shares might not sum finite if one is `share`: it holds NaN/Inf or an element past
+    the dtype's largest / (4 `members`). If no member's share does, every partial sum stays below half the
+    largest (rounding included), so sum then divide is finite and no share is needed again."""
+    if share.is_complex():
+        return True
+    if not share.is_floating_point() or share.numel() == 0:  # integers: never averaged again (`bucketed.finite`)
+        return False
+    low, high = torch.aminmax(share)  # one read of the share, cheaper than copying it; NaN compares False below
+    bound = torch.finfo(share.dtype).max / (4 * members)
+    return not (-bound <= low.item() and high.item() <= bound)
 
 
 def schedule_for(algorithm: str, members: int, tensor: torch.Tensor) -> str:

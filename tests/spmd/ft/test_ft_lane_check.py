@@ -11,15 +11,16 @@ import torch
 from manualdp.spmd.ft.group_lanes import Lane
 
 
-def _sum_on_two_lanes(store, tensors):
-    """Form lane 0 of two groups 'A' and 'B' over `store`, sum `tensors` (one each) in threads: each one's error."""
+def _sum_on_two_lanes(store, tensors, keeps=(None, None)):
+    """Form lane 0 of two groups 'A' and 'B' over `store`, sum `tensors` (one each, `keeps`: each one's `keep`) in
+    threads: each one's error."""
     lanes = [Lane(store(), group, 0, timeout=10) for group in "AB"]
     errors = [None, None]
 
     def member(i):
         try:
             lanes[i].form(1, i, 2)
-            lanes[i].sum(tensors[i], ["A", "B"])
+            lanes[i].sum(tensors[i], ["A", "B"], keeps[i])
         except Exception as e:  # noqa: BLE001 -- the test asserts which
             errors[i] = e
 
