@@ -6,8 +6,9 @@ waiting in that all-reduce: before, they ended in a `PeerError` ("no answer ... 
 whole timeout while the forgetful replica trained on alone. Now its optimizer step (holding sums never all-reduced)
 joins its peers' all-reduce, and every rank of the mesh raises one line at once naming the replica(s) that did not
 all-reduce: on a 2 x 2 mesh replica 1 (also when it forgets only at the second step), replica 0 or replica 1 where
-replica 0 accumulates 3 micro-batches and replica 1 runs 2, both replicas, and on a 4 x 1 mesh replica 2. The group
-serves the next model after each: a run of uneven accumulation done right trains on, no false alarm.
+replica 0 accumulates 3 micro-batches and replica 1 runs 2, both replicas, and on a 4 x 1 mesh replica 2. Replicas
+that divide by other factors are named by their tails. The group serves the next model after each: a run of uneven
+accumulation done right trains on, no false alarm.
 A spawned 4-rank run: in the soak.
 """
 import functools
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from manualdp.spmd import launch
-from manualdp.spmd.sharding.fsdp import fully_shard
+from manualdp.spmd.sharding.fsdp import FSDPModule, fully_shard
 from tests.helpers import error_of
 
 from .test_fsdp_list_and_assign import VOCAB, Titan, _apply_fsdp, _batch
@@ -28,14 +29,19 @@ pytestmark = pytest.mark.soak
 TIMEOUT = 90.0  # a silent peer's wait: what a case that is not named ends in (below the default 300 s; none waits it)
 
 
-def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0):
+def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on=None):
     """`steps` optimizer steps of `micro(replica)` micro-batches, all-reducing at the last one, except on the replicas
-    in `forgets` from step `from_step` on (they never set `set_requires_all_reduce(True)` again)."""
+    in `forgets` from step `from_step` on (they never set `set_requires_all_reduce(True)` again); replica `factor_on`
+    divides the gradients by 8 (every unit)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     replica = mesh.get_local_rank(0)
     torch.manual_seed(0)
     model = Titan()
     _apply_fsdp(fully_shard, model, mesh=mesh, timeout=TIMEOUT)
+    if replica == factor_on:
+        for m in model.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(8.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         count = micro(replica)
@@ -61,6 +67,7 @@ def _job():
             "replica 1, uneven": error_of(lambda: _run(square, (1,), micro=uneven)),
             "both": error_of(lambda: _run(square, (0, 1))),
             "4x1 replica 2": error_of(lambda: _run(column, (2,))),
+            "other factor": error_of(lambda: _run(square, (), factor_on=1)),
             "right after": error_of(lambda: _run(square, (), micro=uneven))}
 
 
@@ -104,6 +111,15 @@ def test_replicas_that_all_forgot_are_all_named():
 def test_at_four_replicas_of_one_shard_the_one_that_forgot_is_named():
     for out in _results():
         _expect(out["4x1 replica 2"], out["rank"], out["rank"], "replica 2")
+
+
+def test_replicas_that_divide_by_other_factors_are_named_with_each_replica_s_tail():
+    for out in _results():  # the replicas' tails of the all-reduce (unit, count, factor, asked) name the difference
+        message, rank = out["other factor"], out["rank"]
+        assert message is not None and "\n" not in message, message
+        assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // 2}): fully_shard's all-reduce across "
+                                  "replicas of unit "), message
+        assert ", divide factor 4.0; replica 1: unit " in message and ", divide factor 8.0; counts mod 64)" in message
 
 
 def test_uneven_accumulation_done_right_raises_nothing_before_and_after_the_refusals():
