@@ -13,8 +13,10 @@ moment; the next look reads everything again. Writes go through at once, and the
 again.
 
 Between two looks a replica waits for the one key a peer writes next (a round's quorum, its
-outcome), peeking at it after a fifth of a millisecond, then at doubling intervals up to `POLL`
-(`glance`): in a step where the members arrive together, that key is a moment away.
+outcome), peeking at it after a fifth of a millisecond, then at doubling intervals of at most `MOST`,
+for up to `POLL` (`glance`): in a step where the members arrive together, that key is a moment away
+(the peer's few round trips, 1-3 ms on a loaded 2-core host), and a pause that doubled past it (1.6 ms)
+left the step waiting for the glance, not for the peer.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ import torch.distributed as dist
 
 from .signed_store import SignedStore
 
-__all__ = ["Look", "look", "peek", "prefetch", "glance", "POLL"]
+__all__ = ["Look", "look", "peek", "prefetch", "glance", "POLL", "MOST"]
 
 POLL = 0.005  # seconds between two looks at the store while waiting
 FIRST = 0.0002  # seconds before the first glance at the key a peer writes next
+MOST = 0.0008  # the longest pause between two glances: what a glance can add to the wait for that key
 # seconds a prefetch's multi_get waits: its keys existed at its check, so only a deleted one waits that long, or a
 # store stalled by a loaded host (0.5 s was passed by a store stopped for 1 s: a false line, and torch's C++ lines)
 VANISH = 2.0
@@ -54,13 +57,14 @@ def prefetch(store, keys: list[str]) -> None:
 
 
 def glance(ready: Callable[[], bool], seconds: float = POLL) -> None:
-    """Wait up to `seconds`, asking `ready()` (one peek) after `FIRST` s, then at doubling intervals; stop once True."""
+    """Wait up to `seconds`, asking `ready()` (one peek) after `FIRST` s, then at doubling intervals up to `MOST`;
+    stop once True."""
     pause, end = FIRST, time.monotonic() + seconds
     while True:
         time.sleep(min(pause, max(0.0, end - time.monotonic())))
         if time.monotonic() >= end or ready():
             return
-        pause *= 2
+        pause = min(2 * pause, MOST)
 
 
 class Look(SignedStore):

@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from manualdp.spmd.ft import Coordinator
+from manualdp.spmd.ft import Coordinator, look
 from manualdp.spmd.ft.coordinator import connect
 from manualdp.spmd.ft.quorum import Member, Quorum
 from tests.spmd.ft.test_ft_step_cost import _steady_ask, one_step_of_two
@@ -46,3 +46,29 @@ def test_each_buckets_average_is_judged_finite_once(monkeypatch):
         buckets = one_step_of_two(c.port)
     assert buckets == [2, 8, 4, 12]
     assert collections.Counter(sizes) == dict.fromkeys(buckets, 2), sizes
+
+
+class _Clock:
+    """`time` for `look.glance`: a clock that only sleeps move; each sleep recorded."""
+
+    def __init__(self) -> None:
+        self.now, self.sleeps = 100.0, []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        self.now += seconds
+
+
+def test_a_glance_never_pauses_longer_than_most_and_still_ends_at_its_time(monkeypatch):
+    """Before: pauses doubling up to the whole `POLL` (0.2, 0.4, 0.8, 1.6 ms, ...): a quorum or an outcome written
+    1.5 ms after the glance began was seen at 3.0 ms. Now a pause is at most `MOST`: at 2.2 ms."""
+    clock, peeks = _Clock(), []
+    monkeypatch.setattr(look, "time", clock)
+    look.glance(lambda: peeks.append(clock.now) or clock.now - 100.0 >= 0.0015)
+    assert max(clock.sleeps) <= look.MOST and abs(peeks[-1] - 100.0 - 0.0022) < 1e-9, clock.sleeps
+    clock.sleeps.clear()
+    look.glance(lambda: False, seconds=look.POLL)  # nothing comes: it ends at its time, not a pause later
+    assert abs(sum(clock.sleeps) - look.POLL) < 1e-9 and max(clock.sleeps) <= look.MOST, clock.sleeps
