@@ -7,7 +7,8 @@ One spawned run at 2 ranks. Each case trains the same model, data and ranks with
   and the one-process model's; the state dict's placements and the shards' local shapes are torch's; shards and
   their gradients are contiguous (torch's `test_shard_placement_fn_contiguous_params_grads`);
 - uneven cuts past dim 0 (a weight of one column at 2 ranks: one rank's shard is empty; a Conv1d weight cut along
-  its kernel dim, Shard(-1)), with gradient clipping: equal to the one-process model, shards cut as torch.chunk cuts;
+  its kernel dim, Shard(-1)), with gradient clipping in the infinity norm: equal to the one-process model, shards
+  cut as torch.chunk cuts;
 - its state dict loads into a fresh model, its full state dict (torch's `get_model_state_dict`) is torch's and
   sets a fresh model (`set_model_state_dict`) as torch's; a meta-device model made by `init_full` starts where one
   process does (torch's `test_dp_state_dict_save_load_shard_placement_fn`);
@@ -76,7 +77,7 @@ def _batches(width, rank, n, steps=3, rows=4):
     return out
 
 
-def _train(model, batches, shard_fn=None, placement=None, whole=False):
+def _train(model, batches, shard_fn=None, placement=None, whole=False, norm_type=2.0):
     """Adam with gradient clipping; `shard_fn`: each child unit, then the root; `whole`: one process, whole batch."""
     if shard_fn is not None:
         for child in model.children():
@@ -86,7 +87,7 @@ def _train(model, batches, shard_fn=None, placement=None, whole=False):
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     for local, full in batches:
         model(full if whole else local).pow(2).mean().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.5, norm_type=norm_type)
         opt.step()
         opt.zero_grad()
     return model
@@ -111,7 +112,7 @@ def _even_case(shard_fn, rank, n):
 
 
 def _uneven_case(rank, n):
-    model = _train(Uneven(), _batches(1, rank, n), fully_shard, _uneven_fn)
+    model = _train(Uneven(), _batches(1, rank, n), fully_shard, _uneven_fn, norm_type=math.inf)
     return {"params": _params(model), "local": {k: tuple(p.to_local().shape) for k, p in model.named_parameters()},
             "placements": {k: tuple(p.placements) for k, p in model.named_parameters()}}
 
@@ -154,7 +155,7 @@ def _job():
     out = {name: _case(_even_case, fn, rank, n) for name, fn in SHARD_FNS.items()}
     out["even, one process"] = _params(_train(_even(), _batches(6, rank, n), whole=True))
     out["uneven"] = _case(_uneven_case, rank, n)
-    out["uneven, one process"] = _params(_train(Uneven(), _batches(1, rank, n), whole=True))
+    out["uneven, one process"] = _params(_train(Uneven(), _batches(1, rank, n), whole=True, norm_type=math.inf))
     out["bad"] = _case(_bad_values)
     out["state dicts"] = {name: _case(_state_dicts, fn, rank, n) for name, fn in SHARD_FNS.items()}
     return out
@@ -195,7 +196,7 @@ def test_uneven_cuts_past_dim_0_train_as_one_process_and_cut_as_torch_chunk_does
             rows = max(0, min(chunk, shape[dim] - r * chunk))
             assert got["uneven"]["local"][k] == shape[:dim] + (rows,) + shape[dim + 1:], (r, k)
             assert got["uneven"]["placements"][k] == (Shard(dim),)
-    assert results[1]["uneven"]["local"]["a.weight"] == (5, 0)  # an empty shard, and clipping still worked
+    assert results[1]["uneven"]["local"]["a.weight"] == (5, 0)  # an empty shard, and its infinity norm (0) still worked
 
 
 def test_a_bad_shard_placement_fn_is_refused_in_one_line_naming_the_value_on_every_rank(results):
