@@ -42,7 +42,10 @@ class FlaggedBucket(Bucket):
             self.sparse[i] = grad.is_sparse
             self.used_here[i] = 1
         self.ready_here[i] = 1
-        return super().mark_ready(i, grad)
+        if torch.is_grad_enabled():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
+            with torch.no_grad():
+                return super().mark_ready(i, grad)
+        return super().mark_ready(i, grad)  # the usual backward: no context entered, per parameter per step
 
     def fill_missing(self, used_earlier: set[int] = frozenset()) -> None:
         """End of backward: unused parameters send their accumulated gradient (or zeros); the bucket is ready.
@@ -57,7 +60,10 @@ class FlaggedBucket(Bucket):
 
     def seal(self) -> None:
         """Every gradient is in: write this rank's flags into `flat`, to be summed with the gradients."""
-        self.flags.copy_(torch.tensor(self.used_here + self.ready_here, dtype=self.flags.dtype))
+        if all(self.used_here) and all(self.ready_here):  # the usual step: no tensor made from a list
+            self.flags.fill_(1)
+        else:
+            self.flags.copy_(torch.tensor(self.used_here + self.ready_here, dtype=self.flags.dtype))
 
     def reset(self) -> None:
         super().reset()

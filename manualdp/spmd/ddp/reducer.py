@@ -165,8 +165,7 @@ class Reducer:
         b, i = self._where[id(param)]
         for fn in self.feature_hooks["grad_ready"]:
             fn(param)
-        with torch.no_grad():  # backward(create_graph=True) runs hooks with grad on; the bucket is plain data
-            full = self.buckets[b].mark_ready(i, param.grad)
+        full = self.buckets[b].mark_ready(i, param.grad)
         if full:
             if self.recorder is not None:
                 self.recorder.instant(f"bucket {b} ready", "compute", bucket=b)

@@ -159,12 +159,18 @@ class _Named:
         return getattr(self.check, name)
 
     def __call__(self) -> None:
-        with hooks_named(self.number, self.group), naming_wrappers(self.names):
-            self.check()
+        self._named(self.check)
 
     def landed(self) -> None:
-        with hooks_named(self.number, self.group), naming_wrappers(self.names):
-            self.check.landed()
+        self._named(self.check.landed)
+
+    def _named(self, fn) -> None:
+        # The naming context is entered only for a refusal: agreeing calls, every bucket of every step, pay nothing.
+        try:
+            fn()
+        except ValueError:
+            with hooks_named(self.number, self.group), naming_wrappers(self.names):
+                raise
 
 
 class Desync(Feature):
