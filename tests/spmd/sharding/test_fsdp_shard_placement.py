@@ -6,6 +6,7 @@ One spawned run at 2 ranks. Each case trains the same model, data and ranks with
   `test_train_parity_shard_placement_fn_shard_largest_dim`), Adam and `clip_grad_norm_`: parameters equal torch's
   and the one-process model's; the state dict's placements and the shards' local shapes are torch's; shards and
   their gradients are contiguous (torch's `test_shard_placement_fn_contiguous_params_grads`);
+- the same in bfloat16 (float32 reduce) over 2 micro-batches, gradient sync on the last: torch's parameters;
 - uneven cuts past dim 0 (a weight of one column at 2 ranks: one rank's shard is empty; a Conv1d weight cut along
   its kernel dim, Shard(-1)), with gradient clipping in the infinity norm: equal to the one-process model, shards
   cut as torch.chunk cuts;
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -111,6 +113,22 @@ def _even_case(shard_fn, rank, n):
     return {"params": _params(model), "state_dict": sd, "layout": _layout(model)}
 
 
+def _accumulated(shard_fn, rank, n):
+    """bfloat16 compute, float32 reduce, 2 micro-batches per step with gradient sync on the last only."""
+    model = _even()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for m in (model[0], model[2], model[4], model):
+        shard_fn(m, shard_placement_fn=_largest_dim, mp_policy=policy)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    for local, _ in _batches(6, rank, n):
+        for k, half in enumerate(local.split(2)):
+            model.set_requires_gradient_sync(k == 1)
+            model(half).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
 def _uneven_case(rank, n):
     model = _train(Uneven(), _batches(1, rank, n), fully_shard, _uneven_fn, norm_type=math.inf)
     return {"params": _params(model), "local": {k: tuple(p.to_local().shape) for k, p in model.named_parameters()},
@@ -153,6 +171,7 @@ def _bad_values():
 def _job():
     rank, n = dist.get_rank(), dist.get_world_size()
     out = {name: _case(_even_case, fn, rank, n) for name, fn in SHARD_FNS.items()}
+    out["accumulated"] = {name: _case(_accumulated, fn, rank, n) for name, fn in SHARD_FNS.items()}
     out["even, one process"] = _params(_train(_even(), _batches(6, rank, n), whole=True))
     out["uneven"] = _case(_uneven_case, rank, n)
     out["uneven, one process"] = _params(_train(Uneven(), _batches(1, rank, n), whole=True, norm_type=math.inf))
@@ -173,6 +192,12 @@ def test_parameters_cut_along_their_largest_dim_train_as_torch_and_as_one_proces
         _same(got["ours"]["params"], got["torch"]["params"], f"rank {r}: ours against torch's")
         _same(got["ours"]["params"], got["even, one process"], f"rank {r}: ours against one process", atol=1e-5)
         assert any(not torch.equal(got["ours"]["params"][k], start[k]) for k in start)  # it trained
+
+
+def test_micro_batches_in_bfloat16_without_gradient_sync_train_as_torch_does(results):
+    for r, got in enumerate(results):
+        _same(got["accumulated"]["ours"], got["accumulated"]["torch"], f"rank {r}: accumulated", atol=1e-5)
+        assert not torch.equal(got["accumulated"]["ours"]["0.weight"], _even()[0].weight)  # it trained
 
 
 def test_the_state_dict_and_the_shards_are_placed_and_cut_as_torch_does(results):
