@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..collectives import allreduce
-from ..transport.peers import group_ranks, refused_alike
+from ..transport.peers import group_ranks, is_refused_alike, refused_alike
 from .fsdp_param import SLOTS, owner_of
 
 __all__ = ["across_replicas", "watch_unreduced"]
@@ -52,7 +52,7 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int |
     unit.step.kept.pop((unit, dtype), None)
     if count is None:
         unit.partial[dtype] = summed.clone()
-        unit.step.kept[(unit, dtype)] = None  # last: the order the replicas that all-reduce send them in
+        unit.step.kept[(unit, dtype)] = unit.step.backwards  # last: the order the replicas that all-reduce send them in
         return None
     return _exchange(unit, summed, count, factor, asked=True)
 
@@ -66,11 +66,18 @@ def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool
     flat[:n] = summed
     flat[n + TAIL * replica:n + TAIL * (replica + 1)] = torch.tensor([unit.number, count, factor, float(asked)],
                                                                      dtype=torch.float64)
-    allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
+    try:
+        allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
+    except ValueError as e:  # the call check: another replica's all-reduce was of another size (another unit's)
+        if is_refused_alike(e):  # every replica raised it, nothing in flight: they can tell each other why
+            _name_keepers(unit, replica, R, e)
+        raise
     tails = flat[n:].view(R, TAIL).tolist()
     unasked = [r for r, t in enumerate(tails) if t[3] == 0]
     if unasked:
-        raise refused_alike(RuntimeError(_unasked_line(unit, replica, unasked, R)))
+        raise refused_alike(RuntimeError(_not_all_reduced(
+            unit, replica, unasked, R, f"before {_its(unasked)} optimizer step (unit {_label(unit)}: its last "
+            "micro-batch ran with set_requires_all_reduce(False))")))
     if any(t != tails[replica] for t in tails):
         per_replica = "; ".join(f"replica {r}: unit {int(a)}, all-reduce {int(c)}, divide factor {f}"
                                 for r, (a, c, f, _) in enumerate(tails))
@@ -83,15 +90,32 @@ def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool
     return flat[:n]
 
 
-def _unasked_line(unit, replica: int, unasked: list[int], R: int) -> str:
-    one = len(unasked) == 1
-    who = f"replica {unasked[0]}" if one else \
-        f"replicas {', '.join(str(r) for r in unasked[:-1])} and {unasked[-1]}"
-    return (f"rank {dist.get_rank()} (replica {replica}): fully_shard's HSDP {who} did not all-reduce "
-            f"{'its' if one else 'their'} gradients across the replicas before {'its' if one else 'their'} optimizer "
-            f"step (unit {_label(unit)}: its last micro-batch ran with set_requires_all_reduce(False)), "
-            f"{'while the other replicas did' if len(unasked) < R else 'nor did any other'}: call "
-            "set_requires_all_reduce(True) before the last micro-batch's backward on every replica")
+def _name_keepers(unit, replica: int, R: int, error: ValueError) -> None:
+    """After the call check refused an all-reduce on every replica: raise one line naming the replicas that kept, in
+    this backward, sums of a unit that others all-reduce (`set_requires_all_reduce(False)` left on it), if any."""
+    step = unit.step
+    numbers = torch.zeros(R, dtype=torch.int64)  # per replica: the first unit it kept in this backward, from 1
+    numbers[replica] = next((u.number for (u, _), b in step.kept.items() if b == step.backwards), 0)
+    allreduce(numbers, "ring", group=unit.replicate, timeout=unit.timeout)
+    keepers = [r for r, k in enumerate(numbers.tolist()) if k]
+    if keepers:
+        kept = step.root.tree()[int(numbers[keepers[0]]) - 1]
+        raise refused_alike(RuntimeError(_not_all_reduced(
+            unit, replica, keepers, R, f"in this backward (unit {_label(kept)}: set_requires_all_reduce(False) left "
+            f"on it, while {_its(keepers)} all-reduce of another unit met the others')"))) from error
+
+
+def _not_all_reduced(unit, replica: int, who: list[int], R: int, when: str) -> str:
+    """The line every rank raises when the replicas `who` did not all-reduce gradients that others did."""
+    named = f"replica {who[0]}" if len(who) == 1 else f"replicas {', '.join(str(r) for r in who[:-1])} and {who[-1]}"
+    return (f"rank {dist.get_rank()} (replica {replica}): fully_shard's HSDP {named} did not all-reduce "
+            f"{_its(who)} gradients across the replicas {when}, "
+            f"{'while the other replicas did' if len(who) < R else 'nor did any other'}: call "
+            "set_requires_all_reduce(True) before the last micro-batch's backward on every replica, for every unit")
+
+
+def _its(who: list[int]) -> str:
+    return "its" if len(who) == 1 else "their"
 
 
 def _label(unit) -> str:

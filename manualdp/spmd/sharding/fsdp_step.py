@@ -40,7 +40,8 @@ class Step:
         self.steps = 0  # backward passes of the tree that ended having all-reduced across the replicas
         # HSDP: (unit, dtype) whose sums are kept, not all-reduced, in the order kept: the order that replicas which
         # all-reduce send them in, which an optimizer step that finds them kept joins (`fsdp_hsdp._own_up`)
-        self.kept: dict = {}
+        self.kept: dict = {}  # (unit, dtype) -> the backward pass that kept it
+        self.backwards = 0  # backward passes of the tree begun
         if root.replicate is not None:
             watch_unreduced()
 
@@ -48,6 +49,7 @@ class Step:
         """Queue `end_backward` for the end of this backward pass, once."""
         if not self.in_backward:
             self.in_backward = True
+            self.backwards += 1
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
 
     def end_backward(self) -> None:

@@ -6,7 +6,9 @@ waiting in that all-reduce: before, they ended in a `PeerError` ("no answer ... 
 whole timeout while the forgetful replica trained on alone. Now its optimizer step (holding sums never all-reduced)
 joins its peers' all-reduce, and every rank of the mesh raises one line at once naming the replica(s) that did not
 all-reduce: on a 2 x 2 mesh replica 1 (also when it forgets only at the second step), replica 0 or replica 1 where
-replica 0 accumulates 3 micro-batches and replica 1 runs 2, both replicas, and on a 4 x 1 mesh replica 2. Replicas
+replica 0 accumulates 3 micro-batches and replica 1 runs 2, both replicas, and on a 4 x 1 mesh replica 2; also a
+replica that sets it back on the root only (`recurse=False`: its root's all-reduce meets the others' of an inner unit,
+which the call check refuses; the replicas then tell each other what they kept) or on all units but the root. Replicas
 that divide by other factors are named by their tails. The group serves the next model after each: a run of uneven
 accumulation done right trains on, no false alarm.
 A spawned 4-rank run: in the soak.
@@ -29,10 +31,10 @@ pytestmark = pytest.mark.soak
 TIMEOUT = 90.0  # a silent peer's wait: what a case that is not named ends in (below the default 300 s; none waits it)
 
 
-def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on=None):
+def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on=None, instead=lambda model: None):
     """`steps` optimizer steps of `micro(replica)` micro-batches, all-reducing at the last one, except on the replicas
-    in `forgets` from step `from_step` on (they never set `set_requires_all_reduce(True)` again); replica `factor_on`
-    divides the gradients by 8 (every unit)."""
+    in `forgets` from step `from_step` on: at the last micro-batch they call `instead(model)` in place of
+    `set_requires_all_reduce(True)`; replica `factor_on` divides the gradients by 8 (every unit)."""
     rank, n = dist.get_rank(), dist.get_world_size()
     replica = mesh.get_local_rank(0)
     torch.manual_seed(0)
@@ -46,12 +48,23 @@ def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on
     for step in range(steps):
         count = micro(replica)
         for i in range(count):
-            if i < count - 1 or (replica not in forgets or step < from_step):
+            if i == count - 1 and replica in forgets and step >= from_step:
+                instead(model)
+            else:
                 model.set_requires_all_reduce(i == count - 1)
             x = _batch(rank, n, 10 * step + i)
             nn.functional.cross_entropy(model(x)[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1)).backward()
         opt.step()
         opt.zero_grad()
+
+
+def _root_only(model):
+    model.set_requires_all_reduce(True, recurse=False)  # the inner units keep their sums
+
+
+def _inner_only(model):
+    model.set_requires_all_reduce(True)
+    model.set_requires_all_reduce(False, recurse=False)  # the root keeps its sums
 
 
 def _job():
@@ -67,6 +80,8 @@ def _job():
             "replica 1, uneven": error_of(lambda: _run(square, (1,), micro=uneven)),
             "both": error_of(lambda: _run(square, (0, 1))),
             "4x1 replica 2": error_of(lambda: _run(column, (2,))),
+            "root only": error_of(lambda: _run(square, (1,), instead=_root_only)),
+            "inner only": error_of(lambda: _run(square, (1,), instead=_inner_only)),
             "other factor": error_of(lambda: _run(square, (), factor_on=1)),
             "right after": error_of(lambda: _run(square, (), micro=uneven))}
 
@@ -111,6 +126,18 @@ def test_replicas_that_all_forgot_are_all_named():
 def test_at_four_replicas_of_one_shard_the_one_that_forgot_is_named():
     for out in _results():
         _expect(out["4x1 replica 2"], out["rank"], out["rank"], "replica 2")
+
+
+def test_a_replica_that_set_it_on_the_root_only_is_named_on_every_rank():
+    for out in _results():  # its root's all-reduce meets the others' of an inner unit: the call check, then its name
+        _expect(out["root only"], out["rank"], out["rank"] // 2, "replica 1")
+        assert "(unit 4 (FSDPLayerNorm norm): set_requires_all_reduce(False) left on it" in out["root only"]
+
+
+def test_a_replica_that_left_it_off_on_the_root_only_is_named_on_every_rank():
+    for out in _results():
+        _expect(out["inner only"], out["rank"], out["rank"] // 2, "replica 1")
+        assert "(unit 1 (FSDPTitan): its last micro-batch ran with set_requires_all_reduce(False))" in out["inner only"]
 
 
 def test_replicas_that_divide_by_other_factors_are_named_with_each_replica_s_tail():
