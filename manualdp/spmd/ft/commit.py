@@ -47,14 +47,16 @@ def commit_or_discard(store: dist.Store, quorum: Quorum, replica_id: str, ok: bo
     while True:
         store = look(whole)  # each pass decides from one read of each key
         # the first pass proposes without reading the outcome: compare_set answers with the one written, if any
-        outcome, first = b"" if first else peek(store, decided) or b"", False
+        outcome = b"" if first else peek(store, decided) or b""
         if outcome in (b"commit", b"discard"):
             return outcome == b"commit"
         if outcome:
             ignore(store, decided, f"{outcome[:40]!r} is neither 'commit' nor 'discard'")
         votes = {m: (ok if m == replica_id else _vote(store, keys.vote(round_, m))) for m in quorum.ids}
-        # the heartbeats are read only while a vote is missing: a complete count needs nobody's
-        alive = liveness.live(quorum.ids) if None in votes.values() else set(quorum.ids)
+        # the heartbeats are read only while a vote is missing, and not on the first pass: the last voter is a moment
+        # away (its vote and outcome end the glance), and one dead is named a glance later; a complete count needs none
+        alive = liveness.live(quorum.ids) if None in votes.values() and not first else set(quorum.ids)
+        first = False
         proposal = outcome_of(votes, alive, time.monotonic() > deadline)
         if proposal is not None:
             written = store.compare_set(decided, outcome, proposal)  # the first proposal written is the outcome
