@@ -10,7 +10,10 @@ spans the tree lives here, once:
   backward pass, at which every unit that has not sent its gradients sends them (zeros where it has
   none), so that the ranks' collectives pair up even where a unit ran on some ranks only;
 - the first failure of a collective: the ranks are out of step after it, so every later one raises it
-  at once instead of waiting for peers in vain.
+  at once instead of waiting for peers in vain;
+- HSDP: which units keep sums not all-reduced across the replicas, in the order kept, and in which backward: an
+  optimizer step that finds some, or an all-reduce that meets another unit's, names the replica that forgot
+  `set_requires_all_reduce(True)` (`fsdp_hsdp.py`).
 """
 from __future__ import annotations
 
