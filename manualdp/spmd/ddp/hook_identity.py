@@ -3,9 +3,10 @@
 A function is its name and a digest of its code (the bytecode, its constants with nested functions' code, the
 names it reads) and defaults, so the same code defined in two modules (a script run as `__main__` on one rank and
 imported on the other) is equal, and other code under the same name differs. A `functools.partial`'s bound
-arguments are compared by value (scalars, strings, lists, tuples and dicts of them, tensors by a digest of their
-bytes; anything else by its type): torch's DDP refuses a partial outright (it has no `__name__`), so a partial
-that differs per rank is named, never trained with rank-weighted gradients.
+arguments are compared by value (scalars, strings, lists, tuples and dicts of them, tensors by their dtype, shape
+and the drift check's digest of their bits, `ladder.drift.tensor_digest`; anything else by its type): torch's DDP
+refuses a partial outright (it has no `__name__`), so a partial that differs per rank is named, never trained with
+rank-weighted gradients.
 
 What a hook carries beside its code (a closure's cells, a callable object's or a bound method's object's
 attributes, the `state` handed to `register_comm_hook`) is compared by its class only, as torch's DDP compares
@@ -22,8 +23,10 @@ import hashlib
 import types
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..comm_hooks import hook_name
+from ..ladder.drift import tensor_digest
 
 __all__ = ["hook_identity", "state_identity"]
 
@@ -82,7 +85,7 @@ def _value(value, depth: int) -> str:
     if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
         return repr(value)
     if isinstance(value, torch.Tensor):
-        return _tensor_digest(value)
+        return _tensor_text(value)
     if depth > _DEPTH:
         return type(value).__qualname__
     if isinstance(value, (list, tuple)):
@@ -96,11 +99,13 @@ def _value(value, depth: int) -> str:
     return type(value).__qualname__  # not comparable (a process group, a lock, an RNG): its type only
 
 
-def _tensor_digest(t: torch.Tensor) -> str:
-    """A tensor's dtype, shape and a digest of its bytes (its repr would round and cut its values)."""
+def _tensor_text(t: torch.Tensor) -> str:
+    """A tensor's dtype, shape and a digest of its bits (`tensor_digest`; its repr would round and cut its values)."""
     head = f"tensor({str(t.dtype).replace('torch.', '')}, {list(t.shape)}"
-    try:
-        data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-    except (RuntimeError, TypeError, NotImplementedError):  # meta, sparse, a subclass: compared by dtype and shape
+    if t.is_meta or t.layout != torch.strided or is_traceable_wrapper_subclass(t):  # no bits of its own to read
         return head + ")"
-    return f"{head}, sha1 {hashlib.sha1(data).hexdigest()[:12]})"
+    try:
+        value = tensor_digest(t)
+    except (RuntimeError, TypeError, NotImplementedError):  # another tensor it cannot read: by dtype and shape
+        return head + ")"
+    return f"{head}, digest {value & (2**64 - 1):016x})"

@@ -11,8 +11,9 @@ the ranks (`DriftCheck.tick`) at steps 0, 1, 2, 4, 8, ... below `every`, then at
 (`due`): a run shorter than `every` steps is checked too, within twice the steps a drift began at, and a long
 run pays the same per step. A check is one 64-bit digest per parameter, a sum of its bit patterns read as
 integers, each weighted by its position (`digests`: a plain sum would miss a permuted parameter, a square weight
-loaded transposed on one rank), then the ranks' agreement (`transport.agree.agree`: a round trip of 8 bytes per
-rank that compares the calls, and one that compares the digests). Replicas are bitwise equal after every step
+loaded transposed on one rank; the weights look random, so that small changes do not cancel), then the ranks'
+agreement (`transport.agree.agree`: a round trip of 8 bytes per rank that compares the calls, and one that
+compares the digests). Replicas are bitwise equal after every step
 (the collectives leave every rank the same bits, and the optimizers step alike), so any difference is drift:
 every rank raises, naming the first parameter that differs. `every=0` turns the check off.
 
@@ -21,6 +22,8 @@ log2(`every`) more at the start), is in `bench/drift_cost.py`.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -28,7 +31,7 @@ from ...validate import non_negative_int
 from ..transport.agree import agree
 from .identity import naming_wrappers
 
-__all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests", "due"]
+__all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests", "due", "tensor_digest"]
 
 # steps between two checks by default: a check cost about a tenth of a LeNet step on 2 CPU ranks (5 of 60 ms,
 # bench/drift_cost.py), so under 0.1% of the run at this interval, while a drift is caught within 100 steps
@@ -37,42 +40,75 @@ DRIFT_CHECK_EVERY = 100
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 # elements weighted at once: the weights (and one product) are this many int64s, 8 MiB, whatever the parameter's size
 _CHUNK = 1 << 20
-_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # device -> the odd weights 1, 3, 5, ... of a chunk's elements
+_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # device -> the odd weights mix(0), mix(1), ... of a chunk's elements
+# splitmix64's constants as signed 64-bit integers (torch's int64 arithmetic wraps as unsigned arithmetic would)
+_SPLITMIX = [c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)]
+
+
+def _shifted(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """`z >> bits` as an unsigned shift (torch shifts int64 arithmetically)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix(k: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of int64 `k`, made odd: weights that look random, the same on every rank, machine and version."""
+    z = k * _SPLITMIX[0] + _SPLITMIX[0]
+    z = (z ^ _shifted(z, 30)) * _SPLITMIX[1]
+    z = (z ^ _shifted(z, 27)) * _SPLITMIX[2]
+    return (z ^ _shifted(z, 31)) | 1
 
 
 def _weights(device: torch.device) -> torch.Tensor:
-    """The odd weights 1, 3, 5, ... of `_CHUNK` elements on `device`, made once."""
+    """The odd weights mix(0), ..., mix(`_CHUNK` - 1) of a chunk's elements on `device`, made once."""
     if device not in _WEIGHTS:
-        _WEIGHTS[device] = torch.arange(_CHUNK, dtype=torch.int64, device=device) * 2 + 1
+        _WEIGHTS[device] = _mix(torch.arange(_CHUNK, dtype=torch.int64, device=device))
     return _WEIGHTS[device]
 
 
-def _digest(bits: torch.Tensor) -> torch.Tensor:
-    """sum(bits[k] * (2 (k mod C) + 1) * (2 (k div C) + 1)) over a flat integer tensor, wrapping at 64 bits.
+@functools.lru_cache(maxsize=None)
+def _chunk_factor(index: int) -> int:
+    """The odd factor of chunk `index`'s weighted sum: mix(`_CHUNK` + index)."""
+    return int(_mix(torch.tensor(_CHUNK + index)))
 
-    Order-sensitive (two elements that trade places change it unless they are equal), and every weight
-    is odd, so one changed element always changes it (an odd factor never turns a nonzero
-    difference into zero modulo 2**64).
+
+def _digest(bits: torch.Tensor) -> torch.Tensor:
+    """sum(bits[k] * mix(k mod C) * mix(C + k div C)) over a flat integer tensor, wrapping at 64 bits.
+
+    Order-sensitive (two elements that trade places change it unless they are equal); every weight is
+    odd, so one changed element always changes it (an odd factor never turns a nonzero difference into
+    zero modulo 2**64); and the weights look random (splitmix64), so that small changes of several
+    elements do not cancel (with weights 1, 3, 5, ... the integers [3, 0] and [0, 1] summed alike).
     """
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
     weights = _weights(bits.device)
     for index, start in enumerate(range(0, bits.numel(), _CHUNK)):
         part = bits[start:start + _CHUNK]
-        total += (part * weights[:part.numel()]).sum() * (2 * index + 1)
+        total += (part * weights[:part.numel()]).sum() * _chunk_factor(index)
     return total
+
+
+def _bits_digest(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s 64-bit digest as a 0-dim tensor on its device: its bits in logical order, read as integers (`_digest`)."""
+    flat = t.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    return _digest(flat.view(_INTS[flat.element_size()]))
 
 
 def digests(named_tensors) -> dict[str, int]:
     """name -> a 64-bit digest of the tensor's bits, in its logical order (a sum weighted by position; `_digest`)."""
     names, sums = [], []
     for name, t in named_tensors:
-        flat = t.detach().reshape(-1)
-        if flat.is_complex():
-            flat = torch.view_as_real(flat).reshape(-1)
         names.append(name)
-        sums.append(_digest(flat.view(_INTS[flat.element_size()])))
+        sums.append(_bits_digest(t))
     values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []  # one copy to the host
     return dict(zip(names, values))
+
+
+def tensor_digest(t: torch.Tensor) -> int:
+    """One tensor's digest, as `digests` gives it: what the ranks compare of a tensor (the drift check, a comm hook's
+    bound arguments)."""
+    return int(_bits_digest(t))
 
 
 def due(step: int, every: int, early: bool = True) -> bool:

@@ -113,7 +113,7 @@ def test_a_hook_registered_on_one_rank_only_is_named_with_its_rank_and_step_on_e
 
 def test_partial_hooks_whose_bound_arguments_differ_are_named_on_every_rank():
     refused(_results(), "partial float", "scale=1.0", "scale=2.0")
-    refused(_results(), "partial tensor", "scale=tensor(float32, [2], sha1 ")
+    refused(_results(), "partial tensor", "scale=tensor(float32, [2], digest ")
 
 
 def test_the_same_partial_hook_on_every_rank_trains_as_one_process():

@@ -160,7 +160,14 @@ def test_a_digest_changes_with_one_bit_of_any_dtype_or_layout():
         assert digests([(name, changed)])[name] != before[name], name
 
 
-NEGATIVE = [torch.tensor([-5]), torch.tensor([-40])]  # each rank's weight: its digest is its value, negative
+def _with_digest(value: int) -> torch.Tensor:
+    """A one-element int64 tensor whose digest is `value`: element 0's weight is odd, so it has an inverse mod 2**64."""
+    weight = digests([("one", torch.tensor([1]))])["one"]
+    bits = value * pow(weight, -1, 1 << 64) % (1 << 64)
+    return torch.tensor([bits - (1 << 64) if bits >> 63 else bits])
+
+
+NEGATIVE = [_with_digest(-5), _with_digest(-40)]  # each rank's weight: its digest is negative
 
 
 def _negative_job():
