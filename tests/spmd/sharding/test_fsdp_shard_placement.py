@@ -13,6 +13,7 @@ One spawned run at 2 ranks. Each case trains the same model, data and ranks with
 - its state dict loads into a fresh model, its full state dict (torch's `get_model_state_dict`) is torch's and
   sets a fresh model (`set_model_state_dict`) as torch's; a meta-device model made by `init_full` starts where one
   process does (torch's `test_dp_state_dict_save_load_shard_placement_fn`);
+- HSDP on a (2, 2) mesh (soak: 4 ranks): torch's parameters and placements `(Replicate(), Shard(dim))`;
 - bad return values (an int, Replicate(), a dim past the end, a raising callable, one dim per rank) and a callable
   that is not one: refused in one line naming the value, on every rank.
 """
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -246,3 +248,26 @@ def test_a_shard_placement_fn_models_state_dicts_load_and_set_as_torch_does_and_
         _same(ours["set"], theirs["set"], f"rank {r}: set from a full state dict, against torch's")
         _same(ours["set"], ours["loaded"], f"rank {r}: set from a full state dict")
         _same(ours["meta"], _params(_even()), f"rank {r}: meta init against one process", atol=0)
+
+
+def _hsdp_job():
+    """HSDP on a (2, 2) mesh, every parameter cut along its last dim: ours and torch's, 3 Adam steps."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for name, shard_fn in SHARD_FNS.items():
+        model = _even()
+        for m in (model[0], model[2], model[4], model):
+            shard_fn(m, mesh=mesh, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+        out[name] = _train(model, _batches(6, dist.get_rank(), 4))
+        out[name] = {k: (_full(p), tuple(p.placements)) for k, p in model.named_parameters()}
+    return out
+
+
+@pytest.mark.soak
+def test_hsdp_with_a_shard_placement_fn_trains_and_is_placed_as_torch_does():
+    for r, got in enumerate(launch(_hsdp_job, 4, timeout=240.0)):
+        assert list(got["ours"]) == list(got["torch"])
+        for k, (ours, placements) in got["ours"].items():
+            theirs, their_placements = got["torch"][k]
+            torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6, msg=f"rank {r}: {k}")
+            assert placements == their_placements == (Replicate(), Shard(ours.dim() - 1)), (r, k, placements)
