@@ -38,7 +38,9 @@ from .fsdp_param import SLOTS, owner_of
 
 __all__ = ["across_replicas", "watch_unreduced"]
 
-TAIL = 4  # each replica's slot of the message: (unit number, all-reduces so far, divide factor, asked to all-reduce)
+# each replica's slot of the message: (unit number, all-reduces so far, divide factor, asked to all-reduce, all-reduces
+# of these sums since the last optimizer step over the unit)
+TAIL = 5
 
 
 @torch.no_grad()
@@ -54,18 +56,19 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int |
         unit.partial[dtype] = summed.clone()
         unit.step.kept[(unit, dtype)] = unit.step.backwards  # last: the order the replicas that all-reduce send them in
         return None
-    return _exchange(unit, summed, count, factor, asked=True)
+    since = unit.step.since[(unit, dtype)] = unit.step.since.get((unit, dtype), 0) + 1
+    return _exchange(unit, summed, count, factor, asked=True, since=since)
 
 
-def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool) -> torch.Tensor:
+def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool, since: int = 0) -> torch.Tensor:
     """All-reduce `summed` across the replicas with each replica's tail; raise on every rank unless the tails agree
     and every replica was asked to all-reduce."""
     replica, peers = group_ranks(unit.replicate)
     R, n = len(peers), summed.numel()
     flat = torch.zeros(n + TAIL * R, dtype=summed.dtype, device=summed.device)
     flat[:n] = summed
-    flat[n + TAIL * replica:n + TAIL * (replica + 1)] = torch.tensor([unit.number, count, factor, float(asked)],
-                                                                     dtype=torch.float64)
+    flat[n + TAIL * replica:n + TAIL * (replica + 1)] = torch.tensor(
+        [unit.number, count, factor, float(asked), since % 64], dtype=torch.float64)
     try:
         allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
     except ValueError as e:  # the call check: another replica's all-reduce was of another size (another unit's)
@@ -78,15 +81,22 @@ def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool
         raise refused_alike(RuntimeError(_not_all_reduced(
             unit, replica, unasked, R, f"before {_its(unasked)} optimizer step (unit {_label(unit)}: its last "
             "micro-batch ran with set_requires_all_reduce(False))")))
-    if any(t != tails[replica] for t in tails):
+    if any(t[:3] != tails[replica][:3] for t in tails):
         per_replica = "; ".join(f"replica {r}: unit {int(a)}, all-reduce {int(c)}, divide factor {f}"
-                                for r, (a, c, f, _) in enumerate(tails))
+                                for r, (a, c, f, _, _) in enumerate(tails))
         raise refused_alike(RuntimeError(
             f"rank {dist.get_rank()} (replica {replica}): fully_shard's all-reduce across replicas of unit "
             f"{_label(unit)} met other units, counts or divide factors on other replicas ({per_replica}; counts mod "
             "64): every replica must run the same units, all-reduce them the same number of "
             "times (set_requires_all_reduce(True) on every replica's last micro-batch), and call "
             "set_gradient_divide_factor alike"))
+    if any(t[4] != tails[replica][4] for t in tails):
+        per_replica = ", ".join(f"replica {r}: {int(t[4])}" for r, t in enumerate(tails))
+        raise refused_alike(RuntimeError(
+            f"rank {dist.get_rank()} (replica {replica}): fully_shard's HSDP replicas all-reduced unit "
+            f"{_label(unit)}'s gradients a different number of times since their last optimizer step ({per_replica}; "
+            "mod 64): every replica must all-reduce once per step (set_requires_all_reduce(False) before each "
+            "micro-batch's backward but the last, True before the last) or at every micro-batch alike"))
     return flat[:n]
 
 
@@ -125,15 +135,18 @@ def _label(unit) -> str:
 @functools.cache
 def watch_unreduced() -> None:
     """Once: an optimizer step over HSDP shards whose unit keeps sums never all-reduced names it on every rank."""
-    register_optimizer_step_pre_hook(_refuse_unreduced)
+    register_optimizer_step_pre_hook(_at_optimizer_step)
 
 
-def _refuse_unreduced(optimizer, args, kwargs) -> None:
-    """(An optimizer step pre-hook) join the other replicas' all-reduce as a replica not asked to, and raise."""
-    units = (_unit_of(p) for group in optimizer.param_groups for p in group["params"])
-    unit = next((u for u in units if u is not None and u.partial), None)
-    if unit is not None:
-        _own_up(unit.step)
+def _at_optimizer_step(optimizer, args, kwargs) -> None:
+    """(An optimizer step pre-hook) if a unit it steps keeps sums, join the other replicas' all-reduce as a replica not
+    asked to, and raise; else the units' all-reduces since the last optimizer step count from 0 again."""
+    units = {u for u in (_unit_of(p) for group in optimizer.param_groups for p in group["params"]) if u is not None}
+    waiting = next((u for u in units if u.partial), None)
+    if waiting is not None:
+        _own_up(waiting.step)
+    for step in {u.step for u in units}:
+        step.since = {key: k for key, k in step.since.items() if key[0] not in units}
 
 
 def _unit_of(p: torch.Tensor):

@@ -45,6 +45,7 @@ class Step:
         # all-reduce send them in, which an optimizer step that finds them kept joins (`fsdp_hsdp._own_up`)
         self.kept: dict = {}  # (unit, dtype) -> the backward pass that kept it
         self.backwards = 0  # backward passes of the tree begun
+        self.since: dict = {}  # HSDP: (unit, dtype) -> its all-reduces across replicas since an optimizer stepped it
         if root.replicate is not None:
             watch_unreduced()
 
@@ -92,6 +93,7 @@ class Step:
             u.partial.clear()  # HSDP's sums kept without all-reduce: gradients of the step that raised
             u.forget_step(keep_gradients=False)
         self.kept.clear()
+        self.since.clear()
         self._next_order()
 
     def end(self, after_backward: bool = False) -> None:

@@ -8,9 +8,10 @@ joins its peers' all-reduce, and every rank of the mesh raises one line at once 
 all-reduce: on a 2 x 2 mesh replica 1 (also when it forgets only at the second step), replica 0 or replica 1 where
 replica 0 accumulates 3 micro-batches and replica 1 runs 2, both replicas, and on a 4 x 1 mesh replica 2; also a
 replica that sets it back on the root only (`recurse=False`: its root's all-reduce meets the others' of an inner unit,
-which the call check refuses; the replicas then tell each other what they kept) or on all units but the root. Replicas
-that divide by other factors are named by their tails. The group serves the next model after each: a run of uneven
-accumulation done right trains on, no false alarm.
+which the call check refuses; the replicas then tell each other what they kept) or on all units but the root. A
+replica that all-reduces at every micro-batch where the other accumulates is named at its next all-reduce (the tails
+count each unit's all-reduces since the last optimizer step), and replicas that divide by other factors by their
+tails. The group serves the next model after each: a run of uneven accumulation done right trains on, no false alarm.
 A spawned 4-rank run: in the soak.
 """
 import functools
@@ -31,15 +32,17 @@ pytestmark = pytest.mark.soak
 TIMEOUT = 90.0  # a silent peer's wait: what a case that is not named ends in (below the default 300 s; none waits it)
 
 
-def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on=None, instead=lambda model: None):
+def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on=None, instead=lambda model: None,
+         always=(), **kwargs):
     """`steps` optimizer steps of `micro(replica)` micro-batches, all-reducing at the last one, except on the replicas
     in `forgets` from step `from_step` on: at the last micro-batch they call `instead(model)` in place of
-    `set_requires_all_reduce(True)`; replica `factor_on` divides the gradients by 8 (every unit)."""
+    `set_requires_all_reduce(True)`; the replicas in `always` all-reduce at every micro-batch; replica `factor_on`
+    divides the gradients by 8 (every unit); `kwargs` go to `fully_shard`."""
     rank, n = dist.get_rank(), dist.get_world_size()
     replica = mesh.get_local_rank(0)
     torch.manual_seed(0)
     model = Titan()
-    _apply_fsdp(fully_shard, model, mesh=mesh, timeout=TIMEOUT)
+    _apply_fsdp(fully_shard, model, mesh=mesh, timeout=TIMEOUT, **kwargs)
     if replica == factor_on:
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -50,7 +53,7 @@ def _run(mesh, forgets, micro=lambda replica: 2, steps=2, from_step=0, factor_on
         for i in range(count):
             if i == count - 1 and replica in forgets and step >= from_step:
                 instead(model)
-            else:
+            elif replica not in always:
                 model.set_requires_all_reduce(i == count - 1)
             x = _batch(rank, n, 10 * step + i)
             nn.functional.cross_entropy(model(x)[:, :-1].reshape(-1, VOCAB), x[:, 1:].reshape(-1)).backward()
@@ -82,6 +85,7 @@ def _job():
             "4x1 replica 2": error_of(lambda: _run(column, (2,))),
             "root only": error_of(lambda: _run(square, (1,), instead=_root_only)),
             "inner only": error_of(lambda: _run(square, (1,), instead=_inner_only)),
+            "every micro-batch": error_of(lambda: _run(square, (), always=(0,), drift_check_every=0)),
             "other factor": error_of(lambda: _run(square, (), factor_on=1)),
             "right after": error_of(lambda: _run(square, (), micro=uneven))}
 
@@ -138,6 +142,15 @@ def test_a_replica_that_left_it_off_on_the_root_only_is_named_on_every_rank():
     for out in _results():
         _expect(out["inner only"], out["rank"], out["rank"] // 2, "replica 1")
         assert "(unit 1 (FSDPTitan): its last micro-batch ran with set_requires_all_reduce(False))" in out["inner only"]
+
+
+def test_a_replica_that_all_reduces_every_micro_batch_is_named_at_its_second_all_reduce_without_drift_check():
+    for out in _results():  # its first met replica 1's all-reduce of step 0; its second meets replica 1's of step 1
+        message, rank = out["every micro-batch"], out["rank"]
+        assert message is not None and "\n" not in message, message
+        assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // 2}): fully_shard's HSDP replicas "
+                                  "all-reduced unit "), message
+        assert "a different number of times since their last optimizer step (replica 0: 2, replica 1: 1; " in message
 
 
 def test_replicas_that_divide_by_other_factors_are_named_with_each_replica_s_tail():
