@@ -47,16 +47,29 @@ def _compare(root, number: int) -> None:  # on the worker thread
     params = [(u, p) for u in root.tree() for p in u.params]
     replica, replicas = group_ranks(root.replicate)
     shard, shards = group_ranks(root.group)
-    table = torch.zeros(len(replicas), len(params), dtype=torch.int64)
-    table[replica] = torch.tensor(list(digests((str(i), p.local()) for i, (_, p) in enumerate(params)).values()),
-                                  dtype=torch.int64)
+    table = torch.zeros(len(replicas), len(params) + 1, dtype=torch.int64)
+    table[replica, :-1] = torch.tensor(list(digests((str(i), p.local()) for i, (_, p) in enumerate(params)).values()),
+                                       dtype=torch.int64)
+    # last: the tree's all-reduces since its last optimizer step, equal on replicas in step (`fsdp_hsdp`)
+    table[replica, -1] = sum(root.step.since.values())
     allreduce(table, "ring", group=root.replicate, timeout=root.timeout, step=number)
+    skewed = (table[:, -1] != table[0, -1]).nonzero().flatten().tolist()
+    table = table[:, :-1]
     parted = (table != table[0]).any(0).nonzero().flatten().tolist()  # parameters whose replicas differ
     columns = torch.zeros(len(shards), 2, dtype=torch.int64)  # per column: 1 + the first parted parameter, a replica
-    if parted:
+    if skewed:  # they parted because they all-reduced unevenly: name that, not its consequence
+        columns[shard] = torch.tensor([-1, skewed[0]])
+    elif parted:
         first = parted[0]
         columns[shard] = torch.tensor([1 + first, int((table[:, first] != table[0, first]).nonzero()[0, 0])])
     allreduce(columns, "ring", group=root.group, timeout=root.timeout, step=number)
+    skewed = [int(r) for k, r in columns.tolist() if k < 0]
+    if skewed:
+        raise refused_alike(RuntimeError(
+            f"rank {dist.get_rank()} (replica {replica}, shard {shard}): fully_shard's HSDP replicas all-reduced a "
+            f"different number of times since their last optimizer step (replica 0 and replica {skewed[0]}, at step "
+            f"{number}'s drift check): every replica must all-reduce once per step (set_requires_all_reduce(False) "
+            "before each micro-batch's backward but the last, True before the last) or at every micro-batch alike"))
     found = [(s, int(k) - 1, int(r)) for s, (k, r) in enumerate(columns.tolist()) if k > 0]
     if not found:
         return

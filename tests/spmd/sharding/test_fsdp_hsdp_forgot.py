@@ -9,9 +9,10 @@ all-reduce: on a 2 x 2 mesh replica 1 (also when it forgets only at the second s
 replica 0 accumulates 3 micro-batches and replica 1 runs 2, both replicas, and on a 4 x 1 mesh replica 2; also a
 replica that sets it back on the root only (`recurse=False`: its root's all-reduce meets the others' of an inner unit,
 which the call check refuses; the replicas then tell each other what they kept) or on all units but the root. A
-replica that all-reduces at every micro-batch where the other accumulates is named at its next all-reduce (the tails
-count each unit's all-reduces since the last optimizer step), and replicas that divide by other factors by their
-tails. The group serves the next model after each: a run of uneven accumulation done right trains on, no false alarm.
+replica that all-reduces at every micro-batch where the other accumulates is named at the next drift check or
+all-reduce across the replicas (both count the all-reduces since the last optimizer step), and replicas that divide by
+other factors by their tails. The group serves the next model after each: a run of uneven accumulation done right
+trains on, no false alarm.
 A spawned 4-rank run: in the soak.
 """
 import functools
@@ -86,6 +87,7 @@ def _job():
             "root only": error_of(lambda: _run(square, (1,), instead=_root_only)),
             "inner only": error_of(lambda: _run(square, (1,), instead=_inner_only)),
             "every micro-batch": error_of(lambda: _run(square, (), always=(0,), drift_check_every=0)),
+            "every micro-batch, drift check": error_of(lambda: _run(square, (), always=(0,))),
             "other factor": error_of(lambda: _run(square, (), factor_on=1)),
             "right after": error_of(lambda: _run(square, (), micro=uneven))}
 
@@ -151,6 +153,16 @@ def test_a_replica_that_all_reduces_every_micro_batch_is_named_at_its_second_all
         assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // 2}): fully_shard's HSDP replicas "
                                   "all-reduced unit "), message
         assert "a different number of times since their last optimizer step (replica 0: 2, replica 1: 1; " in message
+
+
+def test_a_replica_that_all_reduces_every_micro_batch_is_named_at_the_drift_check():
+    for out in _results():  # replica 1 stepped after replica 0's first all-reduce: the check names why they parted
+        message, rank = out["every micro-batch, drift check"], out["rank"]
+        assert message is not None and "\n" not in message, message
+        assert message.startswith(f"RuntimeError: rank {rank} (replica {rank // 2}, shard {rank % 2}): fully_shard's "
+                                  "HSDP replicas all-reduced a different number of times since their last optimizer "
+                                  "step (replica 0 and replica 1, at step 1's drift check): every replica must "
+                                  "all-reduce once per step "), message
 
 
 def test_replicas_that_divide_by_other_factors_are_named_with_each_replica_s_tail():
