@@ -11,7 +11,9 @@ below `every`, then its multiples; a step: a backward pass of the tree that all-
 that replicas accumulating uneven numbers of micro-batches meet in the same check), every rank puts one digest per
 local shard (`ladder.drift.digests`) in its replica's row of a table, summed by one checked allreduce
 across the replicas: every rank of a column then knows the first parameter whose replicas differ, and
-which replica differs from replica 0.
+which replica differs from replica 0. The table's last column is the tree's count of all-reduces since its last
+optimizer step (`fsdp_hsdp.py`): replicas in step hold the same; one that all-reduced at every micro-batch where the
+others did at the last only differs, and is named for that rather than for the drift it causes.
 A second allreduce of two numbers per column, over the shard group, tells every rank of the mesh, so that
 all raise the same line (the columns that agree would otherwise wait in the next all-gather for peers
 that raised). Both carry the check's step in their call check: replicas out of step are named so.
