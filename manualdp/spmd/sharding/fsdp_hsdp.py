@@ -12,17 +12,20 @@ added to the next one that all-reduces (gradient accumulation across replicas at
 only); the shards get no gradient until then, as torch's.
 
 Each replica writes a short tail into its own slot of the message (the unit's number, its count of
-all-reduces across the replicas, its divide factor, whether it was asked to all-reduce): replicas that run other
-units, or one all-reduce more, or divide otherwise, raise naming the unit on every rank. The replicas pair by what
-they all-reduce, not by how many backward passes led to it: one replica may accumulate 2 micro-batches and another 3
-(as torch's HSDP allows), each reduce-scattering every micro-batch within its shard group, and all-reducing once, on
-its last.
+all-reduces across the replicas, its divide factor, whether it was asked to all-reduce, and its all-reduces of the
+unit since an optimizer last stepped it): replicas that run other units, or one all-reduce more, or divide otherwise,
+or all-reduce at every micro-batch where others do at the last only, raise naming the unit on every rank. The replicas
+pair by what they all-reduce, not by how many backward passes led to it: one replica may accumulate 2 micro-batches
+and another 3 (as torch's HSDP allows), each reduce-scattering every micro-batch within its shard group, and
+all-reducing once, on its last.
 
 A replica that forgets `set_requires_all_reduce(True)` on its last micro-batch leaves the others waiting in that
 all-reduce (torch's waits out its timeout, or hangs). Its optimizer step is the moment it knows: the optimizer steps
 shards whose unit still keeps sums never all-reduced. So that step (a hook on every optimizer's step) joins the
 others' all-reduce with the first sums it kept, in the order the others all-reduce them, its tail saying "not asked":
-every rank of the mesh raises one line, at once, naming the replicas that did not all-reduce.
+every rank of the mesh raises one line, at once, naming the replicas that did not all-reduce. One that set it back on
+some units only all-reduces another unit than the others: the call check refuses that on every replica, and the
+replicas then tell each other the first unit each kept in this backward, to name the one that kept it.
 """
 from __future__ import annotations
 
