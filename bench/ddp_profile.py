@@ -8,8 +8,9 @@ wrappers, each on its own group, the same batches). After a warm-up, each wrappe
 steps, twice, in turns (A B B A), and rank 0 reports per step: CPU microseconds by thread (the main
 thread's `time.thread_time`; the others from /proc, `bench/ft.py`'s helper: manualdp's worker by its
 name, gloo's and torch's autograd threads as "other"), which load changes little; then, over
-`--steps` more steps under cProfile (main thread only): Python function calls, hand-offs to the
-worker, tensor copies (`copy_`) and tensor-making torch calls. No timing figure: CPU time and counts.
+`--steps` more steps under cProfile (the main thread, and manualdp's worker): Python function calls,
+hand-offs to the worker, copies into and out of buckets (`copy_`, `div`) and tensor-making torch
+calls. No timing figure: CPU time and counts.
 """
 from __future__ import annotations
 
@@ -36,8 +37,10 @@ from manualdp.runners.cli import positive
 __all__ = ["main", "run", "format_table"]
 
 # torch calls that make a new tensor (an allocation, unless the caching allocator has one)
-_MAKERS = ("tensor", "zeros", "empty", "zeros_like", "empty_like", "div", "to_sparse", "clone", "stack", "cat",
+_MAKERS = ("tensor", "zeros", "empty", "zeros_like", "empty_like", "to_sparse", "clone", "stack", "cat",
            "new_zeros", "new_empty", "flatten", "contiguous")
+# torch calls that copy a gradient into or out of a bucket (the reducer's copy out divides: `div(..., out=)`)
+_COPIES = ("copy_", "div")
 
 
 def _bare(name: str) -> str:
@@ -55,7 +58,7 @@ def _counts(stats: pstats.Stats, n: int, top: int) -> dict:
         label = f"{os.path.basename(path)}:{line}({name})" if line else name
         by_name[label] += total
         bare = _bare(name)
-        copies += total if bare == "copy_" else 0
+        copies += total if bare in _COPIES else 0
         makers += total if bare in _MAKERS else 0
         submits += total if name == "submit" and "worker" in path else 0
     per = lambda v: round(v / n, 1)  # noqa: E731
