@@ -79,7 +79,7 @@ class Member:
         return (self.step, self.since) if self.synced else None
 
     def fields(self) -> dict:
-        """Its fields by name, in order: `dataclasses.asdict`'s JSON without its deep copies (a third of an ask's CPU)."""
+        """Its fields by name, in order: what `dataclasses.asdict` gave, without its deep copies (an ask's CPU)."""
         return {name: getattr(self, name) for name in _FIELDS}
 
 
