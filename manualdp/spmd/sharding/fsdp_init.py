@@ -106,12 +106,12 @@ def _refusal(p: nn.Parameter, name: str) -> Exception | None:
             + (" with torch's all-gather extensions fsdp_pre_all_gather/fsdp_post_all_gather" if hooks else "")
             + "): manualdp's fully_shard shards plain tensors")
     if p.dim() == 0:
-        return ValueError(f"{name} is a 0-dim parameter: fully_shard cuts dim 0, as torch's; pass it in "
-                          "ignored_params, or make it shape (1,)")
+        return ValueError(f"{name} is a 0-dim parameter, which fully_shard cannot cut (as torch's). Change {name} to "
+                          "a 1D tensor with numel equal to 1 (shape (1,)), or pass it in ignored_params")
     if not p.is_contiguous():
-        return ValueError(f"{name} is not contiguous (stride {p.stride()}, e.g. channels_last): fully_shard, as "
-                          "torch's, shards contiguous parameters; call module.to(memory_format="
-                          "torch.contiguous_format) first")
+        return NotImplementedError(f"{name} is not contiguous (stride {p.stride()}, e.g. channels_last): FSDP does not "
+                                   "support non-contiguous parameters (torch's neither); call module.to(memory_format="
+                                   "torch.contiguous_format) first")
     return None
 
 
