@@ -485,6 +485,8 @@ def test_refused_in_one_line(results):
         assert not refusals["channels_last weight"]
         assert refusals["channels_last"]["torch"] is not None, "torch's refuses it too"
         assert "not contiguous" in refusals["channels_last"]["ours"]
+        assert refusals["channels_last"]["ours"].startswith("NotImplementedError: ")  # torch's type: its tests read it
+        assert refusals["channels_last"]["torch"].startswith("NotImplementedError: ")
         assert all("\n" not in m for m in (got["gathered optimizer"], foreign["full"], refusals["two tensor"]))
 
 

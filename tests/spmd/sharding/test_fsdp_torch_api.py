@@ -8,6 +8,7 @@ sharding in one process; the assertions run here, in the parent.
 """
 import functools
 import os
+import re
 
 import pytest
 import torch
@@ -416,6 +417,7 @@ def test_torchs_other_keywords_and_methods_give_the_same_gradients_or_refuse_in_
         refused = b["refused"]
         assert all(refused.values()), refused
         assert "deep-copied" in refused["deepcopy"] and "0-dim" in refused["0-dim"]
+        assert re.search("Change scale to a 1D tensor with numel equal to 1.", refused["0-dim"])  # torch's words
         assert "shard_placement_fn" in refused["2-D mesh keyword"]
         for k in (5, 0, -1, -2):
             message = refused[f"reshard {k}"]
