@@ -9,7 +9,7 @@ One spawned run at 2 ranks. Each case trains the same model, data and ranks with
 - the same in bfloat16 (float32 reduce) over 2 micro-batches, gradient sync on the last: torch's parameters;
 - uneven cuts past dim 0 (a weight of one column at 2 ranks: one rank's shard is empty; a Conv1d weight cut along
   its kernel dim, Shard(-1)), with gradient clipping in the infinity norm: equal to the one-process model, shards
-  cut as torch.chunk cuts;
+  cut as torch.chunk cuts; the same at 3 ranks;
 - its state dict loads into a fresh model, its full state dict (torch's `get_model_state_dict`) is torch's and
   sets a fresh model (`set_model_state_dict`) as torch's; a meta-device model made by `init_full` starts where one
   process does (torch's `test_dp_state_dict_save_load_shard_placement_fn`);
@@ -162,6 +162,13 @@ def _state_dicts(shard_fn, rank, n):
     return out
 
 
+def _three_job():
+    """At 3 ranks (a rank's block of the flat buffer holds two ranks' rows): ours and one process, uneven cuts."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    return {"ours": _uneven_case(rank, n)["params"],
+            "one process": _params(_train(Uneven(), _batches(1, rank, n), whole=True, norm_type=math.inf))}
+
+
 def _bad_values():
     bad = {"int": lambda p: 3, "Replicate": lambda p: Replicate(), "past the end": lambda p: Shard(2),
            "raises": lambda p: 1 / 0, "per rank": lambda p: Shard(dist.get_rank() % p.ndim)}
@@ -224,6 +231,11 @@ def test_uneven_cuts_past_dim_0_train_as_one_process_and_cut_as_torch_chunk_does
             assert got["uneven"]["local"][k] == shape[:dim] + (rows,) + shape[dim + 1:], (r, k)
             assert got["uneven"]["placements"][k] == (Shard(dim),)
     assert results[1]["uneven"]["local"]["a.weight"] == (5, 0)  # an empty shard, and its infinity norm (0) still worked
+
+
+def test_uneven_cuts_past_dim_0_at_3_ranks_train_as_one_process():
+    for r, got in enumerate(launch(_three_job, 3, timeout=240.0)):
+        _same(got["ours"], got["one process"], f"rank {r} of 3", atol=1e-5)
 
 
 def test_a_bad_shard_placement_fn_is_refused_in_one_line_naming_the_value_on_every_rank(results):
