@@ -224,13 +224,13 @@ MAX_TIMEOUT = 365 * 24 * 3600.0
 MAX_SEED = 2**32 - 1  # numpy's legacy seeding and most tools take 32 bits
 
 
-def timeout_seconds(name: str, value) -> float | None:
-    """A timeout: positive seconds up to MAX_TIMEOUT (a year) as a float; None stays None (the backend's own)."""
-    if value is None:
+def timeout_seconds(name: str, value, *, none_ok: bool = True) -> float | None:
+    """A timeout: positive seconds up to MAX_TIMEOUT (a year) as a float; None (the backend's own) if none_ok."""
+    if value is None and none_ok:
         return None
     if _is_number(value) and 0 < value <= MAX_TIMEOUT:
         return float(value)
-    raise ValueError(f"{name} must be a positive number of seconds or None, got {value!r} "
+    raise ValueError(f"{name} must be a positive number of seconds{' or None' if none_ok else ''}, got {value!r} "
                      f"(at most {MAX_TIMEOUT:.0f}, a year)")
 
 
