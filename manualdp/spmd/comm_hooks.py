@@ -29,7 +29,7 @@ class GradBucket:
 
     Args:
         index: the bucket's position in launch order.
-        buffer: the flat gradients (a view into the wrapper's bucket).
+        buffer: the flat gradients (a view into the wrapper's bucket, until a hook's `set_buffer` replaces it).
         params: the parameters whose gradients `buffer` holds, in order.
         offsets: where each one starts in `buffer` (one extra entry: the end).
         last: True for the bucket that goes out last in a backward pass.
@@ -45,7 +45,10 @@ class GradBucket:
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        self._buffer.copy_(tensor)
+        """Make `tensor` the bucket's buffer, as torch's does (`fp16_compress_wrapper` hands its hook a float16 one)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        self._buffer = tensor  # replaced, not copied into: the hook then computes in `tensor`'s dtype, as in torch's
 
     def is_last(self) -> bool:
         return self._last
