@@ -37,7 +37,8 @@ __all__ = ["DRIFT_CHECK_EVERY", "DriftCheck", "check_replicas", "digests", "due"
 # bench/drift_cost.py), so under 0.1% of the run at this interval, while a drift is caught within 100 steps
 DRIFT_CHECK_EVERY = 100
 # a view of each element size as integers, whose weighted sum is the digest (complex dtypes as their real pairs)
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# the integers a tensor's bits are read as; 64-bit elements as two 32-bit halves (`_bits_digest`)
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int32}
 # elements weighted at once: the weights (and one product) are this many int64s, 8 MiB, whatever the parameter's size
 _CHUNK = 1 << 20
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}  # device -> the odd weights mix(0), mix(1), ... of a chunk's elements
@@ -88,8 +89,16 @@ def _digest(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _bits_digest(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s 64-bit digest as a 0-dim tensor on its device: its bits in logical order, read as integers (`_digest`)."""
-    flat = t.detach().reshape(-1)
+    """`t`'s 64-bit digest as a 0-dim tensor on its device: its bits in logical order, read as integers (`_digest`).
+
+    64-bit elements are read as two 32-bit halves: read whole, a flipped sign bit adds 2**63 times an odd weight,
+    which is always 2**63, and any two flips cancel (a negated float64 column, or a complex128 element negated).
+    A quantized tensor is read by its integers (`int_repr`): viewing its storage as integers crashes torch.
+    """
+    t = t.detach()
+    if t.is_quantized:
+        t = t.int_repr()
+    flat = t.reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
     return _digest(flat.view(_INTS[flat.element_size()]))

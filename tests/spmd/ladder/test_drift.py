@@ -160,14 +160,20 @@ def test_a_digest_changes_with_one_bit_of_any_dtype_or_layout():
         assert digests([(name, changed)])[name] != before[name], name
 
 
-def _with_digest(value: int) -> torch.Tensor:
-    """A one-element int64 tensor whose digest is `value`: element 0's weight is odd, so it has an inverse mod 2**64."""
-    weight = digests([("one", torch.tensor([1]))])["one"]
-    bits = value * pow(weight, -1, 1 << 64) % (1 << 64)
-    return torch.tensor([bits - (1 << 64) if bits >> 63 else bits])
+def _negative_pair() -> list[torch.Tensor]:
+    """Two one-element int8 tensors whose digests are negative, the first's shorter as text than the second's."""
+    by_length = {}
+    for k in range(-128, 128):
+        t = torch.tensor([k], dtype=torch.int8)
+        digest = digests([("w", t)])["w"]
+        if digest < 0:
+            by_length.setdefault(len(str(digest)), t)
+    lengths = sorted(by_length)
+    assert len(lengths) > 1, by_length  # the digests of 256 values spread over more than one length
+    return [by_length[lengths[0]], by_length[lengths[-1]]]
 
 
-NEGATIVE = [_with_digest(-5), _with_digest(-40)]  # each rank's weight: its digest is negative
+NEGATIVE = _negative_pair()  # each rank's weight: its digest is negative
 
 
 def _negative_job():

@@ -46,6 +46,27 @@ def test_small_changes_of_several_elements_do_not_cancel():
     assert tensor_digest(x) != tensor_digest(y.view(torch.float32))
 
 
+def test_two_sign_flips_of_64_bit_elements_do_not_cancel():
+    # read as one int64, a flipped sign bit adds 2**63 times an odd weight, which is 2**63: two flips cancelled
+    x = torch.randn(6, 2, dtype=torch.float64)
+    assert tensor_digest(x) != tensor_digest(x * torch.tensor([1.0, -1.0], dtype=torch.float64))  # a column negated
+    flipped = x.clone().view(torch.int64)
+    flipped[0, 0] ^= 1 << 63
+    flipped[3, 1] ^= 1 << 63
+    assert tensor_digest(x) != tensor_digest(flipped.view(torch.float64))
+    z = torch.randn(4, dtype=torch.complex128)
+    negated = z.clone()
+    negated[1] = -negated[1]
+    assert tensor_digest(z) != tensor_digest(negated)
+
+
+def test_a_quantized_tensor_is_digested_by_its_integers():
+    x = torch.quantize_per_tensor(torch.tensor([0.5, -0.2, 1.0]), 0.1, 0, torch.qint8)
+    y = torch.quantize_per_tensor(torch.tensor([0.5, -0.3, 1.0]), 0.1, 0, torch.qint8)
+    assert tensor_digest(x) == tensor_digest(x.int_repr()) != tensor_digest(y)
+    assert _bound(x) != _bound(y)
+
+
 def test_a_hooks_bound_tensor_is_named_by_the_drift_checks_digest():
     t = torch.randn(3, 2)
     assert digests([("t", t)])["t"] == tensor_digest(t)
