@@ -6,7 +6,15 @@ group holds the same shard (the same row range of each parameter), so the local 
 lane needs: `local_model_state` and `local_optim_state` keep the local shards, and their loaders put
 them back as DTensors on this rank's own mesh, with the placements of the parameters they belong to.
 `flat_local_grads` and `put_local_grads` move the local shards of the gradients into one flat tensor, for
-`GroupManager.average`, and back. A user's own loop (fault-tolerant HSDP, as `manualdp train --zero 3` runs it):
+`GroupManager.average`, and back.
+
+Each state records where its shard belongs (`manualdp_shard`: the rank in the shard group, the group's size, and
+each sharded entry's global shape, shard dim and first row, in ints, strings and lists, which
+`torch.load(weights_only=True)` reads); the loaders refuse a state recorded for another rank, group size or layout
+before writing anything. A state without the record (written by an older manualdp, e.g. a `--checkpoint-dir` of
+`runners/ft_group_train.py`) is loaded as before, on the shapes alone.
+
+A user's own loop (fault-tolerant HSDP, as `manualdp train --zero 3` runs it):
 
     dist.init_process_group("gloo", timeout=...)   # the group's own world (torchrun's), e.g. 2 ranks
     for layer in model.layers:
@@ -35,11 +43,13 @@ from torch.distributed.tensor import DTensor
 
 from ...validate import nn_module, tensor_list
 from ..sharding.fsdp import FSDPModule
+from ..sharding.fsdp_param import owner_of
 
 __all__ = ["local_model_state", "load_local_model_state", "local_optim_state", "load_local_optim_state", "local",
            "like", "flat_local_grads", "put_local_grads"]
 
 _SHARDED = "manualdp_sharded"  # in an optimizer's saved state: the (param index, key) pairs that were DTensors
+_WHERE = "manualdp_shard"  # in both states: where the shard belongs (rank, size, layout); absent in older ones
 
 
 def _local(value):
@@ -62,13 +72,19 @@ def like(value: torch.Tensor, model: DTensor) -> DTensor:
 
 
 def local_model_state(module: nn.Module) -> dict:
-    """`module.state_dict()` with each DTensor replaced by this rank's local shard."""
-    return {k: _local(v) for k, v in _sharded("module", module).state_dict().items()}
+    """`module.state_dict()` with each DTensor replaced by this rank's local shard, and where the shard belongs."""
+    now = _sharded("module", module).state_dict()
+    return {**{k: _local(v) for k, v in now.items()}, _WHERE: _where(now)}
 
 
 def load_local_model_state(module: nn.Module, state: dict) -> None:
-    """Load `local_model_state`'s output: each shard becomes a DTensor like the one it replaces."""
+    """Load `local_model_state`'s output: each shard becomes a DTensor like the one it replaces (a state without
+    `manualdp_shard`, of an older manualdp, is checked on its shapes alone)."""
     now = _sharded("module", module).state_dict()
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict, got {type(state).__name__}")
+    _same_place("state", state.get(_WHERE), _where(now), "module")
+    state = {k: v for k, v in state.items() if k != _WHERE}
     _same_keys("state", state, now, "module's state_dict()")
     for k, v in now.items():  # every entry checked before the load writes any
         if isinstance(v, torch.Tensor):
@@ -79,26 +95,31 @@ def load_local_model_state(module: nn.Module, state: dict) -> None:
 
 def local_optim_state(optimizer: torch.optim.Optimizer) -> dict:
     """`optimizer.state_dict()` with each DTensor (momentum, Adam's moments) replaced by its local shard."""
-    _sharded_params("optimizer", optimizer)
+    params = _sharded_params("optimizer", optimizer)
     saved = optimizer.state_dict()
     sharded = [[i, key] for i, entry in saved["state"].items() for key, v in entry.items() if isinstance(v, DTensor)]
     state = {i: {key: _local(v) for key, v in entry.items()} for i, entry in saved["state"].items()}
-    return {**saved, "state": state, _SHARDED: sharded}
+    return {**saved, "state": state, _SHARDED: sharded, _WHERE: _where(dict(enumerate(params)))}
 
 
 def load_local_optim_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load `local_optim_state`'s output: each entry that was a DTensor becomes one like its parameter."""
+    """Load `local_optim_state`'s output: each entry that was a DTensor becomes one like its parameter (a state
+    without `manualdp_shard`, of an older manualdp, is checked on its shapes and keys alone)."""
     params = _sharded_params("optimizer", optimizer)
+    if isinstance(state, dict):  # where the shard belongs first: another rank's shapes may differ or not
+        _same_place("state", state.get(_WHERE), _where(dict(enumerate(params))), "optimizer")
     _check_optim_state(state, params)
+    _check_optim_entries(optimizer, state, params)
     entries = {i: dict(entry) for i, entry in state["state"].items()}
     for i, key in state.get(_SHARDED, []):
         entries[i][key] = like(entries[i][key], params[i])
-    optimizer.load_state_dict({k: v for k, v in state.items() if k != _SHARDED} | {"state": entries})
+    optimizer.load_state_dict({k: v for k, v in state.items() if k not in (_SHARDED, _WHERE)} | {"state": entries})
 
 
 def flat_local_grads(params: list[torch.Tensor]) -> torch.Tensor:
     """The local shard of each parameter's gradient (zeros where it has none), in order, in one flat tensor."""
     _one_dtype("params", params)
+    _ours("params", params)
     return torch.cat([(_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p))).reshape(-1)
                       for p in params])
 
@@ -106,6 +127,7 @@ def flat_local_grads(params: list[torch.Tensor]) -> torch.Tensor:
 def put_local_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
     """Make `flat` (as `flat_local_grads` lays it out) the parameters' gradients: DTensors for sharded ones."""
     dtype = _one_dtype("params", params)
+    _ours("params", params)
     shards = [_local(p) for p in params]
     size = sum(q.numel() for q in shards)
     if not isinstance(flat, torch.Tensor) or isinstance(flat, DTensor):
@@ -136,7 +158,17 @@ def _sharded_params(name: str, optimizer) -> list[torch.Tensor]:
     if not any(isinstance(p, DTensor) for p in params):
         raise ValueError(f"{name} ({type(optimizer).__name__}) steps no parameter sharded by fully_shard (none of "
                          f"its {len(params)} is a DTensor): use {name}.state_dict() and {name}.load_state_dict()")
+    _ours(f"{name}'s parameters", params)
     return params
+
+
+def _ours(name: str, params: list) -> None:
+    """Every DTensor of `params` is a shard of manualdp's `fully_shard` (torch's own marks its shards otherwise)."""
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor) and owner_of(p) is None:
+            raise ValueError(f"{name}[{i}] is a DTensor of shape {tuple(p.shape)} placed {p.placements} that "
+                             f"manualdp's fully_shard did not make (torch's own fully_shard, or a copy): its shard "
+                             f"state is torch's; use torch.distributed.checkpoint")
 
 
 def _fits(name: str, value, model: torch.Tensor, what: str) -> None:
@@ -190,3 +222,84 @@ def _one_dtype(name: str, params) -> torch.dtype:
     if len(dtypes) > 1:
         raise TypeError(f"{name} hold {' and '.join(dtypes)}: one flat tensor holds one dtype; call once per dtype")
     return params[0].dtype
+
+
+# Where a shard belongs: a state of another rank, group size or layout can hold tensors of the same shapes.
+
+def _where(values: dict) -> dict:
+    """The rank in the shard group, the group's size and, per DTensor of `values`, [global shape, dim, first row]."""
+    rank, size, layout = 0, 1, {}
+    for k, v in values.items():
+        if isinstance(v, DTensor):
+            mesh, dim = v.device_mesh, v.placements[-1].dim  # our shards: Shard(dim) on the mesh's last dim
+            rank, size = mesh.get_local_rank(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+            rows = v.shape[dim]
+            layout[k] = [list(v.shape), dim, min(rank * -(-rows // size), rows)]  # torch.chunk's cut, as Param's
+    return {"rank": rank, "size": size, "layout": layout}
+
+
+def _same_place(name: str, record, now: dict, what: str) -> None:
+    """`record` (a state's `manualdp_shard`, None in older states) is `now`'s: this rank, group size and layout."""
+    if record is None:
+        return  # written by an older manualdp: the shapes are all there is to check
+    if not isinstance(record, dict) or not isinstance(record.get("layout"), dict) or any(
+            type(record.get(k)) is not int for k in ("rank", "size")):
+        raise TypeError(f"{name}[{_WHERE!r}] must be a dict of 'rank', 'size' and 'layout' (as local_*_state "
+                        f"writes it), got {record!r:.200}")
+    if (record["rank"], record["size"]) != (now["rank"], now["size"]):
+        raise ValueError(f"{name} was saved by rank {record['rank']} of a shard group of {record['size']}, but this "
+                         f"is rank {now['rank']} of {now['size']}: its rows belong to another rank; load each rank's "
+                         f"own state, at the group size it was saved with")
+    _same_keys(f"{name}[{_WHERE!r}]['layout']", record["layout"], now["layout"], f"{what}'s sharded entries")
+    for k, place in now["layout"].items():
+        if record["layout"][k] != place:
+            raise ValueError(f"{name}[{_WHERE!r}] places {k!r} as {record['layout'][k]!r:.100} ([global shape, "
+                             f"shard dim, first row]), but {what}'s shard is {place!r}: a state of another layout")
+
+
+# An optimizer's state: its groups' keys, and each entry as the optimizer's own state after a step would hold it.
+
+def _check_optim_entries(optimizer: torch.optim.Optimizer, state: dict, params: list[torch.Tensor]) -> None:
+    """Each group holds the optimizer's keys; each parameter's entries are those a step makes, of their shapes."""
+    own = optimizer.param_groups
+    if len(state["param_groups"]) != len(own):
+        raise ValueError(f"state holds {len(state['param_groups'])} param groups, but optimizer has {len(own)}")
+    for j, (saved, group) in enumerate(zip(state["param_groups"], own)):
+        _same_keys(f"state['param_groups'][{j}]", saved, group,
+                   f"optimizer's param group {j} ({type(optimizer).__name__}): a state of another optimizer")
+    sharded = {(i, key) for i, key in state.get(_SHARDED, [])}
+    expected = _probe(optimizer, params)
+    for i, entry in state["state"].items():
+        if not isinstance(entry, dict):
+            raise TypeError(f"state['state'][{i}] must be a dict, got {type(entry).__name__}")
+        if expected is not None and entry:
+            _same_keys(f"state['state'][{i}]", entry, expected.get(i, {}),
+                       f"{type(optimizer).__name__}'s state of parameter {i} after a step")
+        for key, v in entry.items():
+            name = f"state['state'][{i}][{key!r}]"
+            if (i, key) in sharded or not isinstance(v, torch.Tensor):
+                continue  # a shard (checked by _check_optim_state), or a number or list (LBFGS's)
+            if isinstance(params[i], DTensor) and v.dim() > 0 and v.shape == params[i].to_local().shape:
+                raise ValueError(f"{name} is a shard of parameter {i}, but state[{_SHARDED!r}] does not name it: "
+                                 f"it would load as a plain tensor beside a DTensor parameter")
+            if expected is not None and isinstance(expected[i][key], torch.Tensor):
+                _fits(name, v, expected[i][key], f"{type(optimizer).__name__}'s own {key!r} of parameter {i}")
+
+
+def _probe(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict | None:
+    """The state a step of `optimizer`'s kind makes for zeros of the parameters' local shards; None if it can't."""
+    clones = [torch.zeros_like(_local(p).detach()) for p in params]
+    for c in clones:
+        c.grad = torch.ones_like(c)  # not zeros: LBFGS stops before it makes its state at a zero gradient
+    groups, at = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                       "params": clones[at:at + count]})
+        at += count
+    try:  # a user's optimizer may take other arguments, or refuse zeros: its entries then go unchecked
+        probe = type(optimizer)(groups)
+        probe.step(lambda: torch.zeros(()))
+    except Exception:  # noqa: BLE001 (any refusal means: no reference to check against)
+        return None
+    return {i: dict(probe.state[c]) for i, c in enumerate(clones) if c in probe.state}
