@@ -91,6 +91,12 @@ def _start_method() -> str:
     return "forkserver"
 
 
+def _note(outdir: str, name: str, text: str = "") -> None:
+    """Leave a word for the launcher in launch's own folder, a place that `fn` is never told of."""
+    with open(os.path.join(outdir, name), "w") as f:
+        f.write(text)
+
+
 def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, backend="gloo", environ=None):
     if environ is not None:  # the launcher's environment now, not the fork server's when it started
         os.environ.clear()
@@ -101,12 +107,19 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, ba
     if backend == "nccl":
         torch.cuda.set_device(rank)  # one GPU per rank, as `rank_device` expects
     if init:
-        # A file rendezvous in our own folder: no race for a port that another process may take.
-        dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        try:
+            # A file rendezvous in our own folder: no race for a port that another process may take.
+            dist.init_process_group(backend, init_method=f"file://{os.path.join(outdir, 'rendezvous')}", rank=rank,
+                                    world_size=world_size, timeout=datetime.timedelta(seconds=timeout))
+        except Exception as e:
+            _note(outdir, f"init-failed{rank}", f"{type(e).__name__}: {e}")  # only this failure may be retried
+            raise
+    _note(outdir, f"started{rank}")  # from here on, starting the ranks again would run `fn` twice
     try:
         result = fn(*args)
-    except BaseException:
+    except BaseException as e:
+        if not isinstance(e, Exception):  # torch's wrapper turns these into exit code 0 without a word
+            _note(outdir, f"ended{rank}", f"fn raised {e!r}"[:200])
         if dist.is_initialized():
             dist.destroy_process_group()
         raise
@@ -119,6 +132,26 @@ def _worker(rank, fn, world_size, port, args, threads, init, timeout, outdir, ba
     os._exit(0)
 
 
+class _MeshFlake(Exception):
+    """gloo's full mesh failed to form in launch's own `init_process_group`, before `fn` started on any rank."""
+
+    def __init__(self, error: Exception, line: str):
+        super().__init__(line)
+        self.error, self.line = error, line
+
+
+def _mesh_flake(outdir: str, rank: int, world_size: int) -> str | None:
+    """The error of `rank`'s own group setup if it is gloo's full-mesh flake and `fn` started nowhere; else None."""
+    if any(os.path.exists(os.path.join(outdir, f"started{r}")) for r in range(world_size)):
+        return None
+    try:
+        with open(os.path.join(outdir, f"init-failed{rank}")) as f:
+            line = f.read()
+    except FileNotFoundError:  # the rank failed elsewhere than in launch's init_process_group
+        return None
+    return line if "connectFullMesh" in line else None
+
+
 def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, threads: int = 1, init: bool = True,
            backend: str = "gloo") -> list:
     """Run `fn(*args)` in `world_size` new processes on 127.0.0.1 and return what each rank returned.
@@ -128,12 +161,9 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, thr
     whole run is killed after `timeout` seconds, so it always ends. `fn` must be importable (a
     module-level function) and its result picklable.
     """
-    import torch.multiprocessing as mp
-
     positive_int("world_size", world_size)
     positive_int("threads", threads)
-    if timeout_seconds("timeout", timeout) is None:
-        raise ValueError("timeout must be a positive number of seconds, got None")
+    timeout_seconds("timeout", timeout, none_ok=False)
     one_of("backend", backend, ("gloo", "nccl"))
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "nccl" and gpus < world_size:
@@ -141,13 +171,13 @@ def launch(fn, world_size: int, args: tuple = (), *, timeout: float = 120.0, thr
     for attempt in (1, 2):
         try:
             return _run(fn, world_size, args, threads, init, timeout, backend)
-        except mp.ProcessRaisedException as e:
+        except _MeshFlake as flake:
             # gloo's full mesh on 127.0.0.1 now and then reads "Connection closed by peer" while it forms (pytorch
-            # issue 53270): a torch flake before `fn` ran on that rank; the whole job is started once more.
-            if attempt == 2 or not (init and "connectFullMesh" in str(e) and "init_process_group" in str(e)):
-                raise
+            # issue 53270): a torch flake before `fn` started on any rank; the whole job is started once more.
+            if attempt == 2:
+                raise flake.error from None
             warnings.warn(f"launch: gloo failed to connect the {world_size} ranks as the group formed "
-                          f"({str(e).strip().splitlines()[-1][:160]}); starting them again once")
+                          f"({flake.line.strip().splitlines()[-1][:160]}); starting them again once")
 
 
 def _run(fn, world_size: int, args: tuple, threads: int, init: bool, timeout: float, backend: str) -> list:
@@ -164,9 +194,37 @@ def _run(fn, world_size: int, args: tuple, threads: int, init: bool, timeout: fl
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{world_size} ranks running {getattr(fn, '__name__', fn)} "
                                        f"did not finish in {timeout} s")
+        except mp.ProcessRaisedException as e:
+            _stop(context)  # first, so that no rank starts `fn` after the look at who started it
+            line = _mesh_flake(outdir, e.error_index, world_size)
+            if line is not None:
+                raise _MeshFlake(e, line) from e
+            raise
         finally:
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+            _stop(context)
+        return _results(outdir, context, fn, world_size)
+
+
+def _stop(context) -> None:
+    """Kill the ranks that still run and wait for them."""
+    for p in context.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _results(outdir: str, context, fn, world_size: int) -> list:
+    """What each rank returned; a rank that ended with exit code 0 but no result is named, with how it ended."""
+    missing = []
+    for r in range(world_size):
+        if not os.path.exists(os.path.join(outdir, f"rank{r}.pt")):
+            try:
+                with open(os.path.join(outdir, f"ended{r}")) as f:
+                    how = f.read()
+            except FileNotFoundError:  # os._exit in fn, or the process left some other way
+                how = f"its process exited with code {context.processes[r].exitcode} before fn returned"
+            missing.append(f"rank {r}: {how}")
+    if missing:
+        raise RuntimeError(f"launch: {getattr(fn, '__name__', fn)} ended without returning on "
+                           f"{len(missing)} of {world_size} ranks ({'; '.join(missing)})")
+    return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
