@@ -5,11 +5,11 @@ averages; the two flags per parameter ("used", "ready") that the reducer sends b
 still summed by manualdp's allreduce. At the first synchronised step after a hook is registered
 (before training, later, or between a forward pass and its backward, as torch's takes it: the hook
 runs from that backward on) the ranks compare their hooks and states (`hook_identity.py`: what the
-hook will compute, its code and the values it carries, never its module's name). A hook registered on some ranks
-only makes their calls
-differ; each rank wrote what it registered, and when, to the group's store (`publish`), so the
-refused call is named as the hooks that differ, on every rank (`hooks_named`). Torch's DDP
-trains on there when the one hook happens to average too; we name it.
+hook will compute, its code, defaults and bound arguments, never its module's name or its own name). A hook
+registered on some ranks only makes their calls differ; each rank wrote what it registered, and when, to the
+group's store (`publish`), so the refused call is named as the hooks that differ, on every rank (`hooks_named`), or,
+where only a default argument differs, as that argument and its value on each rank. Torch's DDP trains on there
+when the one hook happens to average too; we name it.
 
 A hook that raises, or hands back the wrong thing, fails that step on every rank alike: its
 rank still sends the bucket's flags, marked, so every peer learns of it in the same message and
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 
 import torch.distributed as dist
 
@@ -34,7 +35,7 @@ from ..transport.agree import agree
 from ..transport.call_check import differs
 from ..transport.late import group_store
 from ..transport.peers import DEFAULT_TIMEOUT, PeerError, is_refused_alike, refused_alike
-from .hook_identity import hook_identity, state_identity
+from .hook_identity import code_identity, defaults_of, hook_identity, state_identity
 
 __all__ = ["CommHook", "check_same_hook", "register_hook", "parts_replicas", "hook_identity", "hooks_named"]
 
@@ -113,7 +114,7 @@ def register_hook(calls, reducer, state: object, hook, errors) -> None:
     calls.comm_hook = CommHook(state, hook, reducer)
     calls.comm_hook.install()
     when = f"between forward and backward of step {calls.steps - 1}" if calls.queued else f"before step {calls.steps}"
-    publish(calls.number, reducer.group, f"{described(calls.comm_hook)} {when}")
+    publish(calls.number, reducer.group, calls.comm_hook, when)
     calls.started = False  # after training began (torch's takes it): the ranks compare hooks at the next step
     if calls.queued:  # between a forward and its backward: compared before this backward's buckets, which it reduces
         calls.compare_hooks_now()
@@ -132,14 +133,15 @@ def parts_replicas(hook: CommHook | None) -> bool:
 
 def check_same_hook(hook: CommHook | None, group, timeout) -> None:
     """On the worker, at the first synchronised step: the same comm hook on every rank, or all raise naming them."""
-    mine = described(hook) if hook is not None else _NONE
+    mine, named = (described(hook, named=False), described(hook)) if hook is not None else (_NONE, _NONE)
     agree("DistributedDataParallel's comm hook", {"comm hook": mine}, group, timeout=timeout, check=True,
-          hint="call register_comm_hook with the same hook on every rank")
+          shown={"named": named}, hint="call register_comm_hook with the same hook on every rank")
 
 
-def described(hook: CommHook) -> str:
-    """What the ranks compare of a registered hook: the hook's identity, and its state's where it has one."""
-    text = hook_identity(hook.hook)
+def described(hook: CommHook, named: bool = True, bare: bool = False) -> str:
+    """What the ranks compare of a registered hook: the hook's identity (`named`: with its name; `bare`: without
+    its defaults, `code_identity`), and its state's where it has one."""
+    text = code_identity(hook.hook) if bare else hook_identity(hook.hook, named)
     text = text if hook.state is None else f"{text} with state {state_identity(hook.state)}"
     if len(text) > _LONGEST:  # a long list in the state: its head and a digest, not the whole of it in every line
         text = f"{text[:_LONGEST // 2]}... (sha1 {hashlib.sha1(text.encode()).hexdigest()[:12]})"
@@ -150,11 +152,13 @@ def _key(number: int, rank: int) -> str:
     return f"manualdp/comm_hook/{number}/{rank}"
 
 
-def publish(number: int, group, what: str) -> None:
+def publish(number: int, group, hook: CommHook, when: str) -> None:
     """Write to the group's store which hook this rank registered on wrapper `number`, and when (`hooks_named`)."""
     store = group_store(group if group is not None else dist.group.WORLD)
     if store is not None:
-        store.set(_key(number, dist.get_rank(group)), what)
+        record = {"compared": f"{described(hook, named=False)} {when}", "named": f"{described(hook)} {when}",
+                  "code": f"{described(hook, bare=True)} {when}", "defaults": defaults_of(hook.hook)}
+        store.set(_key(number, dist.get_rank(group)), json.dumps(record))
 
 
 @contextlib.contextmanager
@@ -171,12 +175,33 @@ def hooks_named(number: int, group):
         if store is None:
             raise
         keys = [_key(number, r) for r in range(dist.get_world_size(group))]
+        none = {"compared": _NONE, "named": _NONE, "code": _NONE, "defaults": {}}
         try:
-            hooks = [store.get(k).decode() if store.check([k]) else _NONE for k in keys]
+            records = [json.loads(store.get(k)) if store.check([k]) else none for k in keys]
         except Exception:  # noqa: BLE001 - the store gone with a peer: the refusal as it was
             raise error from error.__cause__
-        if len(set(hooks)) > 1:
+        if len({r["compared"] for r in records}) > 1:
             error.args = (f"rank {dist.get_rank(group)}: DistributedDataParallel's comm hook differs across ranks: "
-                          f"{differs('comm hook', hooks)}; call register_comm_hook with the same hook at the same "
-                          "step on every rank", *error.args[1:])
+                          f"{_what_differs(records)}", *error.args[1:])
         raise
+
+
+def _what_differs(records: list[dict]) -> str:
+    """The ranks' hooks, or (the same code registered at the same step) the default arguments that differ."""
+    if len({r["code"] for r in records}) > 1:
+        return (f"{differs('comm hook', [r['named'] for r in records])}; call register_comm_hook with the same hook at "
+                "the same step on every rank")
+    names = dict.fromkeys(k for r in records for k in r["defaults"])
+    differ = [k for k in names if len({r["defaults"].get(k) for r in records}) > 1]
+    values = "; ".join(f"{k}: " + ", ".join(f"{_short(r['defaults'].get(k))} on rank {i}"
+                                            for i, r in enumerate(records)) for k in differ)
+    return (f"its default argument{'s' * (len(differ) > 1)} {values} (its code is the same on every rank: "
+            f"{records[0]['code']}); a default is part of what a hook computes, so a per-rank value there could "
+            "train each rank differently: pass a value that is meant to differ per rank another way (a closure's "
+            "variable or the hook's state, which the ranks compare by class only, as torch's DDP compares nothing), "
+            "or the same default on every rank")
+
+
+def _short(text: str | None) -> str:
+    text = "missing" if text is None else text
+    return text if len(text) <= 80 else text[:77] + "..."
