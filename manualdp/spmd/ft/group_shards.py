@@ -8,11 +8,12 @@ them back as DTensors on this rank's own mesh, with the placements of the parame
 `flat_local_grads` and `put_local_grads` move the local shards of the gradients into one flat tensor, for
 `GroupManager.average`, and back.
 
-Each state records where its shard belongs (`manualdp_shard`: the rank in the shard group, the group's size, and
-each sharded entry's global shape, shard dim and first row, in ints, strings and lists, which
-`torch.load(weights_only=True)` reads); the loaders refuse a state recorded for another rank, group size or layout
-before writing anything. A state without the record (written by an older manualdp, e.g. a `--checkpoint-dir` of
-`runners/ft_group_train.py`) is loaded as before, on the shapes alone.
+Each state records where its shard belongs, `manualdp_shard`: the rank in the shard group, the group's size, and
+each sharded entry's [global shape, shard dim, first row], in ints and lists, which `torch.load(weights_only=True)`
+reads (the model's state: an OrderedDict of tensors alone, the record its attribute, as torch's `_metadata`; the
+optimizer's: a key beside `manualdp_sharded`). The loaders refuse a state recorded for another rank, group size or
+layout before writing anything. A state without the record (written by an older manualdp, e.g. a `--checkpoint-dir`
+of `runners/ft_group_train.py`, or a copy into a new dict) is loaded as before, on the shapes alone.
 
 A user's own loop (fault-tolerant HSDP, as `manualdp train --zero 3` runs it):
 
@@ -36,6 +37,8 @@ A user's own loop (fault-tolerant HSDP, as `manualdp train --zero 3` runs it):
             optimizer.step()
 """
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -72,9 +75,11 @@ def like(value: torch.Tensor, model: DTensor) -> DTensor:
 
 
 def local_model_state(module: nn.Module) -> dict:
-    """`module.state_dict()` with each DTensor replaced by this rank's local shard, and where the shard belongs."""
+    """`module.state_dict()` with each DTensor replaced by this rank's local shard; where it belongs its attribute."""
     now = _sharded("module", module).state_dict()
-    return {**{k: _local(v) for k, v in now.items()}, _WHERE: _where(now)}
+    state = OrderedDict((k, _local(v)) for k, v in now.items())  # tensors alone: a user may iterate them
+    setattr(state, _WHERE, _where(now))  # pickled with the dict, as torch's `_metadata` is
+    return state
 
 
 def load_local_model_state(module: nn.Module, state: dict) -> None:
@@ -83,8 +88,7 @@ def load_local_model_state(module: nn.Module, state: dict) -> None:
     now = _sharded("module", module).state_dict()
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
-    _same_place("state", state.get(_WHERE), _where(now), "module")
-    state = {k: v for k, v in state.items() if k != _WHERE}
+    _same_place(f"state.{_WHERE}", getattr(state, _WHERE, None), _where(now), "module")
     _same_keys("state", state, now, "module's state_dict()")
     for k, v in now.items():  # every entry checked before the load writes any
         if isinstance(v, torch.Tensor):
@@ -107,7 +111,7 @@ def load_local_optim_state(optimizer: torch.optim.Optimizer, state: dict) -> Non
     without `manualdp_shard`, of an older manualdp, is checked on its shapes and keys alone)."""
     params = _sharded_params("optimizer", optimizer)
     if isinstance(state, dict):  # where the shard belongs first: another rank's shapes may differ or not
-        _same_place("state", state.get(_WHERE), _where(dict(enumerate(params))), "optimizer")
+        _same_place(f"state[{_WHERE!r}]", state.get(_WHERE), _where(dict(enumerate(params))), "optimizer")
     _check_optim_state(state, params)
     _check_optim_entries(optimizer, state, params)
     entries = {i: dict(entry) for i, entry in state["state"].items()}
@@ -244,16 +248,17 @@ def _same_place(name: str, record, now: dict, what: str) -> None:
         return  # written by an older manualdp: the shapes are all there is to check
     if not isinstance(record, dict) or not isinstance(record.get("layout"), dict) or any(
             type(record.get(k)) is not int for k in ("rank", "size")):
-        raise TypeError(f"{name}[{_WHERE!r}] must be a dict of 'rank', 'size' and 'layout' (as local_*_state "
+        raise TypeError(f"{name} must be a dict of 'rank', 'size' and 'layout' (as local_*_state "
                         f"writes it), got {record!r:.200}")
     if (record["rank"], record["size"]) != (now["rank"], now["size"]):
-        raise ValueError(f"{name} was saved by rank {record['rank']} of a shard group of {record['size']}, but this "
-                         f"is rank {now['rank']} of {now['size']}: its rows belong to another rank; load each rank's "
+        raise ValueError(f"state was saved by rank {record['rank']} of a shard group of {record['size']}, but this "
+                         f"is rank {now['rank']} of {now['size']}: its rows are not this rank's; load each rank's "
                          f"own state, at the group size it was saved with")
-    _same_keys(f"{name}[{_WHERE!r}]['layout']", record["layout"], now["layout"], f"{what}'s sharded entries")
+    _same_keys(f"{name}['layout']", record["layout"], now["layout"],
+               f"{what}'s sharded entries (a state of another model or optimizer)")
     for k, place in now["layout"].items():
         if record["layout"][k] != place:
-            raise ValueError(f"{name}[{_WHERE!r}] places {k!r} as {record['layout'][k]!r:.100} ([global shape, "
+            raise ValueError(f"{name} places {k!r} as {record['layout'][k]!r:.100} ([global shape, "
                              f"shard dim, first row]), but {what}'s shard is {place!r}: a state of another layout")
 
 
