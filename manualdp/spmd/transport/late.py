@@ -30,7 +30,8 @@ import torch.distributed as dist
 __all__ = ["LATE", "LateWatch", "group_store"]
 
 LATE = 0.05   # seconds a first round may take before the ranks compare fingerprints through the store
-POLL = 0.002  # seconds between looks at the peer's entry, once late
+POLL = 0.002  # seconds before the first look at the peer's entry, once late; then twice as long each time,
+POLL_MOST = 0.05  # up to this: a peer only slow (still in its backward) costs a few looks, not one per POLL
 IDLE = 1.0    # seconds without a call after which the thread sleeps until the next one
 
 
@@ -61,6 +62,7 @@ class LateWatch:
         self._thread = None
         self.last = None        # the fingerprint of the last call whose first round ended
         self.late_calls = 0     # calls that were late (each cost a few store round trips, off the caller's thread)
+        self.looks = 0          # looks at the peer's entry during late calls
 
     def arm(self, check) -> None:
         """Watch `check`'s first round from now on (after its receives are posted)."""
@@ -85,6 +87,7 @@ class LateWatch:
         """
         with self._cv:
             self._landed = True
+            self._cv.notify_all()
             acked, row = self._acked, self._call.compared
         verdict = acked if acked is not None and self._peer_refused(row) else None
         with self._cv:
@@ -100,6 +103,7 @@ class LateWatch:
         with self._cv:
             self._stop = True
             self._landed = True
+            self._cv.notify_all()
 
     def close(self) -> None:
         """The group is gone: the thread ends."""
@@ -148,7 +152,7 @@ class LateWatch:
         me = call.compared
         self.store.set(self.key, json.dumps({"row": me, "ack": None}))
         deadline = time.monotonic() + (call.timeout or 1800.0)
-        acked = None
+        acked, pause = None, POLL
         while time.monotonic() < deadline:
             with self._cv:
                 if self._stop or (self._landed and (acked is None or self._refused is False)):
@@ -167,5 +171,12 @@ class LateWatch:
                 self.store.set(self.key, json.dumps({"row": me, "ack": acked, "refused": True}))
                 call.settle(acked)
                 return  # the entry stays: the peer may not have read it yet
-            time.sleep(POLL)
+            self.looks += 1
+            with self._cv:  # woken as the first round lands: the next call waits for this entry's "done"
+                waiting = not (self._landed or self._stop)
+                if waiting:
+                    self._cv.wait(pause)
+            if not waiting:  # landed and refused: the peer's acknowledgement is a moment away
+                time.sleep(POLL)
+            pause = min(2 * pause, POLL_MOST)
         self.store.set(self.key, json.dumps({"row": None, "ack": None}))  # done: never read as late again

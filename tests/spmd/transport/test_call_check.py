@@ -241,6 +241,31 @@ def test_a_peer_that_is_only_late_is_never_refused_and_a_late_mismatch_still_rai
     assert results[0][1] > 0  # rank 0 waited past LATE and compared through the store, then went on
 
 
+def _one_long_wait(seconds: float):
+    """Rank 1 comes to one call `seconds` late: rank 0's late thread looks at its entry a few times, not every POLL."""
+    import time
+
+    from manualdp.spmd.collectives import allreduce
+    from manualdp.spmd.transport import late
+    from manualdp.spmd.transport.group import group_state
+    rank = torch.distributed.get_rank()
+    allreduce(torch.ones(3), "ring", timeout=30)  # the group and its watch are made
+    if rank == 1:
+        time.sleep(seconds)
+    t = torch.ones(5) * (rank + 1)
+    allreduce(t, "ring", timeout=30)
+    watch = group_state().late
+    return t.tolist(), watch.late_calls, watch.looks, late.POLL, late.POLL_MOST
+
+
+def test_a_peer_late_by_long_costs_a_few_looks_at_the_store_not_one_every_poll():
+    seconds = 0.8
+    (total, late_calls, looks, poll, most), _ = launch(_one_long_wait, 2, (seconds,), timeout=120)
+    assert total == [3.0] * 5 and late_calls >= 1
+    every_poll = seconds / poll  # looks at a fixed POLL (before: 2 ms apart, ~400 over 0.8 s)
+    assert looks <= 10 + seconds / most < every_poll / 5, (looks, every_poll)
+
+
 def _identities(differs: int):
     from manualdp.spmd.collectives import allreduce, broadcast
     from manualdp.spmd.transport.call_check import check_same_call
