@@ -25,8 +25,9 @@ def test_init_from_env_rejects_bad_arguments(kwargs, words):
 def _sleep_forever(folder):
     import os
     import time
-    with open(os.path.join(folder, "pid"), "w") as f:
+    with open(os.path.join(folder, "pid.part"), "w") as f:
         f.write(str(os.getpid()))
+    os.replace(os.path.join(folder, "pid.part"), os.path.join(folder, "pid"))  # never seen half-written
     time.sleep(600)
 
 
