@@ -39,6 +39,7 @@ A user's own loop (fault-tolerant HSDP, as `manualdp train --zero 3` runs it):
 from __future__ import annotations
 
 from collections import OrderedDict
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -83,8 +84,7 @@ def local_model_state(module: nn.Module) -> dict:
 
 
 def load_local_model_state(module: nn.Module, state: dict) -> None:
-    """Load `local_model_state`'s output: each shard becomes a DTensor like the one it replaces (a state without
-    `manualdp_shard`, of an older manualdp, is checked on its shapes alone)."""
+    """Load `local_model_state`'s output as DTensors like those it replaces (one without a record: on shapes alone)."""
     now = _sharded("module", module).state_dict()
     if not isinstance(state, dict):
         raise TypeError(f"state must be a dict, got {type(state).__name__}")
@@ -107,8 +107,7 @@ def local_optim_state(optimizer: torch.optim.Optimizer) -> dict:
 
 
 def load_local_optim_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
-    """Load `local_optim_state`'s output: each entry that was a DTensor becomes one like its parameter (a state
-    without `manualdp_shard`, of an older manualdp, is checked on its shapes and keys alone)."""
+    """Load `local_optim_state`'s output, DTensors where they were (one without a record: on keys and shapes alone)."""
     params = _sharded_params("optimizer", optimizer)
     if isinstance(state, dict):  # where the shard belongs first: another rank's shapes may differ or not
         _same_place(f"state[{_WHERE!r}]", state.get(_WHERE), _where(dict(enumerate(params))), "optimizer")
@@ -287,24 +286,34 @@ def _check_optim_entries(optimizer: torch.optim.Optimizer, state: dict, params: 
             if isinstance(params[i], DTensor) and v.dim() > 0 and v.shape == params[i].to_local().shape:
                 raise ValueError(f"{name} is a shard of parameter {i}, but state[{_SHARDED!r}] does not name it: "
                                  f"it would load as a plain tensor beside a DTensor parameter")
-            if expected is not None and isinstance(expected[i][key], torch.Tensor):
+            if expected is not None and isinstance(expected[i][key], SimpleNamespace):
                 _fits(name, v, expected[i][key], f"{type(optimizer).__name__}'s own {key!r} of parameter {i}")
 
 
 def _probe(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict | None:
-    """The state a step of `optimizer`'s kind makes for zeros of the parameters' local shards; None if it can't."""
-    clones = [torch.zeros_like(_local(p).detach()) for p in params]
-    for c in clones:
-        c.grad = torch.ones_like(c)  # not zeros: LBFGS stops before it makes its state at a zero gradient
-    groups, at = [], 0
-    for group in optimizer.param_groups:
-        count = len(group["params"])
-        groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
-                       "params": clones[at:at + count]})
-        at += count
-    try:  # a user's optimizer may take other arguments, or refuse zeros: its entries then go unchecked
-        probe = type(optimizer)(groups)
-        probe.step(lambda: torch.zeros(()))
-    except Exception:  # noqa: BLE001 (any refusal means: no reference to check against)
-        return None
-    return {i: dict(probe.state[c]) for i, c in enumerate(clones) if c in probe.state}
+    """Per parameter, the entries a step of `optimizer`'s kind makes for its local shard; None if none can be made."""
+    for device in ("meta", None):  # meta first: no memory; on the shards' devices for those meta refuses (LBFGS)
+        clones = [torch.zeros_like(_local(p).detach(), device=device) for p in params]
+        for c in clones:
+            c.grad = torch.ones_like(c)  # not zeros: LBFGS stops before it makes its state at a zero gradient
+        groups, at = [], 0
+        for group in optimizer.param_groups:
+            count = len(group["params"])
+            groups.append({**{k: v for k, v in group.items() if k not in ("params", "param_names")},
+                           "params": clones[at:at + count]})
+            at += count
+        try:  # a user's optimizer may take other arguments, or refuse the probe: its entries then go unchecked
+            probe = type(optimizer)(groups)
+            probe.step(lambda: torch.zeros(()))
+        except Exception:  # noqa: BLE001 (any refusal means: no reference here)
+            continue
+        return {i: {key: _as_found(v, _local(p).device) for key, v in probe.state[c].items()}
+                for i, (p, c) in enumerate(zip(params, clones)) if c in probe.state}
+    return None
+
+
+def _as_found(value, device: torch.device):
+    """A probe's entry: a tensor as its shape, dtype and device (a meta one's: the shard's), else itself."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return SimpleNamespace(shape=value.shape, dtype=value.dtype, device=device if value.is_meta else value.device)
