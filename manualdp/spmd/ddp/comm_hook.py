@@ -188,11 +188,11 @@ def hooks_named(number: int, group):
 
 def _what_differs(records: list[dict]) -> str:
     """The ranks' hooks, or (the same code registered at the same step) the default arguments that differ."""
-    if len({r["code"] for r in records}) > 1:
-        return (f"{differs('comm hook', [r['named'] for r in records])}; call register_comm_hook with the same hook at "
-                "the same step on every rank")
     names = dict.fromkeys(k for r in records for k in r["defaults"])
     differ = [k for k in names if len({r["defaults"].get(k) for r in records}) > 1]
+    if len({r["code"] for r in records}) > 1 or not differ:
+        return (f"{differs('comm hook', [r['named'] for r in records])}; call register_comm_hook with the same hook at "
+                "the same step on every rank")
     values = "; ".join(f"{k}: " + ", ".join(f"{_short(r['defaults'].get(k))} on rank {i}"
                                             for i, r in enumerate(records)) for k in differ)
     return (f"its default argument{'s' * (len(differ) > 1)} {values} (its code is the same on every rank: "
@@ -203,5 +203,6 @@ def _what_differs(records: list[dict]) -> str:
 
 
 def _short(text: str | None) -> str:
+    """A rank's value of a default as the line shows it: cut to 80 characters."""
     text = "missing" if text is None else text
     return text if len(text) <= 80 else text[:77] + "..."

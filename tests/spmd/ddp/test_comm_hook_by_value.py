@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from manualdp.spmd import launch
-from manualdp.spmd.ddp.hook_identity import hook_identity
+from manualdp.spmd.ddp.comm_hook import CommHook, _what_differs, described
+from manualdp.spmd.ddp.hook_identity import defaults_of, hook_identity
 from tests.spmd.ddp.test_comm_hook_ranks_differ import _reference, _scaled, refused, train
 
 _DEFAULTS_SAY = "DistributedDataParallel's comm hook differs across ranks: its default argument"
@@ -131,3 +132,27 @@ def test_identity_without_names_is_equal_for_the_same_code_under_two_names():
     a, b = _named_hooks(0), _named_hooks(1)
     assert hook_identity(a) != hook_identity(b)  # the text a user reads names each
     assert hook_identity(a, named=False) == hook_identity(b, named=False)
+
+
+def _record(hook):
+    """What `publish` writes of `hook` registered before step 0."""
+    registered = CommHook(None, hook, None)
+    return {"compared": described(registered, named=False), "named": described(registered),
+            "code": described(registered, bare=True), "defaults": defaults_of(hook)}
+
+
+def _flag_hook(rank):
+    def hook(state, bucket, verbose=(rank == 0), *, path=f"/tmp/log{rank}", n=3):
+        return _scaled(state, bucket)
+    return hook
+
+
+def test_a_default_that_differs_is_named_with_each_ranks_value_and_other_code_as_the_hooks():
+    records = [_record(_flag_hook(rank)) for rank in range(2)]
+    assert records[0]["code"] == records[1]["code"] and records[0]["compared"] != records[1]["compared"]
+    line = _what_differs(records)
+    assert line.startswith("its default arguments verbose: True on rank 0, False on rank 1; path: '/tmp/log0' on "
+                           "rank 0, '/tmp/log1' on rank 1 (its code is the same on every rank: "), line
+    assert " n: " not in line  # the same on every rank
+    other = _what_differs([records[0], _record(_first)])
+    assert other.startswith("comm hook ") and "call register_comm_hook with the same hook" in other, other
