@@ -1,6 +1,6 @@
 """A comm hook on the drop-in's reducer: torch's `hook(state, bucket) -> Future[Tensor]` reduces each bucket.
 
-The hook sees the bucket's gradients only (as a `GradBucket`, `hooks.py`) and hands back their
+The hook sees the bucket's gradients only (as a `GradBucket`, `spmd/comm_hooks.py`) and hands back their
 averages; the two flags per parameter ("used", "ready") that the reducer sends beside them are
 still summed by manualdp's allreduce. At the first synchronised step after a hook is registered
 (before training, later, or between a forward pass and its backward, as torch's takes it: the hook
