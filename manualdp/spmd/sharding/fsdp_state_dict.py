@@ -113,7 +113,8 @@ def _refuse(key: str, value: torch.Tensor, p) -> None:
                          "state_dict.set_model_state_dict(model, state, options=StateDictOptions("
                          "full_state_dict=True))")
     mine, theirs = p.sharded.to_local().shape, value.to_local().shape
-    if value.device_mesh.size() != p.sharded.device_mesh.size() or theirs != mine:
+    other_cut = theirs != mine and value.placements == p.sharded.placements  # else named by its placements below
+    if value.device_mesh.size() != p.sharded.device_mesh.size() or other_cut:
         raise ValueError(f"load_state_dict: {key} is a shard cut for another world size (here {tuple(theirs)} "
                          f"on a mesh of {value.device_mesh.size()}; this rank's is {tuple(mine)} on "
                          f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
