@@ -17,7 +17,9 @@ import json
 import os
 import random
 import re
+import signal
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -62,6 +64,24 @@ def _order(path: str) -> tuple[int, bool]:
     return int(m.group(1)), m.group(2) is not None
 
 
+@contextlib.contextmanager
+def _ctrl_c_after():
+    """Ctrl-C inside the block raised as it ends: a checkpoint is written whole, never cut inside torch's zip writer
+    (whose own error then replaced the KeyboardInterrupt: a traceback instead of `--resume`'s line)."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield  # a handler of the user's own, or a thread: left as it is
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2, end_of_epoch: bool = False) -> str:
     """Write `state` atomically (temporary file, flush, fsync, rename) and keep the newest `keep` files."""
     if not isinstance(directory, (str, os.PathLike)):
@@ -70,21 +90,22 @@ def save_checkpoint(directory: str, step: int, state: dict, keep: int = 2, end_o
     positive_int("keep", keep)
     os.makedirs(directory, exist_ok=True)
     path = checkpoint_path(directory, step, end_of_epoch)
-    # Serialise in memory first: a full disk is then a plain write error, not torch's "unexpected pos".
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    payload = buffer.getvalue()
-    container = {"format": _FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
-    try:
-        with atomic_write(path) as f:
-            torch.save(container, f)
-    except OSError as e:
-        raise OSError(e.errno, f"cannot write checkpoint {path}: {e.strerror or e}") from e
-    _fsync_dir(directory)
-    # Only checkpoints older than the one just written go: never delete what we just saved.
-    older = [p for p in _checkpoints(directory) if _order(p) < (step, end_of_epoch)]
-    for old in older[keep - 1:]:
-        os.remove(old)
+    with _ctrl_c_after():
+        # Serialise in memory first: a full disk is then a plain write error, not torch's "unexpected pos".
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        payload = buffer.getvalue()
+        container = {"format": _FORMAT, "sha256": hashlib.sha256(payload).hexdigest(), "payload": payload}
+        try:
+            with atomic_write(path) as f:
+                torch.save(container, f)
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write checkpoint {path}: {e.strerror or e}") from e
+        _fsync_dir(directory)
+        # Only checkpoints older than the one just written go: never delete what we just saved.
+        older = [p for p in _checkpoints(directory) if _order(p) < (step, end_of_epoch)]
+        for old in older[keep - 1:]:
+            os.remove(old)
     return path
 
 
