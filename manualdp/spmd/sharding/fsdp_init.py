@@ -178,20 +178,24 @@ def _offload(offload_policy, device_type: str) -> None:
                          "and the parameters are on cpu: pass CPUOffloadPolicy(pin_memory=False)")
 
 
+class UnnamedMeshError(ValueError, AssertionError):
+    """A 2-D mesh without names: torch's raises an AssertionError, ours is a ValueError too."""
+
+
 def _mesh_and_group(mesh, group, device_type: str):
     if mesh is not None and group is not None:
         raise ValueError("pass mesh or group, not both")
     if mesh is not None:
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
-        if mesh.ndim not in (1, 2):
-            raise NotImplementedError(f"mesh has {mesh.ndim} dimensions: manualdp's fully_shard shards over a 1-D "
-                                      "mesh, or HSDP's 2-D (replicate, shard) mesh")
+        if mesh.ndim not in (1, 2):  # torch's words first: pytorch's tests match them
+            raise ValueError(f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh}: mesh has {mesh.ndim} "
+                             "dimensions; pass a 1-D mesh, or HSDP's 2-D (replicate, shard) mesh")
         if mesh.device_type != device_type:
             raise ValueError(f"mesh is a {mesh.device_type!r} mesh, the parameters are on {device_type!r}")
-        if mesh.ndim == 2 and mesh.mesh_dim_names is None:  # torch's refuses it too (an AssertionError)
-            raise ValueError("mesh is 2-D without mesh_dim_names: please init the 2D mesh for HSDP with "
-                             "mesh_dim_names specified, e.g. ('replicate', 'shard')")
+        if mesh.ndim == 2 and mesh.mesh_dim_names is None:
+            raise UnnamedMeshError("Please init the 2D mesh for HSDP with mesh_dim_names specified: mesh is 2-D "
+                                   "without mesh_dim_names; pass mesh_dim_names=('replicate', 'shard')")
         if mesh.ndim == 2:  # HSDP, as torch's: shard over dim 1, replicate over dim 0
             return mesh, mesh.get_group(1), mesh.get_group(0)
         return mesh, mesh.get_group(), None
