@@ -4,7 +4,8 @@
 #     bash bench/gpu.sh                     # results in bench/results/gpu/
 #     OUT=/tmp/gpu bash bench/gpu.sh        # elsewhere
 #
-# 1. the tests marked `gpu` (pytest -m gpu: bench/test_gpu.py and any in tests/);
+# 1. the tests that need CUDA (bench/test_gpu.py; tests/ holds none, and its modules import test-only packages
+#    such as mktestdocs and expecttest that a GPU machine's image may lack);
 # 2. bench/compare_ddp.py (lenet, resnet18) and bench/scaling.py: manualdp's DDP against torch's, on NCCL;
 # 3. bench/allreduce.py --spmd: manualdp's allreduce against NCCL's all_reduce;
 # 4. bench/zero.py: ZeRO-1/2/3 against torch's ZeRO-1 and FSDP2.
@@ -34,7 +35,7 @@ echo "bench/gpu.sh: $gpus GPU(s), NCCL runs on up to $ranks rank(s); results in 
 python -c 'import torch; print(torch.__version__, torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])' \
     | tee "$OUT/device.txt"
 
-run tests python -m pytest -q -m gpu tests bench/test_gpu.py
+run tests python -m pytest -q -m gpu bench/test_gpu.py
 for model in lenet resnet18; do
     run "compare_ddp_$model" python bench/compare_ddp.py --model "$model" --world-size "$ranks" --backend nccl \
         --json "$OUT/compare_ddp_$model.json"

@@ -389,7 +389,8 @@ def format_table(result: dict) -> str:
              f"{'row':<16}{'rank':>4}{'params':>8}{'grads':>8}{'state':>8}{'p+g+s':>8}{'in-step':>8}{'peak':>8}"
              f"{'sent':>9}{'formula':>9}{'sent/f':>8}{'other B':>8}{'wire':>9}{'step ms':>9}{'/FSDP2':>7}"]
     for r in result["rows"]:
-        ratio = f"{r['sent_bytes'] / r['formula_bytes']:.4f}" if r["sent_bytes"] is not None else "-"
+        sent, formula_bytes = r["sent_bytes"], r["formula_bytes"]  # one rank sends nothing: no ratio
+        ratio = f"{sent / formula_bytes:.4f}" if sent is not None and formula_bytes else "-"
         other = f"{r['other_bytes']:.0f}" if r["other_bytes"] is not None else "-"
         vs = f"{r['time_vs_fsdp2']:.2f}" if r["time_vs_fsdp2"] is not None else "-"
         lines.append(f"{r['row']:<16}{r['rank']:>4}{mib(r['param_bytes'])}{mib(r['grad_bytes'])}"
