@@ -13,6 +13,7 @@ import torch
 
 from manualdp.spmd.ft import keys
 from manualdp.spmd.ft.keys import PREFIX
+from manualdp.spmd.ft.quorum import Quorum
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 # a tiny run: 8 steps an epoch, float32 MLP; short deadlines, so that a fault costs seconds
@@ -64,6 +65,18 @@ class Run:
                 outcome = self.key(f"round/{r}/outcome")
                 out.append((json.loads(quorum)["members"], outcome.decode() if outcome else None))
         return [([m["id"] for m in members], outcome) for members, outcome in out]
+
+    def committed_steps(self) -> list[tuple[int, list[str]]]:
+        """(step, members) of every round the coordinator's store says was committed, in round order."""
+        out, r = [], 1
+        latest = int(self.key("latest") or 0)
+        while r <= latest or self.key(f"round/{r}/quorum") is not None:
+            raw = self.key(f"round/{r}/quorum")
+            if raw is not None and self.key(f"round/{r}/outcome") == b"commit":
+                quorum = Quorum.from_json(raw)
+                out.append((quorum.step, quorum.ids))
+            r += 1
+        return out
 
     def committed_with(self, members: list[str]) -> int:
         return sum(1 for ids, outcome in self.rounds() if ids == members and outcome == "commit")

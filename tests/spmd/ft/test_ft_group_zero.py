@@ -92,13 +92,17 @@ def test_two_groups_sharded_by_zero3_end_on_the_one_process_run(tmp_path):
 @pytest.mark.soak
 def test_a_sharded_group_killed_mid_run_receives_its_shards_and_ends_on_the_one_process_run(tmp_path):
     EPOCHS = KILLED_EPOCHS  # noqa: N806 - room for B to train alone before A comes back
-    extra = {rank: [*ZERO, "--min-replicas", "1", "--checkpoint-dir", str(tmp_path / "ckpt")] for rank in (0, 1)}
+    # A's first process never commits without B (--min-replicas 2): a step A took alone, before B came, would live
+    # only in the history of the process the test kills (CI: steps 0-9 in no --json). B, which lives throughout,
+    # trains alone (--min-replicas 1) whenever A is not there, so its --json holds every step up to A's return.
+    extra = {rank: [*ZERO, "--checkpoint-dir", str(tmp_path / "ckpt")] for rank in (0, 1)}
+    alone = {rank: [*extra[rank], "--min-replicas", "1"] for rank in (0, 1)}
     again, procs = tmp_path / "again", []
     again.mkdir()
     with run(tmp_path, epochs=EPOCHS) as r:
         try:
-            for gid in "AB":
-                procs += start_group(gid, 2, r.port, tmp_path, EPOCHS, extra)
+            procs += start_group("A", 2, r.port, tmp_path, EPOCHS, extra)
+            procs += start_group("B", 2, r.port, tmp_path, EPOCHS, alone)
             r.wait("3 steps committed by A and B", lambda: r.committed_with(["A", "B"]) >= 3, timeout=180)
             signal_all(procs, signal.SIGSTOP)  # so that the run cannot end before the kill lands
             os.killpg(procs[1].pid, signal.SIGKILL)  # rank 1 of A: the whole group leaves
@@ -116,12 +120,14 @@ def test_a_sharded_group_killed_mid_run_receives_its_shards_and_ends_on_the_one_
         finally:
             kill_all(procs)
         logs = r.logs() + "".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(again.glob("*.log")))
+        rounds = r.committed_steps()  # what the coordinator decided, whoever recorded it
     assert codes == [0, 0, 0, 0], logs
     results = {"A": json.loads((again / "A.json").read_text()), "B": json.loads((tmp_path / "B.json").read_text())}
     got = results["A"]["config"]["fault_tolerant"]
     assert got["recoveries"] and all(x["source"] == "B/lane/0" for x in got["recoveries"]), got["recoveries"]
     steps = committed(results)
     assert sorted(steps) == list(range(8 * KILLED_EPOCHS)), steps  # every step once, whoever took it
+    assert sorted(rounds) == sorted(steps.items()), (rounds, steps)  # each committed once, by the members recorded
     assert got["steps"][0]["step"] >= 4, got["steps"][:2]  # A went on from B's step, never from step 0
     assert any(m == ["B"] for m in steps.values()) and steps[8 * KILLED_EPOCHS - 1] == ["A", "B"], steps
     check_against_reference(results, reference(tmp_path, KILLED_EPOCHS))
