@@ -6,8 +6,10 @@ Each submodule that holds a sharded parameter gets three hooks, as torch's FSDP2
   So the state dict holds the DTensor shards, which the optimizer steps in place, never a gathered copy that
   goes stale;
 - before its `load_state_dict()`: a full tensor where the model holds a shard (a one-process state dict),
-  a shard cut for another world size, or a DTensor on another mesh or with other placements (whose step
-  would meet the optimizer's state on the model's mesh), is refused in one line that says what loads it; and a unit
+  a shard cut for another world size, or a DTensor on another mesh (whose step would meet the optimizer's state on
+  the model's mesh), is refused in one line that says what loads it; a DTensor on the model's mesh with other
+  placements (a state dict saved with another `shard_placement_fn`) is redistributed to the model's, as torch's
+  loader does, after the ranks agree on what moves (each move is a collective); and a unit
   gathered now is freed, so that the values load into the shards and a backward still to come gathers
   them again (torch's FSDP2 does the same); `check_whole` makes the same checks, and torch's, for the whole
   tree before a sharded module's `load_state_dict` writes anything (or, under a plain module over sharded
@@ -32,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..ladder.loading import check_loadable, unchanged_if_refused
+from ..transport.agree import agree
 from .fsdp_param import SLOTS
 from .fsdp_unit import UNIT
 
@@ -76,13 +79,19 @@ def _fulls_back(sub: nn.Module, state_dict, prefix: str, local_metadata) -> None
 
 def check_whole(module: nn.Module, state_dict, strict: bool, assign: bool = False) -> None:
     """Every refusal of a load into `module` (the sharded ones below, torch's own: `ladder.loading`), before any
-    submodule's tensors are written: a refused load leaves the model as it was."""
+    submodule's tensors are written: a refused load leaves the model as it was. The ranks agree on the values
+    that the load redistributes between them, first."""
+    moves: dict = {}  # mesh -> key -> its placements and the model's
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for attr, p in _held(sub):
             key = f"{prefix}.{attr}" if prefix else attr
             value = state_dict.get(key) if isinstance(state_dict, Mapping) else None
             if isinstance(value, torch.Tensor):
                 _refuse(key, value, p)
+                if _moved(value, p):
+                    moves.setdefault(p.sharded.device_mesh, {})[key] = f"{value.placements} -> {p.sharded.placements}"
+    for mesh, moved in moves.items():
+        _agree_on_moves(moved, mesh)
     check_loadable(module, state_dict, strict, type(module).__name__, sharded=lambda sub, name: name in
                    sub.__dict__.get(SLOTS, {}), assign=assign)
 
@@ -97,34 +106,64 @@ def _shard_of(sub: nn.Module, name: str, held: torch.Tensor) -> torch.Tensor:
     return next((p.sharded for attr, p in _held(sub) if attr == name), held)
 
 
-def _whole(value: torch.Tensor, p) -> bool:
-    """A DTensor replicated on `p`'s mesh holding the whole value: torch's loader takes this rank's shard of it."""
+def _on_mesh(value: torch.Tensor, p) -> bool:
+    """A DTensor of `p`'s whole shape on `p`'s mesh, placed any way: torch's loader redistributes it to `p`'s placements
+    (a replicated one: this rank's shard of it, cut here; one sharded otherwise: moved between the ranks)."""
     return (isinstance(value, DTensor) and value.device_mesh == p.sharded.device_mesh and value.shape == p.shape
-            and all(placement.is_replicate() for placement in value.placements))
+            and tuple(value.to_local().shape) == _local_shape(value))
+
+
+def _local_shape(value: DTensor) -> tuple[int, ...]:
+    """This rank's piece of `value` as its placements cut it (torch.chunk's rows: ceil, the last ones short or
+    empty); a piece of another shape was cut for another world size (`DTensor.from_local(..., run_check=False)`)."""
+    shape, mesh = list(value.shape), value.device_mesh
+    for dim, placement in enumerate(value.placements):
+        if placement.is_shard():
+            rows = -(-shape[placement.dim] // mesh.size(dim))
+            start = min(mesh.get_coordinate()[dim] * rows, shape[placement.dim])
+            shape[placement.dim] = min(rows, shape[placement.dim] - start)
+    return tuple(shape)
+
+
+def _moved(value: torch.Tensor, p) -> bool:
+    """A DTensor on `p`'s mesh whose redistribution to `p`'s placements moves data between ranks (not only cuts)."""
+    return _on_mesh(value, p) and any(theirs != mine and not theirs.is_replicate()
+                                      for theirs, mine in zip(value.placements, p.sharded.placements))
+
+
+def _agree_on_moves(moves: dict[str, str], mesh) -> None:
+    """The ranks redistribute the same values the same way (each a collective over the mesh), or all raise alike."""
+    for dim in range(mesh.ndim):
+        agree("load_state_dict's redistribution", moves, mesh.get_group(dim),
+              hint="every rank must load a state dict with the same placements")
 
 
 def _refuse(key: str, value: torch.Tensor, p) -> None:
-    """A full tensor, a shard of another world size, or a DTensor on another mesh, where `p`'s shard sits."""
-    if _whole(value, p):
+    """A full tensor, a shard of another world size, or a DTensor on another mesh or of another shape, where `p`'s
+    shard sits."""
+    if _on_mesh(value, p):
         return
     if not isinstance(value, DTensor):
         raise ValueError(f"load_state_dict: {key} is a full tensor of shape {tuple(value.shape)}, and the model "
                          "holds this rank's shard of it: load a full state dict with torch.distributed.checkpoint."
                          "state_dict.set_model_state_dict(model, state, options=StateDictOptions("
                          "full_state_dict=True))")
+    same_mesh = value.device_mesh == p.sharded.device_mesh
+    if same_mesh and value.shape != p.shape:
+        raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, and the model's parameter "
+                         f"{tuple(p.shape)}: load a state dict saved from a model of the same shapes")
     mine, theirs = p.sharded.to_local().shape, value.to_local().shape
     other_cut = theirs != mine and value.placements == p.sharded.placements  # else named by its placements below
-    if value.device_mesh.size() != p.sharded.device_mesh.size() or other_cut:
+    if value.device_mesh.size() != p.sharded.device_mesh.size() or other_cut or same_mesh:
         raise ValueError(f"load_state_dict: {key} is a shard cut for another world size (here {tuple(theirs)} "
                          f"on a mesh of {value.device_mesh.size()}; this rank's is {tuple(mine)} on "
                          f"{p.sharded.device_mesh.size()}): save and load across world sizes with "
                          "torch.distributed.checkpoint (dcp.save, then dcp.load into model.state_dict()), "
                          "which reshards")
-    if value.device_mesh != p.sharded.device_mesh or value.placements != p.sharded.placements:
-        raise ValueError(f"load_state_dict: {key} is a DTensor on {value.device_mesh} with {value.placements}, "
-                         f"and the model shards it on {p.sharded.device_mesh} with {p.sharded.placements}: "
-                         "build the state dict on the model's mesh (distribute_tensor(full, "
-                         "model_param.device_mesh, model_param.placements)), or load with dcp.load")
+    raise ValueError(f"load_state_dict: {key} is a DTensor on {value.device_mesh} with {value.placements}, "
+                     f"and the model shards it on {p.sharded.device_mesh} with {p.sharded.placements}: "
+                     "build the state dict on the model's mesh (distribute_tensor(full, "
+                     "model_param.device_mesh, model_param.placements)), or load with dcp.load")
 
 
 def _outermost_load() -> tuple[nn.Module, Mapping, bool, bool] | None:
@@ -196,7 +235,8 @@ def _check_loaded(sub, state_dict, prefix, local_metadata, strict, missing_keys,
         value = state_dict.get(prefix + attr)
         if isinstance(value, torch.Tensor):
             _refuse(prefix + attr, value, p)
-        if isinstance(value, torch.Tensor) and _whole(value, p):  # this rank's shard of it, cut as the model's is
+        if isinstance(value, torch.Tensor) and _on_mesh(value, p) and value.placements != p.sharded.placements:
+            # this rank's shard of it, cut as the model's is (`check_whole` had the ranks agree on the moves)
             state_dict[prefix + attr] = value.redistribute(p.sharded.device_mesh, p.sharded.placements)
     for attr, p in held:  # the values load into the shards; a backward still to come gathers them again (as torch's)
         if p.full is not None and sub._parameters.get(attr) is p.full:

@@ -81,24 +81,3 @@ def test_a_refused_load_changes_no_shard_and_a_replicated_whole_value_loads_as_t
         assert out["B4"] is None and out["B4 whole"] and out["B4 as torch's"], (rank, out)
         assert out["B4 plain root"] is None and out["B4 plain root whole"], (rank, out)
 
-
-def _other_placement_job():
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    cut_on_1 = nn.Sequential(nn.Linear(6, 8))
-    fully_shard(cut_on_1, shard_placement_fn=lambda p: Shard(p.dim() - 1))
-    torch.manual_seed(1)
-    cut_on_0 = nn.Sequential(nn.Linear(6, 8))
-    fully_shard(cut_on_0)
-    before = _locals(cut_on_0)
-    said = error_of(lambda: cut_on_0.load_state_dict(cut_on_1.state_dict()))
-    return said, _same(before, _locals(cut_on_0))
-
-
-def test_a_state_dict_of_another_placement_at_the_same_world_size_is_named_by_its_placements():
-    # adversary 97's B02: a Shard(1) model's state dict into a Shard(0) model on the same 2 ranks was refused as
-    # "a shard cut for another world size"; torch's redistributes it
-    for said, unchanged in launch(_other_placement_job, 2, timeout=120):
-        assert said is not None and "another world size" not in said, said
-        assert "Shard(dim=1)" in said and "Shard(dim=0)" in said and "dcp.load" in said, said
-        assert unchanged
