@@ -5,7 +5,8 @@ mesh, the same 2 ranks), or the other way, was refused with a line naming the pl
 redistributes the values and loads them. Now ours does too: the same script with torch's `fully_shard` gives the
 same shards bitwise, they hold the saved full weights, and a step after the load trains alike, on a 1-D mesh and
 on HSDP's 2-D mesh. Each move is a collective, so the ranks agree on what moves first: ranks that would move other
-values all raise naming them. A load that raises after a value moved leaves every shard as it was, bitwise.
+values all raise naming them. A load that raises after a value moved leaves every shard as it was, bitwise; a
+value of another shape on the model's mesh is named by its shape (was: "a shard cut for another world size").
 """
 import pytest
 import torch
@@ -61,8 +62,8 @@ def _refusing(module, *args):
 
 
 def _kept() -> dict:
-    """A load that raises after a value moved (a user's pre-hook on the last layer), and ranks that move other
-    values: the shards as before, bitwise."""
+    """A load that raises after a value moved (a user's pre-hook on the last layer), ranks that move other values,
+    a value of another shape on the model's mesh: the shards as before, bitwise."""
     saved = _model(fully_shard, 1, 0)
     model = _model(fully_shard, 0, 1)
     before, out = _locals(model), {}
@@ -74,6 +75,10 @@ def _kept() -> dict:
     mixed = {**model.state_dict(), moved: saved.state_dict()[moved]}
     out["disagree"] = error_of(lambda: model.load_state_dict(mixed))
     out["disagree kept"] = all(torch.equal(before[k], v) for k, v in _locals(model).items())
+    wider = nn.Linear(8, 4)
+    fully_shard(wider, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    out["shape"] = error_of(lambda: model.load_state_dict({**model.state_dict(), "0.weight": wider.weight}))
+    out["shape kept"] = all(torch.equal(before[k], v) for k, v in _locals(model).items())
     return out
 
 
@@ -112,10 +117,13 @@ def test_a_state_dict_of_other_placements_on_the_same_mesh_loads_as_torchs_and_e
         assert got["ours"]["HSDP"]["placements"]["0.weight"] == (Replicate(), Shard(1)), rank
 
 
-def test_a_load_that_raises_after_a_value_moved_and_ranks_moving_other_values_change_no_shard(results):
+def test_a_raising_load_ranks_moving_other_values_and_another_shape_change_no_shard(results):
     for rank, got in enumerate(r["kept"] for r in results):
         assert got["hook"] == "RuntimeError: the user's pre-hook refuses" and got["hook kept"], (rank, got)
         said = got["disagree"]
         assert said is not None and "redistribution differs across ranks" in said and "\n" not in said, (rank, said)
         assert "0.weight" in said and "2.weight" in said and "same placements" in said, (rank, said)
         assert got["disagree kept"], rank
+        said = got["shape"]  # on the model's mesh, of another shape: named by its shape, not as another world size
+        assert said == "ValueError: load_state_dict: 0.weight has shape (4, 8), and the model's parameter (4, 6): " \
+            "load a state dict saved from a model of the same shapes" and got["shape kept"], (rank, said)
