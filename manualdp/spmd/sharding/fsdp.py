@@ -78,6 +78,7 @@ from .fsdp_meta import init_full
 from .fsdp_norm import register_empty_shard_norms
 from .fsdp_param import Param, watch_optimizers
 from .fsdp_state_dict import check_whole, install_state_dict_hooks, shards_kept
+from .fsdp_tp import local_of
 from .fsdp_unit import UNIT, Unit
 
 __all__ = ["fully_shard", "full_state_dict", "init_full", "FSDPModule", "UnshardHandle"]
@@ -273,7 +274,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     unit.step.tied_apart = call.tied_apart
     unit.step.drift = DriftCheck(call.drift_check_every)
     unit.take_in(call.nested)  # the units already inside: one tree, one step
-    fresh = [p for p, _, _ in call.taken.values() if not isinstance(p, Param)]
+    fresh = [local_of(p) for p, _, _ in call.taken.values() if not isinstance(p, Param)]  # over tp: its piece
     if not call.meta:  # every rank starts from rank 0's values, sent on the worker in line with the collectives
         for group in ([call.replicate] if call.replicate is not None else []) + [call.group]:  # HSDP: replicas first
             unit.worker.submit(broadcast_from_rank0, fresh + call.buffers, group, call.timeout).result()

@@ -23,6 +23,7 @@ from ..transport.agree import agree
 from ..transport.peers import group_ranks, group_timeout
 from .fsdp_param import SLOTS, Param, owner_of
 from .fsdp_placement import shard_dims
+from .fsdp_tp import tp_refusal
 from .fsdp_unit import UNIT
 
 __all__ = ["checked_arguments", "Checked"]
@@ -75,10 +76,13 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
     reshard = _reshard_after_forward(reshard_after_forward, mesh.size(mesh.ndim - 1))
     # a parameter refused on one rank only (a tensor subclass with torch's all-gather extensions, say) must not
     # leave its peers waiting in the agreement: the refusal is one of the fields, then raised on every rank
-    refused = next((e for p, _, name in taken.values() if not isinstance(p, Param)
+    refused = next((e for p, _, name in taken.values() if not isinstance(p, (Param, DTensor))
                     for e in (_refusal(p, name),) if e is not None), None)
     dims, placement_refused = shard_dims(taken, shard_placement_fn)
-    refused = refused or placement_refused
+    # a DTensor parameter (tensor parallelism): its tp piece is sharded over dp, where `fsdp_tp.py` supports it
+    tp_refused = next((e for key, (p, _, name) in taken.items() if isinstance(p, DTensor)
+                       for e in (tp_refusal(p, name, mesh, dims.get(key, 0), mp_policy),) if e is not None), None)
+    refused = refused or placement_refused or tp_refused
     # HSDP: the replicas agree too, told whether the shard group did: a difference inside one shard group must not
     # leave the other groups' ranks waiting for it in the replicas' agreement
     failed = None
@@ -238,10 +242,6 @@ def _walk(modules: list[nn.Module], ignored: set[int]):
             if p is None or id(p) in ignored:
                 continue
             owner = owner_of(p)  # a Param: a unit holds p, or p is what a unit replaced (a tied weight)
-            if owner is None and isinstance(p, DTensor):
-                raise ValueError(f"{path + '.' if path else ''}{attr} is a DTensor already (sharded by torch's "
-                                 "fully_shard, or by tensor parallelism): manualdp's fully_shard shards plain "
-                                 "parameters; use one fully_shard for the whole model")
             if owner is not None and p is owner.sharded:
                 unit = sub.__dict__[SLOTS][attr]
                 raise ValueError(f"{path or 'module'} ({type(sub).__name__}) lies inside a module already sharded "
@@ -279,7 +279,8 @@ def _check_same_call(modules, group, reshard, mp_policy, taken, dims, nested, bu
               "buffers": [f"{tuple(b.shape)} {b.dtype}" for b in buffers]}
     for key, (p, _, name) in taken.items():
         fields[f"parameter {name}"] = ("tied" if isinstance(p, Param) else
-                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")) + (
+                                       f"{tuple(p.shape)} {p.dtype}" + ("" if p.requires_grad else " frozen")
+                                       + (f" {tuple(p.placements)}" if isinstance(p, DTensor) else "")) + (
                                        f" Shard({dims[key]})" if dims.get(key) else "")
     agree(f"fully_shard({label(modules)})", fields, group,
           hint="every rank must build the same model and shard it alike")

@@ -28,6 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .fsdp_tp import local_grad, local_of, tp_spec, unsharded
+
 __all__ = ["Param", "owner_of", "watch_optimizers", "SLOTS"]
 
 OWNER = "_manualdp_fsdp_owner"  # attribute of a shard, or of an original a shard replaced: its `_Owner`
@@ -71,6 +73,10 @@ class Param:
                  rank: int, world_size: int, name: str, dim: int = 0) -> None:
         self.slots, self.name, self.requires_grad, self.dim = slots, name, requires_grad, dim
         self.shape, self.dtype, self.device = value.shape, value.dtype, value.device
+        # over tensor parallelism (a DTensor already) the rows cut are those of tp's local piece (`fsdp_tp.py`)
+        self.tp = tp_spec(value, mesh) if isinstance(value, DTensor) else None
+        value = local_of(value)
+        self.mesh, self.local_shape = mesh, value.shape
         # "rows" are the slices along the shard dim (`shard_placement_fn`'s Shard(dim); dim 0 by default)
         self.rows = value.shape[dim]
         self.row_numel = math.prod(size for d, size in enumerate(value.shape) if d != dim)
@@ -79,9 +85,10 @@ class Param:
         self.local_rows = min(self.chunk_rows, self.rows - self.start)
         self.padded = self.chunk_rows * self.row_numel  # this parameter's elements in every rank's segment
         with torch.no_grad():
-            self.sharded = nn.Parameter(_as_shard(self.cut(value), mesh, self.shape, dim), requires_grad=requires_grad)
+            self.sharded = nn.Parameter(self.as_shard(self.cut(value)), requires_grad=requires_grad)
         set_owner(self.sharded, self)
         self.full: nn.Parameter | None = None  # made at the first gather (after `to_empty` on a meta model)
+        self.full_local: torch.Tensor | None = None  # the full form's storage (over tp: its local tensor's)
         self.original: nn.Parameter | None = None  # the parameter the user's model held before
         self.accumulated: torch.Tensor | None = None  # gradients kept with sync off, in the reduce dtype
 
@@ -93,28 +100,43 @@ class Param:
         """This rank's rows of `full` (a tensor of the parameter's shape), a contiguous copy."""
         return full.detach().narrow(self.dim, self.start, self.local_rows).clone(memory_format=torch.contiguous_format)
 
+    def as_shard(self, local: torch.Tensor) -> DTensor:
+        """`local` (this rank's rows) as this parameter's shard: a DTensor of its global shape."""
+        if self.tp is None:
+            return _as_shard(local, self.mesh, self.shape, self.dim)
+        return DTensor.from_local(local, self.tp.mesh, self.tp.placements, run_check=False, shape=self.shape,
+                                  stride=self.tp.stride)
+
+    def full_grad(self) -> torch.Tensor | None:
+        """The full form's gradient as the collectives take it (over tp: its local tensor in tp's placements)."""
+        grad = self.full.grad if self.full is not None else None
+        return grad if self.tp is None else local_grad(grad, self.tp)
+
     def as_rows(self, t: torch.Tensor) -> torch.Tensor:
         """`t` (of the parameter's layout) with the shard dim first: the collectives' layout, rows of `row_numel`."""
         return t.movedim(self.dim, 0) if self.dim else t
 
     def from_rows(self, flat: torch.Tensor) -> torch.Tensor:
         """`flat` (this rank's rows, the collectives' layout) in the parameter's layout, contiguous."""
-        moved = self.as_rows(torch.empty(self.shape, device="meta")).shape[1:]
+        moved = self.as_rows(torch.empty(self.local_shape, device="meta")).shape[1:]
         rows = flat.view(self.local_rows, *moved)
         return rows.movedim(0, self.dim).contiguous() if self.dim else rows
 
-    def make_full(self, dtype: torch.dtype, on_grad) -> nn.Parameter:
+    def make_full(self, dtype: torch.dtype, on_grad) -> torch.Tensor:
         """The full-shape parameter the modules use in forward (memory freed), made once per dtype and device;
-        `on_grad(full)` runs once autograd has accumulated its gradient."""
+        `on_grad(full)` runs once autograd has accumulated its gradient. Returns the tensor its all-gather fills: the
+        parameter itself, or over tp the local tensor of the DTensor parameter (`full_local`)."""
         device = self.sharded.device
         if self.full is None or self.full.dtype != dtype or self.full.device != device:
-            self.full = nn.Parameter(torch.empty(self.shape, dtype=dtype, device=device),
-                                     requires_grad=self.requires_grad)
-            self.full.untyped_storage().resize_(0)
+            local = torch.empty(self.local_shape, dtype=dtype, device=device)
+            self.full = nn.Parameter(local, requires_grad=self.requires_grad) if self.tp is None else \
+                unsharded(local, self.tp, self.shape, self.requires_grad)
+            self.full_local = local_of(self.full)
+            self.full_local.untyped_storage().resize_(0)
             setattr(self.full, FULL, True)
             if self.requires_grad:
                 self.full.register_post_accumulate_grad_hook(on_grad)
-        return self.full
+        return self.full_local
 
     def set_trainable(self, requires_grad: bool) -> None:
         """Train this parameter or not from the next gather on: the full form is made again (it holds no memory now),
@@ -149,7 +171,8 @@ class Param:
         self.original = original
         set_owner(original, self)
         setattr(original, REPLACED, True)
-        original.data = torch.empty(0, dtype=original.dtype, device=original.device)
+        if not isinstance(original, DTensor):  # a DTensor's is left: no one holds it once the shard takes its slots
+            original.data = original.detach().new_empty(0)  # of its class: a tensor subclass takes no plain data
 
     def adopt(self, slot: tuple[nn.Module, str] | None = None) -> None:
         """Take as the shard whatever the modules hold now, in `slot` or the first slot (`to_empty`, `_apply`,
@@ -181,7 +204,8 @@ class Param:
         if isinstance(now, DTensor) and now.shape == self.shape and now.device_mesh == mesh \
                 and now.placements == self.sharded.placements:
             fresh = now if isinstance(now, nn.Parameter) else nn.Parameter(now, requires_grad=now.requires_grad)
-        elif isinstance(now, torch.Tensor) and not isinstance(now, DTensor) and now.shape == self.shape:
+        elif isinstance(now, torch.Tensor) and not isinstance(now, DTensor) and now.shape == self.shape \
+                and self.tp is None:
             fresh = nn.Parameter(_as_shard(self.cut(now), mesh, self.shape, self.dim), requires_grad=now.requires_grad)
             if isinstance(now, nn.Parameter):
                 self.replaces(now)  # an optimizer built from it refuses to step (it would train nothing)
@@ -208,7 +232,7 @@ class Param:
         """Add `grad` (this rank's rows of the summed gradient) to the shard's `.grad`, a DTensor made at first."""
         own = self.sharded
         if own.grad is None:
-            own.grad = _as_shard(grad, mesh, self.shape, self.dim)
+            own.grad = self.as_shard(grad)
         else:
             own.grad.to_local().add_(grad)
 

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ..ladder.loading import check_loadable, unchanged_if_refused
 from ..transport.agree import agree
@@ -115,14 +116,10 @@ def _on_mesh(value: torch.Tensor, p) -> bool:
 
 def _local_shape(value: DTensor) -> tuple[int, ...]:
     """This rank's piece of `value` as its placements cut it (torch.chunk's rows: ceil, the last ones short or
-    empty); a piece of another shape was cut for another world size (`DTensor.from_local(..., run_check=False)`)."""
-    shape, mesh = list(value.shape), value.device_mesh
-    for dim, placement in enumerate(value.placements):
-        if placement.is_shard():
-            rows = -(-shape[placement.dim] // mesh.size(dim))
-            start = min(mesh.get_coordinate()[dim] * rows, shape[placement.dim])
-            shape[placement.dim] = min(rows, shape[placement.dim] - start)
-    return tuple(shape)
+    empty); a piece of another shape was cut for another world size (`DTensor.from_local(..., run_check=False)`).
+    DTensor's own reckoning: over tensor parallelism dp's `_StridedShard` cuts tp's pieces, not the whole."""
+    return tuple(compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements,
+                                                       skip_offset=True)[0])
 
 
 def _moved(value: torch.Tensor, p) -> bool:

@@ -236,7 +236,7 @@ class Unit:
         self.use(full=False)
         for p in self.params:
             if p.full is not None:
-                p.full.untyped_storage().resize_(0)
+                p.full_local.untyped_storage().resize_(0)  # over tp, the DTensor's local tensor
         self.gathered = False
 
     def grad_ready(self, full: torch.Tensor) -> None:
@@ -255,7 +255,7 @@ class Unit:
         for dtype, members in self.reduce_groups.items():
             grads = []
             for p in members:
-                grad = p.full.grad if p.full is not None else None
+                grad = p.full_grad()  # over tp, the DTensor gradient's local tensor
                 if p.accumulated is not None:
                     grad = p.accumulated if grad is None else p.accumulated + grad
                     p.accumulated = None

@@ -1,0 +1,262 @@
+"""`fully_shard` over tensor parallelism (FSDP + TP on a (dp, tp) = (2, 2) mesh), beside torch's FSDP2 and one process.
+
+One spawned run at 4 ranks: each case runs with our `fully_shard` and with torch's on the same script (only the
+function differs), and the parent compares them, and the training with one process on the whole batch:
+- an MLP whose first layer is `ColwiseParallel`, its second `RowwiseParallel` and its head plain (10 rows: tp's
+  pieces of 5 are cut 3 and 2 over dp) trains 3 steps of Adam, with `clip_grad_norm_`: bitwise torch's (parameters,
+  losses, norms), and the one-process model's to float32 rounding (tp cuts the matmuls' sums otherwise);
+- the placements of the parameters, their gradients and `state_dict()` are torch's: `(_StridedShard(0, 2),
+  Shard(0))` where tp cuts dim 0 too, `(Shard(0), Shard(1))`, `(Shard(0), Replicate())`, the plain head `(Shard(0),)`
+  on the dp mesh;
+- `state_dict()` gives the whole model by `full_tensor()`, `load_state_dict` of such a state dict loads, and
+  `get_model_state_dict` / `set_model_state_dict` (full) round-trip into a model sharded afresh;
+- a model built on the meta device, parallelised, sharded, `to_empty` and `reset_parameters()`, starts where
+  torch's does and trains;
+- what is not supported (HSDP over tp, a tp mesh from another root, `shard_placement_fn` off dim 0, a lower
+  `param_dtype`) is one line, alike on every rank.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from manualdp.spmd import launch
+from manualdp.spmd.sharding.fsdp import fully_shard
+
+from .test_fsdp_like_torch import _case, _full
+
+SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
+PLAN = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
+STEPS, BATCH = 3, 8
+
+
+class Net(nn.Module):
+    """in_proj (10 rows: 5 per tp rank, cut 3 and 2 over dp), out_proj, and a head tensor parallelism leaves plain."""
+
+    def __init__(self, hidden: int = 10):
+        super().__init__()
+        self.in_proj = nn.Linear(4, hidden)
+        self.out_proj = nn.Linear(hidden, 5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.out_proj(torch.relu(self.in_proj(x)))))
+
+
+def _net(hidden: int = 10):
+    torch.manual_seed(0)
+    return Net(hidden)
+
+
+def _batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(BATCH, 4, generator=g) for _ in range(STEPS)]
+
+
+def _where(t):
+    """(mesh dim names, placements) of a DTensor."""
+    return (t.device_mesh.mesh_dim_names, tuple(t.placements))
+
+
+def _sharded(shard_fn, mesh, model=None):
+    model = model if model is not None else _net()
+    parallelize_module(model, mesh["tp"], PLAN)
+    shard_fn(model.in_proj, mesh=mesh["dp"])
+    shard_fn(model.out_proj, mesh=mesh["dp"])
+    shard_fn(model, mesh=mesh["dp"])
+    return model
+
+
+def _tp_params(model):
+    """The parameters on the 2-D mesh (torch's clip_grad_norm_ cannot stack norms from two meshes, nor can torch's
+    FSDP2's): the head's, on the dp mesh, are left out."""
+    return [p for n, p in model.named_parameters() if not n.startswith("head")]
+
+
+def _train(shard_fn, mesh):
+    """Adam for STEPS steps with clip_grad_norm_: each dp rank its half of the batch, the tp ranks alike."""
+    model = _sharded(shard_fn, mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    dp = mesh["dp"].get_local_rank()
+    out = {"losses": [], "norms": [], "grads": {}}
+    for X in _batches():
+        loss = model(X.chunk(2)[dp]).pow(2).mean()
+        loss.backward()
+        out["grads"] = {n: _where(p.grad) for n, p in model.named_parameters()}
+        out["norms"].append(torch.nn.utils.clip_grad_norm_(_tp_params(model), 0.5).full_tensor().item())
+        out["losses"].append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: _where(p) for n, p in model.named_parameters()}
+    out["state_dict"] = {k: _where(v) for k, v in model.state_dict().items()}
+    out["full"] = {n: _full(p) for n, p in model.named_parameters()}
+    out["sizes"] = {n: (tuple(p.size()), p.stride()) for n, p in model.named_parameters()}
+    return out
+
+
+def _one_process():
+    """The same training in one process, on the whole batch: the reference."""
+    model = _net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    norms = []
+    for X in _batches():
+        model(X).pow(2).mean().backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(_tp_params(model), 0.5).item())
+        opt.step()
+        opt.zero_grad()
+    return {"norms": norms, "full": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def _state_dicts(shard_fn, mesh):
+    """state_dict's full tensors; a load of it doubled; get/set_model_state_dict (full) into a fresh model (8 rows:
+    torch's distribute_tensor cannot cut an uneven `_StridedShard`, for torch's FSDP2 neither)."""
+    model = _sharded(shard_fn, mesh, model=_net(8))
+    sd = model.state_dict()
+    out = {"full": {k: _full(v) for k, v in sd.items()}}
+    model.load_state_dict({k: v.detach() * 2 for k, v in sd.items()})
+    out["doubled"] = {k: _full(v) for k, v in model.state_dict().items()}
+    whole = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    fresh = _sharded(shard_fn, mesh, model=Net(8))  # other initial values
+    set_model_state_dict(fresh, whole, options=StateDictOptions(full_state_dict=True))
+    out["set"] = {k: _full(v) for k, v in fresh.state_dict().items()}
+    return out
+
+
+def _meta(shard_fn, mesh):
+    """Built on meta, parallelised and sharded there, then to_empty and reset_parameters(); one step after."""
+    with torch.device("meta"):
+        model = _sharded(shard_fn, mesh, model=Net())
+    model.to_empty(device="cpu")
+    torch.manual_seed(3)
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    start = {n: _full(p) for n, p in model.named_parameters()}
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    model(_batches()[0].chunk(2)[mesh["dp"].get_local_rank()]).pow(2).mean().backward()
+    opt.step()
+    return {"start": start, "after": {n: _full(p) for n, p in model.named_parameters()}}
+
+
+def _refused(fn):
+    try:
+        fn()
+    except (ValueError, NotImplementedError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "taken"
+
+
+def _refusals(mesh):
+    cube = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("rep", "shard", "tp"))
+    world = init_device_mesh("cpu", (4,))
+
+    def hsdp():
+        fully_shard(parallelize_module(_net(), cube["tp"], PLAN), mesh=cube["rep", "shard"])
+
+    def other_root():
+        fully_shard(parallelize_module(_net(), mesh["tp"], PLAN), mesh=world)
+
+    def dim_1():
+        fully_shard(parallelize_module(_net(), mesh["tp"], PLAN), mesh=mesh["dp"],
+                    shard_placement_fn=lambda p: Shard(1) if p.ndim > 1 else None)
+
+    def bf16():
+        fully_shard(parallelize_module(_net(), mesh["tp"], PLAN), mesh=mesh["dp"],
+                    mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+    return {name: _refused(fn) for name, fn in
+            (("hsdp", hsdp), ("other root", other_root), ("dim 1", dim_1), ("bf16", bf16))}
+
+
+def _job():
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {impl: {case: _case(fn, shard_fn, mesh) for case, fn in
+                  (("train", _train), ("state dicts", _state_dicts), ("meta", _meta))}
+           for impl, shard_fn in SHARD_FNS.items()}
+    out["one process"] = _one_process()
+    out["refused"] = _case(_refusals, mesh)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(_job, 4, timeout=600.0)
+
+
+def _answer(got, case):
+    assert "raised" not in got, (case, got)
+    return got
+
+
+def _same(a: dict, b: dict, what: str, exact: bool = True):
+    assert list(a) == list(b), what
+    for k in a:
+        ok = torch.equal(a[k], b[k]) if exact else torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-6)
+        assert ok, f"{what}: {k} differs by {(a[k] - b[k]).abs().max().item()}"
+
+
+@pytest.mark.soak
+def test_fsdp_tp_trains_bitwise_as_torchs_and_as_one_process_to_float32_rounding(results):
+    for r, got in enumerate(results):
+        ours, theirs = _answer(got["ours"]["train"], "ours"), _answer(got["torch"]["train"], "torch")
+        assert ours["losses"] == theirs["losses"] and ours["norms"] == theirs["norms"], f"rank {r}"
+        _same(ours["full"], theirs["full"], f"rank {r} against torch's")
+        _same(ours["full"], got["one process"]["full"], f"rank {r} against one process", exact=False)
+        assert ours["norms"] == pytest.approx(got["one process"]["norms"], rel=1e-5)
+        whole = {n: (tuple(p.size()), p.stride()) for n, p in _net().named_parameters()}
+        assert ours["sizes"] == theirs["sizes"] == whole, "global size() and stride()"
+    assert results[0]["ours"]["train"]["losses"] != results[2]["ours"]["train"]["losses"], "dp ranks see other data"
+
+
+@pytest.mark.soak
+def test_fsdp_tp_placements_of_params_grads_and_state_dict_are_torchs(results):
+    two_d = ("dp", "tp")
+    expected = {"in_proj.weight": (two_d, (_StridedShard(0, split_factor=2), Shard(0))),
+                "in_proj.bias": (two_d, (_StridedShard(0, split_factor=2), Shard(0))),
+                "out_proj.weight": (two_d, (Shard(0), Shard(1))), "out_proj.bias": (two_d, (Shard(0), Replicate())),
+                "head.weight": (("dp",), (Shard(0),)), "head.bias": (("dp",), (Shard(0),))}
+    for got in results:
+        ours, theirs = got["ours"]["train"], got["torch"]["train"]
+        for what in ("params", "grads", "state_dict"):
+            assert ours[what] == theirs[what] == expected, what
+
+
+@pytest.mark.soak
+def test_fsdp_tp_state_dict_full_tensors_load_and_dcp_round_trip(results):
+    whole = _net(8).state_dict()
+    for r, got in enumerate(results):
+        ours = _answer(got["ours"]["state dicts"], "ours")
+        _same(ours["full"], whole, f"rank {r} full_tensor()")
+        _same(ours["doubled"], {k: v * 2 for k, v in whole.items()}, f"rank {r} load_state_dict")
+        _same(ours["set"], ours["doubled"], f"rank {r} set_model_state_dict")
+        _same(ours["doubled"], got["torch"]["state dicts"]["doubled"], f"rank {r} against torch's")
+
+
+@pytest.mark.soak
+def test_fsdp_tp_on_meta_initialises_as_torchs_and_trains(results):
+    for r, got in enumerate(results):
+        ours, theirs = _answer(got["ours"]["meta"], "ours"), _answer(got["torch"]["meta"], "torch")
+        _same(ours["start"], theirs["start"], f"rank {r} start")
+        _same(ours["after"], theirs["after"], f"rank {r} after a step")
+        assert all(not torch.equal(ours["start"][k], ours["after"][k]) for k in ours["start"]), "it trains"
+
+
+@pytest.mark.soak
+def test_fsdp_tp_unsupported_is_one_line_alike_on_every_rank(results):
+    refused = [got["refused"] for got in results]
+    for got in refused:
+        assert set(got) == {"hsdp", "other root", "dim 1", "bf16"}, got
+        for name, line in got.items():
+            assert line != "taken" and "\n" not in line and "tensor parallelism" in line, (name, line)
+        assert got["hsdp"].startswith("NotImplementedError") and "HSDP" in got["hsdp"]
+        assert "sibling" in got["other root"] and "Shard(1)" in got["dim 1"] and "param_dtype" in got["bf16"]
+    assert all(got == refused[0] for got in refused), "every rank says the same"
