@@ -37,13 +37,16 @@ import time
 
 import torch.distributed as dist
 
-__all__ = ["SignedStore", "CoordinatorLost", "StoreLost", "ignore", "life_key", "LOG"]
+__all__ = ["SignedStore", "CoordinatorLost", "StoreLost", "ignore", "life_key", "LOG", "LIMIT"]
 
 LOG = logging.getLogger("manualdp.spmd.ft")
 _SET, _APPEND = b"S", b"A"  # a value set whole; a chunk of an appended value (one line of its own)
 _MAC = 32  # bytes of an HMAC-SHA256
 _POLL = 0.005  # seconds between two looks at a key whose value does not verify
 _ABSENT = b"\0manualdp-ft-absent\0"  # what `peek` expects: no value of the room's holds it, so nothing is written
+# bytes torch's TCPStore server takes in one buffer of a write (TCPStoreLibUvBackend.cpp's "Invalid payload size"):
+# a larger one closes the writer's connection, which then reads as a lost coordinator (`StoreLost`)
+LIMIT = 8 << 20
 
 
 class CoordinatorLost(RuntimeError):
@@ -178,16 +181,27 @@ class SignedStore:
             self._ignored.add(key)
             LOG.warning("manualdp fault tolerance: ignored the value of %r in the coordinator's store: %s", key, why)
 
+    def _fits(self, key: str, *sent: bytes) -> None:
+        """Refuse a write whose bytes torch's store server would not take, before they are sent."""
+        size = max(len(b) for b in sent)
+        if size > LIMIT:
+            raise ValueError(f"the value of {key!r} is {size} bytes{' signed' * self.signed}, over the {LIMIT} bytes "
+                             "torch's TCPStore takes in one write (a larger one closes the connection): keep it "
+                             "smaller, or send it outside the coordinator's store")
+
     # ------------------------------------------------------------ torch.distributed.Store's methods
 
     def set(self, key: str, value) -> None:
-        self._client.set(self._name(key), self._seal(key, value))
+        sealed = self._seal(key, value)
+        self._fits(key, sealed)
+        self._client.set(self._name(key), sealed)
 
     def append(self, key: str, value) -> None:
         """Add `value` at the end of `key`'s value: signed on its own, so a stranger's chunk drops alone."""
         value = _bytes(value)
         if self._secret is not None:
             value = b"\n%s %s %s\n" % (_APPEND, self._mac(key, _APPEND, value).hex().encode(), value.hex().encode())
+        self._fits(key, value)
         self._client.append(self._name(key), value)
 
     def check(self, keys: list[str]) -> bool:
@@ -228,6 +242,7 @@ class SignedStore:
         """
         name, sealed, expected = self._name(key), self._seal(key, desired), _bytes(expected)
         want = self._seal(key, expected) if expected else b""
+        self._fits(key, want, sealed)
         for _ in range(100):  # a stranger racing the replacement can only delay it
             raw = self._client.compare_set(name, want, sealed)
             if raw == sealed:
