@@ -25,12 +25,13 @@ import torch
 from ..collectives import all_gather, reduce_scatter
 from ..transport.peers import is_refused_alike, refused_alike
 from .fsdp_hsdp import across_replicas
+from .fsdp_ext import HALF
 from .fsdp_param import Param
 
-__all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "UnitMismatch", "GATHER_TAIL"]
+__all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "segment", "UnitMismatch", "GATHER_TAIL"]
 
-GATHER_TAIL = 3  # each rank's segment of an all-gather ends with (unit number, all-gathers so far, trainable code)
-EXTENSION = 251  # the trainable code's place when the rank's unit holds all-gather extensions (codes are below 251)
+# each rank's segment of an all-gather ends with (unit number, all-gathers so far, trainable code, extension code)
+GATHER_TAIL = 4
 
 
 class UnitMismatch(RuntimeError):
@@ -59,31 +60,36 @@ def in_line(unit, job, *args):  # on the worker thread
 
 
 @torch.no_grad()
-def all_gather_params(unit, jobs, count: int, why: str) -> None:  # on the worker thread
-    """Fill each (dtype, params, their local rows, their full forms) of `jobs`: copy-in, all-gather, copy-out."""
+def all_gather_params(unit, jobs, count: int, why: str, then=None) -> None:  # on the worker thread
+    """Fill each (dtype, params, their local rows, their full forms) of `jobs`: copy-in, all-gather, copy-out; a
+    parameter with torch's all-gather extensions has None for both (its slot stays zero), and `then()` moves the
+    extensions' inputs (`fsdp_ext.gather_inputs`) once every rank's tail is checked."""
     W = unit.world_size
     with unit.span(f"all_gather {unit.name} ({why})", "comm", "comm"):
         for dtype, members, locals_, fulls in jobs:
             S = sum(p.padded for p in members) + GATHER_TAIL
-            flat = torch.zeros(W * S, dtype=dtype, device=fulls[0].device)
-            own = flat.view(W, S)[_segment(unit.rank, W)]
+            flat = torch.zeros(W * S, dtype=dtype, device=members[0].sharded.device)
+            own = flat.view(W, S)[segment(unit.rank, W)]
             at = 0
             for p, local in zip(members, locals_):  # copy-in: this rank's rows, padded
-                own[at:at + local.numel()].copy_(local.reshape(-1))
+                if local is not None:
+                    own[at:at + local.numel()].copy_(local.reshape(-1))
                 at += p.padded
-            own[S - 3], own[S - 2], own[S - 1] = unit.number, count, (
-                unit.trainable_code if unit.extension is None else EXTENSION)
+            own[S - 4:] = torch.tensor([unit.number, count, unit.trainable_code, unit.extension_code])
             all_gather(flat, group=unit.group, timeout=unit.timeout)
             segments = flat.view(W, S)
-            tails = segments[:, S - 3:].tolist()
-            tails = [tails[_segment(r, W)] for r in range(W)]
+            tails = segments[:, S - 4:].tolist()
+            tails = [tails[segment(r, W)] for r in range(W)]
             _check_tails(unit, [t[:2] for t in tails], "all-gather", count)
-            _check_extension(unit, [int(t[2]) == EXTENSION for t in tails])
+            _check_extension(unit, [int(t[3]) for t in tails])
             _check_trainable(unit, [int(t[2]) for t in tails])
             at = 0
             for p, full in zip(members, fulls):  # copy-out, through .data: no version bump
-                _copy_out(segments[:, at:at + p.padded], full.data, p)
+                if full is not None:
+                    _copy_out(segments[:, at:at + p.padded], full.data, p)
                 at += p.padded
+        if then is not None:
+            then()
 
 
 @torch.no_grad()
@@ -163,14 +169,21 @@ def _check_factor(unit, factors: list[float]) -> None:
             f"factor on other ranks ({per_rank}): call set_gradient_divide_factor alike on every rank"))
 
 
-def _check_extension(unit, hooked: list[bool]) -> None:
-    """Raise on every rank, before any copy-out, if some rank's unit holds torch's all-gather extension hooks."""
-    if any(hooked):
-        where = unit.extension if unit.extension is not None else f"unit {_label(unit)}"
-        raise refused_alike(NotImplementedError(
-            f"{where}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather extensions, set on rank(s) "
-            f"{', '.join(str(r) for r, h in enumerate(hooked) if h)}) are not supported by manualdp's fully_shard; "
-            "remove them or use torch's fully_shard"))
+def _check_extension(unit, codes: list[int]) -> None:
+    """Raise on every rank, before any copy-out, unless every rank's unit holds torch's all-gather extension hooks
+    on the same parameters, each both of the pair (`fsdp_ext.extension_code`)."""
+    if all(c == codes[0] for c in codes) and codes[0] != HALF:
+        return
+    where = unit.extension if unit.extension is not None else f"unit {_label(unit)}"
+    if HALF in codes:
+        raise refused_alike(UnitMismatch(
+            f"{where}: fsdp_pre_all_gather and fsdp_post_all_gather must be defined together (one of them only, on "
+            f"rank(s) {', '.join(str(r) for r, c in enumerate(codes) if c == HALF)}), as torch's asserts"))
+    per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
+    raise refused_alike(UnitMismatch(
+        f"{where}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather extensions, set on rank(s) "
+        f"{', '.join(str(r) for r, c in enumerate(codes) if c)}) are set on other parameters on other ranks "
+        f"(coded {per_rank}): set them alike on every rank"))
 
 
 def _check_trainable(unit, codes: list[int]) -> None:
@@ -188,7 +201,7 @@ def _label(unit) -> str:
     return f"{unit.number} ({type(unit.module).__name__}{' ' + unit.name if unit.name else ''})"
 
 
-def _segment(rank: int, world_size: int) -> int:
+def segment(rank: int, world_size: int) -> int:
     """Which segment of a flat buffer is `rank`'s own: the chunk the ring schedules leave it (`owned_chunk`)."""
     return (rank + 1) % world_size
 

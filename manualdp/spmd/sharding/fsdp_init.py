@@ -102,13 +102,8 @@ def checked_arguments(module, mesh, reshard_after_forward, shard_placement_fn, m
 
 
 def _refusal(p: nn.Parameter, name: str) -> Exception | None:
-    """Why fully_shard cannot cut `p` into rows (0-dim, a tensor subclass, not contiguous), or None."""
-    if type(p) not in (nn.Parameter, torch.Tensor):
-        hooks = hasattr(p, "fsdp_pre_all_gather") or hasattr(p, "fsdp_post_all_gather")
-        return NotImplementedError(
-            f"{name} is a {type(p).__name__} (a tensor subclass"
-            + (" with torch's all-gather extensions fsdp_pre_all_gather/fsdp_post_all_gather" if hooks else "")
-            + "): manualdp's fully_shard shards plain tensors")
+    """Why fully_shard cannot cut `p` into rows (0-dim, not contiguous), or None. A tensor subclass is cut as torch's
+    chunks it (its shard is of the subclass), and all-gathered by its extensions if it has them (`fsdp_ext.py`)."""
     if p.dim() == 0:
         return ValueError(f"{name} is a 0-dim parameter, which fully_shard cannot cut (as torch's). Change {name} to "
                           "a 1D tensor with numel equal to 1 (shape (1,)), or pass it in ignored_params")

@@ -23,13 +23,15 @@ unit's all-gather while this one computes, are in `fsdp_hooks.py`. What spans th
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
 
 from ..transport.group import group_worker
 from ..transport.peers import group_ranks
-from .fsdp_collectives import all_gather_params, in_line, reduce_scatter_grads
+from .fsdp_collectives import all_gather_params, in_line, reduce_scatter_grads, segment
+from .fsdp_ext import extension_code, finish_extensions, free_extensions, gather_inputs, start_extensions
 from .fsdp_param import Param
 from .fsdp_step import Step, inside_backward
 
@@ -62,7 +64,7 @@ class Unit:
         self.rank, peers = group_ranks(group)
         self.world_size = len(peers)
         self.reshard_after_forward = reshard_after_forward
-        self.param_dtype = mp_policy.param_dtype
+        self.mp_policy, self.param_dtype = mp_policy, mp_policy.param_dtype
         self.reduce_dtype = mp_policy.reduce_dtype
         self.output_dtype = mp_policy.output_dtype
         self.cast_forward_inputs = mp_policy.cast_forward_inputs
@@ -82,6 +84,8 @@ class Unit:
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before in this forward
         self.is_last_backward = True
         self.extension: str | None = None  # a parameter holding torch's all-gather extensions (`check_params`)
+        self.extension_code = 0  # which parameters hold them, in every all-gather's tail (`fsdp_ext.extension_code`)
+        self.extended: dict = {}  # Param -> its `fsdp_ext.Extended`: what a parameter with the pair keeps
         self.unshard_in_backward = True  # False: backward reads none of the parameters (an embedding's)
         # this step
         self.gathered = False   # the full parameters hold (or are being filled with) the values
@@ -171,8 +175,8 @@ class Unit:
 
     def check_params(self) -> None:
         """Before the all-gather, on every rank alike (torch's FSDP2 does it at lazy init): take up a parameter the
-        user replaced by a plain one of the same shape, and refuse parameters left on the meta device; note torch's
-        all-gather extensions, which this unit would silently skip: the all-gather's tail refuses them on every rank."""
+        user replaced by a plain one of the same shape, and refuse parameters left on the meta device; note which
+        parameters hold torch's all-gather extensions: the all-gather's tail compares them on every rank."""
         if any([p.take_up_replaced() for p in self.params]):
             self._group()
         path = f"{self.name}." if self.name else ""
@@ -183,6 +187,7 @@ class Unit:
                                "initialise them before the first forward)")
         # not raised here: set on some ranks only, the others would wait in the all-gather; its tail carries it
         self.extension = next((path + p.name for p in self.params if p.has_extension()), None)
+        self.extension_code = extension_code(self.params)
 
     def use(self, full: bool) -> None:
         """Put the full parameters (`full`) or the shards in the modules' places."""
@@ -201,22 +206,27 @@ class Unit:
             if not (inside_backward() or self.step.in_backward):
                 self.follow_requires_grad()
             self.check_params()
+            # parameters with torch's all-gather extensions: their pre-hooks' inputs move after the flat all-gather
+            ext = start_extensions(self) if self.extension_code else {}
             jobs = []
             for dtype, members in self.gather_groups.items():
-                fulls = [p.make_full(dtype, self.grad_ready) for p in members]
+                fulls = [None if p in ext else p.make_full(dtype, self.grad_ready) for p in members]
                 for full in fulls:
-                    full.untyped_storage().resize_(full.numel() * full.element_size())
-                jobs.append((dtype, members, [p.as_rows(p.local()) for p in members], fulls))
+                    if full is not None:
+                        full.untyped_storage().resize_(full.numel() * full.element_size())
+                jobs.append((dtype, members, [None if p in ext else p.as_rows(p.local()) for p in members], fulls))
             self.gathers += 1
             self.gathered = True
             # the tail's count: all-gathers so far (mod 64), and whether this one is for backward
             count = (self.gathers % 64) * 2 + (inside_backward() or self.step.in_backward)
-            self.gathering = self.worker.submit(in_line, self, all_gather_params, jobs, count, why)
+            then = functools.partial(gather_inputs, self, ext, segment) if ext else None
+            self.gathering = self.worker.submit(in_line, self, all_gather_params, jobs, count, why, then)
         if wait:
             if self.gathering is not None:
                 future, self.gathering = self.gathering, None
                 with self.span(f"wait all_gather {self.name}", "compute", "wait"):
                     future.result()
+                finish_extensions(self)
             self.use(full=True)
 
     def free(self) -> None:
@@ -235,8 +245,9 @@ class Unit:
             p.carry_requires_grad()
         self.use(full=False)
         for p in self.params:
-            if p.full is not None:
+            if p.full is not None and p not in self.extended:
                 p.full_local.untyped_storage().resize_(0)  # over tp, the DTensor's local tensor
+        free_extensions(self)
         self.gathered = False
 
     def grad_ready(self, full: torch.Tensor) -> None:

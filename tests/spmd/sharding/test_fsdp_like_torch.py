@@ -481,13 +481,13 @@ def test_refused_in_one_line(results):
         assert "another world size" in foreign["other world size"] and "dcp.load" in foreign["other world size"]
         assert foreign["same"] is None
         refusals = got["refusals"]
-        assert refusals["two tensor"].startswith("NotImplementedError: w is a TwoTensor (a tensor subclass)")
+        assert refusals["two tensor"] is None  # sharded as torch's (its training: test_fsdp_extensions.py)
         assert not refusals["channels_last weight"]
         assert refusals["channels_last"]["torch"] is not None, "torch's refuses it too"
         assert "not contiguous" in refusals["channels_last"]["ours"]
         assert refusals["channels_last"]["ours"].startswith("NotImplementedError: ")  # torch's type: its tests read it
         assert refusals["channels_last"]["torch"].startswith("NotImplementedError: ")
-        assert all("\n" not in m for m in (got["gathered optimizer"], foreign["full"], refusals["two tensor"]))
+        assert all("\n" not in m for m in (got["gathered optimizer"], foreign["full"]))
 
 
 

@@ -1,0 +1,182 @@
+"""torch's all-gather extensions and tensor-subclass parameters in our `fully_shard` (issue 43; was: refused, "w is a
+TwoTensor (a tensor subclass): manualdp's fully_shard shards plain tensors").
+
+Each case runs the same script with our `fully_shard` and with torch's, on the same model, data and ranks; the
+parent compares them:
+- weights that are `TwoTensor`s whose class defines `fsdp_pre_all_gather`/`fsdp_post_all_gather` (the pair written
+  here): the losses, the shards and their gradients after every step are torch's, bitwise, and each hook ran as
+  often as torch's;
+- the same weights without the pair: all-gathered as their plain data, as torch's, bitwise;
+- a post-hook that returns a wrong shape: refused in one line naming the parameter, on every rank;
+- at 4 ranks on a 2x2 (replicate, shard) mesh (soak): the pair trains as torch's HSDP does.
+(The pair set on one rank only: `test_fsdp_extension_one_rank.py`.)
+"""
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.testing._internal.two_tensor import TwoTensor
+
+from manualdp.spmd import launch
+from manualdp.spmd.sharding.fsdp import fully_shard
+from tests.helpers import error_of
+
+SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
+STEPS = 4
+
+
+class _Pair:
+    """The all-gather extension pair for `TwoTensor` (both halves gathered, the full one made of them), counting its
+    calls; `cut` rows dropped from what the post-hook returns (a wrong shape)."""
+
+    def __init__(self, cut: int = 0) -> None:
+        self.calls = {"pre": 0, "post": 0, "post with out": 0}
+        self.cut = cut
+
+    def pre(self, t, mesh, outer_size, outer_stride, module, mp_policy):
+        self.calls["pre"] += 1
+        return (t.a, t.b), tuple(outer_size)
+
+    def post(self, t, outputs, metadata, param_dtype, *, out=None):
+        a, b = outputs
+        assert tuple(a.shape) == metadata or self.cut, (a.shape, metadata)
+        if out is not None:
+            self.calls["post with out"] += 1
+            with torch.no_grad():
+                out.a.copy_(a)
+                out.b.copy_(b)
+            return None
+        self.calls["post"] += 1
+        full = TwoTensor(a.to(param_dtype), b.to(param_dtype))
+        return (full[:full.shape[0] - self.cut] if self.cut else full), (a, b)
+
+    def __enter__(self):
+        pair = self
+
+        def pre(t, mesh, outer_size, outer_stride, module, mp_policy):  # the signature torch's inspects
+            return pair.pre(t, mesh, outer_size, outer_stride, module, mp_policy)
+
+        def post(t, outputs, metadata, param_dtype, *, out=None):
+            return pair.post(t, outputs, metadata, param_dtype, out=out)
+
+        TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = pre, post
+        return self
+
+    def __exit__(self, *exc):
+        del TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather
+
+
+def _model():
+    """Two linear layers whose weights are `TwoTensor`s of two different halves; plain biases."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        w = layer.weight.detach()
+        layer.weight = nn.Parameter(TwoTensor(w.clone(), w * 0.5 + 0.01))
+    return model
+
+
+def _plain(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A local tensor as plain tensors: a `TwoTensor`'s two halves, or itself."""
+    return (t.a.clone(), t.b.clone()) if isinstance(t, TwoTensor) else (t.detach().clone(),)
+
+
+def _train(shard_fn, mesh=None):
+    """Shard each layer and the root, train STEPS steps of Adam on this rank's data: per step the loss, and the local
+    shards and gradients."""
+    model = _model()
+    for m in (model[0], model[2], model):
+        shard_fn(m, mesh=mesh)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    steps = []
+    for _ in range(STEPS):
+        loss = model(x).sum()
+        loss.backward()
+        grads = {k: _plain(p.grad.to_local()) for k, p in model.named_parameters()}
+        optim.step()
+        optim.zero_grad()
+        steps.append({"loss": _plain(loss), "grads": grads,
+                      "shards": {k: _plain(p.to_local()) for k, p in model.named_parameters()}})
+    return steps
+
+
+def _with_pair(shard_fn, mesh=None):
+    with _Pair() as pair:
+        steps = _train(shard_fn, mesh)
+    return {"steps": steps, "calls": pair.calls}
+
+
+def _wrong_shape():
+    with _Pair(cut=1):
+        model = _model()
+        for m in (model[0], model[2], model):
+            fully_shard(m)
+        return error_of(lambda: model(torch.randn(2, 8)))
+
+
+def _job(mesh_shape=None):
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard")) if mesh_shape else None
+    out = {name: {"pair": _with_pair(fn, mesh)} for name, fn in SHARD_FNS.items()}
+    if mesh is None:
+        for name, fn in SHARD_FNS.items():
+            out[name]["plain"] = _train(fn)
+        out["ours"]["wrong shape"] = _wrong_shape()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch(_job, 2, timeout=300.0)
+
+
+def _leaves(x, where: str):
+    """(path, tensor) for every tensor in `x`, nested dicts, lists and tuples."""
+    if not isinstance(x, (dict, list, tuple)):
+        yield where, x
+        return
+    for k, v in (x.items() if isinstance(x, dict) else enumerate(x)):
+        yield from _leaves(v, f"{where}/{k}")
+
+
+def _assert_same(ours, theirs, where):
+    """`ours` and `theirs` hold the same tensors at the same places, bitwise."""
+    mine, peer = list(_leaves(ours, where)), list(_leaves(theirs, where))
+    assert [p for p, _ in mine] == [p for p, _ in peer], where
+    for (path, a), (_, b) in zip(mine, peer):
+        assert torch.equal(a, b), (path, a, b)
+
+
+def _assert_trains_as_torchs(results):
+    for r, got in enumerate(results):
+        ours, theirs = got["ours"]["pair"], got["torch"]["pair"]
+        _assert_same(ours["steps"], theirs["steps"], f"rank {r}")
+        assert theirs["calls"]["pre"] > 0 and theirs["calls"]["post with out"] > 0, theirs["calls"]
+        assert ours["calls"] == theirs["calls"], (r, ours["calls"], theirs["calls"])
+        assert len(ours["steps"][0]["loss"]) == 2  # the output is a TwoTensor: both halves were gathered
+        assert not torch.equal(*ours["steps"][0]["loss"])
+
+
+def test_a_twotensor_model_with_the_pair_trains_bitwise_as_torchs_and_calls_the_hooks_as_often(results):
+    _assert_trains_as_torchs(results)
+
+
+def test_a_twotensor_model_without_the_pair_trains_bitwise_as_torchs(results):
+    for r, got in enumerate(results):
+        _assert_same(got["ours"]["plain"], got["torch"]["plain"], f"rank {r}")
+        assert len(got["ours"]["plain"][0]["shards"]["0.weight"]) == 2  # the shard is a TwoTensor, as torch's
+
+
+def test_a_post_hook_of_a_wrong_shape_is_refused_in_one_line_naming_the_parameter(results):
+    for r, got in enumerate(results):
+        wrong = got["ours"]["wrong shape"]
+        assert wrong == ("ValueError: 0.weight: fsdp_post_all_gather returned a tensor of shape (15, 8), not the "
+                         "parameter's (16, 8): return the all-gathered parameter"), (r, wrong)
+
+
+@pytest.mark.soak
+def test_the_pair_trains_as_torchs_on_a_2x2_hsdp_mesh():
+    _assert_trains_as_torchs(launch(_job, 4, args=((2, 2),), timeout=600.0))
