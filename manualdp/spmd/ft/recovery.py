@@ -9,8 +9,10 @@ or has no agreed state yet, receives from one of them, in turn.
 A source writes its state (model, optimizer, loop state: whatever was registered with the
 manager) as `torch.save` bytes under `state/ROUND/SOURCE` in the coordinator's store, and the
 SHA-256 of those bytes beside it; a receiver waits for both (up to `timeout`), checks the sum
-and loads the state with `weights_only=True`. The store suits models of a few hundred MiB; a
-larger one would go over the quorum's group instead, by the same plan.
+and loads the state with `weights_only=True`. torch's store takes at most `LIMIT` (8 MiB) in one
+write, so bytes beyond one piece go in pieces under `state/ROUND/SOURCE/1`, `/2`, ..., their count
+after the sum ("SHA256 COUNT"). The store suits models of a few hundred MiB; a larger one would go
+over the quorum's group instead, by the same plan.
 """
 from __future__ import annotations
 
@@ -25,8 +27,11 @@ import torch.distributed as dist
 
 from . import keys
 from .quorum import POLL, Quorum
+from .signed_store import LIMIT
 
 __all__ = ["plan_recovery", "check_loadable", "send_state", "forget_state", "receive_state", "RecoveryError"]
+
+PIECE = LIMIT - 64  # bytes of the state in one write: the store's limit, less a signed value's seal (41 bytes)
 
 
 class RecoveryError(RuntimeError):
@@ -84,15 +89,26 @@ def send_state(store: dist.Store, round_: int, source: str, state: dict) -> str:
     """Write `state` for the receivers of `round_`; return its SHA-256 (hex)."""
     blob = _save(state)
     digest = hashlib.sha256(blob).hexdigest()
-    store.set(keys.state(round_, source), blob)
-    store.set(keys.state_sha256(round_, source), digest)  # written last: the blob is whole once this is there
+    pieces = [blob[at:at + PIECE] for at in range(0, len(blob), PIECE)] or [b""]
+    for i, piece in enumerate(pieces):
+        store.set(_piece(round_, source, i), piece)
+    count = f" {len(pieces)}" if len(pieces) > 1 else ""
+    store.set(keys.state_sha256(round_, source), digest + count)  # written last: the blob is whole once this is there
     return digest
+
+
+def _piece(round_: int, source: str, i: int) -> str:
+    """The key of piece `i` of a state: the state's own key for the first."""
+    return keys.state(round_, source) + (f"/{i}" if i else "")
 
 
 def forget_state(store: dist.Store, round_: int, source: str) -> None:
     """Remove what `send_state` wrote for `round_` (its receivers have read it, or given up)."""
-    store.delete_key(keys.state(round_, source))
     store.delete_key(keys.state_sha256(round_, source))
+    store.delete_key(_piece(round_, source, 0))
+    i = 1
+    while store.delete_key(_piece(round_, source, i)):  # the further pieces, up to the first missing
+        i += 1
 
 
 def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
@@ -102,7 +118,7 @@ def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
     `gone()`: whether the sender died meanwhile (its heartbeat stopped): RecoveryError at once, naming
     it (`who`, default "replica SOURCE"), so that the receiver asks again for another holder, or waits for one.
     """
-    key, sha256 = keys.state(round_, source), keys.state_sha256(round_, source)
+    sha256 = keys.state_sha256(round_, source)
     deadline = time.monotonic() + timeout
     while not store.check([sha256]):
         if time.monotonic() > deadline:
@@ -112,8 +128,9 @@ def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
             raise RecoveryError(f"{sender} was lost while sending its state (round {round_}): its heartbeat "
                                 f"stopped; asking again for another holder of the run's state")
         time.sleep(POLL)
-    expected = store.get(sha256).decode(errors="replace")  # a stranger's bytes: a damaged state, not a crash
-    blob = store.get(key)
+    expected, _, count = store.get(sha256).decode(errors="replace").partition(" ")  # a stranger's: damaged
+    pieces = int(count) if count.isdigit() else 1
+    blob = b"".join(store.get(_piece(round_, source, i)) for i in range(pieces))
     digest = hashlib.sha256(blob).hexdigest()
     if digest != expected:
         raise RecoveryError(f"the state of replica {source!r} (round {round_}) arrived damaged: "

@@ -5,12 +5,15 @@ closed the writer's connection, so the write itself, and every call after it on 
 `StoreLost` ("lost the coordinator ... Connection reset by peer"): a replica left saying its coordinator was gone
 while it ran on. Now `SignedStore.set`, `append` and `compare_set` refuse the write before sending it, in the open
 and the signed mode (whose seal, and an appended chunk's hex, make the bytes sent larger than the value), and the
-connection goes on serving.
+connection goes on serving. A recovery's state, which the store carries, was one write: a model of more than 8 MiB
+could never be sent (`recovery.py` said "a few hundred MiB"); now it goes in pieces, each under the limit.
 """
 import pytest
+import torch
 
-from manualdp.spmd.ft import Coordinator
+from manualdp.spmd.ft import Coordinator, keys
 from manualdp.spmd.ft.coordinator import connect
+from manualdp.spmd.ft.recovery import forget_state, receive_state, send_state
 from manualdp.spmd.ft.signed_store import LIMIT
 
 TOKEN = "a-secret-of-the-run-0123456789"
@@ -51,3 +54,18 @@ def test_an_appended_chunk_over_the_limit_is_refused_and_a_value_grown_past_it_b
     for _ in range(3):  # torch's limit is on one write: a value grown past it by appends is read whole
         store.append("grown", b"y" * (LIMIT // 4))
     assert store.get("grown") == b"y" * (3 * (LIMIT // 4))
+
+
+def test_a_state_larger_than_one_write_is_sent_in_pieces_received_whole_and_forgotten_whole(store):
+    torch.manual_seed(0)
+    state = {"model": {"w": torch.randn(5 * LIMIT // 8)}, "step": 3}  # 2.5 times the limit in float32
+    digest = send_state(store, 9, "a", state)
+    pieces = [keys.state(9, "a")] + [f"{keys.state(9, 'a')}/{i}" for i in (1, 2)]
+    assert store.check(pieces) and not store.check([f"{keys.state(9, 'a')}/3"]), "three pieces"
+    got, received = receive_state(store, 9, "a", timeout=10)
+    assert received == digest and got["step"] == 3 and torch.equal(got["model"]["w"], state["model"]["w"])
+    small = send_state(store, 10, "a", {"step": 4})
+    assert store.get(keys.state_sha256(10, "a")) == small.encode(), "one piece: the sum alone, as before"
+    assert receive_state(store, 10, "a", timeout=10)[0] == {"step": 4}
+    forget_state(store, 9, "a")
+    assert not any(store.check([k]) for k in [*pieces, keys.state_sha256(9, "a")]), "every piece is gone"
