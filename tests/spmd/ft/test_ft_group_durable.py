@@ -185,6 +185,9 @@ def check_histories(ckpt) -> None:
 def test_groups_that_all_stopped_go_on_from_disk_and_end_on_the_one_process_run(tmp_path, behind, killed):
     ckpt, again = tmp_path / "ckpt", tmp_path / "again"
     with two_groups(tmp_path, [], 5) as (r, procs, extra):
+        # the store's mark: raised by each group's leader only once every rank of the group saved that step, and
+        # before the next quorum is asked, so that 5 committed rounds put it at 4 at least
+        recorded = int(r.key(keys.COMMITTED))
         for proc in {"all": [*procs, r.coordinator], "groups": procs, "coordinator": [r.coordinator]}[killed]:
             os.killpg(proc.pid, signal.SIGKILL)  # every rank of every group and/or the coordinator, at once
             proc.wait(timeout=10)
@@ -197,7 +200,10 @@ def test_groups_that_all_stopped_go_on_from_disk_and_end_on_the_one_process_run(
         if behind:
             one_lane_behind(ckpt)
         held = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))  # the newest step both lanes hold, any group's
-        assert held >= 4 and (held < max(saved_steps(ckpt, 0) | saved_steps(ckpt, 1)) or not behind), held
+        # every lane holds the marked step; a lane made one step behind lost at most that one (the newest two are
+        # kept): whether the ranks had saved step 5 too when they were stopped is up to the machine's load
+        assert recorded >= 4 and held >= recorded - behind, (recorded, held, behind)
+        assert held < max(saved_steps(ckpt, 0) | saved_steps(ckpt, 1)) or not behind, held
         for gid in "AB" if behind else "":  # a step is logged once every rank saved it: a kill mid-save, none
             lines = [s for s in history(ckpt, gid) if s["step"] < held]
             (ckpt / "rank0" / gid / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in lines))
