@@ -25,7 +25,7 @@ import torch
 from ..collectives import all_gather, reduce_scatter
 from ..transport.peers import is_refused_alike, refused_alike
 from .fsdp_hsdp import across_replicas
-from .fsdp_ext import HALF
+from .fsdp_ext import HALF, UNPADDED
 from .fsdp_param import Param
 
 __all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "segment", "UnitMismatch", "GATHER_TAIL"]
@@ -179,6 +179,12 @@ def _check_extension(unit, codes: list[int]) -> None:
         raise refused_alike(UnitMismatch(
             f"{where}: fsdp_pre_all_gather and fsdp_post_all_gather must be defined together (one of them only, on "
             f"rank(s) {', '.join(str(r) for r, c in enumerate(codes) if c == HALF)}), as torch's asserts"))
+    if UNPADDED in codes:
+        raise refused_alike(UnitMismatch(
+            f"{where}: fsdp_pre_all_gather returned inputs of its shard's size on rank(s) "
+            f"{', '.join(str(r) for r, c in enumerate(codes) if c == UNPADDED)}, whose shard of an unevenly sharded "
+            "parameter has fewer rows than ceil(rows / world size): return them padded to that many rows, as torch's "
+            "requires"))
     per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
     raise refused_alike(UnitMismatch(
         f"{where}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather extensions, set on rank(s) "

@@ -25,9 +25,10 @@ from ..collectives import all_gather
 from .fsdp_param import FULL, Param
 
 __all__ = ["Extended", "pair_state", "extension_code", "start_extensions", "gather_inputs", "finish_extensions",
-           "free_extensions", "HALF"]
+           "free_extensions", "HALF", "UNPADDED"]
 
 HALF = 251  # the extension code of a rank whose unit has a parameter with one hook of the pair only
+UNPADDED = 252  # ... whose pre-hook returned inputs of an uneven shard's size, not the padded one torch's requires
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 
 
@@ -78,6 +79,10 @@ def start_extensions(unit) -> dict[Param, Extended]:
             raise NotImplementedError(f"{_name(unit, p)}: fsdp_pre_all_gather/fsdp_post_all_gather on a parameter "
                                       f"sharded on dim {p.dim}: shard it on dim 0 (torch's requires it too)")
         inputs, st.metadata = _call_pre(unit, p, local)
+        padded = (p.chunk_rows, *p.shape[1:])
+        if p.local_rows != p.chunk_rows and any(tuple(t.shape) != padded for t in inputs):
+            # not raised here: the ranks whose shards are whole would wait in the all-gather; its tail carries it
+            unit.extension, unit.extension_code = _name(unit, p), UNPADDED
         st.sizes = [t.shape for t in inputs]
         st.inputs = [t.detach().reshape(-1) for t in inputs]
         out[p] = st

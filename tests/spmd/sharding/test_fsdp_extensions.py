@@ -8,6 +8,8 @@ parent compares them:
   often as torch's;
 - the same weights without the pair: all-gathered as their plain data, as torch's, bitwise;
 - a post-hook that returns a wrong shape: refused in one line naming the parameter, on every rank;
+- a pre-hook that returns an uneven shard's inputs unpadded: refused in one line on every rank (torch's raises on
+  the short rank only, the others wait);
 - at 4 ranks on a 2x2 (replicate, shard) mesh (soak): the pair trains as torch's HSDP does.
 (The pair set on one rank only: `test_fsdp_extension_one_rank.py`.)
 """
@@ -29,24 +31,26 @@ STEPS = 4
 
 class _Pair:
     """The all-gather extension pair for `TwoTensor` (both halves gathered, the full one made of them), counting its
-    calls; `cut` rows dropped from what the post-hook returns (a wrong shape)."""
+    calls; the halves of an uneven shard padded to ceil(rows / W) rows (as torch's requires) unless not `pad`; `cut`
+    rows dropped from what the post-hook returns (a wrong shape)."""
 
-    def __init__(self, cut: int = 0) -> None:
+    def __init__(self, cut: int = 0, pad: bool = True) -> None:
         self.calls = {"pre": 0, "post": 0, "post with out": 0}
-        self.cut = cut
+        self.cut, self.pad = cut, pad
 
     def pre(self, t, mesh, outer_size, outer_stride, module, mp_policy):
         self.calls["pre"] += 1
-        return (t.a, t.b), tuple(outer_size)
+        missing = -(-outer_size[0] // mesh.size()) - t.shape[0] if self.pad else 0
+        return tuple(nn.functional.pad(h, (0, 0, 0, missing)) for h in (t.a, t.b)), tuple(outer_size)
 
     def post(self, t, outputs, metadata, param_dtype, *, out=None):
         a, b = outputs
-        assert tuple(a.shape) == metadata or self.cut, (a.shape, metadata)
+        assert a.shape[1:] == metadata[1:], (a.shape, metadata)
         if out is not None:
             self.calls["post with out"] += 1
-            with torch.no_grad():
-                out.a.copy_(a)
-                out.b.copy_(b)
+            with torch.no_grad():  # (the full one's halves may be these very outputs: copied onto themselves)
+                out.a.copy_(a[:out.shape[0]])
+                out.b.copy_(b[:out.shape[0]])
             return None
         self.calls["post"] += 1
         full = TwoTensor(a.to(param_dtype), b.to(param_dtype))
@@ -69,9 +73,10 @@ class _Pair:
 
 
 def _model():
-    """Two linear layers whose weights are `TwoTensor`s of two different halves; plain biases."""
+    """Two linear layers whose weights are `TwoTensor`s of two different halves (the second's 3 rows cut unevenly
+    at 2 ranks); plain biases."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     for layer in (model[0], model[2]):
         w = layer.weight.detach()
         layer.weight = nn.Parameter(TwoTensor(w.clone(), w * 0.5 + 0.01))
@@ -109,8 +114,9 @@ def _with_pair(shard_fn, mesh=None):
     return {"steps": steps, "calls": pair.calls}
 
 
-def _wrong_shape():
-    with _Pair(cut=1):
+def _refused(pair):
+    """What the first forward with `pair` raises."""
+    with pair:
         model = _model()
         for m in (model[0], model[2], model):
             fully_shard(m)
@@ -124,7 +130,8 @@ def _job(mesh_shape=None):
     if mesh is None:
         for name, fn in SHARD_FNS.items():
             out[name]["plain"] = _train(fn)
-        out["ours"]["wrong shape"] = _wrong_shape()
+        out["ours"]["wrong shape"] = _refused(_Pair(cut=1))
+        out["ours"]["unpadded"] = _refused(_Pair(pad=False))  # torch's raises on the short rank only: the other waits
     return out
 
 
@@ -175,6 +182,14 @@ def test_a_post_hook_of_a_wrong_shape_is_refused_in_one_line_naming_the_paramete
         wrong = got["ours"]["wrong shape"]
         assert wrong == ("ValueError: 0.weight: fsdp_post_all_gather returned a tensor of shape (15, 8), not the "
                          "parameter's (16, 8): return the all-gathered parameter"), (r, wrong)
+
+
+def test_inputs_of_an_uneven_shard_not_padded_are_refused_in_one_line_on_every_rank(results):
+    for r, got in enumerate(results):
+        unpadded = got["ours"]["unpadded"]
+        assert unpadded.startswith("UnitMismatch: 2.weight: "), (r, unpadded)
+        assert "fsdp_pre_all_gather returned inputs of its shard's size on rank(s) 1," in unpadded, (r, unpadded)
+        assert "\n" not in unpadded
 
 
 @pytest.mark.soak
