@@ -130,8 +130,8 @@ def _moved(value: torch.Tensor, p) -> bool:
 
 def _agree_on_moves(moves: dict[str, str], mesh) -> None:
     """The ranks redistribute the same values the same way (each a collective over the mesh), or all raise alike."""
-    for dim in range(mesh.ndim):
-        agree("load_state_dict's redistribution", moves, mesh.get_group(dim),
+    for dim in range(mesh.ndim):  # check: a rank that moves nothing goes on to its next collective; both raise there
+        agree("load_state_dict's redistribution", moves, mesh.get_group(dim), check=True,
               hint="every rank must load a state dict with the same placements")
 
 

@@ -5,7 +5,8 @@ mesh, the same 2 ranks), or the other way, was refused with a line naming the pl
 redistributes the values and loads them. Now ours does too: the same script with torch's `fully_shard` gives the
 same shards bitwise, they hold the saved full weights, and a step after the load trains alike, on a 1-D mesh and
 on HSDP's 2-D mesh. Each move is a collective, so the ranks agree on what moves first: ranks that would move other
-values all raise naming them. A load that raises after a value moved leaves every shard as it was, bitwise; a
+values all raise naming them, and so do a rank that moves values and one that moves none and goes on to its
+forward (was: a hang). A load that raises after a value moved leaves every shard as it was, bitwise; a
 value of another shape on the model's mesh is named by its shape (was: "a shard cut for another world size").
 """
 import pytest
@@ -75,6 +76,9 @@ def _kept() -> dict:
     mixed = {**model.state_dict(), moved: saved.state_dict()[moved]}
     out["disagree"] = error_of(lambda: model.load_state_dict(mixed))
     out["disagree kept"] = all(torch.equal(before[k], v) for k, v in _locals(model).items())
+    alone = saved.state_dict() if dist.get_rank() == 0 else model.state_dict()  # rank 1 moves nothing, goes on
+    out["alone"] = error_of(lambda: (model.load_state_dict(alone), model(torch.ones(3, 6)).sum().backward()))
+    model.zero_grad()
     wider = nn.Linear(8, 4)
     fully_shard(wider, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     out["shape"] = error_of(lambda: model.load_state_dict({**model.state_dict(), "0.weight": wider.weight}))
@@ -124,6 +128,8 @@ def test_a_raising_load_ranks_moving_other_values_and_another_shape_change_no_sh
         assert said is not None and "redistribution differs across ranks" in said and "\n" not in said, (rank, said)
         assert "0.weight" in said and "2.weight" in said and "same placements" in said, (rank, said)
         assert got["disagree kept"], rank
+        said = got["alone"]  # one rank in the load's agreement, the other in the forward's all-gather: both raise
+        assert said is not None and "called differently across ranks" in said, (rank, said)
         said = got["shape"]  # on the model's mesh, of another shape: named by its shape, not as another world size
         assert said == "ValueError: load_state_dict: 0.weight has shape (4, 8), and the model's parameter (4, 6): " \
             "load a state dict saved from a model of the same shapes" and got["shape kept"], (rank, said)
