@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from manualdp.spmd import launch
@@ -33,21 +33,25 @@ from manualdp.spmd.sharding.fsdp import fully_shard
 from .test_fsdp_like_torch import _case, _full
 
 SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
-PLAN = {"in_proj": ColwiseParallel(), "out_proj": RowwiseParallel()}
-STEPS, BATCH = 3, 8
+# the norm sees its tp rank's piece of the sequence (its weight's gradient is Partial over tp, summed before dp's
+# reduce-scatter), in_proj gathers the sequence and cuts its output columns, out_proj sums them back
+PLAN = {"norm": SequenceParallel(), "in_proj": ColwiseParallel(input_layouts=Shard(1)), "out_proj": RowwiseParallel()}
+STEPS, BATCH, SEQ = 3, 8, 4
 
 
 class Net(nn.Module):
-    """in_proj (10 rows: 5 per tp rank, cut 3 and 2 over dp), out_proj, and a head tensor parallelism leaves plain."""
+    """A norm, in_proj (10 rows: 5 per tp rank, cut 3 and 2 over dp), out_proj, and a head tensor parallelism leaves
+    plain."""
 
     def __init__(self, hidden: int = 10):
         super().__init__()
+        self.norm = nn.LayerNorm(4)
         self.in_proj = nn.Linear(4, hidden)
         self.out_proj = nn.Linear(hidden, 5)
         self.head = nn.Linear(5, 3)
 
     def forward(self, x):
-        return self.head(torch.relu(self.out_proj(torch.relu(self.in_proj(x)))))
+        return self.head(torch.relu(self.out_proj(torch.relu(self.in_proj(self.norm(x))))))
 
 
 def _net(hidden: int = 10):
@@ -57,7 +61,12 @@ def _net(hidden: int = 10):
 
 def _batches():
     g = torch.Generator().manual_seed(1)
-    return [torch.randn(BATCH, 4, generator=g) for _ in range(STEPS)]
+    return [torch.randn(BATCH, SEQ, 4, generator=g) for _ in range(STEPS)]
+
+
+def _mine(X, mesh):
+    """This rank's input: its dp rank's half of the batch, its tp rank's half of the sequence."""
+    return X.chunk(2)[mesh["dp"].get_local_rank()].chunk(2, dim=1)[mesh["tp"].get_local_rank()]
 
 
 def _where(t):
@@ -84,12 +93,12 @@ def _train(shard_fn, mesh):
     """Adam for STEPS steps with clip_grad_norm_: each dp rank its half of the batch, the tp ranks alike."""
     model = _sharded(shard_fn, mesh)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    dp = mesh["dp"].get_local_rank()
     out = {"losses": [], "norms": [], "grads": {}}
     for X in _batches():
-        loss = model(X.chunk(2)[dp]).pow(2).mean()
+        loss = model(_mine(X, mesh)).pow(2).mean()
         loss.backward()
         out["grads"] = {n: _where(p.grad) for n, p in model.named_parameters()}
+        out.setdefault("first grads", {n: _full(p.grad) for n, p in model.named_parameters()})
         out["norms"].append(torch.nn.utils.clip_grad_norm_(_tp_params(model), 0.5).full_tensor().item())
         out["losses"].append(loss.item())
         opt.step()
@@ -105,13 +114,14 @@ def _one_process():
     """The same training in one process, on the whole batch: the reference."""
     model = _net()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    norms = []
+    norms, first = [], None
     for X in _batches():
         model(X).pow(2).mean().backward()
+        first = first or {n: p.grad.clone() for n, p in model.named_parameters()}
         norms.append(torch.nn.utils.clip_grad_norm_(_tp_params(model), 0.5).item())
         opt.step()
         opt.zero_grad()
-    return {"norms": norms, "full": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"norms": norms, "first grads": first, "full": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 def _state_dicts(shard_fn, mesh):
@@ -140,7 +150,7 @@ def _meta(shard_fn, mesh):
             m.reset_parameters()
     start = {n: _full(p) for n, p in model.named_parameters()}
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
-    model(_batches()[0].chunk(2)[mesh["dp"].get_local_rank()]).pow(2).mean().backward()
+    model(_mine(_batches()[0], mesh)).pow(2).mean().backward()
     opt.step()
     return {"start": start, "after": {n: _full(p) for n, p in model.named_parameters()}}
 
@@ -210,6 +220,10 @@ def test_fsdp_tp_trains_bitwise_as_torchs_and_as_one_process_to_float32_rounding
         ours, theirs = _answer(got["ours"]["train"], "ours"), _answer(got["torch"]["train"], "torch")
         assert ours["losses"] == theirs["losses"] and ours["norms"] == theirs["norms"], f"rank {r}"
         _same(ours["full"], theirs["full"], f"rank {r} against torch's")
+        # Adam's first steps hardly see a gradient's scale: the gradients themselves are compared too
+        _same(ours["first grads"], theirs["first grads"], f"rank {r} gradients against torch's")
+        _same(ours["first grads"], got["one process"]["first grads"], f"rank {r} gradients against one process",
+              exact=False)
         _same(ours["full"], got["one process"]["full"], f"rank {r} against one process", exact=False)
         assert ours["norms"] == pytest.approx(got["one process"]["norms"], rel=1e-5)
         whole = {n: (tuple(p.size()), p.stride()) for n, p in _net().named_parameters()}
@@ -220,7 +234,8 @@ def test_fsdp_tp_trains_bitwise_as_torchs_and_as_one_process_to_float32_rounding
 @pytest.mark.soak
 def test_fsdp_tp_placements_of_params_grads_and_state_dict_are_torchs(results):
     two_d = ("dp", "tp")
-    expected = {"in_proj.weight": (two_d, (_StridedShard(0, split_factor=2), Shard(0))),
+    expected = {"norm.weight": (two_d, (Shard(0), Replicate())), "norm.bias": (two_d, (Shard(0), Replicate())),
+                "in_proj.weight": (two_d, (_StridedShard(0, split_factor=2), Shard(0))),
                 "in_proj.bias": (two_d, (_StridedShard(0, split_factor=2), Shard(0))),
                 "out_proj.weight": (two_d, (Shard(0), Shard(1))), "out_proj.bias": (two_d, (Shard(0), Replicate())),
                 "head.weight": (("dp",), (Shard(0),)), "head.bias": (("dp",), (Shard(0),))}
