@@ -258,6 +258,11 @@ class SignedStore:
                 return value  # another writer's value, verified
             else:
                 want = raw  # the expected value, in other bytes (a stranger appended to them): swap those
+            if len(want) > LIMIT:  # grown by a stranger's appends: torch's store cannot be sent it to compare
+                raise ValueError(f"the value in place of {key!r} grew to {len(want)} bytes by appends without the "
+                                 f"run's secret, over the {LIMIT} bytes torch's TCPStore takes in one write, so it "
+                                 "cannot be swapped: a stranger writes to the coordinator's port; keep it off (bind "
+                                 "the coordinator to an address only the replicas reach)")
         return b""
 
     def delete_key(self, key: str) -> bool:

@@ -8,8 +8,11 @@ and the signed mode (whose seal, and an appended chunk's hex, make the bytes sen
 connection goes on serving. A recovery's state, which the store carries, was one write: a model of more than 8 MiB
 could never be sent (`recovery.py` said "a few hundred MiB"); now it goes in pieces, each under the limit.
 """
+import datetime
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from manualdp.spmd.ft import Coordinator, keys
 from manualdp.spmd.ft.coordinator import connect
@@ -24,6 +27,21 @@ def store(request):
     token = TOKEN if request.param == "signed" else None
     with Coordinator(0, token=token) as c:
         yield connect("127.0.0.1", c.port, 5, token=token, namespace="limit")
+
+
+def test_a_signed_value_grown_past_the_limit_by_a_strangers_appends_is_named_at_the_swap_not_a_lost_store():
+    with Coordinator(0, token=TOKEN) as c:
+        store = connect("127.0.0.1", c.port, 5, token=TOKEN, namespace="grown")
+        stranger = dist.TCPStore("127.0.0.1", c.port, is_master=False, timeout=datetime.timedelta(seconds=5))
+        for _ in range(3):  # each append under the limit: the server takes it
+            stranger.append(store._name("decided"), b"z" * (LIMIT // 2))
+        with pytest.raises(ValueError) as e:  # first writer wins replaces a forged value: this one cannot be sent
+            store.compare_set("decided", "", "mine")
+        said = str(e.value)
+        assert said.startswith(f"the value in place of 'decided' grew to {3 * (LIMIT // 2)} bytes") and \
+            "stranger" in said and "\n" not in said, said
+        store.set("after", "still here")  # the connection was not closed
+        assert store.get("after") == b"still here"
 
 
 def _refused(store, write, key: str, sent: int) -> None:
