@@ -44,6 +44,8 @@ class Extended:
         self.inner: list[torch.Tensor] = []     # what the post-hook said to free between uses
         self.nbytes: list[int] = []             # the inner tensors' storage sizes, given back at each gather
         self.pending = False                    # outputs filled, post-hook not run yet
+        self.full: nn.Parameter | None = None    # the full parameter the post-hook made
+        self.on_grad = False                    # whether it has the unit's gradient hook
 
 
 def pair_state(p: Param) -> int:
@@ -148,6 +150,8 @@ def finish_extensions(unit) -> None:
         outs = tuple(t.view(-1, *s[1:]) for t, s in zip(st.outputs, st.sizes))
         dtype = unit.param_dtype or p.dtype
         hook = getattr(st.local, POST)
+        if p.full is None and st.full is not None:  # `requires_grad_` after fully_shard: refilled, as torch's
+            p.full = _trainable(unit, p, st)
         if p.full is not None and getattr(p.full, FULL, False):
             _alloc(st)
             with torch.no_grad():  # through .data: autograd's saved full parameter keeps its version
@@ -157,7 +161,8 @@ def finish_extensions(unit) -> None:
         if not (isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], torch.Tensor)):
             raise TypeError(f"{_name(unit, p)}: fsdp_post_all_gather must return (the full tensor, the inner tensors "
                             f"to free), got {type(got).__name__}")
-        p.full = _full(unit, p, got[0])
+        st.full = _full(unit, p, got[0])
+        p.full = _trainable(unit, p, st)
         st.inner = [t for t in got[1] if isinstance(t, torch.Tensor)]
         st.nbytes = [t.untyped_storage().nbytes() for t in st.inner]
 
@@ -171,9 +176,16 @@ def _full(unit, p: Param, made: torch.Tensor) -> nn.Parameter:
     stride = torch.empty(p.shape, device="meta").stride()
     full = nn.Parameter(torch.as_strided(made, p.shape, stride, 0), requires_grad=p.requires_grad)
     setattr(full, FULL, True)
-    if p.requires_grad:
-        full.register_post_accumulate_grad_hook(unit.grad_ready)
     return full
+
+
+def _trainable(unit, p: Param, st: Extended) -> nn.Parameter:
+    """`st`'s full parameter, trained as `p` is now, with the unit's gradient hook once it trains."""
+    st.full.requires_grad_(p.requires_grad)
+    if p.requires_grad and not st.on_grad:
+        st.full.register_post_accumulate_grad_hook(unit.grad_ready)
+        st.on_grad = True
+    return st.full
 
 
 def _writable(full: nn.Parameter) -> torch.Tensor:

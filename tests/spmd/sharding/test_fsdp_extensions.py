@@ -5,7 +5,7 @@ Each case runs the same script with our `fully_shard` and with torch's, on the s
 parent compares them:
 - weights that are `TwoTensor`s whose class defines `fsdp_pre_all_gather`/`fsdp_post_all_gather` (the pair written
   here): the losses, the shards and their gradients after every step are torch's, bitwise, and each hook ran as
-  often as torch's;
+  often as torch's; also in bfloat16, with gradient accumulation, and with a weight frozen after sharding;
 - the same weights without the pair: all-gathered as their plain data, as torch's, bitwise;
 - a post-hook that returns a wrong shape: refused in one line naming the parameter, on every rank;
 - a pre-hook that returns an uneven shard's inputs unpadded: refused in one line on every rank (torch's raises on
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.two_tensor import TwoTensor
 
@@ -27,6 +28,7 @@ from tests.helpers import error_of
 
 SHARD_FNS = {"ours": fully_shard, "torch": torch_fully_shard}
 STEPS = 4
+HOWS = ("bf16", "accumulate", "freeze")
 
 
 class _Pair:
@@ -88,19 +90,27 @@ def _plain(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return (t.a.clone(), t.b.clone()) if isinstance(t, TwoTensor) else (t.detach().clone(),)
 
 
-def _train(shard_fn, mesh=None):
+def _train(shard_fn, mesh=None, how=""):
     """Shard each layer and the root, train STEPS steps of Adam on this rank's data: per step the loss, and the local
-    shards and gradients."""
+    shards and gradients. `how`: "bf16" (param_dtype), "accumulate" (a micro-batch without gradient sync before each
+    step), "freeze" (the first weight frozen after the first step)."""
     model = _model()
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if how == "bf16" else MixedPrecisionPolicy()
     for m in (model[0], model[2], model):
-        shard_fn(m, mesh=mesh)
+        shard_fn(m, mesh=mesh, mp_policy=mp)
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
+    data = torch.Generator().manual_seed(dist.get_rank())
     steps = []
-    for _ in range(STEPS):
-        loss = model(x).sum()
+    for step in range(STEPS):
+        if how == "freeze" and step == 1:
+            model[0].weight.requires_grad_(False)
+        if how == "accumulate":
+            model.set_requires_gradient_sync(False)
+            model(torch.randn(4, 8, generator=data)).sum().backward()
+            model.set_requires_gradient_sync(True)
+        loss = model(torch.randn(4, 8, generator=data)).sum()
         loss.backward()
-        grads = {k: _plain(p.grad.to_local()) for k, p in model.named_parameters()}
+        grads = {k: _plain(p.grad.to_local()) for k, p in model.named_parameters() if p.grad is not None}
         optim.step()
         optim.zero_grad()
         steps.append({"loss": _plain(loss), "grads": grads,
@@ -108,9 +118,9 @@ def _train(shard_fn, mesh=None):
     return steps
 
 
-def _with_pair(shard_fn, mesh=None):
+def _with_pair(shard_fn, mesh=None, how=""):
     with _Pair() as pair:
-        steps = _train(shard_fn, mesh)
+        steps = _train(shard_fn, mesh, how)
     return {"steps": steps, "calls": pair.calls}
 
 
@@ -130,6 +140,8 @@ def _job(mesh_shape=None):
     if mesh is None:
         for name, fn in SHARD_FNS.items():
             out[name]["plain"] = _train(fn)
+            for how in HOWS:
+                out[name][how] = _with_pair(fn, how=how)
         out["ours"]["wrong shape"] = _refused(_Pair(cut=1))
         out["ours"]["unpadded"] = _refused(_Pair(pad=False))  # torch's raises on the short rank only: the other waits
     return out
@@ -157,9 +169,9 @@ def _assert_same(ours, theirs, where):
         assert torch.equal(a, b), (path, a, b)
 
 
-def _assert_trains_as_torchs(results):
+def _assert_trains_as_torchs(results, how="pair"):
     for r, got in enumerate(results):
-        ours, theirs = got["ours"]["pair"], got["torch"]["pair"]
+        ours, theirs = got["ours"][how], got["torch"][how]
         _assert_same(ours["steps"], theirs["steps"], f"rank {r}")
         assert theirs["calls"]["pre"] > 0 and theirs["calls"]["post with out"] > 0, theirs["calls"]
         assert ours["calls"] == theirs["calls"], (r, ours["calls"], theirs["calls"])
@@ -169,6 +181,11 @@ def _assert_trains_as_torchs(results):
 
 def test_a_twotensor_model_with_the_pair_trains_bitwise_as_torchs_and_calls_the_hooks_as_often(results):
     _assert_trains_as_torchs(results)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_the_pair_trains_bitwise_as_torchs_in_bf16_with_accumulation_and_a_weight_frozen_after_sharding(results, how):
+    _assert_trains_as_torchs(results, how)
 
 
 def test_a_twotensor_model_without_the_pair_trains_bitwise_as_torchs(results):
