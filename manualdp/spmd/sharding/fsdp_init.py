@@ -2,9 +2,10 @@
 
 Each argument is checked where the user hands it in, once; then the module is walked (its parameters
 outside the units already inside it, those units, its buffers), refused where it cannot be sharded
-(a DTensor already, a module inside a sharded one, a weight tied to a unit outside it, a 0-dim
-parameter, parameters on several devices), and every rank's call is compared with the others' before
-anything changes (`agree`), so that all ranks raise alike, naming the field. `fsdp.py` then shards.
+(a module inside a sharded one, a weight tied to a unit outside it, a 0-dim parameter, parameters on
+several devices, a DTensor that `fsdp_tp.py` cannot take over tensor parallelism), and every rank's call is
+compared with the others' before anything changes (`agree`), so that all ranks raise alike, naming the field.
+`fsdp.py` then shards.
 """
 from __future__ import annotations
 

@@ -13,9 +13,10 @@ local tensor as a DTensor on the tp mesh with tp's placements, which TP's parall
 gradient, redistributed to those placements (a Partial one is summed over tp first), is what the unit
 reduce-scatters over dp. Plain parameters of the same model stay on the dp mesh, `(Shard(0),)`, as torch's.
 
-Not supported (refused in one line on every rank, a field of `fsdp_init`'s agreement): no dp mesh given, HSDP
-over tp (a 3-D mesh), a tp mesh that is not a sibling of dp's in one root mesh, more than one tp dimension, a
-Partial or strided placement, a shard dim other than 0, and a lower-precision `mp_policy`.
+Not supported (refused in one line on every rank, a field of `fsdp_init`'s agreement): HSDP over tp (a 3-D
+mesh), a tp mesh that is not a sibling of dp's in one root mesh (also no mesh given: the world's), a DTensor on the
+dp mesh itself (sharded by torch's fully_shard), more than one tp dimension, a Partial or strided placement, a
+shard dim other than 0, and a lower-precision `mp_policy`.
 """
 from __future__ import annotations
 
@@ -52,14 +53,15 @@ def tp_spec(value: DTensor, dp_mesh: DeviceMesh) -> TPSpec:
                   (dp, *tp_placements), tuple(value.stride()))
 
 
-def tp_refusal(p: DTensor, name: str, mesh, dim: int, mp_policy) -> Exception | None:
+def tp_refusal(p: DTensor, name: str, mesh: DeviceMesh, dim: int, mp_policy) -> Exception | None:
     """Why `fully_shard(mesh=mesh)` cannot shard `p`, a DTensor parameter over tensor parallelism, or None."""
     how = f"{name} is a DTensor on {p.device_mesh} placed {tuple(p.placements)} (tensor parallelism)"
-    if mesh is None:
-        return ValueError(f"{how}: pass fully_shard the dp mesh beside it, mesh=mesh['dp'] of the (dp, tp) mesh")
     if mesh.ndim != 1:
         return NotImplementedError(f"{how}: HSDP over tensor parallelism (a {mesh.ndim}-D dp mesh) is not supported by "
                                    "manualdp's fully_shard; shard over a 1-D dp mesh")
+    if p.device_mesh == mesh:
+        return ValueError(f"{how}: it is sharded on the dp mesh itself already (by torch's fully_shard?): shard a "
+                          "module once, with one fully_shard")
     if p.device_mesh.ndim != 1:
         return NotImplementedError(f"{how}: manualdp's fully_shard takes one tp dimension, not {p.device_mesh.ndim}")
     if p.device_mesh.device_type != mesh.device_type:

@@ -13,7 +13,7 @@ function differs), and the parent compares them, and the training with one proce
 - a model built on the meta device, parallelised, sharded, `to_empty` and `reset_parameters()`, starts where
   torch's does and trains;
 - what is not supported (HSDP over tp, a tp mesh from another root, `shard_placement_fn` off dim 0, a lower
-  `param_dtype`) is one line, alike on every rank.
+  `param_dtype`, a model sharded by torch's `fully_shard` first) is one line, alike on every rank.
 """
 import pytest
 import torch
@@ -181,8 +181,13 @@ def _refusals(mesh):
         fully_shard(parallelize_module(_net(), mesh["tp"], PLAN), mesh=mesh["dp"],
                     mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
 
-    return {name: _refused(fn) for name, fn in
-            (("hsdp", hsdp), ("other root", other_root), ("dim 1", dim_1), ("bf16", bf16))}
+    def torchs_first():
+        model = _net()
+        torch_fully_shard(model, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+
+    return {name: _refused(fn) for name, fn in (("hsdp", hsdp), ("other root", other_root), ("dim 1", dim_1),
+                                                ("bf16", bf16), ("torch's first", torchs_first))}
 
 
 def _job():
@@ -269,9 +274,10 @@ def test_fsdp_tp_on_meta_initialises_as_torchs_and_trains(results):
 def test_fsdp_tp_unsupported_is_one_line_alike_on_every_rank(results):
     refused = [got["refused"] for got in results]
     for got in refused:
-        assert set(got) == {"hsdp", "other root", "dim 1", "bf16"}, got
+        assert set(got) == {"hsdp", "other root", "dim 1", "bf16", "torch's first"}, got
         for name, line in got.items():
             assert line != "taken" and "\n" not in line and "tensor parallelism" in line, (name, line)
         assert got["hsdp"].startswith("NotImplementedError") and "HSDP" in got["hsdp"]
         assert "sibling" in got["other root"] and "Shard(1)" in got["dim 1"] and "param_dtype" in got["bf16"]
+        assert "by torch's fully_shard" in got["torch's first"], got["torch's first"]
     assert all(got == refused[0] for got in refused), "every rank says the same"
