@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .fsdp_tp import local_grad, local_of, tp_spec, unsharded
+from .fsdp_tp import local_grad, local_of, tp_piece, tp_spec, unsharded
 
 __all__ = ["Param", "owner_of", "watch_optimizers", "SLOTS"]
 
@@ -97,7 +97,10 @@ class Param:
         return self.sharded._local_tensor.detach()  # not to_local(): an autograd.Function, refused under jvp
 
     def cut(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of `full` (a tensor of the parameter's shape), a contiguous copy."""
+        """This rank's rows of `full` (a tensor of the parameter's shape, or over tp of its piece's), a contiguous
+        copy."""
+        if self.tp is not None and full.shape == self.shape:  # the whole parameter (`init_full`): tp's piece first
+            full = tp_piece(full, self.tp)
         return full.detach().narrow(self.dim, self.start, self.local_rows).clone(memory_format=torch.contiguous_format)
 
     def as_shard(self, local: torch.Tensor) -> DTensor:

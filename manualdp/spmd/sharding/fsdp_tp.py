@@ -27,9 +27,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["TPSpec", "tp_spec", "tp_refusal", "local_of", "unsharded", "local_grad"]
+__all__ = ["TPSpec", "tp_spec", "tp_refusal", "tp_piece", "local_of", "unsharded", "local_grad"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,14 @@ def tp_refusal(p: DTensor, name: str, mesh: DeviceMesh, dim: int, mp_policy) -> 
                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): slice both from one "
                           "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))")
     return None
+
+
+def tp_piece(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """This rank's tp piece of `full` (the whole parameter), as tp's placements cut it."""
+    shape, offset = compute_local_shape_and_global_offset(full.shape, spec.tp_mesh, spec.tp_placements)
+    for dim, (size, start) in enumerate(zip(shape, offset)):
+        full = full.narrow(dim, start, size)
+    return full
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ function differs), and the parent compares them, and the training with one proce
 - `state_dict()` gives the whole model by `full_tensor()`, `load_state_dict` of such a state dict loads, and
   `get_model_state_dict` / `set_model_state_dict` (full) round-trip into a model sharded afresh;
 - a model built on the meta device, parallelised, sharded, `to_empty` and `reset_parameters()`, starts where
-  torch's does and trains;
+  torch's does and trains; with our `init_full` it starts where one process does;
 - what is not supported (HSDP over tp, a tp mesh from another root, `shard_placement_fn` off dim 0, a lower
   `param_dtype`, a model sharded by torch's `fully_shard` first) is one line, alike on every rank.
 """
@@ -28,7 +28,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from manualdp.spmd import launch
-from manualdp.spmd.sharding.fsdp import fully_shard
+from manualdp.spmd.sharding.fsdp import fully_shard, init_full
 
 from .test_fsdp_like_torch import _case, _full
 
@@ -155,6 +155,16 @@ def _meta(shard_fn, mesh):
     return {"start": start, "after": {n: _full(p) for n, p in model.named_parameters()}}
 
 
+def _init_full(mesh):
+    """Ours: built on meta, then `init_full` runs reset_parameters() on the whole parameters: one process's values."""
+    with torch.device("meta"):
+        model = _sharded(fully_shard, mesh, model=Net())
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    init_full(model, lambda m: [s.reset_parameters() for s in m.modules() if hasattr(s, "reset_parameters")])
+    return {n: _full(p) for n, p in model.named_parameters()}
+
+
 def _refused(fn):
     try:
         fn()
@@ -197,6 +207,7 @@ def _job():
                   (("train", _train), ("state dicts", _state_dicts), ("meta", _meta))}
            for impl, shard_fn in SHARD_FNS.items()}
     out["one process"] = _one_process()
+    out["init_full"] = _case(_init_full, mesh)
     out["refused"] = _case(_refusals, mesh)
     dist.barrier()
     return out
@@ -268,6 +279,7 @@ def test_fsdp_tp_on_meta_initialises_as_torchs_and_trains(results):
         _same(ours["start"], theirs["start"], f"rank {r} start")
         _same(ours["after"], theirs["after"], f"rank {r} after a step")
         assert all(not torch.equal(ours["start"][k], ours["after"][k]) for k in ours["start"]), "it trains"
+        _same(_answer(got["init_full"], "init_full"), dict(_net().named_parameters()), f"rank {r} init_full")
 
 
 @pytest.mark.soak
