@@ -79,7 +79,7 @@ def start_extensions(unit) -> dict[Param, Extended]:
             p.full = None
         if p.dim:
             raise NotImplementedError(f"{_name(unit, p)}: fsdp_pre_all_gather/fsdp_post_all_gather on a parameter "
-                                      f"sharded on dim {p.dim}: shard it on dim 0 (torch's requires it too)")
+                                      f"sharded on dim {p.dim}: shard it on dim 0")
         inputs, st.metadata = _call_pre(unit, p, local)
         padded = (p.chunk_rows, *p.shape[1:])
         if p.local_rows != p.chunk_rows and any(tuple(t.shape) != padded for t in inputs):

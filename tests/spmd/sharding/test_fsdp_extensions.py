@@ -9,7 +9,7 @@ parent compares them:
 - the same weights without the pair: all-gathered as their plain data, as torch's, bitwise;
 - a post-hook that returns a wrong shape: refused in one line naming the parameter, on every rank;
 - a pre-hook that returns an uneven shard's inputs unpadded: refused in one line on every rank (torch's raises on
-  the short rank only, the others wait);
+  the short rank only, the others wait); the pair on a parameter sharded past dim 0 refused in one line;
 - at 4 ranks on a 2x2 (replicate, shard) mesh (soak): the pair trains as torch's HSDP does.
 (The pair set on one rank only: `test_fsdp_extension_one_rank.py`.)
 """
@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import Shard
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.testing._internal.two_tensor import TwoTensor
 
@@ -124,12 +125,12 @@ def _with_pair(shard_fn, mesh=None, how=""):
     return {"steps": steps, "calls": pair.calls}
 
 
-def _refused(pair):
-    """What the first forward with `pair` raises."""
+def _refused(pair, **kwargs):
+    """What the first forward with `pair` raises (each unit sharded with `kwargs`)."""
     with pair:
         model = _model()
         for m in (model[0], model[2], model):
-            fully_shard(m)
+            fully_shard(m, **kwargs)
         return error_of(lambda: model(torch.randn(2, 8)))
 
 
@@ -144,6 +145,7 @@ def _job(mesh_shape=None):
                 out[name][how] = _with_pair(fn, how=how)
         out["ours"]["wrong shape"] = _refused(_Pair(cut=1))
         out["ours"]["unpadded"] = _refused(_Pair(pad=False))  # torch's raises on the short rank only: the other waits
+        out["ours"]["dim 1"] = _refused(_Pair(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
     return out
 
 
@@ -207,6 +209,12 @@ def test_inputs_of_an_uneven_shard_not_padded_are_refused_in_one_line_on_every_r
         assert unpadded.startswith("UnitMismatch: 2.weight: "), (r, unpadded)
         assert "fsdp_pre_all_gather returned inputs of its shard's size on rank(s) 1," in unpadded, (r, unpadded)
         assert "\n" not in unpadded
+
+
+def test_the_pair_on_a_parameter_sharded_past_dim_0_is_refused_in_one_line(results):
+    for r, got in enumerate(results):
+        assert got["ours"]["dim 1"] == ("NotImplementedError: 0.weight: fsdp_pre_all_gather/fsdp_post_all_gather on a "
+                                        "parameter sharded on dim 1: shard it on dim 0"), (r, got["ours"]["dim 1"])
 
 
 @pytest.mark.soak
