@@ -49,12 +49,16 @@ Where it differs from torch's FSDP2:
 HSDP, as torch's: on a 2-D mesh (replicate, shard) each parameter is sharded over dim 1 (a DTensor placed
 `(Replicate(), Shard(0))`), and a unit's gradients are reduce-scattered there, then all-reduced across the
 replicas over dim 0 (`fsdp_hsdp.py`); `set_requires_all_reduce(False)` keeps the sums for a later backward.
+FSDP + TP, as torch's: after `parallelize_module(model, mesh["tp"], plan)`, `fully_shard(model, mesh=mesh["dp"])`
+cuts each DTensor parameter's tp piece over dp: its shard is a DTensor on the (dp, tp) mesh placed `(Shard(0) or
+_StridedShard(0), tp's)`, and the modules see the gathered piece as tp's DTensor (`fsdp_tp.py`).
 `CPUOffloadPolicy(pin_memory=False)` is taken on cpu, where the shards live in host memory already.
 `shard_placement_fn` (a parameter -> `Shard(dim)` or None) cuts a parameter along another dim
 (`fsdp_placement.py`), also unevenly. A tensor-subclass parameter (torch's `TwoTensor`) is sharded as torch's,
 and torch's all-gather extensions (`fsdp_pre_all_gather`/`fsdp_post_all_gather`) run as torch's (`fsdp_ext.py`).
 Not supported (each refused in one line): a mesh of more than two dimensions, a 2-D mesh without
-`mesh_dim_names`, a mesh per parameter, offloading off cpu, custom all-gather, reduce-scatter and all-reduce.
+`mesh_dim_names`, a mesh per parameter, offloading off cpu, custom all-gather, reduce-scatter and all-reduce,
+HSDP over tp, and over tp a shard dim other than 0 or a lower-precision `mp_policy`.
 
 The book's ZeRO-3 (`manualdp.zero3.Zero3`) keeps one flat shard per unit instead: it teaches the idea
 on one page. Per-parameter shards cost a copy in and out of the flat buffer each all-gather and
