@@ -5,7 +5,8 @@ Each parameter lives in two forms:
 - its *shard*: this rank's rows of it (its slices along dim 0, or the dim `shard_placement_fn` chose, cut as
   `torch.chunk` cuts: ceil(rows / W) rows per rank, the last ranks may get fewer or none; even on a dim past 0,
   which torch's refuses), an `nn.Parameter` holding a DTensor placed `Shard(dim)` on a 1-D
-  mesh of the group (over tensor parallelism: the rows of tp's piece, on the (dp, tp) mesh, `fsdp_tp.py`). That is what `module.parameters()` yields between steps and what the optimizer
+  mesh of the group (over tensor parallelism: the rows of tp's piece, on the (dp, tp) mesh, `fsdp_tp.py`).
+  That is what `module.parameters()` yields between steps and what the optimizer
   steps; torch's own utilities (`clip_grad_norm_`, `torch.distributed.checkpoint`, state dicts) see
   a sharded tensor and reduce or gather over the mesh themselves;
 - its *full* form: a plain `nn.Parameter` of the whole shape, put in the module's place while
