@@ -5,6 +5,7 @@ function differs), and the parent compares them, and the training with one proce
 - an MLP whose first layer is `ColwiseParallel`, its second `RowwiseParallel` and its head plain (10 rows: tp's
   pieces of 5 are cut 3 and 2 over dp) trains 3 steps of Adam, with `clip_grad_norm_`: bitwise torch's (parameters,
   losses, norms), and the one-process model's to float32 rounding (tp cuts the matmuls' sums otherwise);
+- two micro-batches a step with gradient sync off for the first, units kept gathered: bitwise torch's;
 - the placements of the parameters, their gradients and `state_dict()` are torch's: `(_StridedShard(0, 2),
   Shard(0))` where tp cuts dim 0 too, `(Shard(0), Shard(1))`, `(Shard(0), Replicate())`, the plain head `(Shard(0),)`
   on the dp mesh;
@@ -110,6 +111,23 @@ def _train(shard_fn, mesh):
     return out
 
 
+def _accumulate(shard_fn, mesh):
+    """Two micro-batches a step, gradient sync off for the first (the gathered DTensors' gradients add up), units
+    kept gathered after forward: two steps of Adam."""
+    model = _sharded(shard_fn, mesh)
+    model.set_reshard_after_forward(False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    grads = []
+    for X in _batches()[:2]:
+        for k, micro in enumerate(_mine(X, mesh).chunk(2)):
+            model.set_requires_gradient_sync(k == 1)
+            model(micro).pow(2).mean().backward()
+        grads.append({n: _full(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return {"grads": grads, "full": {n: _full(p) for n, p in model.named_parameters()}}
+
+
 def _one_process():
     """The same training in one process, on the whole batch: the reference."""
     model = _net()
@@ -204,7 +222,7 @@ def _job():
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {impl: {case: _case(fn, shard_fn, mesh) for case, fn in
-                  (("train", _train), ("state dicts", _state_dicts), ("meta", _meta))}
+                  (("train", _train), ("accumulate", _accumulate), ("state dicts", _state_dicts), ("meta", _meta))}
            for impl, shard_fn in SHARD_FNS.items()}
     out["one process"] = _one_process()
     out["init_full"] = _case(_init_full, mesh)
@@ -245,6 +263,15 @@ def test_fsdp_tp_trains_bitwise_as_torchs_and_as_one_process_to_float32_rounding
         whole = {n: (tuple(p.size()), p.stride()) for n, p in _net().named_parameters()}
         assert ours["sizes"] == theirs["sizes"] == whole, "global size() and stride()"
     assert results[0]["ours"]["train"]["losses"] != results[2]["ours"]["train"]["losses"], "dp ranks see other data"
+
+
+@pytest.mark.soak
+def test_fsdp_tp_gradient_accumulation_without_resharding_equals_torchs_bitwise(results):
+    for r, got in enumerate(results):
+        ours, theirs = _answer(got["ours"]["accumulate"], "ours"), _answer(got["torch"]["accumulate"], "torch")
+        for step, (a, b) in enumerate(zip(ours["grads"], theirs["grads"])):
+            _same(a, b, f"rank {r} step {step} gradients")
+        _same(ours["full"], theirs["full"], f"rank {r} parameters")
 
 
 @pytest.mark.soak
