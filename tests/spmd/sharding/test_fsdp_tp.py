@@ -14,7 +14,8 @@ function differs), and the parent compares them, and the training with one proce
 - a model built on the meta device, parallelised, sharded, `to_empty` and `reset_parameters()`, starts where
   torch's does and trains; with our `init_full` it starts where one process does;
 - what is not supported (HSDP over tp, a tp mesh from another root, `shard_placement_fn` off dim 0, a lower
-  `param_dtype`, a model sharded by torch's `fully_shard` first) is one line, alike on every rank.
+  `param_dtype`, a model sharded by torch's `fully_shard` first) is one line, alike on every rank; dp ranks of which
+  one forgot `parallelize_module` are named in one line on every rank (the placements are a field of the agreement).
 """
 import pytest
 import torch
@@ -214,8 +215,15 @@ def _refusals(mesh):
         torch_fully_shard(model, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
 
+    def dp_ranks_apart():  # dp rank 1 forgot parallelize_module: its parameters are plain, dp rank 0's DTensors
+        model = _net()
+        if mesh["dp"].get_local_rank() == 0:
+            parallelize_module(model, mesh["tp"], PLAN)
+        fully_shard(model, mesh=mesh["dp"])
+
     return {name: _refused(fn) for name, fn in (("hsdp", hsdp), ("other root", other_root), ("dim 1", dim_1),
-                                                ("bf16", bf16), ("torch's first", torchs_first))}
+                                                ("bf16", bf16), ("torch's first", torchs_first),
+                                                ("dp ranks apart", dp_ranks_apart))}
 
 
 def _job():
@@ -313,6 +321,9 @@ def test_fsdp_tp_on_meta_initialises_as_torchs_and_trains(results):
 def test_fsdp_tp_unsupported_is_one_line_alike_on_every_rank(results):
     refused = [got["refused"] for got in results]
     for got in refused:
+        apart = got.pop("dp ranks apart")
+        assert apart.startswith("ValueError") and "in_proj.weight" in apart and "Shard(dim=0)" in apart, apart
+        assert "\n" not in apart, apart
         assert set(got) == {"hsdp", "other root", "dim 1", "bf16", "torch's first"}, got
         for name, line in got.items():
             assert line != "taken" and "\n" not in line and "tensor parallelism" in line, (name, line)
