@@ -16,9 +16,10 @@ group, dead ones included. A process may destroy its default group and make anot
 as it likes; on one machine a re-formed group of 3 is ready in a few milliseconds. The price:
 a replica is one process that uses no other default group of its own.
 
-Leaving a group does not close its connections (torch 2.13's gloo keeps them open): a member
-whose step failed while it lives on costs the others one `timeout` in their allreduce, where
-a member that died costs them nothing (the system closes a dead process's connections).
+Leaving a group first lets go of what our collectives keep of it (`transport.group.release`: the
+next call's header receives, posted early, and the works kept until the next call). Kept, they held
+gloo's connections and its network thread past `destroy_process_group` (torch 2.13), until the
+interpreter's exit, whose race with that thread aborted a replica after its work was done (exit -6).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import datetime
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from ..transport.group import release
 from . import keys
 
 __all__ = ["form_group", "meeting", "drop_group"]
@@ -55,4 +57,5 @@ def meeting(store: dist.Store, name: str) -> dist.Store:
 def drop_group() -> None:
     """Leave the group this process holds (its peers are not told: see the module's docstring)."""
     if dist.is_initialized():
+        release()  # what our collectives keep of it: else gloo's connections outlive it (`transport.group.release`)
         dist.destroy_process_group()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .peers import group_ranks, group_timeout
 from .worker import InlineWorker, SerialWorker
 
-__all__ = ["GroupState", "group_state", "group_worker", "Traffic"]
+__all__ = ["GroupState", "group_state", "group_worker", "release", "Traffic"]
 
 
 class Traffic:
@@ -114,6 +114,24 @@ def group_state(group=None) -> GroupState:
                 state.late.close()
             state = _STATES[id(pg)] = GroupState(pg)
         return state
+
+
+def release(group=None) -> None:
+    """Let go of what this process keeps of `group` (default: all ranks), before it is destroyed.
+
+    Its receives posted early (the next call's headers) and the works kept until the next call hold
+    gloo's connections, and with them gloo's network thread, past `destroy_process_group`: left to the
+    interpreter's exit, that thread's end raced Python's and aborted the process after its work was done
+    ("terminate called without an active exception", exit -6). Freed here, on the caller's thread, they go
+    while Python runs; each thread's kept works go with the old `local`.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    with _STATES_LOCK:
+        state = _STATES.pop(id(pg), None) if pg is not None else None
+    if state is not None:
+        state.headers, state.local = None, threading.local()
+        if state.late:
+            state.late.close()
 
 
 def after_wrappers(state: GroupState) -> None:

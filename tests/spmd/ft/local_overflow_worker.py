@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from manualdp.spmd.ft import LocalSGD, Manager
+from tests.spmd.ft.test_ft_leave_group import gloo_threads
 
 
 def main(rid: str, port: int, dtype: str, v: float, out: str, min_replicas: int) -> None:
@@ -25,8 +26,9 @@ def main(rid: str, port: int, dtype: str, v: float, out: str, min_replicas: int)
             with torch.no_grad():
                 net.weight.fill_(v)  # what the local steps made of the parameters
             committed.append(local.step())
+    threads = gloo_threads()  # after the Manager closed: none, or one left for the exit
     with open(out, "w") as f:
-        json.dump({"committed": committed, "weight": net.weight.flatten().tolist()}, f)
+        json.dump({"gloo_threads": threads, "committed": committed, "weight": net.weight.flatten().tolist()}, f)
 
 
 if __name__ == "__main__":

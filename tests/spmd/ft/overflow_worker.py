@@ -9,6 +9,7 @@ import torch
 
 from manualdp.spmd.ft import FaultTolerantDDP, Manager
 from tests.spmd.ft.test_ft_overflow import Pair
+from tests.spmd.ft.test_ft_leave_group import gloo_threads
 
 
 def main(rid: str, port: int, dtype: str, g: float, out: str, min_replicas: int = 2) -> None:
@@ -24,8 +25,10 @@ def main(rid: str, port: int, dtype: str, g: float, out: str, min_replicas: int 
             ft(torch.tensor([[g] * 3, [1.0] * 3], dtype=dt)).backward()
             committed.append(ft.step())
         step = manager.step
+    threads = gloo_threads()  # after the Manager closed: none, or one left for the exit
     with open(out, "w") as f:
-        json.dump({"committed": committed, "step": step, "p0": net.p0.tolist(), "p1": net.p1.tolist()}, f)
+        json.dump({"gloo_threads": threads, "committed": committed, "step": step, "p0": net.p0.tolist(),
+                   "p1": net.p1.tolist()}, f)
 
 
 if __name__ == "__main__":

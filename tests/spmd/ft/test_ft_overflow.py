@@ -230,6 +230,7 @@ def test_replicas_whose_shares_sum_past_the_dtype_commit_at_once(tmp_path, dtype
     """65504 at three: divided first in float16, the shares summed to Inf again (discarded forever, no member named)."""
     for out in replicas(tmp_path, "overflow_worker", ids, dtype, g, len(ids)):
         assert out["committed"] == [True] and out["step"] == 1  # the first attempt: was discarded forever
+        assert out["gloo_threads"] == 0  # the Manager closed let go of its group: nothing of gloo's left for the exit
         assert out["p0"] == [-g] * 3 and out["p1"] == [-1.0] * 3
 
 
@@ -239,3 +240,4 @@ def test_three_float16_local_sgd_replicas_at_the_dtypes_largest_average_it_not_i
     v = torch.finfo(torch.float16).max
     for out in replicas(tmp_path, "local_overflow_worker", "abc", "float16", v, 3):
         assert out["committed"] == [True] and out["weight"] == [v] * 4  # the average of equal parameters: them
+        assert out["gloo_threads"] == 0
