@@ -70,7 +70,8 @@ def start_extensions(unit) -> dict[Param, Extended]:
     out, states = {}, unit.extended
     for p in unit.params:
         if pair_state(p) != 1:
-            states.pop(p, None)
+            if states.pop(p, None) is not None:  # the pair removed: a plain full parameter, made at this gather
+                p.full = None
             continue
         local = p.sharded._local_tensor
         st = states.get(p)
