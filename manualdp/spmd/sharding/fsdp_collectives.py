@@ -25,7 +25,7 @@ import torch
 from ..collectives import all_gather, reduce_scatter
 from ..transport.peers import is_refused_alike, refused_alike
 from .fsdp_hsdp import across_replicas
-from .fsdp_ext import HALF, UNPADDED
+from .fsdp_ext import HALF, RAISED, UNPADDED
 from .fsdp_param import Param
 
 __all__ = ["all_gather_params", "reduce_scatter_grads", "in_line", "segment", "UnitMismatch", "GATHER_TAIL"]
@@ -171,25 +171,31 @@ def _check_factor(unit, factors: list[float]) -> None:
 
 def _check_extension(unit, codes: list[int]) -> None:
     """Raise on every rank, before any copy-out, unless every rank's unit holds torch's all-gather extension hooks
-    on the same parameters, each both of the pair (`fsdp_ext.extension_code`)."""
-    if all(c == codes[0] for c in codes) and codes[0] != HALF:
+    on the same parameters, each both of the pair, and every pre-hook ran as torch's requires (`fsdp_ext.py`)."""
+    if all(c == codes[0] for c in codes) and codes[0] not in (HALF, RAISED, UNPADDED):
         return
     where = unit.extension if unit.extension is not None else f"unit {_label(unit)}"
+
+    def ranks(code=None) -> str:
+        return ", ".join(str(r) for r, c in enumerate(codes) if (c == code if code is not None else c))
+
     if HALF in codes:
-        raise refused_alike(UnitMismatch(
-            f"{where}: fsdp_pre_all_gather and fsdp_post_all_gather must be defined together (one of them only, on "
-            f"rank(s) {', '.join(str(r) for r, c in enumerate(codes) if c == HALF)}), as torch's asserts"))
+        raise refused_alike(UnitMismatch(f"{where}: fsdp_pre_all_gather and fsdp_post_all_gather must be defined "
+                                         f"together (one of them only, on rank(s) {ranks(HALF)}), as torch's asserts"))
+    if RAISED in codes:
+        err = unit.extension_error
+        said = (str(err).strip().splitlines() or [""])[0] if err is not None else None
+        raise refused_alike(UnitMismatch(f"{where}: fsdp_pre_all_gather failed on rank(s) {ranks(RAISED)}"
+                                         + (f" ({type(err).__name__}: {said})" if err is not None else ""))) from err
     if UNPADDED in codes:
         raise refused_alike(UnitMismatch(
-            f"{where}: fsdp_pre_all_gather returned inputs of its shard's size on rank(s) "
-            f"{', '.join(str(r) for r, c in enumerate(codes) if c == UNPADDED)}, whose shard of an unevenly sharded "
-            "parameter has fewer rows than ceil(rows / world size): return them padded to that many rows, as torch's "
-            "requires"))
+            f"{where}: fsdp_pre_all_gather returned inputs of its shard's size on rank(s) {ranks(UNPADDED)}, whose "
+            "shard of an unevenly sharded parameter has fewer rows than ceil(rows / world size): return them padded "
+            "to that many rows, as torch's requires"))
     per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(codes))
     raise refused_alike(UnitMismatch(
         f"{where}: fsdp_pre_all_gather/fsdp_post_all_gather (torch's all-gather extensions, set on rank(s) "
-        f"{', '.join(str(r) for r, c in enumerate(codes) if c)}) are set on other parameters on other ranks "
-        f"(coded {per_rank}): set them alike on every rank"))
+        f"{ranks()}) are set on other parameters on other ranks (coded {per_rank}): set them alike on every rank"))
 
 
 def _check_trainable(unit, codes: list[int]) -> None:

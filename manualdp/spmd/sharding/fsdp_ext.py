@@ -25,10 +25,11 @@ from ..collectives import all_gather
 from .fsdp_param import FULL, Param
 
 __all__ = ["Extended", "pair_state", "extension_code", "start_extensions", "gather_inputs", "finish_extensions",
-           "free_extensions", "HALF", "UNPADDED"]
+           "free_extensions", "HALF", "UNPADDED", "RAISED"]
 
 HALF = 251  # the extension code of a rank whose unit has a parameter with one hook of the pair only
 UNPADDED = 252  # ... whose pre-hook returned inputs of an uneven shard's size, not the padded one torch's requires
+RAISED = 253  # ... whose pre-hook raised (or returned what it may not): the peers must not wait in the all-gather
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 
 
@@ -81,7 +82,11 @@ def start_extensions(unit) -> dict[Param, Extended]:
         if p.dim:
             raise NotImplementedError(f"{_name(unit, p)}: fsdp_pre_all_gather/fsdp_post_all_gather on a parameter "
                                       f"sharded on dim {p.dim}: shard it on dim 0")
-        inputs, st.metadata = _call_pre(unit, p, local)
+        try:
+            inputs, st.metadata = _call_pre(unit, p, local)
+        except Exception as e:  # noqa: BLE001 - carried in the all-gather's tail, raised on every rank
+            unit.extension, unit.extension_code, unit.extension_error = _name(unit, p), RAISED, e
+            continue
         padded = (p.chunk_rows, *p.shape[1:])
         if p.local_rows != p.chunk_rows and any(tuple(t.shape) != padded for t in inputs):
             # not raised here: the ranks whose shards are whole would wait in the all-gather; its tail carries it

@@ -85,6 +85,7 @@ class Unit:
         self.is_last_backward = True
         self.extension: str | None = None  # a parameter holding torch's all-gather extensions (`check_params`)
         self.extension_code = 0  # which parameters hold them, in every all-gather's tail (`fsdp_ext.extension_code`)
+        self.extension_error: Exception | None = None  # what a pre-hook raised at this gather (`fsdp_ext.RAISED`)
         self.extended: dict = {}  # Param -> its `fsdp_ext.Extended`: what a parameter with the pair keeps
         self.unshard_in_backward = True  # False: backward reads none of the parameters (an embedding's)
         # this step
@@ -187,7 +188,7 @@ class Unit:
                                "initialise them before the first forward)")
         # not raised here: set on some ranks only, the others would wait in the all-gather; its tail carries it
         self.extension = next((path + p.name for p in self.params if p.has_extension()), None)
-        self.extension_code = extension_code(self.params)
+        self.extension_code, self.extension_error = extension_code(self.params), None
 
     def use(self, full: bool) -> None:
         """Put the full parameters (`full`) or the shards in the modules' places."""

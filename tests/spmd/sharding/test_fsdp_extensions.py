@@ -10,6 +10,7 @@ parent compares them:
 - a post-hook that returns a wrong shape: refused in one line naming the parameter, on every rank;
 - a pre-hook that returns an uneven shard's inputs unpadded: refused in one line on every rank (torch's raises on
   the short rank only, the others wait); the pair on a parameter sharded past dim 0 refused in one line;
+- a pre-hook that raises on one rank: named on every rank in one line (torch's: the others wait in the all-gather);
 - at 4 ranks on a 2x2 (replicate, shard) mesh (soak): the pair trains as torch's HSDP does.
 (The pair set on one rank only: `test_fsdp_extension_one_rank.py`.)
 """
@@ -35,14 +36,16 @@ HOWS = ("bf16", "accumulate", "freeze")
 class _Pair:
     """The all-gather extension pair for `TwoTensor` (both halves gathered, the full one made of them), counting its
     calls; the halves of an uneven shard padded to ceil(rows / W) rows (as torch's requires) unless not `pad`; `cut`
-    rows dropped from what the post-hook returns (a wrong shape)."""
+    rows dropped from what the post-hook returns (a wrong shape); the pre-hook raises on rank `fail_on`."""
 
-    def __init__(self, cut: int = 0, pad: bool = True) -> None:
+    def __init__(self, cut: int = 0, pad: bool = True, fail_on: int | None = None) -> None:
         self.calls = {"pre": 0, "post": 0, "post with out": 0}
-        self.cut, self.pad = cut, pad
+        self.cut, self.pad, self.fail_on = cut, pad, fail_on
 
     def pre(self, t, mesh, outer_size, outer_stride, module, mp_policy):
         self.calls["pre"] += 1
+        if dist.get_rank() == self.fail_on:
+            raise RuntimeError("the pre-hook broke\non two lines")
         missing = -(-outer_size[0] // mesh.size()) - t.shape[0] if self.pad else 0
         return tuple(nn.functional.pad(h, (0, 0, 0, missing)) for h in (t.a, t.b)), tuple(outer_size)
 
@@ -146,6 +149,7 @@ def _job(mesh_shape=None):
         out["ours"]["wrong shape"] = _refused(_Pair(cut=1))
         out["ours"]["unpadded"] = _refused(_Pair(pad=False))  # torch's raises on the short rank only: the other waits
         out["ours"]["dim 1"] = _refused(_Pair(), shard_placement_fn=lambda p: Shard(p.dim() - 1))
+        out["ours"]["pre raised"] = _refused(_Pair(fail_on=1))  # torch's: rank 0 waits in the all-gather
     return out
 
 
@@ -215,6 +219,13 @@ def test_the_pair_on_a_parameter_sharded_past_dim_0_is_refused_in_one_line(resul
     for r, got in enumerate(results):
         assert got["ours"]["dim 1"] == ("NotImplementedError: 0.weight: fsdp_pre_all_gather/fsdp_post_all_gather on a "
                                         "parameter sharded on dim 1: shard it on dim 0"), (r, got["ours"]["dim 1"])
+
+
+def test_a_pre_hook_that_raises_on_one_rank_is_named_in_one_line_on_every_rank(results):
+    for r, got in enumerate(results):
+        assert got["ours"]["pre raised"] == ("UnitMismatch: 0.weight: fsdp_pre_all_gather failed on rank(s) 1"
+                                             + (" (RuntimeError: the pre-hook broke)" if r == 1 else "")), \
+            (r, got["ours"]["pre raised"])
 
 
 @pytest.mark.soak
