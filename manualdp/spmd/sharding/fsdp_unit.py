@@ -7,7 +7,8 @@ parameter while gathered (`fsdp_param.py`). A step, for one unit:
    (padded to ceil(rows / W) rows each, so all segments are equal), an all-gather fills the other
    segments, and each full parameter is copied out of them (copy-in, all-gather, copy-out:
    `fsdp_collectives.py`). The full parameters replace the shards in the modules; after the forward
-   the shards come back and the full memory is freed (`reshard_after_forward`);
+   the shards come back and the full memory is freed (`reshard_after_forward`). A parameter whose shard defines
+   torch's all-gather extensions is gathered by its hooks instead, as torch's (`fsdp_ext.py`);
 2. when backward reaches the unit's outputs (a hook on them, `fsdp_hooks.py`), the full parameters
    are gathered again, into the same memory: what forward saved for backward reads the right values;
 3. once autograd has accumulated every trainable parameter's gradient, their padded rows go into
