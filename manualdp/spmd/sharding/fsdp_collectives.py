@@ -24,7 +24,7 @@ import torch
 
 from ..collectives import all_gather, reduce_scatter
 from ..transport.peers import is_refused_alike, refused_alike
-from .fsdp_hsdp import across_replicas
+from .fsdp_hsdp import across_replicas, down_to, gathered
 from .fsdp_ext import HALF, RAISED, UNPADDED
 from .fsdp_param import Param
 
@@ -117,12 +117,12 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
             segments[:, data + 3 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
             pre, post = _divide_split(factor, dtype)
             segments[:, :data].div_(pre)
-            mine = reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
+            mine = _reduce_scatter(unit, flat, S)
             tails = mine[data:data + 3 * W].view(W, 3).tolist()
             _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
             _check_factor(unit, [t[2] for t in tails])
             if unit.replicate is not None:  # HSDP: the same rows of every replica, flags and all
-                summed = across_replicas(unit, dtype, torch.cat([mine[:data], mine[data + 3 * W:]]), across, factor)
+                summed = across_replicas(unit, dtype, torch.cat([mine[:data], mine[data + 3 * W:]]), across, factor, data)
                 if summed is None:
                     continue
                 mine = torch.cat([summed[:data], mine[data:data + 3 * W], summed[data:]])
@@ -134,6 +134,17 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
                     out.append((p, (grad / post).to(p.dtype)))
                 at += p.padded
     return out
+
+
+def _reduce_scatter(unit, flat: torch.Tensor, S: int) -> torch.Tensor:
+    """This rank's segment of `flat` (W segments of S) summed over the ranks, added in the order of torch's
+    reduce-scatter on gloo (the segment from rank - 1 down to rank itself): by the ring up to 3 ranks, whose order is
+    gloo's there (its first two terms commute); from 4 ranks, gathered and added in gloo's order."""
+    W = unit.world_size
+    if W <= 3:
+        return reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
+    own = segment(unit.rank, W)
+    return down_to(unit.rank, [row.view(W, S)[own] for row in gathered(unit, flat, unit.rank, W, unit.group)])
 
 
 def _divide_split(factor: float, dtype: torch.dtype) -> tuple[float, float]:

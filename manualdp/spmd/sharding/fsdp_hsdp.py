@@ -35,11 +35,12 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ..collectives import allreduce
+from ...schedule import owned_chunk
+from ..collectives import all_gather, allreduce
 from ..transport.peers import group_ranks, is_refused_alike, refused_alike
 from .fsdp_param import SLOTS, owner_of
 
-__all__ = ["across_replicas", "watch_unreduced"]
+__all__ = ["across_replicas", "watch_unreduced", "gathered", "gathered_sum", "down_to"]
 
 # each replica's slot of the message: (unit number, all-reduces so far, divide factor, asked to all-reduce, all-reduces
 # of these sums since the last optimizer step over the unit)
@@ -48,7 +49,7 @@ TAIL = 5
 
 @torch.no_grad()
 def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int | None,
-                    factor: float):  # on the worker thread
+                    factor: float, data: int):  # on the worker thread
     """`summed` (this rank's rows and used-flags, summed over its shard group) plus what was kept, summed over the
     replicas in the unit's all-reduce number `count` (mod 64); None while `count` is None (then kept for the next)."""
     kept = unit.partial.pop(dtype, None)
@@ -60,25 +61,31 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int |
         unit.step.kept[(unit, dtype)] = unit.step.backwards  # last: the order the replicas that all-reduce send them in
         return None
     since = unit.step.since[(unit, dtype)] = unit.step.since.get((unit, dtype), 0) + 1
-    return _exchange(unit, summed, count, factor, asked=True, since=since)
+    return _exchange(unit, summed, count, factor, asked=True, since=since, data=data)
 
 
-def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool, since: int = 0) -> torch.Tensor:
-    """All-reduce `summed` across the replicas with each replica's tail; raise on every rank unless the tails agree
-    and every replica was asked to all-reduce."""
+def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool, since: int = 0,
+              data: int | None = None) -> torch.Tensor:
+    """All-reduce `summed` (its first `data` elements the gradients' rows) across the replicas with each replica's
+    tail; raise on every rank unless the tails agree and every replica was asked to all-reduce."""
     replica, peers = group_ranks(unit.replicate)
     R, n = len(peers), summed.numel()
-    flat = torch.zeros(n + TAIL * R, dtype=summed.dtype, device=summed.device)
-    flat[:n] = summed
-    flat[n + TAIL * replica:n + TAIL * (replica + 1)] = torch.tensor(
-        [unit.number, count, factor, float(asked), since % 64], dtype=torch.float64)
+    tail = torch.tensor([unit.number, count, factor, float(asked), since % 64], dtype=torch.float64)
     try:
-        allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
+        if R <= 2:  # the ring adds in gloo's order (two terms commute): torch's HSDP bitwise
+            flat = torch.zeros(n + TAIL * R, dtype=summed.dtype, device=summed.device)
+            flat[:n] = summed
+            flat[n + TAIL * replica:n + TAIL * (replica + 1)] = tail
+            allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
+            tails = flat[n:].view(R, TAIL).tolist()
+        else:  # the ring would add 3 or more terms in another order than gloo's all-reduce: gathered, added as gloo
+            rows = gathered(unit, torch.cat([summed, tail.to(summed.dtype)]), replica, R, unit.replicate)
+            tails = [row[n:].tolist() for row in rows]
+            flat = gathered_sum([row[:n] for row in rows], n if data is None else data)
     except ValueError as e:  # the call check: another replica's all-reduce was of another size (another unit's)
         if is_refused_alike(e):  # every replica raised it, nothing in flight: they can tell each other why
             _name_keepers(unit, replica, R, e)
         raise
-    tails = flat[n:].view(R, TAIL).tolist()
     unasked = [r for r, t in enumerate(tails) if t[3] == 0]
     if unasked:
         raise refused_alike(RuntimeError(_not_all_reduced(
@@ -101,6 +108,36 @@ def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool
             "mod 64): every replica must all-reduce once per step (set_requires_all_reduce(False) before each "
             "micro-batch's backward but the last, True before the last) or at every micro-batch alike"))
     return flat[:n]
+
+
+def gathered(unit, mine: torch.Tensor, rank: int, size: int, group) -> list[torch.Tensor]:
+    """Every rank's `mine` of `group` (`size` ranks, this one `rank`), in rank order, by one all-gather."""
+    flat = torch.zeros(size, mine.numel(), dtype=mine.dtype, device=mine.device)
+    flat[owned_chunk(rank, size)] = mine  # all-gather's input: its own chunk
+    all_gather(flat.view(-1), group=group, timeout=unit.timeout)
+    return [flat[owned_chunk(r, size)] for r in range(size)]
+
+
+def gathered_sum(rows: list[torch.Tensor], data: int) -> torch.Tensor:
+    """The sum of every rank's `rows` in the order of gloo's ring all-reduce: its first `data` elements in len(rows)
+    chunks of ceil(data / ranks) (the last shorter), chunk c added from rank c - 1 down to rank c; the rest (counts
+    and tails, whole numbers: any order is exact) in rank order."""
+    R, out = len(rows), torch.zeros_like(rows[0])
+    size = -(-data // R) if data else 0
+    for c in range(R):
+        lo, hi = min(c * size, data), min((c + 1) * size, data)
+        out[lo:hi] = down_to(c, [row[lo:hi] for row in rows])
+    out[data:] = down_to(0, [row[data:] for row in rows])
+    return out
+
+
+def down_to(rank: int, parts: list[torch.Tensor]) -> torch.Tensor:
+    """parts[rank - 1] + parts[rank - 2] + ... + parts[rank], added in that order (gloo's ring, ending at `rank`)."""
+    R = len(parts)
+    acc = parts[(rank - 1) % R].clone()
+    for k in range(2, R + 1):
+        acc += parts[(rank - k) % R]
+    return acc
 
 
 def _name_keepers(unit, replica: int, R: int, error: ValueError) -> None:
