@@ -7,7 +7,8 @@ __all__ = ["CountedStore"]
 
 
 class CountedStore:
-    """`store`'s `check` and `get`, with `received`: the bytes every `get` returned so far (values, not keys)."""
+    """`store`'s `check`, `get`, `peek` and `delete_key`, with `received`: the bytes every read returned so far
+    (values, not keys)."""
 
     def __init__(self, store: dist.Store) -> None:
         self._store = store
@@ -20,3 +21,15 @@ class CountedStore:
         value = self._store.get(name)
         self.received += len(value)
         return value
+
+    def peek(self, name: str) -> bytes | None:
+        value = self._store.peek(name)
+        self.received += len(value or b"")
+        return value
+
+    def delete_key(self, name: str) -> bool:
+        return self._store.delete_key(name)
+
+    @property
+    def signed(self) -> bool:
+        return getattr(self._store, "signed", False)

@@ -11,8 +11,11 @@ manager) as `torch.save` bytes under `state/ROUND/SOURCE` in the coordinator's s
 SHA-256 of those bytes beside it; a receiver waits for both (up to `timeout`), checks the sum
 and loads the state with `weights_only=True`. torch's store takes at most `LIMIT` (8 MiB) in one
 write, so bytes beyond one piece go in pieces under `state/ROUND/SOURCE/1`, `/2`, ..., their count
-after the sum ("SHA256 COUNT"). The store suits models of a few hundred MiB; a larger one would go
-over the quorum's group instead, by the same plan.
+after the sum ("SHA256 COUNT"), at most `MOST` bytes in all. A piece missing when it is read (deleted
+by a stranger, forgotten by its sender meanwhile, a count forged), or a count no sender writes, is a
+RecoveryError at once, naming the piece; a sender named lost has its state forgotten by the receiver
+that names it. The store suits models of a few hundred MiB; a larger one would go over the quorum's
+group instead, by the same plan.
 """
 from __future__ import annotations
 
@@ -32,6 +35,8 @@ from .signed_store import LIMIT
 __all__ = ["plan_recovery", "check_loadable", "send_state", "forget_state", "receive_state", "RecoveryError"]
 
 PIECE = LIMIT - 64  # bytes of the state in one write: the store's limit, less a signed value's seal (41 bytes)
+MOST = 4 << 30  # bytes of a state the store carries: the coordinator holds it in memory, beside everything else
+MOST_PIECES = -(-MOST // PIECE)
 
 
 class RecoveryError(RuntimeError):
@@ -88,6 +93,11 @@ def _why(error: Exception) -> str:
 def send_state(store: dist.Store, round_: int, source: str, state: dict) -> str:
     """Write `state` for the receivers of `round_`; return its SHA-256 (hex)."""
     blob = _save(state)
+    if len(blob) > MOST:
+        error = RecoveryError(f"replica {source!r} cannot send its state: {len(blob)} bytes, over the {MOST} bytes "
+                              "the coordinator's store carries")
+        error.final = True
+        raise error
     digest = hashlib.sha256(blob).hexdigest()
     pieces = [blob[at:at + PIECE] for at in range(0, len(blob), PIECE)] or [b""]
     for i, piece in enumerate(pieces):
@@ -116,7 +126,8 @@ def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
     """The state `source` sent for `round_` and its SHA-256, checked; RecoveryError after `timeout` s or if damaged.
 
     `gone()`: whether the sender died meanwhile (its heartbeat stopped): RecoveryError at once, naming
-    it (`who`, default "replica SOURCE"), so that the receiver asks again for another holder, or waits for one.
+    it (`who`, default "replica SOURCE"), so that the receiver asks again for another holder, or waits for one;
+    what the lost sender wrote is forgotten here (nobody else would: it forgets its own at its next step).
     """
     sha256 = keys.state_sha256(round_, source)
     deadline = time.monotonic() + timeout
@@ -124,13 +135,11 @@ def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
         if time.monotonic() > deadline:
             raise RecoveryError(f"the state of replica {source!r} (round {round_}) did not come within {timeout:g} s")
         if gone is not None and gone():
-            sender = who or f"replica {source!r}"
-            raise RecoveryError(f"{sender} was lost while sending its state (round {round_}): its heartbeat "
-                                f"stopped; asking again for another holder of the run's state")
+            _lost(store, round_, source, who)
         time.sleep(POLL)
     expected, _, count = store.get(sha256).decode(errors="replace").partition(" ")  # a stranger's: damaged
-    pieces = int(count) if count.isdigit() else 1
-    blob = b"".join(store.get(_piece(round_, source, i)) for i in range(pieces))
+    pieces = _count(count, round_, source)
+    blob = b"".join(_read(store, round_, source, i, pieces, gone, who) for i in range(pieces))
     digest = hashlib.sha256(blob).hexdigest()
     if digest != expected:
         raise RecoveryError(f"the state of replica {source!r} (round {round_}) arrived damaged: "
@@ -140,3 +149,37 @@ def receive_state(store: dist.Store, round_: int, source: str, timeout: float,
     except Exception as e:  # noqa: BLE001 - the source names the entry (`check_loadable`)
         raise RecoveryError(f"the state of replica {source!r} (round {round_}) cannot be loaded with "
                             f"weights_only=True: {_why(e)}") from None
+
+
+def _lost(store: dist.Store, round_: int, source: str, who: str | None) -> None:
+    """Forget what the lost `source` wrote for `round_`, and raise the RecoveryError that names it."""
+    forget_state(store, round_, source)
+    sender = who or f"replica {source!r}"
+    raise RecoveryError(f"{sender} was lost while sending its state (round {round_}): its heartbeat "
+                        f"stopped; asking again for another holder of the run's state")
+
+
+def _count(count: str, round_: int, source: str) -> int:
+    """The number of pieces the sum names ("" : one); RecoveryError at once for one no sender writes."""
+    if not count:
+        return 1
+    if count.isdecimal() and len(count) <= 6 and 1 <= int(count) <= MOST_PIECES:
+        return int(count)
+    raise RecoveryError(f"the state of replica {source!r} (round {round_}) arrived damaged: its sum names "
+                        f"{count[:20]!r} pieces, not 1 to {MOST_PIECES} (at most {MOST} bytes); asking again for "
+                        f"another holder of the run's state")
+
+
+def _read(store: dist.Store, round_: int, source: str, i: int, pieces: int,
+          gone: Callable[[], bool] | None, who: str | None) -> bytes:
+    """Piece `i` of `pieces`; RecoveryError at once if it is not there (the sum is written after every piece)."""
+    key = _piece(round_, source, i)
+    value = store.peek(key)  # one round trip: a piece deleted between a check and a get would wait out the store
+    if value is not None:
+        return value
+    if gone is not None and gone():
+        _lost(store, round_, source, who)
+    unsigned = ", or holds no value signed with this run's secret" if getattr(store, "signed", False) else ""
+    raise RecoveryError(f"the state of replica {source!r} (round {round_}): piece {i + 1} of {pieces} ({key!r}) is "
+                        f"missing{unsigned} (forgotten by its sender, or deleted or its count forged by a stranger); "
+                        f"asking again for another holder of the run's state")
