@@ -17,7 +17,7 @@ from . import admission
 from .ahead import fast
 from .quorum import PATIENCE, Member, Quorum, publish_mark, wait_for_quorum
 from .quorum_group import form_group
-from .recovery import RecoveryError, forget_state
+from .recovery import RecoveryError, forget_lost, forget_state
 from .signed_store import StoreLost
 
 __all__ = ["Phases", "without_traceback"]
@@ -58,11 +58,14 @@ class Phases:
         return Member(self.id, self.step, self.synced, self._group, self.min_replicas or 0, self._since,
                       admission.digest(settings), self.capacity)
 
+    _received: tuple[int, str] | None = None  # (round, source) of the last state received, till its source forgets it
+
     def _enter(self, quorum: Quorum, settings: str) -> BaseException | None:
         """Hold `quorum`'s state, send or receive it, join its group; None, or the failure ridden out (voted on)."""
         if quorum.agreed and self.synced and self.step == quorum.step:
             self._hold(quorum.round)  # before anything can fail: the quorum's other members count on it
         try:
+            self._received = forget_lost(self.store, self._received, quorum, self._liveness.live)  # its sender died
             received = self._exchange_state(quorum)
             if self._group is None or self._group[0] != quorum.group:
                 self._leave_group()
@@ -79,6 +82,7 @@ class Phases:
             return e
         if received is not None:  # outside the try: a model of another shape raises, as load_state_dict does
             state, source, digest = received
+            self._received = (quorum.round, source)
             self.load_state_dict(state)
             self._pending.clear()  # the steps this replica counted alone are not the run's: the source's are
             self.recoveries.append({"round": quorum.round, "source": source, "step": self.step, "sha256": digest})

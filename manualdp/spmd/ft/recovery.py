@@ -32,7 +32,8 @@ from . import keys
 from .quorum import POLL, Quorum
 from .signed_store import LIMIT
 
-__all__ = ["plan_recovery", "check_loadable", "send_state", "forget_state", "receive_state", "RecoveryError"]
+__all__ = ["plan_recovery", "check_loadable", "send_state", "forget_state", "forget_lost", "receive_state",
+           "RecoveryError"]
 
 PIECE = LIMIT - 64  # bytes of the state in one write: the store's limit, less a signed value's seal (41 bytes)
 MOST = 4 << 30  # bytes of a state the store carries: the coordinator holds it in memory, beside everything else
@@ -119,6 +120,17 @@ def forget_state(store: dist.Store, round_: int, source: str) -> None:
     i = 1
     while store.delete_key(_piece(round_, source, i)):  # the further pieces, up to the first missing
         i += 1
+
+
+def forget_lost(store: dist.Store, received: tuple[int, str] | None, quorum: Quorum,
+                live: Callable[[list[str]], set[str]]) -> tuple[int, str] | None:
+    """Forget the state received as `received` (round, source) once its source is lost (neither in `quorum` nor
+    live): it died after sending, and would have forgotten it at its next step. Returns what is still watched."""
+    if received is None or received[0] == quorum.round or received[1] in quorum.ids or received[1] in live(
+            [received[1]]):
+        return received
+    forget_state(store, *received)  # its round has ended: nobody reads it now (a live sender never sends it again)
+    return None
 
 
 def receive_state(store: dist.Store, round_: int, source: str, timeout: float,

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from manualdp.spmd.ft import Coordinator, keys
+from manualdp.spmd.ft import Coordinator, Member, Quorum, keys
 from manualdp.spmd.ft.coordinator import connect
 from manualdp.spmd.ft import recovery
-from manualdp.spmd.ft.recovery import RecoveryError, forget_state, receive_state, send_state
+from manualdp.spmd.ft.recovery import RecoveryError, forget_lost, forget_state, receive_state, send_state
 from manualdp.spmd.ft.signed_store import LIMIT
 
 TOKEN = "a-secret-of-the-run-0123456789"
@@ -144,3 +144,22 @@ def test_a_state_over_what_the_store_carries_is_refused_at_the_sender(monkeypatc
     with pytest.raises(RecoveryError, match=r"^replica 'a' cannot send its state: \d+ bytes, over the 100 bytes") as e:
         send_state(store, 9, "a", {"w": torch.zeros(100)})
     assert e.value.final and not store.check([keys.state(9, "a")]), "nothing written"
+
+
+def _quorum(round_: int, *ids: str) -> Quorum:
+    return Quorum(round_, tuple(Member(i, 5, True, None, 1) for i in ids), round_)
+
+
+def test_a_state_whose_sender_died_after_its_sum_is_forgotten_by_its_receiver_at_a_later_round(coordinator):
+    store = _store(coordinator, "after-sum")
+    pieces = [*_two_pieces(store, 11), keys.state_sha256(11, "a")]
+    receive_state(store, 11, "a", 60)  # read whole: then the sender died before its next step
+    dead, alive = (lambda ids: set()), (lambda ids: set(ids))
+    watched = (11, "a")
+    assert forget_lost(store, watched, _quorum(11, "a", "b"), dead) == watched, "its own round: others may read"
+    assert forget_lost(store, watched, _quorum(12, "a", "b"), dead) == watched, "in the quorum: it forgets its own"
+    assert forget_lost(store, watched, _quorum(12, "b"), alive) == watched, "live: it forgets its own"
+    assert store.check(pieces), "a live sender's state is kept"
+    assert forget_lost(store, watched, _quorum(13, "b"), dead) is None
+    assert not any(store.check([k]) for k in pieces), "the dead sender's state is forgotten, every piece"
+    assert forget_lost(store, None, _quorum(14, "b"), dead) is None
