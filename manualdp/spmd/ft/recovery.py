@@ -126,10 +126,12 @@ def forget_lost(store: dist.Store, received: tuple[int, str] | None, quorum: Quo
                 live: Callable[[list[str]], set[str]]) -> tuple[int, str] | None:
     """Forget the state received as `received` (round, source) once its source is lost (neither in `quorum` nor
     live): it died after sending, and would have forgotten it at its next step. Returns what is still watched."""
-    if received is None or received[0] == quorum.round or received[1] in quorum.ids or received[1] in live(
-            [received[1]]):
-        return received
-    forget_state(store, *received)  # its round has ended: nobody reads it now (a live sender never sends it again)
+    if received is None or received[0] == quorum.round:
+        return received  # nothing watched, or its round is under way: other receivers may be reading
+    round_, source = received
+    if source in quorum.ids or source in live([source]):
+        return received  # it steps on, and forgets its own
+    forget_state(store, round_, source)  # its round has ended: nobody reads it now (a live sender never sends it again)
     return None
 
 
