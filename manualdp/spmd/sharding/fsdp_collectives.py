@@ -115,7 +115,7 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
             segments[:, data + 3 * unit.rank:data + 3 * unit.rank + 3] = torch.tensor(
                 [unit.number, count, factor], dtype=torch.float64)
             segments[:, data + 3 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
-            pre, post = _divide_split(factor, dtype)
+            pre, post = _divide_split(factor, dtype, W == 1 and unit.divide_factor is not None)
             segments[:, :data].div_(pre)
             mine = _reduce_scatter(unit, flat, S)
             tails = mine[data:data + 3 * W].view(W, 3).tolist()
@@ -147,11 +147,12 @@ def _reduce_scatter(unit, flat: torch.Tensor, S: int) -> torch.Tensor:
     return down_to(unit.rank, [row.view(W, S)[own] for row in gathered(unit, flat, unit.rank, W, unit.group)])
 
 
-def _divide_split(factor: float, dtype: torch.dtype) -> tuple[float, float]:
+def _divide_split(factor: float, dtype: torch.dtype, first: bool = False) -> tuple[float, float]:
     """Divide before and after the sum, as torch's FSDP2: in float16 (little range) by about sqrt(factor) each,
-    so the sum neither overflows nor underflows; in float32 and bfloat16 all of it after."""
+    so the sum neither overflows nor underflows; in float32 and bfloat16 all of it after, or all of it before where
+    `first` (a factor set on a unit of one shard per replica: torch's divides its copy, then sums the replicas)."""
     if dtype in (torch.float32, torch.bfloat16):
-        return 1.0, factor
+        return (factor, 1.0) if first else (1.0, factor)
     pre = 1
     while factor % pre == 0 and factor / pre > pre:
         pre *= 2

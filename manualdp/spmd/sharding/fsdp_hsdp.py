@@ -119,11 +119,11 @@ def gathered(unit, mine: torch.Tensor, rank: int, size: int, group) -> list[torc
 
 
 def gathered_sum(rows: list[torch.Tensor], data: int) -> torch.Tensor:
-    """The sum of every rank's `rows` in the order of gloo's ring all-reduce: its first `data` elements in len(rows)
-    chunks of ceil(data / ranks) (the last shorter), chunk c added from rank c - 1 down to rank c; the rest (counts
-    and tails, whole numbers: any order is exact) in rank order."""
+    """The sum of every rank's `rows` in the order of gloo's ring all-reduce: its first `data` elements in 2 x ranks
+    chunks of ceil(data / (2 x ranks)) (the last shorter), chunks 2c and 2c + 1 added from rank c - 1 down to rank c;
+    the rest (counts and tails, whole numbers: any order is exact) in rank order."""
     R, out = len(rows), torch.zeros_like(rows[0])
-    size = -(-data // R) if data else 0
+    size = 2 * -(-data // (2 * R)) if data else 0
     for c in range(R):
         lo, hi = min(c * size, data), min((c + 1) * size, data)
         out[lo:hi] = down_to(c, [row[lo:hi] for row in rows])
