@@ -122,7 +122,8 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
             _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
             _check_factor(unit, [t[2] for t in tails])
             if unit.replicate is not None:  # HSDP: the same rows of every replica, flags and all
-                summed = across_replicas(unit, dtype, torch.cat([mine[:data], mine[data + 3 * W:]]), across, factor, data)
+                rows = torch.cat([mine[:data], mine[data + 3 * W:]])
+                summed = across_replicas(unit, dtype, rows, across, factor, data)
                 if summed is None:
                     continue
                 mine = torch.cat([summed[:data], mine[data:data + 3 * W], summed[data:]])

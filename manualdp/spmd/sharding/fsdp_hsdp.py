@@ -4,8 +4,13 @@ On a 2-D mesh (replicate, shard), as torch's HSDP: each replica is a group of ra
 model among themselves (dim 1); a unit's gradients are reduce-scattered within the replica
 (`fsdp_collectives.py`), then rank i of each replica all-reduces its rows with rank i of the others,
 and the sum is divided by shards x replicas (or the unit's `set_gradient_divide_factor`). The sum over
-the shard group comes first and then the replicas', as torch's order: at 2 x 2 the numbers are torch's
-bitwise (its averages divide by powers of two, which round nothing).
+the shard group comes first and then the replicas', as torch's order, and each sum adds its terms in the order of
+torch's collectives on gloo (floating-point sums depend on it): a ring where rank r sends to rank r - 1, each chunk
+summed from the rank below its owner down to the owner. Our ring runs upwards, which is gloo's order for two terms
+and, for the reduce-scatter, for three; beyond (3 or more replicas, 4 or more shards) the rows are all-gathered and
+added in gloo's order here (`gathered_sum`, `down_to`): more bytes (R - 1 rows received instead of 2(R - 1)/R), torch's
+numbers bitwise on every mesh of up to 4 ranks. (Checked on gloo's chunks of small messages, two per rank; gloo cuts
+large ones into more.)
 
 With `set_requires_all_reduce(False)` the reduce-scatter's sums are kept per dtype (`unit.partial`) and
 added to the next one that all-reduces (gradient accumulation across replicas at the last micro-batch
