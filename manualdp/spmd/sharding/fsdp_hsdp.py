@@ -6,11 +6,12 @@ model among themselves (dim 1); a unit's gradients are reduce-scattered within t
 and the sum is divided by shards x replicas (or the unit's `set_gradient_divide_factor`). The sum over
 the shard group comes first and then the replicas', as torch's order, and each sum adds its terms in the order of
 torch's collectives on gloo (floating-point sums depend on it): a ring where rank r sends to rank r - 1, each chunk
-summed from the rank below its owner down to the owner. Our ring runs upwards, which is gloo's order for two terms
-and, for the reduce-scatter, for three; beyond (3 or more replicas, 4 or more shards) the rows are all-gathered and
-added in gloo's order here (`gathered_sum`, `down_to`): more bytes (R - 1 rows received instead of 2(R - 1)/R), torch's
-numbers bitwise on every mesh of up to 4 ranks. (Checked on gloo's chunks of small messages, two per rank; gloo cuts
-large ones into more.)
+summed from the rank below its owner down to the owner, in 2 chunks per rank of the whole buffer (the reduce-scatter's
+too). Our ring runs upwards, which is gloo's order for two terms, and for three in a reduce-scatter whose chunks fall on
+the ranks' rows; beyond (3 or more replicas, 4 or more shards, 3 with an odd number of rows each) the rows are
+all-gathered and added in gloo's order here (`gathered_sum`, `down_to`): more bytes (R - 1 rows received instead
+of 2(R - 1)/R), torch's numbers bitwise on every mesh of up to 4 ranks. (Checked on small messages, two chunks per
+rank; gloo cuts large ones into more.)
 
 With `set_requires_all_reduce(False)` the reduce-scatter's sums are kept per dtype (`unit.partial`) and
 added to the next one that all-reduces (gradient accumulation across replicas at the last micro-batch
