@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from manualdp.spmd.ft import Coordinator, Member
+from manualdp.spmd.ft import Coordinator, Member, keys
 from manualdp.spmd.ft.keys import PREFIX
 from tests.spmd.ft.replica import build, make_optimizer, my_shard
 
@@ -68,6 +68,26 @@ class Replicas:
         """How many times a replica has registered (a restarted one counts again)."""
         raw = self.key("replicas")
         return len(raw.decode().split()) if raw else 0
+
+    def asking(self, rid: str) -> bool:
+        """Whether the process now beating as `rid` has asked in the first round not yet decided: it waits there.
+
+        Registered is not enough: a replica is in a quorum only once it has asked (quorum.py), and the
+        others wait for a live one that has not asked only `quorum_timeout` s, which a loaded machine may
+        spend between its registration and its first ask. Nothing is decided while the others are paused,
+        so they ask in the same round, and `decide` waits for every live replica there: it is in.
+        """
+        beat = self.key(keys.heartbeat(rid))
+        latest = self.key(keys.LATEST)
+        round_ = int(latest) + 1 if latest else 1
+        while self.key(keys.quorum(round_)) is not None:
+            round_ += 1
+        asks = self.key(keys.asks(round_))
+        if beat is None or asks is None:
+            return False
+        nonce = beat.decode().split()[0]
+        lines = [json.loads(line) for line in asks.decode().splitlines() if line.strip()]
+        return any(x.get("id") == rid and x.get("nonce") == nonce for x in lines)
 
     def wait(self, what: str, condition, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout

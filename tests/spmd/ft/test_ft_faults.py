@@ -27,12 +27,14 @@ def test_a_joiner_killed_in_its_recovery_costs_the_others_one_round_and_rejoins_
         run.wait("a committed step PAUSE", lambda: any(r["step"] == PAUSE for r in run.records("a")))
         joiner = run.start(id="c", index=2, steps=STEPS, fault="kill_receive", timeout=4)
         run.wait("c registered", lambda: run.registrations() == 3)
+        run.wait("c asked for its first quorum", lambda: run.asking("c"))  # registered is not yet asked
         run.set("go", "1")
         run.wait("c killed in its recovery", lambda: joiner.poll() is not None)
         assert joiner.returncode == -9, run.logs()
         run.wait("a committed step PAUSE + 1", lambda: any(r["step"] == PAUSE + 1 for r in run.records("a")))
         run.start(id="c", index=2, steps=STEPS, timeout=4)  # the same command again
         run.wait("c registered again", lambda: run.registrations() == 4)
+        run.wait("c asked again", lambda: run.asking("c"))
         run.set("go1", "1")
         results = run.finish()
     a, b, c = results["a"][0], results["b"][0], results["c"][1]
@@ -57,6 +59,7 @@ def test_a_source_killed_while_sending_the_state_leaves_the_joiner_to_receive_it
         run.wait("a committed step PAUSE", lambda: any(r["step"] == PAUSE for r in run.records("a")))
         run.start(id="c", index=2, steps=STEPS, timeout=4)
         run.wait("c registered", lambda: run.registrations() == 3)
+        run.wait("c asked for its first quorum", lambda: run.asking("c"))  # registered is not yet asked
         run.set("go", "1")
         source = run.procs[0]
         run.wait("a killed while sending", lambda: source.poll() is not None)
@@ -82,6 +85,7 @@ def test_two_replicas_killed_in_one_step_cost_the_last_one_that_step_and_both_re
         for i, rid in enumerate("bc", start=1):
             run.start(id=rid, index=i, steps=STEPS, min_replicas=1)
         run.wait("b and c registered again", lambda: run.registrations() == 5)
+        run.wait("b and c asked for their first quorum", lambda: run.asking("b") and run.asking("c"))
         run.set("go", "1")
         results = run.finish()
     a, b, c = results["a"][0], results["b"][1], results["c"][1]

@@ -21,6 +21,7 @@ def test_a_killed_replica_costs_one_step_and_rejoins_with_the_state(tmp_path, fa
         assert victim.returncode == -9, run.logs()
         run.start(id="c", index=2, steps=STEPS, async_quorum=ahead)
         run.wait("c registered again", lambda: run.registrations() == 4)
+        run.wait("c asked for its first quorum", lambda: run.asking("c"))  # registered is not yet asked
         run.set("go", "1")  # the survivors, paused after step PAUSE, go on: c is in their next quorum
         results = run.finish()
     a, b, c = results["a"][0], results["b"][0], results["c"][1]
