@@ -16,7 +16,8 @@ reduce-scatters over dp. Plain parameters of the same model stay on the dp mesh,
 Not supported (refused in one line on every rank, a field of `fsdp_init`'s agreement): HSDP over tp (a 3-D
 mesh), a tp mesh that is not a sibling of dp's in one root mesh (also no mesh given: the world's), a DTensor on the
 dp mesh itself (sharded by torch's fully_shard), more than one tp dimension, a Partial or strided placement, a
-shard dim other than 0, and a lower-precision `mp_policy`.
+shard dim other than 0, and an `mp_policy` of another dtype than the parameter's (one naming its own dtype
+changes nothing and is taken).
 """
 from __future__ import annotations
 
@@ -72,9 +73,11 @@ def tp_refusal(p: DTensor, name: str, mesh: DeviceMesh, dim: int, mp_policy) -> 
     if dim:
         return NotImplementedError(f"{how}: shard_placement_fn gave Shard({dim}); over tensor parallelism "
                                    "manualdp's fully_shard shards dim 0 (as torch's)")
-    if mp_policy.param_dtype is not None or mp_policy.reduce_dtype is not None:
-        return NotImplementedError(f"{how}: mp_policy's param_dtype and reduce_dtype are not supported over tensor "
-                                   "parallelism by manualdp's fully_shard; pass MixedPrecisionPolicy()")
+    lower = [d for d in (mp_policy.param_dtype, mp_policy.reduce_dtype) if d is not None and d != p.dtype]
+    if lower:  # a policy naming the parameter's own dtype changes nothing: taken, as torch's
+        return NotImplementedError(f"{how}: mp_policy's param_dtype and reduce_dtype other than the parameter's "
+                                   f"{p.dtype} ({lower[0]}) are not supported over tensor parallelism by manualdp's "
+                                   "fully_shard; pass MixedPrecisionPolicy()")
     if p.dim() == 0 or not p._local_tensor.is_contiguous():
         return ValueError(f"{how}: its local tensor is 0-dim or not contiguous, which fully_shard cannot cut")
     try:

@@ -76,12 +76,12 @@ def _where(t):
     return (t.device_mesh.mesh_dim_names, tuple(t.placements))
 
 
-def _sharded(shard_fn, mesh, model=None):
+def _sharded(shard_fn, mesh, model=None, **kwargs):
     model = model if model is not None else _net()
     parallelize_module(model, mesh["tp"], PLAN)
-    shard_fn(model.in_proj, mesh=mesh["dp"])
-    shard_fn(model.out_proj, mesh=mesh["dp"])
-    shard_fn(model, mesh=mesh["dp"])
+    shard_fn(model.in_proj, mesh=mesh["dp"], **kwargs)
+    shard_fn(model.out_proj, mesh=mesh["dp"], **kwargs)
+    shard_fn(model, mesh=mesh["dp"], **kwargs)
     return model
 
 
@@ -91,9 +91,9 @@ def _tp_params(model):
     return [p for n, p in model.named_parameters() if not n.startswith("head")]
 
 
-def _train(shard_fn, mesh):
+def _train(shard_fn, mesh, **kwargs):
     """Adam for STEPS steps with clip_grad_norm_: each dp rank its half of the batch, the tp ranks alike."""
-    model = _sharded(shard_fn, mesh)
+    model = _sharded(shard_fn, mesh, **kwargs)
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     out = {"losses": [], "norms": [], "grads": {}}
     for X in _batches():
@@ -226,11 +226,17 @@ def _refusals(mesh):
                                                 ("dp ranks apart", dp_ranks_apart))}
 
 
+def _own_dtype_policy(shard_fn, mesh):
+    """A policy that names the parameters' own dtype changes nothing: trained as without one."""
+    return _train(shard_fn, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32))
+
+
 def _job():
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {impl: {case: _case(fn, shard_fn, mesh) for case, fn in
-                  (("train", _train), ("accumulate", _accumulate), ("state dicts", _state_dicts), ("meta", _meta))}
+                  (("train", _train), ("accumulate", _accumulate), ("state dicts", _state_dicts), ("meta", _meta),
+                   ("own dtype policy", _own_dtype_policy))}
            for impl, shard_fn in SHARD_FNS.items()}
     out["one process"] = _one_process()
     out["init_full"] = _case(_init_full, mesh)
@@ -331,3 +337,12 @@ def test_fsdp_tp_unsupported_is_one_line_alike_on_every_rank(results):
         assert "sibling" in got["other root"] and "Shard(1)" in got["dim 1"] and "param_dtype" in got["bf16"]
         assert "by torch's fully_shard" in got["torch's first"], got["torch's first"]
     assert all(got == refused[0] for got in refused), "every rank says the same"
+
+
+@pytest.mark.soak
+def test_fsdp_tp_takes_a_mixed_precision_policy_of_the_parameters_own_dtype_as_torchs(results):
+    for r, got in enumerate(results):
+        ours = _answer(got["ours"]["own dtype policy"], "ours")
+        theirs = _answer(got["torch"]["own dtype policy"], "torch")
+        assert ours["losses"] == theirs["losses"] == got["ours"]["train"]["losses"], f"rank {r}"
+        _same(ours["full"], theirs["full"], f"rank {r} against torch's")
