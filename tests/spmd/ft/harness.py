@@ -51,6 +51,18 @@ class Replicas:
         self.procs.append(proc)
         return proc
 
+    def start_together(self, configs: list[dict]) -> None:
+        """Start a replica for each config, held until all have registered: their first quorum is them all.
+
+        Started one by one, a replica slow to start registers after the others have asked, and
+        they form the first quorum without it (they wait only for replicas registered and live).
+        """
+        before = self.registrations()
+        for config in configs:
+            self.start(**config, hold=True)
+        self.wait("every replica registered", lambda: self.registrations() == before + len(configs))
+        self.set("start", "1")
+
     def key(self, key: str) -> bytes | None:
         """A key of the fault-tolerant room's store, or None."""
         key = f"{PREFIX}/{key}"

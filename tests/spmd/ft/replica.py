@@ -12,7 +12,7 @@ checksum: the receiver never sees a whole state; `skip`: that many messages go f
 later bucket's is the one), `bucket_cap_mb` (FaultTolerantDDP's), `grads` (record this replica's own
 gradients and the averages backward left in `.grad`), and when to
 pause (after committing step `pause_after`, until the test writes `go` to the store; a list of
-steps pauses at each, the k-th until `go` + k for k > 0). It
+steps pauses at each, the k-th until `go` + k for k > 0; `hold`: before its first step, until `start`). It
 writes what it did as JSON: every attempt (round, members, committed, the parameters' SHA-256
 after a committed step, and the bytes its allreduces sent) one line each as it goes (OUT + "l"),
 then at the end its recoveries and final parameters (OUT).
@@ -128,6 +128,13 @@ def die_in_recovery(fault: str, at, sig=signal.SIGKILL):
         manager.send_state = send_and_die
 
 
+def wait_for_key(store, key: str, timeout: float = 60) -> None:
+    """Until the test writes `key` to the store (or `timeout` s pass: the test has failed, and ends this process)."""
+    deadline = time.monotonic() + timeout
+    while not store.check([key]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 def main(config: dict) -> None:
     torch.set_num_threads(1)
     from manualdp.spmd.ft import DiLoCo, FaultTolerantDDP, LocalSGD, Manager
@@ -149,6 +156,8 @@ def main(config: dict) -> None:
     else:
         ft = DiLoCo(model, optimizer, manager, config["sync_every"], outer_lr=config["outer_lr"],
                     outer_momentum=config["outer_momentum"])
+    if config.get("hold"):  # every replica registered before any asks: its first quorum waits for them all
+        wait_for_key(manager.store, "start")
     records = []
     pauses = config.get("pause_after")
     pauses = [] if pauses is None else [pauses] if isinstance(pauses, int) else list(pauses)
@@ -193,10 +202,7 @@ def main(config: dict) -> None:
             f.write(json.dumps(record) + "\n")
         if pauses and manager.step == pauses[0]:
             pauses.pop(0)
-            key, store = keys.pop(0), manager.store
-            deadline = time.monotonic() + 60
-            while not store.check([key]) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            wait_for_key(manager.store, keys.pop(0))
     result = {"id": config["id"], "records": records, "recoveries": manager.recoveries,
               "final": flat_params(model).tolist(), "sha256": sha(model), "step": manager.step}
     with open(config["out"], "w") as f:

@@ -77,9 +77,9 @@ def test_a_source_killed_while_sending_the_state_leaves_the_joiner_to_receive_it
 
 def test_two_replicas_killed_in_one_step_cost_the_last_one_that_step_and_both_rejoin(tmp_path):
     with replicas(tmp_path) as run:
-        run.start(id="a", index=0, steps=STEPS, pause_after=PAUSE + 1, min_replicas=1)
-        run.start(id="b", index=1, steps=STEPS, min_replicas=1, fault="kill_forward", at=AT)
-        run.start(id="c", index=2, steps=STEPS, min_replicas=1, fault="kill_allreduce", at=AT)
+        run.start_together([dict(id="a", index=0, steps=STEPS, pause_after=PAUSE + 1, min_replicas=1),
+                            dict(id="b", index=1, steps=STEPS, min_replicas=1, fault="kill_forward", at=AT),
+                            dict(id="c", index=2, steps=STEPS, min_replicas=1, fault="kill_allreduce", at=AT)])
         run.wait("b and c killed", lambda: all(p.poll() is not None for p in run.procs[1:]))
         assert [p.returncode for p in run.procs[1:]] == [-9, -9], run.logs()
         for i, rid in enumerate("bc", start=1):

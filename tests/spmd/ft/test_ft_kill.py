@@ -13,9 +13,8 @@ STEPS, AT, PAUSE = 8, 3, 5
 def test_a_killed_replica_costs_one_step_and_rejoins_with_the_state(tmp_path, fault, ahead):
     """`ahead`: the quorum asked ahead (`async_quorum`): c's return costs the survivors one more step, voted down."""
     with replicas(tmp_path) as run:
-        for i, rid in enumerate("abc"):
-            run.start(id=rid, index=i, steps=STEPS, pause_after=PAUSE, async_quorum=ahead,
-                      **({"fault": fault, "at": AT} if rid == "c" else {}))
+        run.start_together([dict(id=rid, index=i, steps=STEPS, pause_after=PAUSE, async_quorum=ahead,
+                                 **({"fault": fault, "at": AT} if rid == "c" else {})) for i, rid in enumerate("abc")])
         victim = run.procs[2]
         run.wait("c killed", lambda: victim.poll() is not None)
         assert victim.returncode == -9, run.logs()
