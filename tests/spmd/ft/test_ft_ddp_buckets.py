@@ -299,9 +299,9 @@ def test_a_later_buckets_failure_discards_the_step_on_every_member_and_the_run_g
     """One bucket per parameter; c's message fails (it lives on) or c is killed, past the first buckets' messages."""
     steps, at = 4, 2
     with replicas(tmp_path) as run:
-        for i, rid in enumerate("abc"):
-            run.start(id=rid, index=i, steps=steps, bucket_cap_mb=None, timeout=4,
-                      **({"fault": fault, "at": at, "skip": 12} if rid == "c" else {}))
+        run.start_together([dict(id=rid, index=i, steps=steps, bucket_cap_mb=None, timeout=4,
+                                 **({"fault": fault, "at": at, "skip": 12} if rid == "c" else {}))
+                            for i, rid in enumerate("abc")])
         results = run.finish(timeout=120)
     assert (results["c"][0].get("final") is None) == (fault == "kill_allreduce"), run.logs()
     survivors = "ab" if fault == "kill_allreduce" else "abc"

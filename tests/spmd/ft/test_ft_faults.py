@@ -107,9 +107,9 @@ def test_a_partitioned_replica_is_dropped_past_the_deadline_and_finds_its_step_d
     # silence, not a reset, as across a partition. They discard the step at their deadline and go on; when the
     # partition heals (SIGCONT), c's step fails too, and c takes the state of the majority
     with replicas(tmp_path) as run:
-        for i, rid in enumerate("abc"):
-            run.start(id=rid, index=i, steps=STEPS, pause_after=PAUSE + 1, timeout=4,
-                      **({"fault": "stop_allreduce", "at": AT} if rid == "c" else {}))
+        run.start_together([dict(id=rid, index=i, steps=STEPS, pause_after=PAUSE + 1, timeout=4,
+                                 **({"fault": "stop_allreduce", "at": AT} if rid == "c" else {}))
+                            for i, rid in enumerate("abc")])
         run.wait("a committed step PAUSE + 1 without c", lambda: any(r["step"] == PAUSE + 1 for r in run.records("a")))
         assert run.procs[2].poll() is None  # c is stopped, not dead
         os.kill(run.procs[2].pid, signal.SIGCONT)

@@ -16,9 +16,9 @@ pytestmark = pytest.mark.soak  # replica processes: about a minute
 def test_a_stopped_replica_is_dropped_past_the_deadline_and_rejoins_when_it_wakes(tmp_path):
     steps, at, pause = 7, 2, 4
     with replicas(tmp_path) as run:
-        for i, rid in enumerate("abc"):
-            run.start(id=rid, index=i, steps=steps, pause_after=pause, timeout=4,
-                      **({"fault": "stop_forward", "at": at} if rid == "c" else {}))
+        run.start_together([dict(id=rid, index=i, steps=steps, pause_after=pause, timeout=4,
+                                 **({"fault": "stop_forward", "at": at} if rid == "c" else {}))
+                            for i, rid in enumerate("abc")])
         run.wait("a committed step 4 without c", lambda: any(r["step"] == pause for r in run.records("a")))
         assert run.procs[2].poll() is None  # c is stopped, not dead
         os.kill(run.procs[2].pid, signal.SIGCONT)
