@@ -24,7 +24,7 @@ import torch
 
 from ..collectives import all_gather, reduce_scatter
 from ..transport.peers import is_refused_alike, refused_alike
-from .fsdp_hsdp import across_replicas, gathered, gathered_sum
+from .fsdp_hsdp import across_replicas
 from .fsdp_ext import HALF, RAISED, UNPADDED
 from .fsdp_param import Param
 
@@ -117,13 +117,13 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
             segments[:, data + 3 * W:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
             pre, post = _divide_split(factor, dtype, W == 1 and unit.divide_factor is not None)
             segments[:, :data].div_(pre)
-            mine = _reduce_scatter(unit, flat, S, data)
+            mine = reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
             tails = mine[data:data + 3 * W].view(W, 3).tolist()
             _check_tails(unit, [t[:2] for t in tails], "reduce-scatter", count)
             _check_factor(unit, [t[2] for t in tails])
             if unit.replicate is not None:  # HSDP: the same rows of every replica, flags and all
                 rows = torch.cat([mine[:data], mine[data + 3 * W:]])
-                summed = across_replicas(unit, dtype, rows, across, factor, data)
+                summed = across_replicas(unit, dtype, rows, across, factor)
                 if summed is None:
                     continue
                 mine = torch.cat([summed[:data], mine[data:data + 3 * W], summed[data:]])
@@ -135,20 +135,6 @@ def reduce_scatter_grads(unit, jobs, count: int, across: int | None = 0) -> list
                     out.append((p, (grad / post).to(p.dtype)))
                 at += p.padded
     return out
-
-
-def _reduce_scatter(unit, flat: torch.Tensor, S: int, data: int) -> torch.Tensor:
-    """This rank's segment of `flat` (W segments of S, the first `data` of each the gradients' rows) summed over the
-    ranks, added in the order of torch's reduce-scatter on gloo: as its all-reduce, over the W x data rows in rank
-    order (`gathered_sum`). Our ring adds in that order up to 2 ranks, and at 3 where gloo's chunks fall on the
-    segments' edges (`data` even); else the segments are gathered and added here."""
-    W, rank = unit.world_size, unit.rank
-    if W <= 2 or (W == 3 and data % 2 == 0):
-        return reduce_scatter(flat, group=unit.group, timeout=unit.timeout)
-    order = [segment(r, W) for r in range(W)]  # torch's layout: rank r's rows r-th
-    rows = [row.view(W, S)[order] for row in gathered(unit, flat, rank, W, unit.group)]
-    summed = gathered_sum([row[:, :data].reshape(-1) for row in rows], W * data)[rank * data:(rank + 1) * data]
-    return torch.cat([summed, gathered_sum([row[rank, data:] for row in rows], 0)])
 
 
 def _divide_split(factor: float, dtype: torch.dtype, first: bool = False) -> tuple[float, float]:

@@ -4,14 +4,11 @@ On a 2-D mesh (replicate, shard), as torch's HSDP: each replica is a group of ra
 model among themselves (dim 1); a unit's gradients are reduce-scattered within the replica
 (`fsdp_collectives.py`), then rank i of each replica all-reduces its rows with rank i of the others,
 and the sum is divided by shards x replicas (or the unit's `set_gradient_divide_factor`). The sum over
-the shard group comes first and then the replicas', as torch's order, and each sum adds its terms in the order of
-torch's collectives on gloo (floating-point sums depend on it): a ring where rank r sends to rank r - 1, each chunk
-summed from the rank below its owner down to the owner, in 2 chunks per rank of the whole buffer (the reduce-scatter's
-too). Our ring runs upwards, which is gloo's order for two terms, and for three in a reduce-scatter whose chunks fall on
-the ranks' rows; beyond (3 or more replicas, 4 or more shards, 3 with an odd number of rows each) the rows are
-all-gathered and added in gloo's order here (`gathered_sum`, `down_to`): more bytes (R - 1 rows received instead
-of 2(R - 1)/R), torch's numbers bitwise on every mesh of up to 4 ranks. (Checked on small messages, two chunks per
-rank; gloo cuts large ones into more.)
+the shard group comes first and then the replicas', as torch's order. Each sum runs on the book's ring: bitwise
+torch's where its order of the terms is gloo's (two replicas; a reduce-scatter over 2 shards, or 3 whose chunks fall on
+the ranks' rows), to float32 rounding elsewhere: gloo's ring adds each chunk downwards from the rank below its owner,
+in 2 chunks per rank, ours upwards. Adding in gloo's order by all-gathering the rows instead would double the bytes
+of the reduce-scatter at 4 shards, and hold for small messages only (gloo cuts large ones into more chunks).
 
 With `set_requires_all_reduce(False)` the reduce-scatter's sums are kept per dtype (`unit.partial`) and
 added to the next one that all-reduces (gradient accumulation across replicas at the last micro-batch
@@ -41,12 +38,11 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ...schedule import owned_chunk
-from ..collectives import all_gather, allreduce
+from ..collectives import allreduce
 from ..transport.peers import group_ranks, is_refused_alike, refused_alike
 from .fsdp_param import SLOTS, owner_of
 
-__all__ = ["across_replicas", "watch_unreduced", "gathered", "gathered_sum", "down_to"]
+__all__ = ["across_replicas", "watch_unreduced"]
 
 # each replica's slot of the message: (unit number, all-reduces so far, divide factor, asked to all-reduce, all-reduces
 # of these sums since the last optimizer step over the unit)
@@ -55,7 +51,7 @@ TAIL = 5
 
 @torch.no_grad()
 def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int | None,
-                    factor: float, data: int):  # on the worker thread
+                    factor: float):  # on the worker thread
     """`summed` (this rank's rows and used-flags, summed over its shard group) plus what was kept, summed over the
     replicas in the unit's all-reduce number `count` (mod 64); None while `count` is None (then kept for the next)."""
     kept = unit.partial.pop(dtype, None)
@@ -67,31 +63,25 @@ def across_replicas(unit, dtype: torch.dtype, summed: torch.Tensor, count: int |
         unit.step.kept[(unit, dtype)] = unit.step.backwards  # last: the order the replicas that all-reduce send them in
         return None
     since = unit.step.since[(unit, dtype)] = unit.step.since.get((unit, dtype), 0) + 1
-    return _exchange(unit, summed, count, factor, asked=True, since=since, data=data)
+    return _exchange(unit, summed, count, factor, asked=True, since=since)
 
 
-def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool, since: int = 0,
-              data: int | None = None) -> torch.Tensor:
-    """All-reduce `summed` (its first `data` elements the gradients' rows) across the replicas with each replica's
-    tail; raise on every rank unless the tails agree and every replica was asked to all-reduce."""
+def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool, since: int = 0) -> torch.Tensor:
+    """All-reduce `summed` across the replicas with each replica's tail; raise on every rank unless the tails agree
+    and every replica was asked to all-reduce."""
     replica, peers = group_ranks(unit.replicate)
     R, n = len(peers), summed.numel()
-    tail = torch.tensor([unit.number, count, factor, float(asked), since % 64], dtype=torch.float64)
+    flat = torch.zeros(n + TAIL * R, dtype=summed.dtype, device=summed.device)
+    flat[:n] = summed
+    flat[n + TAIL * replica:n + TAIL * (replica + 1)] = torch.tensor(
+        [unit.number, count, factor, float(asked), since % 64], dtype=torch.float64)
     try:
-        if R <= 2:  # the ring adds in gloo's order (two terms commute): torch's HSDP bitwise
-            flat = torch.zeros(n + TAIL * R, dtype=summed.dtype, device=summed.device)
-            flat[:n] = summed
-            flat[n + TAIL * replica:n + TAIL * (replica + 1)] = tail
-            allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
-            tails = flat[n:].view(R, TAIL).tolist()
-        else:  # the ring would add 3 or more terms in another order than gloo's all-reduce: gathered, added as gloo
-            rows = gathered(unit, torch.cat([summed, tail.to(summed.dtype)]), replica, R, unit.replicate)
-            tails = [row[n:].tolist() for row in rows]
-            flat = gathered_sum([row[:n] for row in rows], n if data is None else data)
+        allreduce(flat, "ring", group=unit.replicate, timeout=unit.timeout)
     except ValueError as e:  # the call check: another replica's all-reduce was of another size (another unit's)
         if is_refused_alike(e):  # every replica raised it, nothing in flight: they can tell each other why
             _name_keepers(unit, replica, R, e)
         raise
+    tails = flat[n:].view(R, TAIL).tolist()
     unasked = [r for r, t in enumerate(tails) if t[3] == 0]
     if unasked:
         raise refused_alike(RuntimeError(_not_all_reduced(
@@ -114,36 +104,6 @@ def _exchange(unit, summed: torch.Tensor, count: int, factor: float, asked: bool
             "mod 64): every replica must all-reduce once per step (set_requires_all_reduce(False) before each "
             "micro-batch's backward but the last, True before the last) or at every micro-batch alike"))
     return flat[:n]
-
-
-def gathered(unit, mine: torch.Tensor, rank: int, size: int, group) -> list[torch.Tensor]:
-    """Every rank's `mine` of `group` (`size` ranks, this one `rank`), in rank order, by one all-gather."""
-    flat = torch.zeros(size, mine.numel(), dtype=mine.dtype, device=mine.device)
-    flat[owned_chunk(rank, size)] = mine  # all-gather's input: its own chunk
-    all_gather(flat.view(-1), group=group, timeout=unit.timeout)
-    return [flat[owned_chunk(r, size)] for r in range(size)]
-
-
-def gathered_sum(rows: list[torch.Tensor], data: int) -> torch.Tensor:
-    """The sum of every rank's `rows` in the order of gloo's ring all-reduce: its first `data` elements in 2 x ranks
-    chunks of ceil(data / (2 x ranks)) (the last shorter), chunks 2c and 2c + 1 added from rank c - 1 down to rank c;
-    the rest (counts and tails, whole numbers: any order is exact) in rank order."""
-    R, out = len(rows), torch.zeros_like(rows[0])
-    size = 2 * -(-data // (2 * R)) if data else 0
-    for c in range(R):
-        lo, hi = min(c * size, data), min((c + 1) * size, data)
-        out[lo:hi] = down_to(c, [row[lo:hi] for row in rows])
-    out[data:] = down_to(0, [row[data:] for row in rows])
-    return out
-
-
-def down_to(rank: int, parts: list[torch.Tensor]) -> torch.Tensor:
-    """parts[rank - 1] + parts[rank - 2] + ... + parts[rank], added in that order (gloo's ring, ending at `rank`)."""
-    R = len(parts)
-    acc = parts[(rank - 1) % R].clone()
-    for k in range(2, R + 1):
-        acc += parts[(rank - k) % R]
-    return acc
 
 
 def _name_keepers(unit, replica: int, R: int, error: ValueError) -> None:
