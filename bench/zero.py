@@ -108,12 +108,12 @@ def formula(row: str, n: int, model_bytes: int, tensors: int, mp_policy: str = "
         return ddp
     if row == "manualdp ZeRO-1":
         return ddp + (n - 1) * model_bytes  # DDP's allreduce, then all-gather the stepped shards
-    if row == "manualdp ZeRO-3":  # each segment's tail: (unit, count, trainable) per all-gather; (unit, count,
-        units = tensors // 2      # divide factor) per rank and a flag per tensor per reduce-scatter
+    if row == "manualdp ZeRO-3":  # each segment's tail: (unit, count, trainable, extension code) per all-gather;
+        units = tensors // 2      # (unit, count, divide factor) per rank and a flag per tensor per reduce-scatter
         # (fsdp_collectives.py); a Linear (2 tensors) is a unit
         gathered = 2 if mp_policy == "bf16" else 4  # bytes per element of the all-gathers (the reductions: fp32)
         return ((2 * gathered // 4 + 1) * (n - 1) * model_bytes
-                + (n - 1) * n * (units * 2 * 3 * gathered + 4 * (units * 3 * n + tensors)))
+                + (n - 1) * n * (units * 2 * 4 * gathered + 4 * (units * 3 * n + tensors)))
     return passes[row] * (n - 1) * model_bytes
 
 

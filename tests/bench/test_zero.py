@@ -42,9 +42,9 @@ def test_bytes_sent_are_counted_by_the_executor_and_equal_the_formula_summed_ove
     expected = {"manualdp DDP": 2 * (N - 1) * (S + 8 * tensors),  # the buckets carry two fp32 flags per tensor
                 "manualdp ZeRO-1": 2 * (N - 1) * (S + 8 * tensors) + (N - 1) * S,
                 "manualdp ZeRO-2": 2 * (N - 1) * S,
-                # three passes, and each segment's tail: 3 fp32 per all-gather (unit, count, trainable),
-                # 3 per rank (unit, count, divide factor) + 1 per tensor per reduce-scatter
-                "manualdp ZeRO-3": 3 * (N - 1) * S + (N - 1) * 4 * N * (LAYERS + 1) * (2 * 3 + 3 * N + 2)}
+                # three passes, and each segment's tail: 4 fp32 per all-gather (unit, count, trainable, extension
+                # code), 3 per rank (unit, count, divide factor) + 1 per tensor per reduce-scatter
+                "manualdp ZeRO-3": 3 * (N - 1) * S + (N - 1) * 4 * N * (LAYERS + 1) * (2 * 4 + 3 * N + 2)}
     for run in result["runs"]:
         if run["row"] in expected:
             for step in range(CONFIG["steps"]):  # every timed step, straight from the counter
