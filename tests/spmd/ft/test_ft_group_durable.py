@@ -246,7 +246,9 @@ def test_a_group_killed_alone_with_a_checkpoint_dir_goes_on_with_the_live_group(
         r.wait("2 steps committed by B alone", lambda: r.committed_with(["B"]) >= 2, timeout=180)
         signal_all(procs[2:], signal.SIGSTOP)  # B is held until A has resumed from disk: the run is not over
         on_disk = max(saved_steps(ckpt, 0) & saved_steps(ckpt, 1))
-        procs += start_group("A", 2, r.port, again, EPOCHS, extra)
+        # A waits for B: with --min-replicas 1 it went on alone once held B's heartbeat stopped (2 s), its held mark
+        # moved past "on_disk 0" and a test process that looked later never saw it (CI's soak: timed out)
+        procs += start_group("A", 2, r.port, again, EPOCHS, {k: [*v, "--min-replicas", "2"] for k, v in extra.items()})
         r.wait("A resumed from disk", lambda: r.key(keys.held("A")) == f"{on_disk} 0".encode(), timeout=180)
         signal_all(procs[2:4], signal.SIGCONT)
         codes = exit_codes(procs[2:], 300)
